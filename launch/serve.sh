@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install into ./.venv (once) and serve the embedded tiny Qwen3.5-MoE on http://127.0.0.1:30000.
+# Extra flags go to the server, e.g. `bash launch/serve.sh --port 8000 --model-path /path/to/Qwen3.5`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q -e .
+exec .venv/bin/python -m sglang_tpu_qwen.launch_server "$@"

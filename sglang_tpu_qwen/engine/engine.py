@@ -1,0 +1,263 @@
+"""Engine: the in-process API (SGLang's `sgl.Engine` shape) over the scheduler thread.
+
+`generate` / `async_generate` take SGLang's GenerateReqInput fields, validate them, split a batch
+(and `n` > 1) into one Request per sample, and return SGLang's reply dicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.metrics import Metrics
+from sglang_tpu_qwen.engine.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from sglang_tpu_qwen.engine.scheduler import Scheduler
+from sglang_tpu_qwen.model.embedded import ensure_embedded_model
+from sglang_tpu_qwen.server_args import ServerArgs
+from sglang_tpu_qwen.tokenizer.detokenizer import IncrementalDetokenizer
+from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Load a Qwen3.5-MoE checkpoint and serve generate calls in process.
+
+    Args:
+      server_args: a ServerArgs; or keyword arguments with ServerArgs field names
+        (`Engine(model_path=..., page_size=16)`); unknown names raise TypeError.
+    Without `model_path` the embedded tiny checkpoint is built (once) and served.
+    """
+
+    def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
+        self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
+        args = self.server_args
+        self.model_path = args.model_path or str(ensure_embedded_model())
+        self.tokenizer_path = args.tokenizer_path or self.model_path
+        self.served_model_name = args.served_model_name or self.model_path
+        self.tokenizer = Tokenizer(self.tokenizer_path)
+        self.runner = ModelRunner(self.model_path, args)
+        self.model_config = self.runner.config
+        self.context_length = args.context_length or self.model_config.max_position_embeddings
+        self.metrics = Metrics() if args.enable_metrics else None
+        self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
+        self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
+        self.scheduler.start()
+
+    # ---- request building ----------------------------------------------------------------------
+    def _build(
+        self, text: Any, input_ids: Any, sampling_params: Any, return_logprob: Any, logprob_start_len: Any,
+        top_logprobs_num: Any, return_text_in_logprobs: bool, stream: bool, rid: Any,
+        sink: Callable[[dict], None],
+    ) -> tuple[list[Request], bool]:
+        """Validate a GenerateReqInput and make one Request per (prompt, sample); returns (requests, is_batch)."""
+        if (text is None) == (input_ids is None):
+            raise InvalidRequestError("Either text or input_ids should be provided (exactly one).")
+        if text is not None:
+            is_batch = isinstance(text, list)
+            texts = text if is_batch else [text]
+            if not texts:
+                raise InvalidRequestError("text is an empty list")
+            prompts = []
+            for t in texts:
+                if not isinstance(t, str):
+                    raise InvalidRequestError("text must be a string or a list of strings")
+                if not t:
+                    raise InvalidRequestError("The input text is empty.")
+                prompts.append(self.tokenizer.encode(t))
+        else:
+            is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+            prompts = input_ids if is_batch else [input_ids]
+            if not isinstance(input_ids, list) or not prompts:
+                raise InvalidRequestError("input_ids must be a list of token ids or a list of such lists")
+        n_prompts = len(prompts)
+
+        def per_item(value: Any, name: str) -> list[Any]:
+            if isinstance(value, list) and is_batch:
+                if len(value) != n_prompts:
+                    raise InvalidRequestError(f"{name} has {len(value)} entries for {n_prompts} prompts")
+                return value
+            return [value] * n_prompts
+
+        sps = per_item(sampling_params, "sampling_params")
+        lps, starts = per_item(return_logprob, "return_logprob"), per_item(logprob_start_len, "logprob_start_len")
+        tops = per_item(top_logprobs_num, "top_logprobs_num")
+        rids = rid if isinstance(rid, list) else [None] * n_prompts if rid is None or is_batch else [rid]
+        if is_batch and isinstance(rid, str):
+            raise InvalidRequestError("rid must be a list for a batch request")
+        if len(rids) != n_prompts:
+            raise InvalidRequestError(f"rid has {len(rids)} entries for {n_prompts} prompts")
+
+        reqs: list[Request] = []
+        for i, ids in enumerate(prompts):
+            params = SamplingParams.from_dict(sps[i])
+            self._check_ids(ids)
+            max_new = self._max_new_tokens(len(ids), params)
+            start = starts[i]
+            if start is None or start == -1 or not lps[i]:
+                start = len(ids) - 1
+            if not isinstance(start, int) or not 0 <= start < len(ids):
+                raise InvalidRequestError(f"logprob_start_len must be in [0, {len(ids)}) or -1, got {start}")
+            top = tops[i] or 0
+            if not isinstance(top, int) or top < 0 or top > 256:
+                raise InvalidRequestError(f"top_logprobs_num must be in [0, 256], got {top}")
+            base_rid = rids[i] or uuid.uuid4().hex
+            for j in range(params.n):
+                seed = next(self._seed_counter) if params.seed is None else params.seed + j
+                reqs.append(Request(
+                    rid=base_rid if params.n == 1 else f"{base_rid}::{j}",
+                    index=len(reqs), prompt_ids=list(ids), params=params, max_new_tokens=max_new, seed=seed,
+                    sink=sink, stream=stream, return_logprob=bool(lps[i]), logprob_start_len=start,
+                    top_logprobs_num=top, return_text_in_logprobs=bool(return_text_in_logprobs),
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, stop=params.stop,
+                                                       skip_special_tokens=params.skip_special_tokens,
+                                                       trim_stop=not params.no_stop_trim)))
+        return reqs, is_batch or len(reqs) > 1
+
+    def _check_ids(self, ids: Any) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError("The input is empty (no tokens).")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t!r} is out of range [0, {vocab})")
+        if len(ids) >= self.context_length:
+            raise InvalidRequestError(
+                f"The input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens).")
+
+    def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = min(self.context_length, self.scheduler.kv_tokens_total) - prompt_len
+        if params.max_new_tokens is None:
+            return max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
+        if params.max_new_tokens > room:
+            raise InvalidRequestError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{min(self.context_length, self.scheduler.kv_tokens_total)} tokens. You requested a total of "
+                f"{prompt_len + params.max_new_tokens} tokens: {prompt_len} tokens from the input messages and "
+                f"{params.max_new_tokens} tokens for the completion.")
+        return params.max_new_tokens
+
+    # ---- public API ----------------------------------------------------------------------------
+    async def async_generate(
+        self, text: Any = None, input_ids: Any = None, sampling_params: Any = None,
+        return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
+        return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[dict] = asyncio.Queue()
+        reqs, is_batch = self._build(text, input_ids, sampling_params, return_logprob, logprob_start_len,
+                                     top_logprobs_num, return_text_in_logprobs, stream, rid,
+                                     lambda d: loop.call_soon_threadsafe(out.put_nowait, d))
+        if self.metrics:
+            for _ in reqs:
+                self.metrics.on_request_start()
+        self.scheduler.submit(reqs)
+        if stream:
+            return self._stream_async(reqs, out)
+        try:
+            finals = await _collect(out, len(reqs))
+        except BaseException:  # cancelled: the client went away
+            self._abort_all(reqs)
+            raise
+        return finals if is_batch else finals[0]
+
+    async def _stream_async(self, reqs: list[Request], out: asyncio.Queue[dict]) -> AsyncIterator[dict]:
+        remaining = len(reqs)
+        try:
+            while remaining:
+                chunk = await out.get()
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    remaining -= 1
+                yield chunk
+        finally:
+            if remaining:
+                self._abort_all(reqs)
+
+    def generate(
+        self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+        return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
+        return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Synchronous twin of async_generate (`prompt` is SGLang Engine's name for text)."""
+        out: queue.Queue[dict] = queue.Queue()
+        reqs, is_batch = self._build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                                     top_logprobs_num, return_text_in_logprobs, stream, rid, out.put)
+        self.scheduler.submit(reqs)
+        if stream:
+            return self._stream_sync(reqs, out)
+        finals: dict[int, dict] = {}
+        while len(finals) < len(reqs):
+            d = out.get()
+            if d["meta_info"]["finish_reason"] is not None:
+                finals[d["index"]] = d
+        ordered = [finals[i] for i in range(len(reqs))]
+        return ordered if is_batch else ordered[0]
+
+    def _stream_sync(self, reqs: list[Request], out: queue.Queue[dict]) -> Iterator[dict]:
+        remaining = len(reqs)
+        try:
+            while remaining:
+                d = out.get()
+                if d["meta_info"]["finish_reason"] is not None:
+                    remaining -= 1
+                yield d
+        finally:
+            if remaining:
+                self._abort_all(reqs)
+
+    def _abort_all(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.aborted = True
+            self.scheduler.abort(r.rid)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request (all its samples when n > 1); its memory is freed at the next step."""
+        self.scheduler.abort(rid)
+
+    def flush_cache(self) -> bool:
+        """Drop cached prefixes. There is no prefix cache yet, so there is nothing to drop."""
+        return True
+
+    def get_server_info(self) -> dict[str, Any]:
+        info = dataclasses.asdict(self.server_args)
+        info.update({
+            "model_path": self.model_path,
+            "context_length": self.context_length,
+            "memory": self.scheduler.memory_usage(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "version": _version(),
+        })
+        return info
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+
+async def _collect(out: asyncio.Queue[dict], count: int) -> list[dict]:
+    finals: dict[int, dict] = {}
+    while len(finals) < count:
+        d = await out.get()
+        if d["meta_info"]["finish_reason"] is not None:
+            finals[d["index"]] = d
+    return [finals[i] for i in range(count)]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang-tpu-qwen")
+    except PackageNotFoundError:
+        return "0.0.0+local"

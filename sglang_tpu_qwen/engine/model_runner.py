@@ -1,0 +1,196 @@
+"""ModelRunner: owns the weights and the device cache, and runs jitted steps on bucketed shapes.
+
+The scheduler hands it host (numpy) arrays; it pads them to bucket shapes so the number of distinct
+compilations stays small, logs each new compilation, and returns host arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sglang_tpu_qwen.engine import sampler
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
+from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
+from sglang_tpu_qwen.model.weights import load_params
+from sglang_tpu_qwen.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_TOKENS = 65536
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    """Compute dtype from --dtype; `auto` is float32 on CPU (XLA:CPU bf16 matmuls are slow) else bfloat16."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    table = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if name not in table:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(table)}; got {name!r}")
+    return table[name]
+
+
+@dataclass
+class SamplingBatch:
+    """Host arrays of per-row sampling settings for one step; B rows (padding rows included)."""
+
+    temperature: np.ndarray  # [B] float32
+    top_p: np.ndarray  # [B] float32
+    top_k: np.ndarray  # [B] int32, <= 0 off
+    min_p: np.ndarray  # [B] float32
+    seeds: np.ndarray  # [B] uint32
+    steps: np.ndarray  # [B] int32
+    repetition: np.ndarray  # [B] float32
+    frequency: np.ndarray  # [B] float32
+    presence: np.ndarray  # [B] float32
+    seen_ids: np.ndarray | None  # [B, L] int32, -1 padded; None when no row has a penalty
+    output_ids: np.ndarray | None  # [B, Lo] int32, -1 padded
+    banned_ids: np.ndarray  # [B, S] int32, -1 padded: ids masked out (EOS before min_new_tokens)
+    num_top_logprobs: int  # top alternatives wanted by any row (0: none)
+
+
+class ModelRunner:
+    """Weights, KV pages and GDN slots on device, and the jitted forward / sampling steps."""
+
+    def __init__(self, model_path: str, args: ServerArgs) -> None:
+        self.config: Qwen35MoeConfig = load_config(model_path)
+        self.dtype = resolve_dtype(args.dtype)
+        t0 = time.perf_counter()
+        self.params = load_params(model_path, self.config, self.dtype)
+        logger.info("loaded weights from %s in %.1f s (dtype %s)", model_path, time.perf_counter() - t0,
+                    jnp.dtype(self.dtype).name)
+        self.page_size = args.page_size
+        max_tokens = args.max_total_tokens or self._default_kv_tokens(args)
+        self.num_pages = max_tokens // self.page_size + 1  # +1: page 0 is the trash page
+        self.num_slots = args.max_running_requests + 1  # +1: slot 0 is the trash slot
+        self.cache = init_cache(self.config, self.num_pages, self.page_size, self.num_slots, self.dtype,
+                                jnp.float32)
+        logger.info("KV pool: %d pages x %d tokens; GDN slots: %d", self.num_pages - 1, self.page_size,
+                    self.num_slots - 1)
+        self._forward = jax.jit(partial(forward_step, config=self.config), donate_argnums=(1,))
+        self._sample = jax.jit(
+            partial(_sample_step, config=self.config),
+            static_argnames=("all_greedy", "max_top_k", "num_top", "use_penalty", "use_top_p", "use_min_p"),
+        )
+        self._logprobs = jax.jit(partial(_gathered_logprobs, config=self.config), static_argnames=("num_top",))
+        self._seen_shapes: set[tuple] = set()
+
+    def _default_kv_tokens(self, args: ServerArgs) -> int:
+        """KV pool size when --max-total-tokens is absent: --mem-fraction-static of device memory if known."""
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            return _DEFAULT_CPU_KV_TOKENS
+        cfg = self.config
+        param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+        kv_per_token = 2 * cfg.num_attn_layers * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(
+            self.dtype).itemsize
+        budget = int(limit * args.mem_fraction_static) - param_bytes
+        if budget <= kv_per_token * self.page_size * 4:
+            raise ValueError("not enough device memory for the KV pool; lower the model size or raise "
+                             "--mem-fraction-static")
+        return budget // kv_per_token
+
+    def _note_shape(self, kind: str, shape: tuple) -> None:
+        key = (kind, *shape)
+        if key not in self._seen_shapes:
+            self._seen_shapes.add(key)
+            logger.info("compiling %s for bucket %s (%d compiled shapes)", kind, shape, len(self._seen_shapes))
+
+    def forward(
+        self, tokens: np.ndarray, prefix_lens: np.ndarray, new_lens: np.ndarray, page_table: np.ndarray,
+        slot_ids: np.ndarray,
+    ) -> jax.Array:
+        """Run one step on already-bucketed host arrays; returns hidden [B, T, H] on device.
+
+        tokens [B, T] int32; prefix_lens, new_lens, slot_ids [B] int32; page_table [B, P] int32.
+        """
+        self._note_shape("forward", tokens.shape + page_table.shape[1:])
+        hidden, self.cache = self._forward(
+            self.params, self.cache, jnp.asarray(tokens), jnp.asarray(prefix_lens), jnp.asarray(new_lens),
+            jnp.asarray(page_table), jnp.asarray(slot_ids))
+        return hidden
+
+    def sample(
+        self, hidden: jax.Array, last_index: np.ndarray, batch: SamplingBatch
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Sample one token per row from hidden[b, last_index[b]].
+
+        Returns host arrays (tokens [B] int32, logprob [B] float32, top_logprobs [B, K], top_ids [B, K]).
+        """
+        all_greedy = bool(np.all(batch.temperature <= 0.0))
+        active_k = batch.top_k[batch.top_k > 0]
+        max_top_k = 0 if all_greedy or active_k.size == 0 else next_pow2(int(active_k.max()))
+        max_top_k = min(max_top_k, self.config.vocab_size)
+        use_penalty = batch.seen_ids is not None
+        use_top_p = not all_greedy and bool(np.any(batch.top_p < 1.0))
+        use_min_p = not all_greedy and bool(np.any(batch.min_p > 0.0))
+        num_top = next_pow2(batch.num_top_logprobs) if batch.num_top_logprobs else 0
+        self._note_shape("sample", (hidden.shape[0], all_greedy, max_top_k, num_top, use_penalty, use_top_p,
+                                    use_min_p, None if batch.seen_ids is None else batch.seen_ids.shape[1]))
+        out = self._sample(
+            self.params, hidden, jnp.asarray(last_index), jnp.asarray(batch.temperature),
+            jnp.asarray(batch.top_p), jnp.asarray(batch.top_k), jnp.asarray(batch.min_p),
+            jnp.asarray(batch.seeds), jnp.asarray(batch.steps), jnp.asarray(batch.repetition),
+            jnp.asarray(batch.frequency), jnp.asarray(batch.presence),
+            None if batch.seen_ids is None else jnp.asarray(batch.seen_ids),
+            None if batch.output_ids is None else jnp.asarray(batch.output_ids),
+            jnp.asarray(batch.banned_ids),
+            all_greedy=all_greedy, max_top_k=max_top_k, num_top=num_top, use_penalty=use_penalty,
+            use_top_p=use_top_p, use_min_p=use_min_p)
+        return tuple(np.asarray(x) for x in jax.device_get(out))  # type: ignore[return-value]
+
+    def logprobs_at(
+        self, hidden: jax.Array, rows: np.ndarray, cols: np.ndarray, targets: np.ndarray, num_top: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Logprob of targets[i] predicted at hidden[rows[i], cols[i]] (prompt logprobs).
+
+        rows, cols, targets: [N] int32. Returns (logprob [N], top_logprobs [N, K], top_ids [N, K]).
+        """
+        n = len(rows)
+        size = next_pow2(n, 16)
+        pad = size - n
+        rows_p, cols_p, tgt_p = (np.pad(a.astype(np.int32), (0, pad)) for a in (rows, cols, targets))
+        k = next_pow2(num_top) if num_top else 0
+        self._note_shape("logprobs", (hidden.shape[0], hidden.shape[1], size, k))
+        lp, top_lp, top_ids = jax.device_get(self._logprobs(
+            self.params, hidden, jnp.asarray(rows_p), jnp.asarray(cols_p), jnp.asarray(tgt_p), num_top=k))
+        return np.asarray(lp)[:n], np.asarray(top_lp)[:n, :num_top], np.asarray(top_ids)[:n, :num_top]
+
+
+def _sample_step(
+    params, hidden, last_index, temperature, top_p, top_k, min_p, seeds, steps, repetition, frequency,
+    presence, seen_ids, output_ids, banned_ids, *, config, all_greedy, max_top_k, num_top, use_penalty,
+    use_top_p, use_min_p,
+):
+    """Logits at each row's last new token, then penalties, bans and sampling; see sampler.sample."""
+    rows = jnp.arange(hidden.shape[0])
+    logits = compute_logits(params, hidden[rows, last_index], config=config)
+    raw = logits
+    if use_penalty:
+        logits = sampler.apply_penalties(logits, seen_ids, output_ids, repetition, frequency, presence)
+    v = logits.shape[-1]
+    logits = logits.at[rows[:, None], jnp.where(banned_ids >= 0, banned_ids, v)].set(
+        sampler.NEG_INF, mode="drop")
+    tokens = sampler.sample(logits, temperature, top_p, top_k, min_p, seeds, steps,
+                            all_greedy=all_greedy, max_top_k=max_top_k, use_top_p=use_top_p,
+                            use_min_p=use_min_p)
+    lp, top_lp, top_ids = sampler.token_logprobs(raw, tokens, num_top)
+    return tokens, lp, top_lp, top_ids
+
+
+def _gathered_logprobs(params, hidden, rows, cols, targets, *, config, num_top):
+    logits = compute_logits(params, hidden[rows, cols], config=config)
+    return sampler.token_logprobs(logits, targets, num_top)

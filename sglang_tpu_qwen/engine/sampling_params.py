@@ -1,0 +1,121 @@
+"""SamplingParams: SGLang's `sampling_params` request field, validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from sglang_tpu_qwen.engine.errors import InvalidRequestError
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, with SGLang's names and defaults.
+
+    temperature 0 means greedy. top_k -1 (or 0) means no top-k cut. `seed` (SGLang: sampling_seed)
+    makes a sampled request reproducible whatever else is in its batch.
+    """
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request's dict; raises InvalidRequestError on unknown keys or bad values."""
+        d = dict(d or {})
+        if "sampling_seed" in d:
+            d["seed"] = d.pop("sampling_seed")
+        for constraint in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if d.pop(constraint, None) is not None:
+                raise InvalidRequestError(f"sampling_params.{constraint}: constrained decoding is not supported yet")
+        # SGLang accepts these; with no effect here, dropping them keeps SGLang clients working.
+        for ignored in ("custom_params", "logit_bias", "stream_interval"):
+            d.pop(ignored, None)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        d = {k: v for k, v in d.items() if v is not None}
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        try:
+            params = cls(**d)
+        except TypeError as e:
+            raise InvalidRequestError(f"bad sampling_params: {e}") from None
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad value."""
+
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        def is_num(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            if not is_num(getattr(self, name)):
+                bad(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("min_new_tokens", "top_k", "n"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                bad(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.max_new_tokens is not None and (
+            not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0
+        ):
+            bad(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            bad(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if self.min_new_tokens < 0:
+            bad(f"min_new_tokens must be non-negative, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            bad(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
+        if self.n < 1:
+            bad(f"n must be at least 1, got {self.n}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids must be a list of non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalty(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)

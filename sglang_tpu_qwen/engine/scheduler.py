@@ -1,0 +1,373 @@
+"""Scheduler: continuous batching over the paged KV pool and the GDN slot pool.
+
+Each step is either an extend step (prefill chunks of one or more requests, at most
+--chunked-prefill-size new tokens) or a decode step (one token for every request that is decoding).
+Extend steps take priority, but never twice in a row while requests are decoding, so a stream of
+long prompts cannot stall the decodes. A request joins when a GDN slot and the pages of its first
+chunk are free; when a decode cannot get a page, the newest request is retracted (its pages and slot
+freed) and later re-prefilled from prompt + output, so memory pressure never crashes the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from sglang_tpu_qwen.engine.metrics import Metrics
+from sglang_tpu_qwen.engine.model_runner import ModelRunner, SamplingBatch, next_pow2
+from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.memory.id_pool import IdPool
+from sglang_tpu_qwen.server_args import ServerArgs
+from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Runs the batching loop in a background thread; other threads talk to it through `submit`/`abort`."""
+
+    def __init__(
+        self, runner: ModelRunner, tokenizer: Tokenizer, args: ServerArgs, context_length: int,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.args = args
+        self.context_length = context_length
+        self.metrics = metrics
+        self.page_size = runner.page_size
+        self.kv_pool = IdPool(runner.num_pages, "page")
+        self.slot_pool = IdPool(runner.num_slots, "slot")
+        self.eos_ids = set(runner.config.eos_token_id) | set(tokenizer.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._last_was_extend = False
+        self._admit_counter = 0
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    # ---- other threads -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    def submit(self, reqs: list[Request]) -> None:
+        self._inbox.put(("add", reqs))
+        self._wakeup.set()
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+        self._wakeup.set()
+
+    @property
+    def kv_tokens_total(self) -> int:
+        return self.kv_pool.num_usable * self.page_size
+
+    def memory_usage(self) -> dict[str, int]:
+        return {
+            "kv_pages_total": self.kv_pool.num_usable,
+            "kv_pages_free": self.kv_pool.num_free,
+            "gdn_slots_total": self.slot_pool.num_usable,
+            "gdn_slots_free": self.slot_pool.num_free,
+            "page_size": self.page_size,
+        }
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.waiting and not self.running:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a failed step must not take the server down with it
+                logger.exception("step failed; aborting the running requests")
+                for r in list(self.running):
+                    self._finish(r, {"type": "abort", "message": "internal error during the step"})
+            self._report_usage()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.waiting.extend(payload)
+            elif kind == "abort":
+                self._abort(payload)
+
+    def _abort(self, rid: str) -> None:
+        for r in [*self.waiting, *self.running]:
+            if r.rid == rid or r.rid.startswith(rid + "::"):
+                self._finish(r, {"type": "abort", "message": "aborted by the client"})
+
+    def step(self) -> bool:
+        """Admit, pick one batch, run it. Returns False when there was nothing runnable."""
+        self._drop_aborted()
+        self._admit()
+        chosen = self._pick_extend() if self._want_extend() else []
+        is_extend = bool(chosen)
+        if not chosen:
+            chosen = self._pick_decode()
+        if not chosen:
+            return False
+        self._last_was_extend = is_extend
+        self._run(chosen, is_extend)
+        return True
+
+    def _drop_aborted(self) -> None:
+        for r in [r for r in self.running if r.aborted]:
+            self._finish(r, {"type": "abort", "message": "aborted by the client"})
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.args.max_running_requests:
+            r = self.waiting[0]
+            first_chunk = min(r.pending, self.args.chunked_prefill_size)
+            if self._pages_needed(r, r.cached_len + first_chunk) > self.kv_pool.num_free:
+                return
+            slot = self.slot_pool.alloc(1)
+            if slot is None:
+                return
+            self.waiting.popleft()
+            r.slot = slot[0]
+            self._admit_counter += 1
+            r.admit_order = self._admit_counter
+            self.running.append(r)
+
+    def _want_extend(self) -> bool:
+        has_extend = any(r.pending > 1 for r in self.running)
+        has_decode = any(r.pending == 1 for r in self.running)
+        return has_extend and (not has_decode or not self._last_was_extend)
+
+    def _pick_extend(self) -> list[tuple[Request, int]]:
+        budget = self.args.chunked_prefill_size
+        chosen: list[tuple[Request, int]] = []
+        for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
+            if budget <= 0:
+                break
+            if r.slot is None:  # retracted earlier in this loop
+                continue
+            n = min(r.pending, budget)
+            if not self._ensure_pages_or_retract(r, r.cached_len + n):
+                continue
+            chosen.append((r, n))
+            budget -= n
+        return chosen
+
+    def _pick_decode(self) -> list[tuple[Request, int]]:
+        chosen: list[tuple[Request, int]] = []
+        for r in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.admit_order):
+            if r.slot is None:
+                continue
+            if self._ensure_pages_or_retract(r, r.cached_len + 1):
+                chosen.append((r, 1))
+        return chosen
+
+    # ---- memory --------------------------------------------------------------------------------
+    def _pages_needed(self, r: Request, num_tokens: int) -> int:
+        return max(0, math.ceil(num_tokens / self.page_size) - len(r.pages))
+
+    def _ensure_pages_or_retract(self, r: Request, num_tokens: int) -> bool:
+        """Give r pages for num_tokens tokens, retracting newer requests if needed; False if r was retracted."""
+        while True:
+            need = self._pages_needed(r, num_tokens)
+            got = self.kv_pool.alloc(need) if need else []
+            if got is not None:
+                r.pages.extend(got)
+                return True
+            newer = [x for x in self.running if x.admit_order > r.admit_order and x.slot is not None]
+            victim = max(newer, key=lambda x: x.admit_order) if newer else r
+            self._retract(victim)
+            if victim is r:
+                return False
+
+    def _release(self, r: Request) -> None:
+        if r.pages:
+            self.kv_pool.free(r.pages)
+            r.pages = []
+        if r.slot is not None:
+            self.slot_pool.free([r.slot])
+            r.slot = None
+        r.cached_len = 0
+
+    def _retract(self, r: Request) -> None:
+        logger.info("retracting request %s (%d tokens) to free KV pages", r.rid, len(r.fill_ids))
+        self._release(r)
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+
+    # ---- running a batch -----------------------------------------------------------------------
+    def _run(self, chosen: list[tuple[Request, int]], is_extend: bool) -> None:
+        b = next_pow2(len(chosen))
+        max_new = max(n for _, n in chosen)
+        t = next_pow2(max_new, 16) if is_extend else 1
+        p = next_pow2(max(len(r.pages) for r, _ in chosen), 4)
+        tokens = np.zeros((b, t), np.int32)
+        prefix_lens = np.zeros(b, np.int32)
+        new_lens = np.zeros(b, np.int32)
+        slot_ids = np.zeros(b, np.int32)
+        page_table = np.zeros((b, p), np.int32)
+        for i, (r, n) in enumerate(chosen):
+            tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
+            prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
+            page_table[i, : len(r.pages)] = r.pages
+        hidden = self.runner.forward(tokens, prefix_lens, new_lens, page_table, slot_ids)
+        self._input_logprobs(chosen, hidden)
+
+        finishing = [i for i, (r, n) in enumerate(chosen) if r.cached_len + n == len(r.fill_ids)]
+        for r, n in chosen:
+            r.cached_len += n
+        if all(chosen[i][0].max_new_tokens == 0 for i in finishing):  # scoring only: nothing to sample
+            for i in finishing:
+                self._finish(chosen[i][0], {"type": "length", "length": 0})
+            return
+        batch = self._sampling_batch(chosen, b)
+        toks, lps, top_lps, top_ids = self.runner.sample(hidden, np.maximum(new_lens - 1, 0), batch)
+        now = time.perf_counter()
+        for i in finishing:
+            r = chosen[i][0]
+            if r.max_new_tokens == 0:  # scoring only: the prompt's logprobs are the answer
+                self._finish(r, {"type": "length", "length": 0})
+                continue
+            self._accept_token(r, int(toks[i]), float(lps[i]), top_lps[i], top_ids[i], now)
+
+    def _input_logprobs(self, chosen: list[tuple[Request, int]], hidden: Any) -> None:
+        """Prompt logprobs from logprob_start_len, gathered for the positions this step computed."""
+        rows, cols, targets, owners = [], [], [], []
+        num_top = 0
+        for i, (r, n) in enumerate(chosen):
+            if not r.return_logprob or r.input_logprobs_done:
+                continue
+            prompt = r.prompt_ids
+            if r.cached_len <= r.logprob_start_len == 0 and not r.input_token_logprobs:
+                r.input_token_logprobs.append([None, prompt[0], self._tok_text(r, prompt[0])])
+                r.input_top_logprobs.append(None)
+            # Position j predicts token j + 1; keep targets in [max(start, 1), len(prompt)).
+            for j in range(r.cached_len, r.cached_len + n):
+                target = j + 1
+                if max(r.logprob_start_len, 1) <= target < len(prompt):
+                    rows.append(i)
+                    cols.append(j - r.cached_len)
+                    targets.append(prompt[target])
+                    owners.append(r)
+            num_top = max(num_top, r.top_logprobs_num)
+            if r.cached_len + n >= len(prompt):
+                r.input_logprobs_done = True
+        if not rows:
+            return
+        lp, top_lp, top_ids = self.runner.logprobs_at(hidden, np.array(rows), np.array(cols), np.array(targets),
+                                                      num_top)
+        for k, r in enumerate(owners):
+            r.input_token_logprobs.append([float(lp[k]), targets[k], self._tok_text(r, targets[k])])
+            if r.top_logprobs_num:
+                r.input_top_logprobs.append(self._top_list(r, top_lp[k], top_ids[k]))
+
+    def _sampling_batch(self, chosen: list[tuple[Request, int]], b: int) -> SamplingBatch:
+        temperature = np.zeros(b, np.float32)
+        top_p = np.ones(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        min_p = np.zeros(b, np.float32)
+        seeds = np.zeros(b, np.uint32)
+        steps = np.zeros(b, np.int32)
+        rep = np.ones(b, np.float32)
+        freq = np.zeros(b, np.float32)
+        pres = np.zeros(b, np.float32)
+        any_penalty = any(r.params.has_penalty for r, _ in chosen)
+        seen_ids = output_ids = None
+        if any_penalty:
+            seen_ids = np.full((b, next_pow2(max(len(r.fill_ids) for r, _ in chosen), 16)), -1, np.int32)
+            output_ids = np.full((b, next_pow2(max(len(r.output_ids) for r, _ in chosen), 16)), -1, np.int32)
+        ban_lists = []
+        for i, (r, _) in enumerate(chosen):
+            sp = r.params
+            temperature[i] = 0.0 if sp.greedy else sp.temperature
+            top_p[i], top_k[i], min_p[i] = sp.top_p, max(sp.top_k, 0), sp.min_p
+            seeds[i] = np.uint32(r.seed & 0xFFFFFFFF)
+            steps[i] = len(r.output_ids)
+            rep[i], freq[i], pres[i] = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
+            if seen_ids is not None and output_ids is not None:
+                seen_ids[i, : len(r.fill_ids)] = r.fill_ids
+                output_ids[i, : len(r.output_ids)] = r.output_ids
+            bans: list[int] = []
+            if len(r.output_ids) < sp.min_new_tokens:
+                bans = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids))
+            ban_lists.append(bans)
+        banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
+        for i, bans in enumerate(ban_lists):
+            banned[i, : len(bans)] = bans
+        num_top = max((r.top_logprobs_num for r, _ in chosen if r.return_logprob), default=0)
+        return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
+                             output_ids, banned, num_top)
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def _tok_text(self, r: Request, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if r.return_text_in_logprobs else None
+
+    def _top_list(self, r: Request, vals: np.ndarray, ids: np.ndarray) -> list[list[Any]]:
+        return [[float(v), int(t), self._tok_text(r, int(t))] for v, t in zip(vals, ids, strict=True)]
+
+    def _accept_token(self, r: Request, tok: int, lp: float, top_lp: np.ndarray, top_ids: np.ndarray,
+                      now: float) -> None:
+        if r.first_token_time is None:
+            r.first_token_time = now
+            if self.metrics:
+                self.metrics.on_first_token(now - r.created)
+        elif self.metrics and r.last_token_time is not None:
+            self.metrics.on_decode_token(now - r.last_token_time)
+        r.last_token_time = now
+        r.output_ids.append(tok)
+        if r.return_logprob:
+            r.output_token_logprobs.append([lp, tok, self._tok_text(r, tok)])
+            if r.top_logprobs_num:
+                r.output_top_logprobs.append(self._top_list(r, top_lp[: r.top_logprobs_num],
+                                                            top_ids[: r.top_logprobs_num]))
+        sp = r.params
+        r.text += r.detokenizer.push([tok])
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
+        if tok in stop_ids and len(r.output_ids) >= sp.min_new_tokens:
+            self._finish(r, {"type": "stop", "matched": tok})
+        elif r.detokenizer.stopped:
+            self._finish(r, {"type": "stop", "matched": r.detokenizer.matched_stop})
+        elif len(r.output_ids) >= r.max_new_tokens or len(r.fill_ids) >= self.context_length:
+            self._finish(r, {"type": "length", "length": len(r.output_ids)})
+        elif r.stream and len(r.output_ids) - r.streamed_upto >= self.args.stream_interval:
+            r.streamed_upto = len(r.output_ids)
+            r.sink(r.reply())
+
+    def _finish(self, r: Request, reason: dict) -> None:
+        if r.finished:
+            return
+        r.finish_reason = reason
+        if reason["type"] != "abort" and not r.detokenizer.stopped:
+            r.text += r.detokenizer.flush()
+        self._release(r)
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        if self.metrics:
+            self.metrics.on_request_finish(len(r.prompt_ids), len(r.output_ids), time.perf_counter() - r.created)
+        r.sink(r.reply())
+
+    def _report_usage(self) -> None:
+        if self.metrics:
+            self.metrics.set_usage(
+                len(self.running), len(self.waiting),
+                self.kv_pool.num_usable - self.kv_pool.num_free, self.kv_pool.num_usable,
+                self.slot_pool.num_usable - self.slot_pool.num_free, self.slot_pool.num_usable)

@@ -1,0 +1,88 @@
+"""`python -m sglang_tpu_qwen.launch_server [flags]`: the HTTP server, with SGLang's flag names.
+
+Builds the Engine, serves `create_app(engine)` with uvicorn on --host/--port, sends one warm-up
+request through HTTP (unless --skip-server-warmup, as SGLang's `_execute_server_warmup`), then logs
+"The server is fired up and ready to roll!".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+
+import uvicorn
+
+from sglang_tpu_qwen.server_args import ServerArgs, prepare_server_args
+
+logger = logging.getLogger("sglang_tpu_qwen.launch_server")
+
+READY_MESSAGE = "The server is fired up and ready to roll!"
+
+
+def _warm_up_and_announce(server: uvicorn.Server, args: ServerArgs) -> None:
+    """Wait for uvicorn to listen, POST one short /generate, then log the ready line.
+
+    A failed warm-up is logged and stops the server (it would not serve requests either).
+    """
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    if not args.skip_server_warmup:
+        body = {
+            "text": "The capital city of France is",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+        }
+        headers = {"Content-Type": "application/json"}
+        if args.api_key:
+            headers["Authorization"] = f"Bearer {args.api_key}"
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        req = urllib.request.Request(
+            f"http://{host}:{args.port}/generate",
+            data=json.dumps(body).encode(),
+            headers=headers,
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=1800) as resp:
+                resp.read()
+        except Exception:
+            logger.exception("Warm-up request failed; shutting down.")
+            server.should_exit = True
+            return
+    logger.info(READY_MESSAGE)
+
+
+def launch_server(args: ServerArgs) -> None:
+    """Build the Engine and serve it over HTTP until interrupted."""
+    from sglang_tpu_qwen.engine.engine import Engine
+    from sglang_tpu_qwen.server.app import create_app
+
+    engine = Engine(args)
+    try:
+        app = create_app(engine)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=5
+        )
+        server = uvicorn.Server(config)
+        threading.Thread(target=_warm_up_and_announce, args=(server, args), daemon=True).start()
+        server.run()
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: parse flags, set up logging, launch."""
+    args = prepare_server_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+    )
+    launch_server(args)
+
+
+if __name__ == "__main__":
+    main()

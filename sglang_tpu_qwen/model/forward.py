@@ -1,0 +1,131 @@
+"""One batched model step over the paged KV cache and the GDN state slots (contract: docs/internals.md).
+
+Decoder layer (HF ``Qwen3_5MoeDecoderLayer``)::
+
+    h = h + mixer(rms_norm(h))        mixer: Gated DeltaNet or gated attention, per layer_types
+    h = h + moe(rms_norm(h))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_qwen.model.attention import attention_layer
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.gated_deltanet import gdn_layer
+from sglang_tpu_qwen.model.moe import moe_block
+from sglang_tpu_qwen.model.norms import rms_norm
+from sglang_tpu_qwen.model.rope import rope_cos_sin
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]
+
+
+def init_cache(
+    config: Qwen35MoeConfig,
+    num_pages: int,
+    page_size: int,
+    num_slots: int,
+    kv_dtype: Any,
+    state_dtype: Any = jnp.float32,
+) -> Cache:
+    """Zeroed cache for all layers.
+
+    Returns:
+        ``{"k", "v": [n_attn_layers, num_pages, page_size, nkv, hd] kv_dtype,
+        "conv": [n_gdn_layers, num_slots, conv_dim, K-1] state_dtype,
+        "rec": [n_gdn_layers, num_slots, Hv, dk, dv] state_dtype}``. Page 0 and slot 0 are trash targets.
+    """
+    kv_shape = (config.num_attn_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    conv_shape = (config.num_gdn_layers, num_slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1)
+    rec_shape = (
+        config.num_gdn_layers,
+        num_slots,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
+    return {
+        "k": jnp.zeros(kv_shape, kv_dtype),
+        "v": jnp.zeros(kv_shape, kv_dtype),
+        "conv": jnp.zeros(conv_shape, state_dtype),
+        "rec": jnp.zeros(rec_shape, state_dtype),
+    }
+
+
+def forward_step(
+    params: Params,
+    cache: Cache,
+    tokens: jax.Array,
+    prefix_lens: jax.Array,
+    new_lens: jax.Array,
+    page_table: jax.Array,
+    slot_ids: jax.Array,
+    *,
+    config: Qwen35MoeConfig,
+) -> tuple[jax.Array, Cache]:
+    """Run new tokens of a batch of sequences through the model, updating the cache.
+
+    Args:
+        params: parameter pytree (docs/internals.md).
+        cache: from :func:`init_cache`.
+        tokens: ``[B, T]`` int32 new tokens, left-aligned, padded with 0.
+        prefix_lens: ``[B]`` int32 tokens already in the cache; 0 means the GDN slot is read as zeros.
+        new_lens: ``[B]`` int32 valid tokens per row (0 for a padding row).
+        page_table: ``[B, P]`` int32 pages covering positions ``[0, prefix_len + new_len)``; rest 0.
+        slot_ids: ``[B]`` int32 GDN state slot per row (0 for a padding row).
+        config: static model config. ``T == 1`` uses the recurrent GDN form, ``T > 1`` the chunked one.
+
+    Returns:
+        ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``. Hidden rows of padded
+        tokens are finite but meaningless.
+    """
+    t = tokens.shape[1]
+    ar = jnp.arange(t, dtype=jnp.int32)
+    positions = prefix_lens[:, None] + ar[None, :]
+    valid = ar[None, :] < new_lens[:, None]
+    kv_lens = prefix_lens + new_lens
+    fresh = (prefix_lens == 0)[:, None, None]
+    cos, sin = rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
+
+    k_cache, v_cache, conv, rec = cache["k"], cache["v"], cache["conv"], cache["rec"]
+    eps = config.rms_norm_eps
+    h = params["embed"][tokens]
+    attn_i = gdn_i = 0
+    for kind, lp in zip(config.layer_types, params["layers"], strict=True):
+        x = rms_norm(h, lp["input_norm"], eps)
+        if kind == "full_attention":
+            x, k_cache, v_cache = attention_layer(
+                lp["attn"], x, cos, sin, k_cache, v_cache, attn_i, page_table, positions, valid, kv_lens, config
+            )
+            attn_i += 1
+        else:
+            conv_s = jnp.where(fresh, 0, conv[gdn_i, slot_ids])
+            rec_s = jnp.where(fresh[..., None], 0, rec[gdn_i, slot_ids])
+            x, conv_s, rec_s = gdn_layer(lp["gdn"], x, conv_s, rec_s, valid, new_lens, config)
+            conv = conv.at[gdn_i, slot_ids].set(conv_s)
+            rec = rec.at[gdn_i, slot_ids].set(rec_s)
+            gdn_i += 1
+        h = h + x
+        h = h + moe_block(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)
+    h = rms_norm(h, params["final_norm"], eps)
+    return h, {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, config: Qwen35MoeConfig) -> jax.Array:
+    """Vocabulary logits for selected rows.
+
+    Args:
+        params: parameter pytree; uses ``lm_head`` ``[H, V]`` or, when tied, ``embed.T``.
+        hidden: ``[N, H]`` final-norm hidden states.
+        config: static model config.
+
+    Returns:
+        ``[N, V]`` float32.
+    """
+    if config.tie_word_embeddings:
+        return jnp.einsum("nh,vh->nv", hidden, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,0 +1,93 @@
+"""Sparse MoE block: softmax top-k router, routed SwiGLU experts, sigmoid-gated shared expert.
+
+Math follows HF ``Qwen3_5MoeSparseMoeBlock``. Routed experts run as a grouped matmul: the (token, slot)
+pairs are sorted by expert id and fed to ``jax.lax.ragged_dot`` with per-expert group sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+
+
+def route(
+    x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Softmax router (in float32) with top-k selection.
+
+    Args:
+        x: ``[N, H]`` tokens.
+        router: ``[H, E]`` router weight.
+        top_k: experts per token.
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
+
+    Returns:
+        ``(weights [N, k] in x.dtype, expert ids [N, k] int32)``.
+    """
+    logits = x @ router
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return top_w.astype(x.dtype), top_i.astype(jnp.int32)
+
+
+def routed_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """Weighted sum of each token's top-k SwiGLU experts via sort-by-expert + ``ragged_dot``.
+
+    Args:
+        x: ``[N, H]``.
+        weights: ``[N, k]`` routing weights.
+        expert_ids: ``[N, k]`` int32 in ``[0, E)``.
+        w_gate, w_up: ``[E, H, I]``.
+        w_down: ``[E, I, H]``.
+
+    Returns:
+        ``[N, H]`` in ``x.dtype``.
+    """
+    n, k = expert_ids.shape
+    num_experts = w_gate.shape[0]
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tokens = order // k
+    xs = x[tokens]  # [N*k, H], grouped by expert
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [N*k, H]
+    ys = ys * weights.reshape(-1)[order][:, None]
+    # Undo the sort (a permutation), then sum each token's k contributions.
+    out = jnp.zeros_like(ys).at[order].set(ys)
+    return out.reshape(n, k, -1).sum(axis=1).astype(x.dtype)
+
+
+def moe_block(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig) -> jax.Array:
+    """Routed experts plus ``sigmoid(x @ shared_expert_gate) * shared_expert(x)``.
+
+    Args:
+        p: ``{"router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down",
+            "shared_expert_gate"}`` (see docs/internals.md).
+        x: ``[..., H]`` normalised hidden states.
+        config: model config (``num_experts_per_tok``, ``norm_topk_prob``).
+
+    Returns:
+        ``[..., H]`` in ``x.dtype``.
+    """
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    w, ids = route(x, p["router"], config.num_experts_per_tok, config.norm_topk_prob)
+    routed = routed_experts(x, w, ids, p["w_gate"], p["w_up"], p["w_down"])
+    shared = (jax.nn.silu(x @ p["shared_gate"]) * (x @ p["shared_up"])) @ p["shared_down"]
+    shared = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+    return (routed + shared).reshape(shape)

@@ -1,0 +1,228 @@
+"""The FastAPI application: SGLang's native routes plus the OpenAI routes, over one in-process Engine.
+
+Routes (as SGLang's `python/sglang/srt/entrypoints/http_server.py`):
+  POST/PUT /generate        text | input_ids, single or batch; SSE with cumulative text when stream
+  GET /get_model_info, /model_info      model_path, tokenizer_path, is_generation, served_model_name
+  GET /get_server_info, /server_info    server args + engine state + version
+  GET /health                           200, empty body
+  GET /health_generate                  200 once a 1-token generation returns; 503 otherwise
+  GET/POST /flush_cache                 200 "Cache flushed..." or 400 when requests are running
+  POST /abort_request                   {"rid"}: abort that request
+  GET /metrics                          Prometheus text (only with --enable-metrics)
+  /v1/models, /v1/completions, /v1/chat/completions   see openai_api.py
+`/version` is deliberately absent (404): SGLang routers take a worker answering it for vLLM.
+With an api key, every route but /health* and /metrics needs `Authorization: Bearer KEY` (else 401).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.server import engine_calls
+from sglang_tpu_qwen.server.engine_calls import SSE_DONE, ClientDisconnected, sse
+from sglang_tpu_qwen.server.errors import install_error_handlers, native_error, unauthorized
+from sglang_tpu_qwen.server.openai_api import create_openai_router
+from sglang_tpu_qwen.server.protocol import AbortReq, GenerateReqInput
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang-tpu-qwen")
+    except Exception:  # not installed as a distribution (running from a source tree)
+        return "0.1.0"
+
+
+def _scalar(value: Any, name: str) -> Any:
+    """A per-batch-member list of identical values collapses to one value; differing values are a 400."""
+    if isinstance(value, list):
+        if len(set(map(repr, value))) > 1:
+            raise InvalidRequestError(f"{name}: different values per batch member are not supported")
+        return value[0] if value else None
+    return value
+
+
+def _generate_kwargs(obj: GenerateReqInput) -> tuple[dict[str, Any], int | None]:
+    """Engine keyword arguments for a /generate body, and its batch size (None for a single request)."""
+    unsupported = obj.unsupported_fields()
+    if unsupported:
+        raise InvalidRequestError(f"Unsupported field(s) for this server: {', '.join(unsupported)}")
+    if obj.text is None and obj.input_ids is None:
+        raise InvalidRequestError("Either text or input_ids should be provided.")
+    if obj.text is not None and obj.input_ids is not None:
+        raise InvalidRequestError("Only one of text or input_ids should be provided.")
+    batch_size = None
+    if isinstance(obj.text, list):
+        batch_size = len(obj.text)
+    elif obj.input_ids and isinstance(obj.input_ids[0], list):
+        batch_size = len(obj.input_ids)
+    if batch_size == 0:
+        raise InvalidRequestError("The batch is empty.")
+    sampling = obj.sampling_params
+    if isinstance(sampling, list) and batch_size is not None and len(sampling) != batch_size:
+        raise InvalidRequestError(f"sampling_params has {len(sampling)} entries for a batch of {batch_size}")
+    if isinstance(sampling, list) and batch_size is None:
+        sampling = _scalar(sampling, "sampling_params")
+    kwargs = dict(
+        text=obj.text,
+        input_ids=obj.input_ids,
+        sampling_params=sampling,
+        return_logprob=bool(_scalar(obj.return_logprob, "return_logprob")),
+        logprob_start_len=_scalar(obj.logprob_start_len, "logprob_start_len"),
+        top_logprobs_num=_scalar(obj.top_logprobs_num, "top_logprobs_num") or 0,
+        return_text_in_logprobs=obj.return_text_in_logprobs,
+    )
+    return kwargs, batch_size
+
+
+def create_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
+    """Build the HTTP app over an Engine (contract: docs/internals.md, "Engine API used by the HTTP server").
+
+    Args:
+      engine: the in-process Engine.
+      api_key: overrides `engine.server_args.api_key` when given (a test can serve one engine twice).
+    """
+    app = FastAPI(title="sglang-tpu-qwen", openapi_url="/openapi.json")
+    app.state.engine = engine
+    install_error_handlers(app)
+    key = api_key if api_key is not None else getattr(engine.server_args, "api_key", None)
+
+    if key:
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            path = request.url.path
+            exempt = request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics")
+            if not exempt and request.headers.get("Authorization") != f"Bearer {key}":
+                return unauthorized()
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        rid = f"HEALTH_CHECK_{engine_calls.new_rid()}"
+        try:
+            await asyncio.wait_for(
+                engine_calls.generate_once(
+                    engine,
+                    request,
+                    rid,
+                    input_ids=[0],
+                    sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                ),
+                timeout=HEALTH_CHECK_TIMEOUT_S,
+            )
+        except (TimeoutError, ClientDisconnected):
+            engine.abort(rid)
+            return Response(status_code=503)
+        except Exception:
+            logger.exception("health_generate failed")
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    def model_info() -> dict[str, Any]:
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": getattr(engine.server_args, "tokenizer_path", None) or engine.model_path,
+            "is_generation": True,
+            "served_model_name": engine.served_model_name,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+        }
+
+    app.add_api_route("/get_model_info", model_info, methods=["GET"])
+    app.add_api_route("/model_info", model_info, methods=["GET"])
+
+    def server_info() -> dict[str, Any]:
+        info = dict(engine.get_server_info())
+        if "api_key" in info:  # never echo the secret
+            info["api_key"] = None if info["api_key"] is None else "***"
+        info.setdefault("version", _version())
+        info.setdefault("context_length", engine.context_length)
+        return info
+
+    app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    app.add_api_route("/server_info", server_info, methods=["GET"])
+
+    async def flush_cache() -> Response:
+        ok = engine.flush_cache()
+        return Response(
+            content="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n",
+            status_code=200 if ok else 400,
+        )
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+
+    @app.post("/abort_request")
+    async def abort_request(obj: AbortReq) -> Response:
+        if obj.rid:
+            engine.abort(obj.rid)
+        return Response(status_code=200)
+
+    if getattr(engine, "metrics", None) is not None:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            body, content_type = engine.metrics.render()
+            return Response(content=body, media_type=content_type)
+
+    async def generate(obj: GenerateReqInput, request: Request) -> Any:
+        kwargs, batch_size = _generate_kwargs(obj)
+        try:
+            rids = engine_calls.make_rids(obj.rid, batch_size)
+        except ValueError as e:
+            return native_error(str(e))
+        if not obj.stream:
+            try:
+                return await engine_calls.generate_once(engine, request, rids, **kwargs)
+            except ClientDisconnected:
+                return native_error("client disconnected", 499)
+        first, rest = await engine_calls.open_stream(engine, rids, **kwargs)
+        return StreamingResponse(_generate_stream(engine, rids, first, rest), media_type="text/event-stream")
+
+    app.add_api_route("/generate", generate, methods=["POST", "PUT"])
+    app.include_router(create_openai_router(engine))
+    return app
+
+
+async def _generate_stream(
+    engine: Any, rids: Any, first: dict | None, rest: AsyncIterator
+) -> AsyncIterator[bytes]:
+    """SSE body of a streamed /generate: one event per cumulative chunk, then `data: [DONE]`.
+
+    A client that disconnects cancels this generator; the `finally` then aborts its requests.
+    """
+    finished = False
+    try:
+        chunk = first
+        while chunk is not None:
+            yield sse(chunk)
+            chunk = await anext(rest, None)
+        finished = True
+    except Exception as e:  # engine failure mid-stream: reported inside the stream, as SGLang does
+        yield sse({"error": {"message": str(e)}})
+        finished = True
+    finally:
+        if not finished:
+            engine_calls.abort_all(engine, rids)
+    yield SSE_DONE
+
+
+__all__ = ["create_app", "JSONResponse", "dataclasses"]

@@ -1,0 +1,103 @@
+"""Error replies in the shapes SGLang's server uses.
+
+- OpenAI routes and request-validation failures: `{"object": "error", "message", "type", "param",
+  "code"}` (SGLang's ErrorResponse), status 400 / 404.
+- Native routes (`/generate`): `{"error": {"message": ...}}` with status 400, as SGLang's
+  `_create_error_response`.
+- Bad or missing api key: 401 `{"error": "Unauthorized"}`, as SGLang's api-key middleware.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.server.protocol import ErrorResponse
+
+
+class OpenAIError(Exception):
+    """Raised inside an OpenAI route to answer with an ErrorResponse of the given status."""
+
+    def __init__(
+        self, message: str, status: int = 400, err_type: str | None = None, param: str | None = None
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type or _default_type(status)
+        self.param = param
+
+
+def _default_type(status: int) -> str:
+    return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
+        status, HTTPStatus(status).phrase.replace(" ", "")
+    )
+
+
+def openai_error(
+    message: str, status: int = 400, err_type: str | None = None, param: str | None = None
+) -> JSONResponse:
+    """An OpenAI-shaped error reply."""
+    body = ErrorResponse(message=message, type=err_type or _default_type(status), param=param, code=status)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def native_error(message: str, status: int = 400) -> JSONResponse:
+    """A native-route error reply (`{"error": {"message": ...}}`)."""
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def unauthorized() -> JSONResponse:
+    """The 401 reply to a missing or wrong api key."""
+    return JSONResponse({"error": "Unauthorized"}, status_code=401)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    """The 404 error for an OpenAI request naming a model this server does not serve."""
+    return OpenAIError(
+        f"The model {model} does not exist.", status=404, err_type="NotFoundError", param="model"
+    )
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One readable line per validation error, e.g. `body.top_p: Input should be a valid number`."""
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"Invalid JSON in request body: {ctx.get('error', err.get('msg'))}"
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map validation failures, engine refusals and HTTP errors onto SGLang's error shapes."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return openai_error(_validation_message(exc), 400)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _on_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return openai_error(f"Invalid JSON in request body: {exc}", 400)
+
+    @app.exception_handler(OpenAIError)
+    async def _on_openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return openai_error(exc.message, exc.status, exc.err_type, exc.param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        if request.url.path.startswith("/v1/"):
+            return openai_error(str(exc), 400)
+        return native_error(str(exc), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return openai_error(str(exc.detail), exc.status_code)

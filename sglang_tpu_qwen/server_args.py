@@ -1,0 +1,107 @@
+"""ServerArgs: every launch option in one dataclass; the argparse parser is built from it.
+
+Flag names mirror SGLang's `python -m sglang.launch_server` (`--model-path`, `--page-size`, ...): a
+field `page_size` becomes `--page-size`. Unknown flags are rejected by argparse with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+
+@dataclass
+class ServerArgs:
+    """Launch options of the server and the in-process Engine.
+
+    Memory sizes are in tokens (KV) or requests (GDN slots); 0 or None means "derive a default".
+    """
+
+    model_path: str | None = field(
+        default=None, metadata={"help": "HF model directory; default: the embedded tiny Qwen3.5-MoE."}
+    )
+    tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer dir (default: model path)."})
+    served_model_name: str | None = field(default=None, metadata={"help": "Model name in the OpenAI API."})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP host."})
+    port: int = field(default=30000, metadata={"help": "HTTP port."})
+    api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY'."})
+    log_level: str = field(default="info", metadata={"help": "Python log level."})
+    enable_metrics: bool = field(default=False, metadata={"help": "Expose Prometheus /metrics."})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Compute dtype: auto (float32 on CPU, bfloat16 on TPU/GPU), float32, bfloat16."},
+    )
+    context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens."})
+    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size."})
+    dp_size: int = field(default=1, metadata={"help": "Data-parallel (attention) size."})
+    ep_size: int = field(default=1, metadata={"help": "Expert-parallel size."})
+    page_size: int = field(default=16, metadata={"help": "Tokens per KV page."})
+    chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step."})
+    max_running_requests: int = field(default=32, metadata={"help": "Max requests decoding at once."})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
+    max_prefill_tokens: int = field(default=2048, metadata={"help": "Max prompt tokens admitted per step."})
+    mem_fraction_static: float = field(
+        default=0.8, metadata={"help": "Fraction of device memory for weights + KV pool (accelerators)."}
+    )
+    random_seed: int = field(default=0, metadata={"help": "Seed for sampling without a per-request seed."})
+    stream_interval: int = field(default=1, metadata={"help": "Decode steps between streamed chunks."})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility."})
+    skip_server_warmup: bool = field(default=False, metadata={"help": "Skip the warm-up request at start."})
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError(f"--page-size must be positive, got {self.page_size}")
+        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "chunked_prefill_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag-name` per field; booleans become store_true switches."""
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            hint = hints[f.name]
+            if hint is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            py_type = _scalar_type(hint)
+            parser.add_argument(flag, type=py_type, default=f.default, help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        """Build ServerArgs from a namespace produced by a parser that `add_cli_args` filled."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Build from keyword arguments (the Engine API); an unknown name raises TypeError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def _scalar_type(hint: Any) -> type:
+    """The concrete type of `int | None`-style hints, for argparse."""
+    for candidate in (int, float, str):
+        if hint is candidate or candidate in getattr(hint, "__args__", ()):
+            return candidate
+    return str
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse command-line flags (SGLang names) into ServerArgs; argparse exits with code 2 on unknown flags."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_tpu_qwen.launch_server",
+        description="SGLang-compatible server for Qwen3.5-MoE in JAX.",
+        allow_abbrev=False,
+    )
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))

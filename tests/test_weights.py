@@ -1,0 +1,306 @@
+"""HF safetensors <-> parameter pytree (model/weights.py) and the embedded checkpoint (model/embedded.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
+from sglang_tpu_qwen.model.embedded import MODEL_DIRNAME, build_embedded_model, ensure_embedded_model
+from sglang_tpu_qwen.model.weights import (
+    CheckpointError,
+    load_params,
+    param_specs,
+    save_checkpoint,
+    to_hf_state_dict,
+)
+
+
+def small_config(tie: bool = False) -> Qwen35MoeConfig:
+    return Qwen35MoeConfig.from_hf_dict(
+        {
+            "model_type": "qwen3_5_moe_text",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 8,
+            "tie_word_embeddings": tie,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        }
+    )
+
+
+def random_params(config: Qwen35MoeConfig, seed: int = 0):
+    """bf16-exact values (so a bf16 round trip is lossless); A_log full float32."""
+    rng = np.random.default_rng(seed)
+
+    def make(sds: jax.ShapeDtypeStruct) -> np.ndarray:
+        x = rng.standard_normal(sds.shape, np.float32)
+        return x.astype(sds.dtype)
+
+    return jax.tree.map(make, param_specs(config, ml_dtypes.bfloat16))
+
+
+def assert_trees_equal(got, want) -> None:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, g), w in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("prefix", ["model.language_model.", "model."])
+def test_round_trip(tmp_path: Path, prefix: str, fused: bool, sharded: bool, tie: bool) -> None:
+    config = small_config(tie)
+    params = random_params(config)
+    tensors = to_hf_state_dict(params, config, prefix=prefix, fused_experts=fused)
+    save_checkpoint(tensors, tmp_path, max_shard_bytes=20_000 if sharded else None)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert (len(shards) > 2) == sharded, shards
+    assert_trees_equal(load_params(tmp_path, config, jnp.bfloat16), params)
+
+
+def test_layout_matches_hf_names(tmp_path: Path) -> None:
+    """Hand-written HF tensors (independent of the loader's table) land where docs/internals.md says."""
+    config = small_config()
+    tensors = to_hf_state_dict(random_params(config, seed=1), config, prefix="model.")
+    rng = np.random.default_rng(2)
+    hd, nq, h = config.head_dim, config.num_attention_heads, config.hidden_size
+    e, i = config.num_experts, config.moe_intermediate_size
+    q = rng.standard_normal((nq * hd * 2, h), np.float32)  # HF [out, in]
+    conv = rng.standard_normal((config.gdn_conv_dim, 1, 4), np.float32)
+    gate_up = rng.standard_normal((e, 2 * i, h), np.float32)  # gate rows first
+    down = rng.standard_normal((e, h, i), np.float32)
+    tensors["model.layers.1.self_attn.q_proj.weight"] = q
+    tensors["model.layers.0.linear_attn.conv1d.weight"] = conv
+    for k in range(e):
+        del tensors[f"model.layers.2.mlp.experts.{k}.gate_proj.weight"]
+        del tensors[f"model.layers.2.mlp.experts.{k}.up_proj.weight"]
+        del tensors[f"model.layers.2.mlp.experts.{k}.down_proj.weight"]
+    tensors["model.layers.2.mlp.experts.gate_up_proj"] = gate_up
+    tensors["model.layers.2.mlp.experts.down_proj"] = down
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    p = load_params(tmp_path, config, jnp.float32)
+    np.testing.assert_array_equal(p["layers"][1]["attn"]["q_proj"], q.T)
+    np.testing.assert_array_equal(p["layers"][0]["gdn"]["conv1d"], conv[:, 0, :])
+    moe = p["layers"][2]["moe"]
+    for k in range(e):
+        np.testing.assert_array_equal(moe["w_gate"][k], gate_up[k, :i].T)
+        np.testing.assert_array_equal(moe["w_up"][k], gate_up[k, i:].T)
+        np.testing.assert_array_equal(moe["w_down"][k], down[k].T)
+    # a per-expert layer of the same checkpoint
+    w = tensors["model.layers.0.mlp.experts.3.up_proj.weight"].astype(np.float32)
+    np.testing.assert_array_equal(p["layers"][0]["moe"]["w_up"][3], w.T)
+
+
+def test_dtype_conversion_keeps_a_log_float32(tmp_path: Path) -> None:
+    config = small_config()
+    params = random_params(config)
+    save_checkpoint(to_hf_state_dict(params, config), tmp_path)
+    got = load_params(tmp_path, config, jnp.float32)
+    assert got["embed"].dtype == jnp.float32
+    np.testing.assert_array_equal(got["embed"], np.asarray(params["embed"], np.float32))
+    got16 = load_params(tmp_path, config, jnp.bfloat16)
+    assert got16["layers"][0]["gdn"]["A_log"].dtype == jnp.float32
+    np.testing.assert_array_equal(got16["layers"][0]["gdn"]["A_log"], params["layers"][0]["gdn"]["A_log"])
+
+
+def test_mtp_and_visual_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = small_config(tie=True)
+    params = random_params(config)
+    tensors = to_hf_state_dict(params, config)
+    extra = np.zeros((3, 5), ml_dtypes.bfloat16)
+    tensors.update(
+        {
+            "mtp.fc.weight": extra,
+            "mtp.layers.0.mlp.gate.weight": extra,
+            "model.visual.blocks.0.attn.qkv.weight": extra,
+            "lm_head.weight": extra,  # a tied checkpoint may still carry a copy
+        }
+    )
+    save_checkpoint(tensors, tmp_path)
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_qwen.model.weights"):
+        got = load_params(tmp_path, config, jnp.bfloat16)
+    assert_trees_equal(got, params)
+    skip_lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skip_lines) == 1 and "skipped 4 " in skip_lines[0], skip_lines
+
+
+def _save_and_load(tmp_path: Path, tensors: dict[str, np.ndarray], config: Qwen35MoeConfig) -> str:
+    save_checkpoint(tensors, tmp_path, max_shard_bytes=20_000)
+    with pytest.raises(CheckpointError) as err:
+        load_params(tmp_path, config, jnp.bfloat16)
+    return str(err.value)
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    config = small_config()
+    tensors = to_hf_state_dict(random_params(config), config)
+    del tensors["model.language_model.layers.2.mlp.experts.1.down_proj.weight"]
+    msg = _save_and_load(tmp_path, tensors, config)
+    assert "layers.2.mlp.experts.1.down_proj.weight" in msg
+    assert "expected: (32, 16)" in msg and "found: absent" in msg
+
+
+def test_unexpected_tensor(tmp_path: Path) -> None:
+    config = small_config()
+    tensors = to_hf_state_dict(random_params(config), config)
+    tensors["model.language_model.layers.1.self_attn.rotary.weight"] = np.zeros((3, 5), ml_dtypes.bfloat16)
+    msg = _save_and_load(tmp_path, tensors, config)
+    assert "model.language_model.layers.1.self_attn.rotary.weight" in msg
+    assert "expected: absent" in msg and "found: (3, 5)" in msg
+
+
+def test_wrong_shape(tmp_path: Path) -> None:
+    config = small_config()
+    tensors = to_hf_state_dict(random_params(config), config)
+    # HF in_proj_z is [Hv * dv, H] = [16, 32]; store it transposed
+    tensors["model.language_model.layers.0.linear_attn.in_proj_z.weight"] = np.zeros((32, 16), np.float32)
+    msg = _save_and_load(tmp_path, tensors, config)
+    assert "model.language_model.layers.0.linear_attn.in_proj_z.weight" in msg
+    assert "expected shape (16, 32)" in msg and "found (32, 16)" in msg
+
+
+def test_raw_reader_matches_safetensors(tmp_path: Path) -> None:
+    """The memory-mapped fallback (for safetensors versions without bf16/fp8 numpy support) reads
+    the same values as safetensors."""
+    from sglang_tpu_qwen.model.weights import _Shard
+
+    rng = np.random.default_rng(4)
+    tensors = {
+        "a": rng.standard_normal((3, 5), np.float32).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal((7,), np.float32).astype(ml_dtypes.bfloat16),
+        "c": rng.standard_normal((2, 4), np.float32).astype(ml_dtypes.float8_e4m3fn),
+    }
+    save_file(tensors, str(tmp_path / "x.safetensors"))
+    with _Shard(tmp_path / "x.safetensors") as shard:
+        for name, want in tensors.items():
+            got = shard._raw(name)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+            np.testing.assert_array_equal(shard.get(name).astype(np.float32), want.astype(np.float32))
+
+
+def test_no_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_params(tmp_path, small_config(), jnp.bfloat16)
+
+
+# ---- the embedded model ----
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_embedded_model(tmp_path_factory.mktemp("cache"))
+
+
+def _digests(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def test_embedded_layout(embedded_dir: Path) -> None:
+    assert embedded_dir.name == MODEL_DIRNAME
+    assert re.search(r"qwen.*(chat|instruct)", str(embedded_dir), re.IGNORECASE)
+    assert sorted(p.name for p in embedded_dir.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    c = load_config(embedded_dir)
+    assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (c.vocab_size, c.hidden_size, c.num_experts, c.num_experts_per_tok) == (248320, 128, 8, 2)
+    assert c.eos_token_id == (248046,) and c.rotary_dim == 16 and c.rope_theta == 1e7
+    assert ensure_embedded_model(embedded_dir.parent.parent) == embedded_dir  # cached: no rebuild
+
+
+def test_embedded_is_deterministic(embedded_dir: Path, tmp_path: Path) -> None:
+    again = build_embedded_model(tmp_path / "again")
+    assert _digests(again) == _digests(embedded_dir)
+
+
+def test_hf_loads_embedded_and_agrees(embedded_dir: Path) -> None:
+    """transformers loads our layout with no missing/unexpected keys, into the same weights we load."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3_5MoeForCausalLM
+
+    model, info = Qwen3_5MoeForCausalLM.from_pretrained(embedded_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    hf = {k: v.to(torch.float32).numpy() for k, v in model.state_dict().items()}
+    config = load_config(embedded_dir)
+    ours = jax.tree.map(lambda x: np.asarray(x, np.float32), load_params(embedded_dir, config, jnp.bfloat16))
+
+    # HF module layout (fused experts in memory) written out by hand, independently of weights.py.
+    i = config.moe_intermediate_size
+    np.testing.assert_array_equal(ours["embed"], hf["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(ours["lm_head"], hf["lm_head.weight"].T)
+    np.testing.assert_array_equal(ours["final_norm"], hf["model.norm.weight"])
+    for li, layer in enumerate(ours["layers"]):
+        pre = f"model.layers.{li}."
+        np.testing.assert_array_equal(layer["input_norm"], hf[pre + "input_layernorm.weight"])
+        moe = layer["moe"]
+        gate_up = hf[pre + "mlp.experts.gate_up_proj"]
+        np.testing.assert_array_equal(moe["w_gate"], gate_up[:, :i].transpose(0, 2, 1))
+        np.testing.assert_array_equal(moe["w_up"], gate_up[:, i:].transpose(0, 2, 1))
+        np.testing.assert_array_equal(moe["w_down"], hf[pre + "mlp.experts.down_proj"].transpose(0, 2, 1))
+        np.testing.assert_array_equal(moe["router"], hf[pre + "mlp.gate.weight"].T)
+        np.testing.assert_array_equal(moe["shared_expert_gate"], hf[pre + "mlp.shared_expert_gate.weight"].T)
+        if "gdn" in layer:
+            g = layer["gdn"]
+            np.testing.assert_array_equal(g["conv1d"], hf[pre + "linear_attn.conv1d.weight"][:, 0])
+            np.testing.assert_array_equal(g["A_log"], hf[pre + "linear_attn.A_log"])  # bf16-exact in fp32
+            np.testing.assert_array_equal(g["in_proj_qkv"], hf[pre + "linear_attn.in_proj_qkv.weight"].T)
+            np.testing.assert_array_equal(g["out_proj"], hf[pre + "linear_attn.out_proj.weight"].T)
+        else:
+            a = layer["attn"]
+            np.testing.assert_array_equal(a["q_proj"], hf[pre + "self_attn.q_proj.weight"].T)
+            np.testing.assert_array_equal(a["o_proj"], hf[pre + "self_attn.o_proj.weight"].T)
+            np.testing.assert_array_equal(a["q_norm"], hf[pre + "self_attn.q_norm.weight"])
+
+
+def test_fp8_block_quantised(tmp_path: Path) -> None:
+    """A weight stored as float8_e4m3fn with a per-block ``weight_scale_inv`` loads dequantised."""
+    config = small_config()
+    tensors = to_hf_state_dict(random_params(config), config)
+    rng = np.random.default_rng(3)
+    name = "model.language_model.layers.1.self_attn.q_proj.weight"  # [64, 32]; blocks of 16 x 16
+    w8 = rng.standard_normal((64, 32), np.float32).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (4, 2)).astype(np.float32)
+    tensors[name] = w8
+    tensors[name + "_scale_inv"] = scale
+    save_checkpoint(tensors, tmp_path)
+    (tmp_path / "config.json").write_text('{"quantization_config": {"weight_block_size": [16, 16]}}')
+    got = load_params(tmp_path, config, jnp.float32)["layers"][1]["attn"]["q_proj"]
+    want = w8.astype(np.float32) * np.kron(scale, np.ones((16, 16), np.float32))
+    np.testing.assert_array_equal(got, want.T)
+
+    tensors[name + "_scale_inv"] = scale[:3]
+    save_checkpoint(tensors, tmp_path)
+    bad_scale = r"q_proj.weight_scale_inv: expected shape \(4, 2\).*found \(3, 2\)"
+    with pytest.raises(CheckpointError, match=bad_scale):
+        load_params(tmp_path, config, jnp.float32)
