@@ -17,13 +17,12 @@ With an api key, every route but /health* and /metrics needs `Authorization: Bea
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.server import engine_calls
@@ -225,4 +224,4 @@ async def _generate_stream(
     yield SSE_DONE
 
 
-__all__ = ["create_app", "JSONResponse", "dataclasses"]
+__all__ = ["create_app"]

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from sglang_tpu_qwen.server import engine_calls
 from sglang_tpu_qwen.server.engine_calls import SSE_DONE, ClientDisconnected, sse
@@ -428,4 +428,4 @@ async def _stream_chat(engine: Any, req: ChatCompletionRequest, rids: Any, kwarg
     return _sse_response(body())
 
 
-__all__ = ["create_openai_router", "JSONResponse"]
+__all__ = ["create_openai_router"]

@@ -333,7 +333,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    continue_final_message: bool = False
 
 
 class TopLogprob(BaseModel):
