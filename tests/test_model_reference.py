@@ -68,6 +68,7 @@ CONFIGS = {
         num_experts_per_tok=2,
         moe_intermediate_size=24,
         shared_expert_intermediate_size=40,
+        tie_word_embeddings=True,  # lm_head is embed.T
     ),
 }
 
@@ -86,7 +87,7 @@ def _randomise(model: Any, seed: int) -> None:
                 p.copy_(0.5 * noise)
             elif name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(-2.0, 1.0, generator=gen))
-            elif name.endswith("lm_head.weight"):
+            elif name.endswith(("lm_head.weight", "embed_tokens.weight")):
                 p.copy_(noise * 3.0 / math.sqrt(p.shape[1]))  # logit std ~3: greedy ties are unlikely
             else:
                 p.copy_(noise / math.sqrt(p.shape[-1]))  # unit-scale activations
@@ -96,8 +97,12 @@ def _randomise(model: Any, seed: int) -> None:
 def _build(name: str, tmp: str) -> tuple[Any, Qwen35MoeConfig, Any]:
     torch.manual_seed(0)
     hf_cfg = transformers.Qwen3_5MoeTextConfig(
-        vocab_size=512, rms_norm_eps=1e-6, max_position_embeddings=512, eos_token_id=None, pad_token_id=0,
-        **CONFIGS[name]
+        vocab_size=512,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        pad_token_id=0,
+        **CONFIGS[name],
     )
     model = transformers.Qwen3_5MoeForCausalLM(hf_cfg).eval()
     _randomise(model, seed=len(name) * 7 + ord(name))
@@ -122,18 +127,19 @@ def _step_fn() -> Any:
 
 
 class _Batch:
-    """Host-side bookkeeping for a few sequences: pages from 1 upward, GDN slots from 1 upward."""
+    """Host-side bookkeeping for a few sequences: shuffled (non-contiguous) pages >= 1, GDN slots >= 1."""
 
     def __init__(self, config: Qwen35MoeConfig, num_rows: int, max_len: int) -> None:
         self.pages_per_row = -(-max_len // PAGE_SIZE)
         self.config = config
         self.cache = init_cache(config, 1 + num_rows * self.pages_per_row, PAGE_SIZE, num_rows + 1, jnp.float32)
         self.page_table = np.zeros((num_rows, self.pages_per_row), np.int32)
+        self.free_pages = np.random.default_rng(2).permutation(np.arange(1, 1 + num_rows * self.pages_per_row))
         self.slot_ids = np.zeros(num_rows, np.int32)
         self.lens = np.zeros(num_rows, np.int32)
 
     def add(self, row: int) -> None:
-        self.page_table[row] = 1 + row * self.pages_per_row + np.arange(self.pages_per_row)
+        self.page_table[row] = self.free_pages[row * self.pages_per_row : (row + 1) * self.pages_per_row]
         self.slot_ids[row] = row + 1
 
     def step(self, new: list[list[int]], params: Any, width: int) -> np.ndarray:
@@ -146,8 +152,14 @@ class _Batch:
         pt = np.where(new_lens[:, None] > 0, self.page_table, 0)
         slots = np.where(new_lens > 0, self.slot_ids, 0)
         hidden, self.cache = _step_fn()(
-            params, self.cache, jnp.asarray(tokens), jnp.asarray(self.lens), jnp.asarray(new_lens),
-            jnp.asarray(pt), jnp.asarray(slots), config=self.config,
+            params,
+            self.cache,
+            jnp.asarray(tokens),
+            jnp.asarray(self.lens),
+            jnp.asarray(new_lens),
+            jnp.asarray(pt),
+            jnp.asarray(slots),
+            config=self.config,
         )
         self.lens = self.lens + new_lens
         return np.asarray(hidden)
@@ -182,8 +194,11 @@ def test_prompt_logits_match_hf(setup: tuple[Any, ...]) -> None:
         ref = _hf_logits(model, ids)
         scale = float(np.abs(ref).max())
         assert scale > 3.0  # logits are not trivially small
-        _report(f"prompt logits row {r} (len {len(ids)}, |logit| max {scale:.1f})",
-                float(np.abs(ours - ref).max()), LOGIT_TOL)
+        _report(
+            f"prompt logits row {r} (len {len(ids)}, |logit| max {scale:.1f})",
+            float(np.abs(ours - ref).max()),
+            LOGIT_TOL,
+        )
 
 
 def test_greedy_continuation_and_decode_logits_match_hf(setup: tuple[Any, ...]) -> None:
@@ -234,11 +249,35 @@ def test_chunked_prefill_equals_one_shot(setup: tuple[Any, ...]) -> None:
     lg = _logits(params, config, np.stack([h_one[-1], h_two[-1]]))
     _report("chunked vs one-shot prefill: last logits", float(np.abs(lg[0] - lg[1]).max()), LOGIT_TOL)
     for key in ("conv", "rec"):
-        _report(f"chunked vs one-shot prefill: {key} state",
-                float(jnp.abs(one.cache[key][:, 1] - two.cache[key][:, 1]).max()), CHUNK_TOL)
+        _report(
+            f"chunked vs one-shot prefill: {key} state",
+            float(jnp.abs(one.cache[key][:, 1] - two.cache[key][:, 1]).max()),
+            CHUNK_TOL,
+        )
     n = len(ids)
     pages = one.page_table[0]
     for key in ("k", "v"):
         a = np.asarray(one.cache[key][:, pages]).reshape(config.num_attn_layers, -1, *one.cache[key].shape[3:])
         b = np.asarray(two.cache[key][:, pages]).reshape(a.shape)
         _report(f"chunked vs one-shot prefill: {key} pages", float(np.abs(a[:, :n] - b[:, :n]).max()), CHUNK_TOL)
+
+
+def test_config_nested_flat_and_errors() -> None:
+    text = dict(CONFIGS["a"], vocab_size=512, eos_token_id=[5, 7])
+    del text["layer_types"]  # HF default: every 4th layer is full attention
+    nested = transformers.Qwen3_5MoeConfig(text_config=text).to_dict()
+    flat = transformers.Qwen3_5MoeTextConfig(**text).to_dict()
+    a, b = Qwen35MoeConfig.from_hf_dict(nested), Qwen35MoeConfig.from_hf_dict(flat)
+    assert a == b
+    assert a.layer_types == tuple(flat["layer_types"]) == ("linear_attention",) * 3 + ("full_attention",)
+    assert (a.attn_layer_ids, a.gdn_layer_ids) == ((3,), (0, 1, 2))
+    assert a.eos_token_id == (5, 7) and a.rotary_dim == 8 and a.gdn_conv_dim == 2 * 2 * 16 + 4 * 16
+    # Older configs keep rope settings at top level.
+    legacy = {k: v for k, v in flat.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=5e5, partial_rotary_factor=0.5, eos_token_id=9)
+    c = Qwen35MoeConfig.from_hf_dict(legacy)
+    assert (c.rope_theta, c.rotary_dim, c.eos_token_id) == (5e5, 16, (9,))
+    with pytest.raises(ValueError, match="model_type"):
+        Qwen35MoeConfig.from_hf_dict(dict(flat, model_type="qwen3_moe"))
+    with pytest.raises(ValueError, match="rope_type"):
+        Qwen35MoeConfig.from_hf_dict(dict(flat, rope_parameters={"rope_type": "yarn", "factor": 4.0}))

@@ -41,6 +41,9 @@ class Engine:
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
+        if max(args.tp_size, args.dp_size, args.ep_size) > 1:
+            raise ValueError("--tp-size/--dp-size/--ep-size > 1 need the device mesh, which is not built yet; "
+                             "serve on one device (the default)")
         self.model_path = args.model_path or str(ensure_embedded_model())
         self.tokenizer_path = args.tokenizer_path or self.model_path
         self.served_model_name = args.served_model_name or self.model_path
@@ -135,8 +138,12 @@ class Engine:
                 f"The input ({len(ids)} tokens) is longer than the model's context length "
                 f"({self.context_length} tokens).")
 
+    def room_for(self, prompt_len: int) -> int:
+        """Most new tokens a prompt of prompt_len tokens may ask for (context length and KV pool bound)."""
+        return min(self.context_length, self.scheduler.kv_tokens_total) - prompt_len
+
     def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = min(self.context_length, self.scheduler.kv_tokens_total) - prompt_len
+        room = self.room_for(prompt_len)
         if params.max_new_tokens is None:
             return max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
         if params.max_new_tokens > room:
@@ -224,6 +231,10 @@ class Engine:
     def abort(self, rid: str) -> None:
         """Abort a request (all its samples when n > 1); its memory is freed at the next step."""
         self.scheduler.abort(rid)
+
+    def abort_all(self) -> None:
+        """Abort every waiting and running request."""
+        self.scheduler.abort(None)
 
     def flush_cache(self) -> bool:
         """Drop cached prefixes. There is no prefix cache yet, so there is nothing to drop."""

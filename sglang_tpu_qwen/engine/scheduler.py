@@ -68,7 +68,7 @@ class Scheduler:
         self._inbox.put(("add", reqs))
         self._wakeup.set()
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str | None) -> None:
         self._inbox.put(("abort", rid))
         self._wakeup.set()
 
@@ -112,9 +112,10 @@ class Scheduler:
             elif kind == "abort":
                 self._abort(payload)
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str | None) -> None:
+        """Abort the request `rid` (all its samples), or every request when rid is None."""
         for r in [*self.waiting, *self.running]:
-            if r.rid == rid or r.rid.startswith(rid + "::"):
+            if rid is None or r.rid == rid or r.rid.startswith(rid + "::"):
                 self._finish(r, {"type": "abort", "message": "aborted by the client"})
 
     def step(self) -> bool:

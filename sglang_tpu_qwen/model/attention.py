@@ -38,9 +38,7 @@ def page_slots(
     return pages, positions % page_size
 
 
-def write_kv(
-    cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, offsets: jax.Array
-) -> jax.Array:
+def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:
     """Scatter new keys (or values) of one layer into the paged cache.
 
     Args:

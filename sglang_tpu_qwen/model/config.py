@@ -51,8 +51,7 @@ class Qwen35MoeConfig:
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, "
-                f"num_hidden_layers is {self.num_hidden_layers}"
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
             )
         bad = [t for t in self.layer_types if t not in _LAYER_KINDS]
         if bad:
@@ -79,10 +78,12 @@ class Qwen35MoeConfig:
 
     @property
     def num_attn_layers(self) -> int:
+        """Number of full-attention layers (the leading dim of the KV cache)."""
         return len(self.attn_layer_ids)
 
     @property
     def num_gdn_layers(self) -> int:
+        """Number of Gated DeltaNet layers (the leading dim of the GDN state cache)."""
         return len(self.gdn_layer_ids)
 
     @property
@@ -111,9 +112,7 @@ class Qwen35MoeConfig:
         """
         model_type = d.get("model_type")
         if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; expected one of {_SUPPORTED_MODEL_TYPES}"
-            )
+            raise ValueError(f"unsupported model_type {model_type!r}; expected one of {_SUPPORTED_MODEL_TYPES}")
         if model_type == "qwen3_5_moe":
             if not isinstance(d.get("text_config"), dict):
                 raise ValueError("qwen3_5_moe config has no 'text_config' dict")

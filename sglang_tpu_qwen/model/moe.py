@@ -14,9 +14,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 
-def route(
-    x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
-) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
     """Softmax router (in float32) with top-k selection.
 
     Args:

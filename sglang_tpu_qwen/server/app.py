@@ -171,7 +171,9 @@ def create_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(obj: AbortReq) -> Response:
-        if obj.rid:
+        if obj.abort_all:
+            engine.abort_all()
+        elif obj.rid:
             engine.abort(obj.rid)
         return Response(status_code=200)
 

@@ -108,6 +108,8 @@ def create_openai_router(engine: Any) -> APIRouter:
         _reject_unsupported(req.unsupported_fields())
         prompt = _render_chat(engine, req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_new is None:  # SGLang: a chat without a limit may run to the end of the context
+            max_new = max(0, engine.room_for(len(engine.tokenizer.encode(prompt))))
         kwargs = dict(
             text=prompt,
             sampling_params=_sampling_params(req, max_new),
