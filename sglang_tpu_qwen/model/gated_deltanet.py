@@ -180,8 +180,8 @@ def gdn_layer(
     k = mixed[..., kd : 2 * kd].reshape(bsz, t, hk, dk).astype(jnp.float32)
     v = mixed[..., 2 * kd :].reshape(bsz, t, hv, dv).astype(jnp.float32)
     # Value head h reads key head h // (Hv / Hk) (HF repeat_interleave).
-    q = jnp.tile(q, (1, 1, hv // hk, 1))
-    k = jnp.tile(k, (1, 1, hv // hk, 1))
+    q = jnp.repeat(q, hv // hk, axis=2)
+    k = jnp.repeat(k, hv // hk, axis=2)
     q = l2_normalize(q) * (dk**-0.5)
     k = l2_normalize(k)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
