@@ -79,3 +79,14 @@ def server(engine: Any) -> Iterator[LiveServer]:
 
     with serve_app(create_app(engine)) as url:
         yield LiveServer(url=url, engine=engine)
+
+
+# Lines the HF reference check records (tolerance and measured error); shown at the end of every run.
+REFERENCE_REPORT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REFERENCE_REPORT:
+        terminalreporter.section("HF reference check: max abs error vs tolerance (fp32)")
+        for line in REFERENCE_REPORT:
+            terminalreporter.write_line(line)

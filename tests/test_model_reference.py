@@ -1,6 +1,7 @@
 """Our JAX model against the HF transformers oracle (``Qwen3_5MoeForCausalLM``, torch CPU, fp32).
 
-A tiny random HF model is saved with ``save_pretrained`` and read back through our real loading path
+The embedded default checkpoint, and two tiny random HF models with other head counts (saved with
+``save_pretrained``), are read back through our real loading path
 (``load_config`` + ``load_params``), then compared on: prompt logits, a 32-token greedy continuation
 through the paged cache, decode-step logits vs a full recompute, and chunked vs one-shot prefill.
 """
@@ -20,7 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import REFERENCE_REPORT  # noqa: E402
+
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config  # noqa: E402
+from sglang_tpu_qwen.model.embedded import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache  # noqa: E402
 from sglang_tpu_qwen.model.weights import load_params  # noqa: E402
 
@@ -31,6 +35,7 @@ LOGIT_TOL = 1e-3
 CHUNK_TOL = 1e-4  # ours vs ours, chunked vs one-shot prefill: only the summation order differs
 PAGE_SIZE = 4
 NUM_NEW = 32
+_CURRENT = ["?"]  # the config the running test uses, for the summary lines
 PROMPT_LENS = (13, 70)  # 70 > 64: the chunked GDN form crosses a chunk boundary
 
 CONFIGS = {
@@ -95,6 +100,11 @@ def _randomise(model: Any, seed: int) -> None:
 
 @functools.cache
 def _build(name: str, tmp: str) -> tuple[Any, Qwen35MoeConfig, Any]:
+    if name == "embedded":  # the checkpoint the server runs by default, bf16 on disk, both sides in fp32
+        path = ensure_embedded_model()
+        model = transformers.Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        config = load_config(path)
+        return model, config, load_params(path, config, dtype=jnp.float32)
     torch.manual_seed(0)
     hf_cfg = transformers.Qwen3_5MoeTextConfig(
         vocab_size=512,
@@ -113,11 +123,13 @@ def _build(name: str, tmp: str) -> tuple[Any, Qwen35MoeConfig, Any]:
     return model, config, params
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=[*sorted(CONFIGS), "embedded"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ...]:
     model, config, params = _build(request.param, str(tmp_path_factory.getbasetemp()))
+    _CURRENT[0] = request.param
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, 512, size=n).tolist() for n in PROMPT_LENS]
+    # Ordinary (non-special) token ids of the config's vocabulary.
+    prompts = [rng.integers(1, min(config.vocab_size, 248044), size=n).tolist() for n in PROMPT_LENS]
     return model, config, params, prompts
 
 
@@ -175,7 +187,9 @@ def _hf_logits(model: Any, ids: list[int]) -> np.ndarray:
 
 
 def _report(what: str, err: float, tol: float) -> None:
-    print(f"{what}: max abs err {err:.3e} (tol {tol:.1e})")
+    line = f"{what}: max abs err {err:.3e} (tol {tol:.1e})"
+    print(line)
+    REFERENCE_REPORT.append(f"[{_CURRENT[0]}] {line}")
     assert err < tol, what
 
 
