@@ -258,7 +258,7 @@ def test_hf_loads_embedded_and_agrees(embedded_dir: Path) -> None:
     # HF module layout (fused experts in memory) written out by hand, independently of weights.py.
     i = config.moe_intermediate_size
     np.testing.assert_array_equal(ours["embed"], hf["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(ours["lm_head"], hf["lm_head.weight"].T)
+    np.testing.assert_array_equal(ours["lm_head"], hf["lm_head.weight"])
     np.testing.assert_array_equal(ours["final_norm"], hf["model.norm.weight"])
     for li, layer in enumerate(ours["layers"]):
         pre = f"model.layers.{li}."

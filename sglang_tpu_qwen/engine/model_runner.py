@@ -58,6 +58,7 @@ class SamplingBatch:
     seen_ids: np.ndarray | None  # [B, L] int32, -1 padded; None when no row has a penalty
     output_ids: np.ndarray | None  # [B, Lo] int32, -1 padded
     banned_ids: np.ndarray  # [B, S] int32, -1 padded: ids masked out (EOS before min_new_tokens)
+    want_logprobs: bool  # any row returns logprobs
     num_top_logprobs: int  # top alternatives wanted by any row (0: none)
 
 
@@ -82,7 +83,8 @@ class ModelRunner:
         self._forward = jax.jit(partial(forward_step, config=self.config), donate_argnums=(1,))
         self._sample = jax.jit(
             partial(_sample_step, config=self.config),
-            static_argnames=("all_greedy", "max_top_k", "num_top", "use_penalty", "use_top_p", "use_min_p"),
+            static_argnames=("all_greedy", "max_top_k", "num_top", "use_penalty", "use_top_p", "use_min_p",
+                             "want_logprobs", "use_bans"),
         )
         self._logprobs = jax.jit(partial(_gathered_logprobs, config=self.config), static_argnames=("num_top",))
         self._seen_shapes: set[tuple] = set()
@@ -137,9 +139,11 @@ class ModelRunner:
         use_penalty = batch.seen_ids is not None
         use_top_p = not all_greedy and bool(np.any(batch.top_p < 1.0))
         use_min_p = not all_greedy and bool(np.any(batch.min_p > 0.0))
+        use_bans = bool(np.any(batch.banned_ids >= 0))
         num_top = next_pow2(batch.num_top_logprobs) if batch.num_top_logprobs else 0
         self._note_shape("sample", (hidden.shape[0], all_greedy, max_top_k, num_top, use_penalty, use_top_p,
-                                    use_min_p, None if batch.seen_ids is None else batch.seen_ids.shape[1]))
+                                    use_min_p, batch.want_logprobs, use_bans,
+                                    None if batch.seen_ids is None else batch.seen_ids.shape[1]))
         out = self._sample(
             self.params, hidden, jnp.asarray(last_index), jnp.asarray(batch.temperature),
             jnp.asarray(batch.top_p), jnp.asarray(batch.top_k), jnp.asarray(batch.min_p),
@@ -149,7 +153,7 @@ class ModelRunner:
             None if batch.output_ids is None else jnp.asarray(batch.output_ids),
             jnp.asarray(batch.banned_ids),
             all_greedy=all_greedy, max_top_k=max_top_k, num_top=num_top, use_penalty=use_penalty,
-            use_top_p=use_top_p, use_min_p=use_min_p)
+            use_top_p=use_top_p, use_min_p=use_min_p, want_logprobs=batch.want_logprobs, use_bans=use_bans)
         return tuple(np.asarray(x) for x in jax.device_get(out))  # type: ignore[return-value]
 
     def logprobs_at(
@@ -173,7 +177,7 @@ class ModelRunner:
 def _sample_step(
     params, hidden, last_index, temperature, top_p, top_k, min_p, seeds, steps, repetition, frequency,
     presence, seen_ids, output_ids, banned_ids, *, config, all_greedy, max_top_k, num_top, use_penalty,
-    use_top_p, use_min_p,
+    use_top_p, use_min_p, want_logprobs, use_bans,
 ):
     """Logits at each row's last new token, then penalties, bans and sampling; see sampler.sample."""
     rows = jnp.arange(hidden.shape[0])
@@ -181,12 +185,16 @@ def _sample_step(
     raw = logits
     if use_penalty:
         logits = sampler.apply_penalties(logits, seen_ids, output_ids, repetition, frequency, presence)
-    v = logits.shape[-1]
-    logits = logits.at[rows[:, None], jnp.where(banned_ids >= 0, banned_ids, v)].set(
-        sampler.NEG_INF, mode="drop")
+    if use_bans:
+        v = logits.shape[-1]
+        logits = logits.at[rows[:, None], jnp.where(banned_ids >= 0, banned_ids, v)].set(
+            sampler.NEG_INF, mode="drop")
     tokens = sampler.sample(logits, temperature, top_p, top_k, min_p, seeds, steps,
                             all_greedy=all_greedy, max_top_k=max_top_k, use_top_p=use_top_p,
                             use_min_p=use_min_p)
+    if not want_logprobs:
+        b = tokens.shape[0]
+        return tokens, jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
     lp, top_lp, top_ids = sampler.token_logprobs(raw, tokens, num_top)
     return tokens, lp, top_lp, top_ids
 

@@ -112,7 +112,8 @@ def sample(
       use_top_p, use_min_p: static; whether any row has top_p < 1 / min_p > 0.
     Returns: [B] int32 token ids.
     """
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # top_k(., 1) rather than argmax: XLA:CPU's variadic argmax reduce is ~1.5x slower over 248k ids.
+    greedy_ids = jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
     if all_greedy:
         return greedy_ids
     is_greedy = temperature <= 0.0

@@ -94,7 +94,9 @@ class Scheduler:
                 self._wakeup.clear()
                 continue
             try:
-                self.step()
+                if not self.step():  # nothing runnable right now: do not spin
+                    self._wakeup.wait(timeout=0.01)
+                    self._wakeup.clear()
             except Exception:  # a failed step must not take the server down with it
                 logger.exception("step failed; aborting the running requests")
                 for r in list(self.running):
@@ -210,6 +212,9 @@ class Scheduler:
     def _retract(self, r: Request) -> None:
         logger.info("retracting request %s (%d tokens) to free KV pages", r.rid, len(r.fill_ids))
         self._release(r)
+        if not r.input_logprobs_done:  # the re-prefill computes them again from the start
+            r.input_token_logprobs.clear()
+            r.input_top_logprobs.clear()
         self.running.remove(r)
         self.waiting.appendleft(r)
 
@@ -312,9 +317,10 @@ class Scheduler:
         banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
         for i, bans in enumerate(ban_lists):
             banned[i, : len(bans)] = bans
+        want_logprobs = any(r.return_logprob for r, _ in chosen)
         num_top = max((r.top_logprobs_num for r, _ in chosen if r.return_logprob), default=0)
         return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
-                             output_ids, banned, num_top)
+                             output_ids, banned, want_logprobs, num_top)
 
     # ---- outputs -------------------------------------------------------------------------------
     def _tok_text(self, r: Request, token_id: int) -> str | None:

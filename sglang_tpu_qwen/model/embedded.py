@@ -129,7 +129,7 @@ def _init_leaf(name: str, shape: tuple[int, ...], hidden: int) -> np.ndarray:
     if leaf == "embed":
         x[_TOKENIZER_VOCAB:] = 0.0
     elif leaf == "lm_head":
-        x[:, _TOKENIZER_VOCAB:] = 0.0
+        x[_TOKENIZER_VOCAB:] = 0.0
     return x
 
 

@@ -106,7 +106,7 @@ def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16) -> dict[str,
         layers.append(layer)
     params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
     if not c.tie_word_embeddings:
-        params["lm_head"] = s(h, c.vocab_size)
+        params["lm_head"] = s(c.vocab_size, h)
     return params
 
 
@@ -184,7 +184,7 @@ def _hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset(
                     add(f"{pre}mlp.experts.{e}.{hf}.weight", (*mp, leaf), "expert_t", e)
     add("norm.weight", ("final_norm",), "same")
     if not config.tie_word_embeddings:
-        add("lm_head.weight", ("lm_head",), "t")
+        add("lm_head.weight", ("lm_head",), "same")
     return table
 
 
