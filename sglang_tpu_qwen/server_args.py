@@ -47,8 +47,25 @@ class ServerArgs:
     )
     random_seed: int = field(default=0, metadata={"help": "Seed for sampling without a per-request seed."})
     stream_interval: int = field(default=1, metadata={"help": "Decode steps between streamed chunks."})
-    disable_radix_cache: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility."})
     skip_server_warmup: bool = field(default=False, metadata={"help": "Skip the warm-up request at start."})
+    # Prefix cache (radix tree over KV pages + GDN state snapshots).
+    disable_radix_cache: bool = field(default=False, metadata={"help": "Turn the prefix cache off."})
+    schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match) or fcfs."})
+    max_gdn_snapshots: int | None = field(
+        default=None, metadata={"help": "GDN state snapshot slots on device (default: 2x max running requests)."}
+    )
+    gdn_snapshot_host_gb: float = field(default=0.0, metadata={"help": "Host memory for evicted snapshots (GB)."})
+    debug_nan_fill_freed_slots: bool = field(
+        default=False, metadata={"help": "Fill freed GDN slots with NaN so a stale read fails loudly."}
+    )
+    # Kernels.
+    attention_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
+    gdn_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
+    # Parallelism.
+    moe_combine: str = field(default="hierarchical", metadata={"help": "MoE reduce-scatter: flat or hierarchical."})
+    nnodes: int = field(default=1, metadata={"help": "Number of hosts (JAX processes)."})
+    node_rank: int = field(default=0, metadata={"help": "This host's rank."})
+    dist_init_addr: str | None = field(default=None, metadata={"help": "host:port of the rank-0 coordinator."})
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -56,6 +73,11 @@ class ServerArgs:
         for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
+                   "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
 
