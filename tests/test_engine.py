@@ -151,6 +151,10 @@ def test_streaming_is_cumulative(engine):
         ({"prompt": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
         ({"prompt": "hi", "sampling_params": {"max_new_tokens": 10**7}}, "context length"),
         ({"prompt": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"prompt": "hi", "sampling_params": {"temperature": float("nan")}}, "temperature"),
+        ({"prompt": "hi", "sampling_params": {"repetition_penalty": float("inf")}}, "repetition_penalty"),
+        ({"prompt": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
     ],
 )
 def test_bad_input_raises(engine, kwargs, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -68,26 +69,27 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
-        def is_num(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        def is_num(x: Any) -> bool:  # finite: NaN or inf would silently turn the logits into junk
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             if not is_num(getattr(self, name)):
-                bad(f"{name} must be a number, got {getattr(self, name)!r}")
+                bad(f"{name} must be a finite number, got {getattr(self, name)!r}")
         for name in ("min_new_tokens", "top_k", "n"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.max_new_tokens is not None and (
-            not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0
+            not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool)
+            or self.max_new_tokens < 0
         ):
             bad(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
         if self.temperature < 0:
             bad(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+        if self.top_k < -1 or self.top_k == 0:  # SGLang's rule
+            bad(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:

@@ -8,6 +8,7 @@ Decoder layer (HF ``Qwen3_5MoeDecoderLayer``)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -66,6 +67,7 @@ def forward_step(
     slot_ids: jax.Array,
     *,
     config: Qwen35MoeConfig,
+    moe_fn: Callable[..., jax.Array] | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Run new tokens of a batch of sequences through the model, updating the cache.
 
@@ -78,6 +80,8 @@ def forward_step(
         page_table: ``[B, P]`` int32 pages covering positions ``[0, prefix_len + new_len)``; rest 0.
         slot_ids: ``[B]`` int32 GDN state slot per row (0 for a padding row).
         config: static model config. ``T == 1`` uses the recurrent GDN form, ``T > 1`` the chunked one.
+        moe_fn: ``(moe_params, x [B, T, H], config) -> [B, T, H]``; default :func:`moe_block`. The
+            expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``.
 
     Returns:
         ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``. Hidden rows of padded
@@ -110,7 +114,7 @@ def forward_step(
             rec = rec.at[gdn_i, slot_ids].set(rec_s)
             gdn_i += 1
         h = h + x
-        h = h + moe_block(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)
+        h = h + (moe_fn or moe_block)(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)
     h = rms_norm(h, params["final_norm"], eps)
     return h, {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}
 

@@ -35,9 +35,13 @@ class OpenAIError(Exception):
 
 
 def _default_type(status: int) -> str:
-    return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-        status, HTTPStatus(status).phrase.replace(" ", "")
-    )
+    named = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 499: "ClientClosedRequest"}
+    if status in named:
+        return named[status]
+    try:
+        return HTTPStatus(status).phrase.replace(" ", "")
+    except ValueError:  # a non-standard status
+        return "Error"
 
 
 def openai_error(

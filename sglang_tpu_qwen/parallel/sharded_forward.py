@@ -1,0 +1,69 @@
+"""``forward_step`` over a device mesh: DP attention + expert-parallel MoE in one ``shard_map``.
+
+Each data-parallel rank runs the model's own ``forward_step`` on its rows of the batch with its own block
+of KV pages and GDN slots (local ids), and the MoE of every layer goes through the expert-parallel path
+(expert_parallel.py) over the ``expert`` axis. Same contract as ``model.forward.forward_step``
+(docs/internals.md) except that page and slot ids are rank-local (sharding.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.forward import forward_step
+from sglang_tpu_qwen.parallel.expert_parallel import make_ep_moe_fn
+from sglang_tpu_qwen.parallel.mesh import EXPERT, Layout
+from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs, param_pspecs
+
+ForwardFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def make_sharded_forward(
+    layout: Layout,
+    config: Qwen35MoeConfig,
+    params_like: Any,
+    *,
+    combine: str = "hierarchical",
+    micro_batches: int = 1,
+    forward: ForwardFn = forward_step,
+) -> ForwardFn:
+    """Build ``fwd(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids) -> (hidden, cache)``.
+
+    Args:
+        layout: from ``mesh.make_layout``.
+        config: model config.
+        params_like: the parameter pytree (or its ShapeDtypeStructs) the function will be called with;
+            only its structure is used, to build the sharding specs.
+        combine: MoE reduce-scatter, ``"flat"`` or ``"hierarchical"`` (``--moe-combine``).
+        micro_batches: MoE micro-batches per layer.
+        forward: per-rank step with ``forward_step``'s signature plus ``moe_fn`` (the planner passes a
+            scanned variant).
+
+    Returns:
+        An un-jitted function; jit it with ``donate_argnums=(1,)``. Inputs: params placed with
+        ``sharding.shard_params``, cache with ``sharding.shard_cache``; batch arrays ``[B, ...]`` with
+        ``B % layout.dp == 0``, rank ``r`` owning rows ``[r*B/dp, (r+1)*B/dp)``, page/slot ids local to
+        the rank. Output hidden ``[B, T, H]`` is split the same way.
+    """
+    moe_fn = make_ep_moe_fn(
+        EXPERT,
+        layout.ep,
+        tokens_replicated=not layout.attention_spans_experts,
+        combine=combine,
+        micro_batches=micro_batches,
+    )
+    body = functools.partial(forward, config=config, moe_fn=moe_fn)
+    b = batch_pspec(layout)
+    cspec = cache_pspecs(layout)
+    return jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(param_pspecs(params_like, layout), cspec, b, b, b, b, b),
+        out_specs=(b, cspec),
+        check_vma=False,
+    )

@@ -1,0 +1,79 @@
+"""One table from every parameter and cache array to its ``PartitionSpec`` on a :class:`mesh.Layout`.
+
+- experts (``w_gate``, ``w_up``, ``w_down``, and their FP8 scales): dim 0 split over ``expert``;
+- every other parameter (embeddings, attention, Gated DeltaNet, router, shared expert, norms): replicated;
+- KV pages (dim 1 of ``k``/``v``) and GDN slots (dim 1 of ``conv``/``rec``): split over the batch axes, so
+  data-parallel rank ``r`` owns a contiguous block of pages and slots and addresses them by *local* ids
+  (0 .. per-rank count - 1, local page 0 and slot 0 being that rank's trash targets);
+- batch inputs (``tokens``, ``prefix_lens``, ``new_lens``, ``page_table``, ``slot_ids``) and the hidden
+  output: dim 0 split over the batch axes (rank ``r`` owns rows ``[r*B/dp, (r+1)*B/dp)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sglang_tpu_qwen.parallel.mesh import EXPERT, Layout
+
+EXPERT_LEAVES = frozenset({"w_gate", "w_up", "w_down"})
+CACHE_KEYS = ("k", "v", "conv", "rec")
+
+
+def _key_names(path: tuple[Any, ...]) -> set[str]:
+    names = set()
+    for k in path:
+        for attr in ("key", "name"):
+            v = getattr(k, attr, None)
+            if isinstance(v, str):
+                names.add(v)
+    return names
+
+
+def param_pspecs(params: Any, layout: Layout) -> Any:
+    """PartitionSpec pytree matching ``params`` (arrays, ShapeDtypeStructs or FP8 leaves, fp8.py).
+
+    Raises:
+        ValueError: the expert count does not divide by the expert-parallel size.
+    """
+
+    def spec(path: tuple[Any, ...], leaf: Any) -> P:
+        if _key_names(path) & EXPERT_LEAVES:
+            if leaf.shape[0] % layout.ep:
+                raise ValueError(f"{leaf.shape[0]} experts do not split {layout.ep} ways")
+            return P(EXPERT)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def cache_pspecs(layout: Layout) -> dict[str, P]:
+    """``{"k", "v", "conv", "rec"}`` -> spec: pages / slots (dim 1) split over the batch axes."""
+    return {name: P(None, layout.batch_axes) for name in CACHE_KEYS}
+
+
+def batch_pspec(layout: Layout) -> P:
+    """Spec of a ``[B, ...]`` batch input or output: rows split over the batch axes."""
+    return P(layout.batch_axes)
+
+
+def shardings(pspecs: Any, layout: Layout) -> Any:
+    """PartitionSpec pytree -> NamedSharding pytree on the layout's mesh."""
+    return jax.tree.map(lambda s: NamedSharding(layout.mesh, s), pspecs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(params: Any, layout: Layout) -> Any:
+    """Place a parameter pytree on the mesh (experts split, the rest replicated)."""
+    return jax.device_put(params, shardings(param_pspecs(params, layout), layout))
+
+
+def shard_cache(cache: dict[str, jax.Array], layout: Layout) -> dict[str, jax.Array]:
+    """Place a cache from ``init_cache(config, dp * pages_per_rank, page_size, dp * slots_per_rank, ...)``
+    on the mesh. Raises ValueError when pages or slots do not divide by ``layout.dp``."""
+    for name in CACHE_KEYS:
+        if cache[name].shape[1] % layout.dp:
+            raise ValueError(f"cache[{name!r}] has {cache[name].shape[1]} pages/slots, not divisible by dp={layout.dp}")
+    return jax.device_put(cache, shardings(cache_pspecs(layout), layout))
