@@ -61,8 +61,12 @@ def test_64_concurrent_requests_free_all_memory(server):
         solo = httpx.post(server.url + "/generate", json={**bodies[k], "stream": False}, timeout=300).json()
         assert solo["output_ids"] == outs[k]["output_ids"]
 
+    # Idle now: flushing the prefix cache must hand every page and snapshot back.
+    assert httpx.post(server.url + "/flush_cache", timeout=60).status_code == 200
     info = httpx.get(server.url + "/get_server_info", timeout=30).json()
     mem = info["memory"]
     assert info["num_running"] == 0 and info["num_waiting"] == 0
     assert mem["kv_pages_free"] == mem["kv_pages_total"] > 0
     assert mem["gdn_slots_free"] == mem["gdn_slots_total"] > 0
+    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"] > 0
+    assert mem["cached_pages"] == 0 and mem["cached_snapshots"] == 0

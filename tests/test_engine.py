@@ -21,9 +21,11 @@ def engine():
 
 
 def _assert_idle_and_free(eng: Engine) -> None:
+    assert eng.flush_cache()  # idle: the prefix cache hands every page and snapshot back
     mem = eng.get_server_info()["memory"]
     assert mem["kv_pages_free"] == mem["kv_pages_total"]
     assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
+    assert mem.get("snapshot_slots_free") == mem.get("snapshot_slots_total")
 
 
 def test_greedy_is_deterministic_and_batch_invariant(engine):

@@ -107,9 +107,9 @@ class Engine:
             max_new = self._max_new_tokens(len(ids), params)
             start = starts[i]
             if start is None or start == -1 or not lps[i]:
-                start = len(ids) - 1
-            if not isinstance(start, int) or not 0 <= start < len(ids):
-                raise InvalidRequestError(f"logprob_start_len must be in [0, {len(ids)}) or -1, got {start}")
+                start = len(ids)  # no prompt logprobs unless asked for: keeps the whole prefix cacheable
+            if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= len(ids):
+                raise InvalidRequestError(f"logprob_start_len must be in [0, {len(ids)}] or -1, got {start}")
             top = tops[i] or 0
             if not isinstance(top, int) or top < 0 or top > 256:
                 raise InvalidRequestError(f"top_logprobs_num must be in [0, 256], got {top}")
@@ -237,8 +237,8 @@ class Engine:
         self.scheduler.abort(None)
 
     def flush_cache(self) -> bool:
-        """Drop cached prefixes. There is no prefix cache yet, so there is nothing to drop."""
-        return True
+        """Empty the prefix cache; refused (False) while requests are waiting or running."""
+        return self.scheduler.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
         info = dataclasses.asdict(self.server_args)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.engine import sampler
+from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
 from sglang_tpu_qwen.model.weights import load_params
@@ -75,12 +76,23 @@ class ModelRunner:
         self.page_size = args.page_size
         max_tokens = args.max_total_tokens or self._default_kv_tokens(args)
         self.num_pages = max_tokens // self.page_size + 1  # +1: page 0 is the trash page
-        self.num_slots = args.max_running_requests + 1  # +1: slot 0 is the trash slot
+        # Slot ids: 0 trash, [1, R] running requests, (R, R + S] prefix-cache snapshots.
+        self.num_running_slots = args.max_running_requests + 1
+        if args.disable_radix_cache or not self.config.num_gdn_layers:
+            self.num_snapshot_slots = 0
+        else:
+            default = 2 * args.max_running_requests
+            self.num_snapshot_slots = default if args.max_gdn_snapshots is None else args.max_gdn_snapshots
+        self.num_slots = self.num_running_slots + self.num_snapshot_slots
         self.cache = init_cache(self.config, self.num_pages, self.page_size, self.num_slots, self.dtype,
                                 jnp.float32)
-        logger.info("KV pool: %d pages x %d tokens; GDN slots: %d", self.num_pages - 1, self.page_size,
-                    self.num_slots - 1)
-        self._forward = jax.jit(partial(forward_step, config=self.config), donate_argnums=(1,))
+        logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots", self.num_pages - 1,
+                    self.page_size, self.num_running_slots - 1, self.num_snapshot_slots)
+        self.backends = resolve_backends(args.attention_backend, args.gdn_backend)
+        logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
+                    " (Pallas interpret mode)" if self.backends.interpret else "")
+        self._forward = jax.jit(partial(forward_step, config=self.config, backends=self.backends),
+                                donate_argnums=(1,))
         self._sample = jax.jit(
             partial(_sample_step, config=self.config),
             static_argnames=("all_greedy", "max_top_k", "num_top", "use_penalty", "use_top_p", "use_min_p",

@@ -42,6 +42,12 @@ class Request:
     slot: int | None = None
     cached_len: int = 0
     admit_order: int = 0
+    # Prefix cache (engine/prefix_cache.py): pages[:num_tree_pages] belong to the tree, locked via prefix_node.
+    prefix_node: Any = None
+    num_tree_pages: int = 0
+    snapshot_targets: list[int] = field(default_factory=list)
+    private_snapshot: tuple[int, int] | None = None  # (snapshot slot, position) taken during decode
+    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     input_logprobs_done: bool = False
     input_token_logprobs: list[Logprob] = field(default_factory=list)
     input_top_logprobs: list[list[Logprob] | None] = field(default_factory=list)
@@ -73,7 +79,7 @@ class Request:
             "id": self.rid,
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens or 0,
             "finish_reason": self.finish_reason,
             "e2e_latency": time.perf_counter() - self.created,
         }

@@ -22,7 +22,9 @@ import numpy as np
 
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner, SamplingBatch, next_pow2
+from sglang_tpu_qwen.engine.prefix_cache import PrefixCache
 from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.memory import gdn_state
 from sglang_tpu_qwen.memory.id_pool import IdPool
 from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
@@ -44,7 +46,10 @@ class Scheduler:
         self.metrics = metrics
         self.page_size = runner.page_size
         self.kv_pool = IdPool(runner.num_pages, "page")
-        self.slot_pool = IdPool(runner.num_slots, "slot")
+        self.slot_pool = IdPool(runner.num_running_slots, "slot")
+        self.prefix_cache = None if args.disable_radix_cache else PrefixCache(
+            runner, self.kv_pool, self.page_size, int(args.gdn_snapshot_host_gb * 2**30),
+            args.debug_nan_fill_freed_slots)
         self.eos_ids = set(runner.config.eos_token_id) | set(tokenizer.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -72,18 +77,32 @@ class Scheduler:
         self._inbox.put(("abort", rid))
         self._wakeup.set()
 
+    def flush_cache(self, timeout: float = 60.0) -> bool:
+        """Empty the prefix cache if no request is waiting or running (done on the scheduler thread)."""
+        done = threading.Event()
+        result: list[bool] = []
+        self._inbox.put(("flush", (done, result)))
+        self._wakeup.set()
+        done.wait(timeout)
+        return bool(result and result[0])
+
     @property
     def kv_tokens_total(self) -> int:
         return self.kv_pool.num_usable * self.page_size
 
-    def memory_usage(self) -> dict[str, int]:
-        return {
+    def memory_usage(self) -> dict[str, Any]:
+        """Pool usage. KV pages held by the prefix cache are not free until evicted or flushed."""
+        usage: dict[str, Any] = {
             "kv_pages_total": self.kv_pool.num_usable,
             "kv_pages_free": self.kv_pool.num_free,
             "gdn_slots_total": self.slot_pool.num_usable,
             "gdn_slots_free": self.slot_pool.num_free,
             "page_size": self.page_size,
+            "radix_cache": self.prefix_cache is not None,
         }
+        if self.prefix_cache is not None:
+            usage.update(self.prefix_cache.stats())
+        return usage
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -100,7 +119,7 @@ class Scheduler:
             except Exception:  # a failed step must not take the server down with it
                 logger.exception("step failed; aborting the running requests")
                 for r in list(self.running):
-                    self._finish(r, {"type": "abort", "message": "internal error during the step"})
+                    self._finish(r, {"type": "abort", "message": "internal error during the step"}, keep=False)
             self._report_usage()
 
     def _drain_inbox(self) -> None:
@@ -113,6 +132,13 @@ class Scheduler:
                 self.waiting.extend(payload)
             elif kind == "abort":
                 self._abort(payload)
+            elif kind == "flush":
+                done, result = payload
+                idle = not self.waiting and not self.running
+                if idle and self.prefix_cache is not None:
+                    self.prefix_cache.flush()
+                result.append(idle)
+                done.set()
 
     def _abort(self, rid: str | None) -> None:
         """Abort the request `rid` (all its samples), or every request when rid is None."""
@@ -139,16 +165,23 @@ class Scheduler:
             self._finish(r, {"type": "abort", "message": "aborted by the client"})
 
     def _admit(self) -> None:
+        cache = self.prefix_cache
+        if cache is not None and self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= 128:
+            # Longest prefix first (SGLang's lpm): requests sharing a cached prefix run while it is hot.
+            self.waiting = deque(sorted(self.waiting, key=cache.peek, reverse=True))
         while self.waiting and len(self.running) < self.args.max_running_requests:
             r = self.waiting[0]
             first_chunk = min(r.pending, self.args.chunked_prefill_size)
-            if self._pages_needed(r, r.cached_len + first_chunk) > self.kv_pool.num_free:
+            available = self.kv_pool.num_free + (cache.evictable_pages if cache is not None else 0)
+            if self._pages_needed(r, r.cached_len + first_chunk) > available:
                 return
             slot = self.slot_pool.alloc(1)
             if slot is None:
                 return
             self.waiting.popleft()
             r.slot = slot[0]
+            if cache is not None:
+                cache.admit(r)
             self._admit_counter += 1
             r.admit_order = self._admit_counter
             self.running.append(r)
@@ -167,6 +200,9 @@ class Scheduler:
             if r.slot is None:  # retracted earlier in this loop
                 continue
             n = min(r.pending, budget)
+            target = self.prefix_cache.next_target(r) if self.prefix_cache is not None else None
+            if target is not None:  # end the chunk where a snapshot is wanted
+                n = min(n, target - r.cached_len)
             if not self._ensure_pages_or_retract(r, r.cached_len + n):
                 continue
             chosen.append((r, n))
@@ -190,6 +226,9 @@ class Scheduler:
         """Give r pages for num_tokens tokens, retracting newer requests if needed; False if r was retracted."""
         while True:
             need = self._pages_needed(r, num_tokens)
+            short = need - self.kv_pool.num_free
+            if short > 0 and self.prefix_cache is not None:
+                self.prefix_cache.evict_pages(short)
             got = self.kv_pool.alloc(need) if need else []
             if got is not None:
                 r.pages.extend(got)
@@ -200,12 +239,17 @@ class Scheduler:
             if victim is r:
                 return False
 
-    def _release(self, r: Request) -> None:
+    def _release(self, r: Request, keep: bool = True) -> None:
+        """Return r's memory; with the prefix cache, first hand what r computed to the tree (keep=True)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.finish(r, keep)
         if r.pages:
             self.kv_pool.free(r.pages)
             r.pages = []
         if r.slot is not None:
             self.slot_pool.free([r.slot])
+            if self.args.debug_nan_fill_freed_slots:
+                self.runner.cache = gdn_state.fill_nan(self.runner.cache, [r.slot])
             r.slot = None
         r.cached_len = 0
 
@@ -239,6 +283,13 @@ class Scheduler:
         finishing = [i for i, (r, n) in enumerate(chosen) if r.cached_len + n == len(r.fill_ids)]
         for r, n in chosen:
             r.cached_len += n
+        self._sample_and_accept(chosen, finishing, hidden, new_lens, b)
+        if self.prefix_cache is not None:
+            self.prefix_cache.after_step([r for r, _ in chosen], is_extend)
+
+    def _sample_and_accept(self, chosen: list[tuple[Request, int]], finishing: list[int], hidden: Any,
+                           new_lens: np.ndarray, b: int) -> None:
+        """Sample the next token of every row whose pending tokens are all in the cache now."""
         if all(chosen[i][0].max_new_tokens == 0 for i in finishing):  # scoring only: nothing to sample
             for i in finishing:
                 self._finish(chosen[i][0], {"type": "length", "length": 0})
@@ -357,13 +408,13 @@ class Scheduler:
             r.streamed_upto = len(r.output_ids)
             r.sink(r.reply())
 
-    def _finish(self, r: Request, reason: dict) -> None:
+    def _finish(self, r: Request, reason: dict, keep: bool = True) -> None:
         if r.finished:
             return
         r.finish_reason = reason
         if reason["type"] != "abort" and not r.detokenizer.stopped:
             r.text += r.detokenizer.flush()
-        self._release(r)
+        self._release(r, keep)
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:

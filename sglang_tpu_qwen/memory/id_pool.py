@@ -4,26 +4,27 @@ from __future__ import annotations
 
 
 class IdPool:
-    """Hands out ids in [1, size); id 0 is reserved as the trash target padded batch rows write to.
+    """Hands out ids in [start, size); by default id 0 is reserved as the trash target padded rows write to.
 
     Used for the KV page pool (one id = one page of every attention layer) and the GDN slot pool
     (one id = the conv + recurrent state of every GDN layer for one request). Every id handed out
     must come back through `free`, so `num_free == num_usable` when the server is idle.
     """
 
-    def __init__(self, size: int, what: str = "id") -> None:
-        if size < 2:
-            raise ValueError(f"a {what} pool needs at least 2 entries (one is reserved), got {size}")
+    def __init__(self, size: int, what: str = "id", start: int = 1) -> None:
+        if size - start < 1:
+            raise ValueError(f"a {what} pool needs at least 1 usable entry in [{start}, {size})")
         self.size = size
+        self.start = start
         self.what = what
         # LIFO: recently freed ids are reused first, which keeps the touched memory small.
-        self._free: list[int] = list(range(size - 1, 0, -1))
+        self._free: list[int] = list(range(size - 1, start - 1, -1))
         self._in_use: set[int] = set()
 
     @property
     def num_usable(self) -> int:
-        """Ids that can ever be handed out (all but the reserved id 0)."""
-        return self.size - 1
+        """Ids that can ever be handed out."""
+        return self.size - self.start
 
     @property
     def num_free(self) -> int:

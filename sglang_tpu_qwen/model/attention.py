@@ -7,6 +7,7 @@ RMSNorm (``1 + w``); partial RoPE; softmax attention with scale ``hd^-0.5``; out
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -109,6 +110,7 @@ def attention_layer(
     valid: jax.Array,
     kv_lens: jax.Array,
     config: Qwen35MoeConfig,
+    core: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One gated attention block (token mixer only; norms and residual are the caller's).
 
@@ -123,6 +125,9 @@ def attention_layer(
         valid: ``[B, T]`` bool, False for padded tokens (their K/V go to trash page 0).
         kv_lens: ``[B]`` int32, prefix_len + new_len.
         config: model config.
+        core: optional replacement for write_kv + paged_attention with the signature of
+            ``kernels.ragged_paged_attention`` (``(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens,
+            page_table) -> (attn, k_cache, v_cache)``); None runs this module's reference.
 
     Returns:
         ``(out [B, T, H], k_cache, v_cache)`` with the new K/V written.
@@ -138,9 +143,13 @@ def attention_layer(
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
 
-    pages, offsets = page_slots(positions, valid, page_table, k_cache.shape[2])
-    k_cache = write_kv(k_cache, layer, k, pages, offsets)
-    v_cache = write_kv(v_cache, layer, v, pages, offsets)
-    attn = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens)
+    if core is not None:
+        q_lens = jnp.sum(valid, axis=1, dtype=jnp.int32)
+        attn, k_cache, v_cache = core(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens, page_table)
+    else:
+        pages, offsets = page_slots(positions, valid, page_table, k_cache.shape[2])
+        k_cache = write_kv(k_cache, layer, k, pages, offsets)
+        v_cache = write_kv(v_cache, layer, v, pages, offsets)
+        attn = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens)
     out = attn.reshape(b, t, nq * hd) * jax.nn.sigmoid(gate)
     return out @ p["o_proj"], k_cache, v_cache

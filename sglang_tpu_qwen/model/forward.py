@@ -14,9 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, gdn_kernel
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.gated_deltanet import gdn_layer
+from sglang_tpu_qwen.model.gated_deltanet import gdn_layer, gdn_layer_pooled
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import rope_cos_sin
@@ -68,6 +69,7 @@ def forward_step(
     *,
     config: Qwen35MoeConfig,
     moe_fn: Callable[..., jax.Array] | None = None,
+    backends: KernelBackends | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Run new tokens of a batch of sequences through the model, updating the cache.
 
@@ -82,6 +84,7 @@ def forward_step(
         config: static model config. ``T == 1`` uses the recurrent GDN form, ``T > 1`` the chunked one.
         moe_fn: ``(moe_params, x [B, T, H], config) -> [B, T, H]``; default :func:`moe_block`. The
             expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``.
+        backends: static kernel choice per layer kind (``kernels.dispatch``); None = the jnp reference.
 
     Returns:
         ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``. Hidden rows of padded
@@ -98,14 +101,22 @@ def forward_step(
     k_cache, v_cache, conv, rec = cache["k"], cache["v"], cache["conv"], cache["rec"]
     eps = config.rms_norm_eps
     h = params["embed"][tokens]
+    backends = backends or KernelBackends()
+    attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
     attn_i = gdn_i = 0
     for kind, lp in zip(config.layer_types, params["layers"], strict=True):
         x = rms_norm(h, lp["input_norm"], eps)
         if kind == "full_attention":
             x, k_cache, v_cache = attention_layer(
-                lp["attn"], x, cos, sin, k_cache, v_cache, attn_i, page_table, positions, valid, kv_lens, config
+                lp["attn"], x, cos, sin, k_cache, v_cache, attn_i, page_table, positions, valid, kv_lens, config,
+                attn_core,
             )
             attn_i += 1
+        elif gdn_fused is not None:
+            x, conv, rec = gdn_layer_pooled(
+                lp["gdn"], x, conv, rec, gdn_i, slot_ids, prefix_lens == 0, valid, new_lens, config, gdn_fused
+            )
+            gdn_i += 1
         else:
             conv_s = jnp.where(fresh, 0, conv[gdn_i, slot_ids])
             rec_s = jnp.where(fresh[..., None], 0, rec[gdn_i, slot_ids])

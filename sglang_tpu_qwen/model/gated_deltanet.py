@@ -15,6 +15,7 @@ A token with ``g = 0, beta = 0, k = 0`` leaves ``S`` unchanged; padded tokens ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -142,6 +143,89 @@ def chunk_gated_delta_rule(
     return jnp.swapaxes(o, 1, 2), state
 
 
+def gdn_projections(
+    p: dict[str, Any], x: jax.Array, valid: jax.Array, config: Qwen35MoeConfig
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Input projections of a Gated DeltaNet block, with padded tokens masked.
+
+    Args:
+        p: GDN parameters (docs/internals.md).
+        x: ``[B, T, H]`` normalised hidden states.
+        valid: ``[B, T]`` bool.
+        config: model config.
+
+    Returns:
+        ``(mixed [B, T, conv_dim] in x.dtype (pre-conv q|k|v channels; 0 at padded tokens), z [B, T, Hv, dv],
+        g [B, T, Hv] float32 log-decay, beta [B, T, Hv] float32)``; ``g = beta = 0`` at padded tokens.
+    """
+    bsz, t, _ = x.shape
+    hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+    x = jnp.where(valid[..., None], x, 0)
+    mixed = x @ p["in_proj_qkv"]
+    z = (x @ p["in_proj_z"]).reshape(bsz, t, hv, dv)
+    beta = jax.nn.sigmoid((x @ p["in_proj_b"]).astype(jnp.float32))
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        (x @ p["in_proj_a"]).astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+    )
+    g = jnp.where(valid[..., None], g, 0.0)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    return mixed, z, g, beta
+
+
+def gdn_mix(
+    mixed: jax.Array,
+    conv_weight: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    conv_state: jax.Array,
+    rec_state: jax.Array,
+    valid: jax.Array,
+    new_lens: jax.Array,
+    config: Qwen35MoeConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal conv1d + SiLU, q/k L2 norm and the gated delta rule (the part the fused kernel replaces).
+
+    Args:
+        mixed: ``[B, T, conv_dim]`` from :func:`gdn_projections`.
+        conv_weight: ``[conv_dim, K]``.
+        g, beta: ``[B, T, Hv]`` float32 (0 at padded tokens).
+        conv_state: ``[B, conv_dim, K-1]``; rec_state: ``[B, Hv, dk, dv]`` (zeros at sequence start).
+        valid: ``[B, T]`` bool; new_lens: ``[B]`` int32.
+        config: model config. ``T == 1`` selects the recurrent form, otherwise the chunked form.
+
+    Returns:
+        ``(o [B, T, Hv, dv] float32, conv_state, rec_state)`` with the states in their input dtypes.
+    """
+    bsz, t, _ = mixed.shape
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    mixed, conv_state = causal_conv1d(mixed, conv_state, conv_weight, new_lens)
+    kd = config.gdn_key_dim
+    q = mixed[..., :kd].reshape(bsz, t, hk, dk).astype(jnp.float32)
+    k = mixed[..., kd : 2 * kd].reshape(bsz, t, hk, dk).astype(jnp.float32)
+    v = mixed[..., 2 * kd :].reshape(bsz, t, hv, dv).astype(jnp.float32)
+    # Value head h reads key head h // (Hv / Hk) (HF repeat_interleave).
+    q = jnp.repeat(q, hv // hk, axis=2)
+    k = jnp.repeat(k, hv // hk, axis=2)
+    q = l2_normalize(q) * (dk**-0.5)
+    k = l2_normalize(k)
+    k = jnp.where(valid[..., None, None], k, 0.0)
+
+    s0 = rec_state.astype(jnp.float32)
+    if t == 1:
+        o, s1 = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    else:
+        o, s1 = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    return o, conv_state, s1.astype(rec_state.dtype)
+
+
+def gdn_output(p: dict[str, Any], o: jax.Array, z: jax.Array, dtype: Any, config: Qwen35MoeConfig) -> jax.Array:
+    """Gated RMSNorm per head and ``out_proj``: ``o [B, T, Hv, dv]`` (any float), ``z`` -> ``[B, T, H]`` dtype."""
+    bsz, t, hv, dv = o.shape
+    o = gated_rms_norm(o.astype(dtype), z, p["norm"], config.rms_norm_eps)
+    return o.reshape(bsz, t, hv * dv) @ p["out_proj"]
+
+
 def gdn_layer(
     p: dict[str, Any],
     x: jax.Array,
@@ -166,36 +250,38 @@ def gdn_layer(
     Returns:
         ``(out [B, T, H] in x.dtype, conv_state, rec_state)``; padded tokens leave both states untouched.
     """
-    bsz, t, _ = x.shape
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    x = jnp.where(valid[..., None], x, 0)
-    mixed, conv_state = causal_conv1d(x @ p["in_proj_qkv"], conv_state, p["conv1d"], new_lens)
-    z = (x @ p["in_proj_z"]).reshape(bsz, t, hv, dv)
-    b = x @ p["in_proj_b"]
-    a = x @ p["in_proj_a"]
+    mixed, z, g, beta = gdn_projections(p, x, valid, config)
+    o, conv_state, rec_state = gdn_mix(mixed, p["conv1d"], g, beta, conv_state, rec_state, valid, new_lens, config)
+    return gdn_output(p, o, z, x.dtype, config), conv_state, rec_state
 
-    kd = config.gdn_key_dim
-    q = mixed[..., :kd].reshape(bsz, t, hk, dk).astype(jnp.float32)
-    k = mixed[..., kd : 2 * kd].reshape(bsz, t, hk, dk).astype(jnp.float32)
-    v = mixed[..., 2 * kd :].reshape(bsz, t, hv, dv).astype(jnp.float32)
-    # Value head h reads key head h // (Hv / Hk) (HF repeat_interleave).
-    q = jnp.repeat(q, hv // hk, axis=2)
-    k = jnp.repeat(k, hv // hk, axis=2)
-    q = l2_normalize(q) * (dk**-0.5)
-    k = l2_normalize(k)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
-    )
-    g = jnp.where(valid[..., None], g, 0.0)
-    beta = jnp.where(valid[..., None], beta, 0.0)
-    k = jnp.where(valid[..., None, None], k, 0.0)
 
-    s0 = rec_state.astype(jnp.float32)
-    if t == 1:
-        o, s1 = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
-    else:
-        o, s1 = chunk_gated_delta_rule(q, k, v, g, beta, s0)
-    o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], config.rms_norm_eps)
-    return o.reshape(bsz, t, hv * dv) @ p["out_proj"], conv_state, s1.astype(rec_state.dtype)
+def gdn_layer_pooled(
+    p: dict[str, Any],
+    x: jax.Array,
+    conv_pool: jax.Array,
+    rec_pool: jax.Array,
+    layer: int,
+    slot_ids: jax.Array,
+    fresh: jax.Array,
+    valid: jax.Array,
+    new_lens: jax.Array,
+    config: Qwen35MoeConfig,
+    pooled_mix: Callable,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`gdn_layer` with the conv1d + delta rule done by ``pooled_mix`` directly on the state pools.
+
+    Args:
+        p, x, valid, new_lens, config: as :func:`gdn_layer`.
+        conv_pool: ``[L_gdn, S, conv_dim, K-1]``; rec_pool: ``[L_gdn, S, Hv, dk, dv]`` (all GDN layers).
+        layer: GDN-layer index; slot_ids: ``[B]`` int32; fresh: ``[B]`` bool (read the states as zeros).
+        pooled_mix: ``kernels.gdn.kernel.fused_gdn`` (or its reference) with ``interpret`` bound.
+
+    Returns:
+        ``(out [B, T, H] in x.dtype, conv_pool, rec_pool)``.
+    """
+    mixed, z, g, beta = gdn_projections(p, x, valid, config)
+    o, conv_pool, rec_pool = pooled_mix(
+        mixed, p["conv1d"], g, beta, conv_pool, rec_pool, layer, slot_ids, new_lens, fresh,
+        num_k_heads=config.linear_num_key_heads, head_k_dim=config.linear_key_head_dim,
+        head_v_dim=config.linear_value_head_dim)
+    return gdn_output(p, o, z, x.dtype, config), conv_pool, rec_pool

@@ -277,6 +277,22 @@ class RadixCache:
         self._touch(path)
         return old
 
+    def drop_snapshot(self, tokens: Sequence[int], snapshot_id: int, namespace: Hashable = None) -> bool:
+        """Remove `snapshot_id` from the node ending at ``len(tokens)`` (the caller then frees it).
+
+        Used by a host tier to bound its own memory. Returns False (nothing changes) when that node does not
+        hold `snapshot_id` or is locked directly (a running request is about to copy it).
+        """
+        key = tuple(tokens)
+        path, partial, _ = self._descend(self._root(namespace), key)
+        node = path[-1]
+        if partial is not None or node.depth != len(key) or node.snapshot != snapshot_id or node.direct_lock:
+            return False
+        node.snapshot = None
+        self._snapshots.discard(snapshot_id)
+        self._counters["evicted_snapshots"] += 1
+        return True
+
     # ---------------------------------------------------------------------------------------- eviction
     def evict_pages(self, n: int) -> Freed:
         """Evict whole unlocked leaves until at least `n` pages are freed or none is evictable.

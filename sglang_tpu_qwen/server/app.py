@@ -160,12 +160,11 @@ def create_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
     app.add_api_route("/server_info", server_info, methods=["GET"])
 
     async def flush_cache() -> Response:
-        ok = engine.flush_cache()
-        return Response(
-            content="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-            "waiting requests, the operation will not be performed.)\n",
-            status_code=200 if ok else 400,
-        )
+        ok = await asyncio.to_thread(engine.flush_cache)  # waits for the scheduler thread
+        if ok:
+            return Response(content="Cache flushed.\n", status_code=200)
+        return Response(content="Cache not flushed: requests are running or waiting. Retry when idle.\n",
+                        status_code=400)
 
     app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
 

@@ -1,0 +1,162 @@
+"""Kernel benchmark: Pallas kernels against their jnp references over a sweep of batch mixes.
+
+``python -m sglang_tpu_qwen.bench.kernels [--iters N] [--small]``. On a TPU it times the ragged paged
+attention and the fused GDN kernel and their references per batch mix (decodes only, prefills only, mixed)
+and prints time per call, achieved bytes/s and flops/s, and their fraction of the device's peak. Off TPU it
+runs the references only (the Pallas kernels would run in the interpreter, which measures nothing) and says
+so; ``--small`` (the default off TPU) shrinks the shapes so that finishes quickly. This is a benchmark,
+not a test.
+
+Cost model (analytic, counts useful work only). Attention: flops ``4 * nq * hd * sum(visible keys per
+query)`` (QK^T and PV); bytes: the K/V pages read once per sequence plus q, out and the new K/V.
+GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the output read per token) plus the
+chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
+once plus inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sglang_tpu_qwen.kernels.gdn.kernel import CHUNK_SIZE, fused_gdn
+from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
+from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+# Per JAX device (bf16 dense flop/s, HBM bytes/s). On TPU7x a device is one TensorCore, half a chip.
+PEAKS: dict[str, tuple[float, float]] = {
+    "TPU7x": (2307e12 / 2, 7.37e12 / 2),
+    "TPU v6 lite": (918e12, 1.64e12),
+    "TPU v5p": (459e12, 2.76e12),
+    "TPU v5 lite": (197e12, 0.819e12),
+}
+
+
+@dataclass(frozen=True)
+class Mix:
+    """One batch mix: per-row cached prefix and new tokens, padded to ``T``."""
+
+    name: str
+    prefix: tuple[int, ...]
+    new: tuple[int, ...]
+
+    @property
+    def t(self) -> int:
+        return max(self.new)
+
+
+def _mixes(small: bool) -> list[Mix]:
+    if small:
+        return [Mix("decode", (60,) * 8, (1,) * 8), Mix("prefill", (0, 0), (64, 40)),
+                Mix("mixed", (30, 0, 61, 7), (1, 32, 1, 20))]
+    return [Mix("decode", (2047,) * 64, (1,) * 64), Mix("prefill", (0,) * 4, (512,) * 4),
+            Mix("mixed", (4095, 1024, 0, 2047) * 4, (1, 256, 256, 1) * 4)]
+
+
+def _time(fn: Callable, args: tuple, donate: tuple[int, ...], iters: int) -> float:
+    """Seconds per call; donated outputs are fed back as the next call's inputs."""
+    args = list(args)
+    for j in donate:  # keep the caller's arrays alive for the next implementation
+        args[j] = jnp.array(args[j], copy=True)
+    out = fn(*args)
+    jax.block_until_ready(out)
+    for i, j in enumerate(donate):
+        args[j] = out[i + 1]
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+        for i, j in enumerate(donate):
+            args[j] = out[i + 1]
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
+def _attention_case(mix: Mix, small: bool, dtype) -> tuple[tuple, float, float]:
+    nq, nkv, hd, page = (4, 2, 64, 16) if small else (32, 2, 256, 256)
+    rng = np.random.default_rng(0)
+    b, t = len(mix.new), mix.t
+    kv = np.asarray(mix.prefix) + np.asarray(mix.new)
+    cols = int(-(-kv.max() // page))
+    pages = b * cols + 1
+    table = (1 + np.arange(b * cols, dtype=np.int32)).reshape(b, cols)
+    args = (jnp.asarray(rng.standard_normal((b, t, nq, hd)), dtype),
+            jnp.asarray(rng.standard_normal((b, t, nkv, hd)), dtype),
+            jnp.asarray(rng.standard_normal((b, t, nkv, hd)), dtype),
+            jnp.zeros((1, pages, page, nkv, hd), dtype), jnp.zeros((1, pages, page, nkv, hd), dtype),
+            jnp.int32(0), jnp.asarray(mix.new, jnp.int32), jnp.asarray(kv, jnp.int32), jnp.asarray(table))
+    item = jnp.dtype(dtype).itemsize
+    visible = sum(n * p + n * (n + 1) // 2 for p, n in zip(mix.prefix, mix.new, strict=True))
+    flops = 4.0 * nq * hd * visible
+    tokens = sum(mix.new)
+    nbytes = item * (2 * nkv * hd * float(kv.sum()) + tokens * (2 * nq * hd + 2 * nkv * hd))
+    return args, flops, nbytes
+
+
+def _gdn_case(mix: Mix, small: bool, dtype) -> tuple[tuple, dict, float, float]:
+    hk, hv, dk, dv = (2, 4, 32, 32) if small else (16, 64, 128, 128)
+    conv_dim = 2 * hk * dk + hv * dv
+    rng = np.random.default_rng(0)
+    b, t = len(mix.new), mix.t
+    lens = np.asarray(mix.new, np.int32)
+    valid = (np.arange(t)[None, :] < lens[:, None])[..., None]
+    args = (jnp.asarray(rng.standard_normal((b, t, conv_dim)) * valid, dtype),
+            jnp.asarray(rng.standard_normal((conv_dim, 4)) * 0.5, dtype),
+            jnp.asarray(-rng.uniform(0, 0.5, (b, t, hv)) * valid, jnp.float32),
+            jnp.asarray(rng.uniform(0, 1, (b, t, hv)) * valid, jnp.float32),
+            jnp.zeros((1, b + 1, conv_dim, 3), jnp.float32), jnp.zeros((1, b + 1, hv, dk, dv), jnp.float32),
+            jnp.int32(0), jnp.arange(1, b + 1, dtype=jnp.int32), jnp.asarray(lens),
+            jnp.asarray(np.asarray(mix.prefix) == 0))
+    dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+    tokens = float(lens.sum())
+    flops = tokens * hv * (6 * dk * dv + (2 * CHUNK_SIZE * (dk + dv) if t > 1 else 0))
+    nbytes = 2 * b * hv * dk * dv * 4 + tokens * (conv_dim * jnp.dtype(dtype).itemsize + hv * dv * 4)
+    return args, dims, flops, nbytes
+
+
+def _row(kernel: str, mix: str, impl: str, secs: float, flops: float, nbytes: float,
+         peaks: tuple[float, float] | None) -> str:
+    line = (f"{kernel:<24}{mix:<9}{impl:<11}{secs * 1e6:>11.1f} us{flops / secs / 1e12:>10.2f} TFLOP/s"
+            f"{nbytes / secs / 1e9:>10.1f} GB/s")
+    if peaks:
+        line += f"   {flops / secs / peaks[0]:6.1%} of peak flops, {nbytes / secs / peaks[1]:6.1%} of peak HBM"
+    return line
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the sweep and print one line per (kernel, batch mix, implementation)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--small", action="store_true", help="small shapes (default off TPU)")
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    on_tpu = jax.default_backend() == "tpu"
+    small = args.small or not on_tpu
+    peaks = PEAKS.get(dev.device_kind) if on_tpu else None
+    dtype = jnp.bfloat16 if on_tpu else jnp.float32
+    print(f"device: {dev.device_kind} ({jax.default_backend()}), shapes: {'small' if small else 'Qwen3.5-397B'}"
+          + ("" if on_tpu else "; not a TPU: running the jnp references only (Pallas would be interpreted)"))
+    impls = [("reference", False)] + ([("pallas", True)] if on_tpu else [])
+    for mix in _mixes(small):
+        att_args, att_flops, att_bytes = _attention_case(mix, small, dtype)
+        gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype)
+        for impl, pallas in impls:
+            att = ragged_paged_attention if pallas else jax.jit(ragged_paged_attention_reference,
+                                                                 donate_argnums=(3, 4))
+            secs = _time(att, att_args, (3, 4), args.iters)
+            print(_row("ragged_paged_attention", mix.name, impl, secs, att_flops, att_bytes, peaks))
+            fn = fused_gdn if pallas else jax.jit(fused_gdn_reference, static_argnames=tuple(dims),
+                                                  donate_argnums=(4, 5))
+            secs = _time(functools.partial(fn, **dims), gdn_args, (4, 5), args.iters)
+            print(_row("fused_gdn", mix.name, impl, secs, gdn_flops, gdn_bytes, peaks))
+
+
+if __name__ == "__main__":
+    main()

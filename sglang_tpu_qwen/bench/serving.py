@@ -1,0 +1,300 @@
+"""Online serving benchmark: an async HTTP load generator against a running server (SGLang's bench_serving).
+
+Sends streamed requests to SGLang's native ``/generate`` (``--backend sglang``, prompts as ``input_ids``) or
+to ``/v1/completions`` (``--backend sglang-oai``, token-id prompts) and measures, per request, time to first
+token (TTFT) and the gaps between later streamed chunks (inter-token latency, ITL; one gap per chunk, as
+SGLang counts it), plus the prompt tokens the server reports as served from its prefix cache
+(``meta_info.cached_tokens`` in the final chunk, or OpenAI ``usage.prompt_tokens_details.cached_tokens``).
+
+Datasets (seeded, token ids in [0, NORMAL_ID_LIMIT): no special tokens):
+- ``random``: independent prompts, lengths uniform in [input_len * range_ratio, input_len] (outputs alike).
+- ``generated-shared-prefix``: ``--gsp-num-groups`` groups of ``--gsp-prompts-per-group`` prompts; each
+  prompt is its group's system prompt followed by its own question.
+- ``multi-turn``: ``--mt-num-sessions`` concurrent sessions of ``--mt-num-turns`` turns; turn k sends the
+  system prompt, every earlier user message and model reply (the server's ``output_ids``), and a new user
+  message. Turns of a session are sequential; sessions run concurrently.
+
+``--request-rate`` (requests/s, Poisson arrivals; inf = all at once) paces independent requests and the start
+of sessions; ``--max-concurrency`` caps requests in flight. ``--ignore-eos`` (default on) fixes output lengths.
+
+Report: completed/failed requests, duration (s), request / input / output / total throughput (per s), TTFT
+and ITL mean/p50/p90/p99 (ms), prompt tokens, cached tokens, hit rate = cached / prompt tokens, and prefill
+tokens computed = prompt - cached; printed as text and written as JSON with ``--output-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+# Qwen3.5's ordinary (non-special) token ids are [0, 248044).
+NORMAL_ID_LIMIT = 248044
+
+
+@dataclass
+class Turn:
+    """One request to send: new prompt tokens (appended to the session's history) and the output length."""
+
+    new_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    """Measurements of one request. Times in seconds; itl holds one gap per streamed chunk after the first."""
+
+    ok: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(NORMAL_ID_LIMIT) for _ in range(n)]
+
+
+def _length(rng: random.Random, n: int, ratio: float) -> int:
+    return rng.randint(max(1, int(n * ratio)), max(1, n))
+
+
+def build_sessions(args: argparse.Namespace) -> list[list[Turn]]:
+    """The dataset as sessions (lists of turns sent in order); random / shared-prefix sessions have one turn.
+
+    Raises ValueError for non-positive sizes or a range ratio outside [0, 1].
+    """
+    rng = random.Random(args.seed)
+    name = args.dataset_name
+    if name == "random":
+        if args.num_prompts <= 0 or not 0.0 <= args.random_range_ratio <= 1.0:
+            raise ValueError("--num-prompts must be > 0 and --random-range-ratio in [0, 1]")
+        r = args.random_range_ratio
+        return [[Turn(_ids(rng, _length(rng, args.random_input_len, r)), _length(rng, args.random_output_len, r))]
+                for _ in range(args.num_prompts)]
+    if name == "generated-shared-prefix":
+        if min(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_output_len) <= 0:
+            raise ValueError("--gsp-* sizes must be positive")
+        sessions = []
+        for _ in range(args.gsp_num_groups):
+            system = _ids(rng, args.gsp_system_prompt_len)
+            sessions += [[Turn(system + _ids(rng, args.gsp_question_len), args.gsp_output_len)]
+                         for _ in range(args.gsp_prompts_per_group)]
+        rng.shuffle(sessions)  # groups interleave, as requests of many tenants would
+        return sessions
+    if name == "multi-turn":
+        if min(args.mt_num_sessions, args.mt_num_turns, args.mt_turn_input_len, args.mt_turn_output_len) <= 0:
+            raise ValueError("--mt-* sizes must be positive")
+        system = _ids(rng, args.mt_system_prompt_len)
+        return [[Turn((system if k == 0 else []) + _ids(rng, args.mt_turn_input_len), args.mt_turn_output_len)
+                 for k in range(args.mt_num_turns)] for _ in range(args.mt_num_sessions)]
+    raise ValueError(f"unknown --dataset-name {name!r}")
+
+
+def _sse_payloads(line: str) -> dict | None:
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return None if data == "[DONE]" else json.loads(data)
+
+
+async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int],
+                       output_len: int) -> RequestResult:
+    """Send one streamed request and measure it; errors are recorded in the result, never raised."""
+    res = RequestResult(prompt_len=len(prompt))
+    oai = args.backend == "sglang-oai"
+    if oai:
+        url = "/v1/completions"
+        body: dict[str, Any] = {"model": args.model or "default", "prompt": prompt, "max_tokens": output_len,
+                                "temperature": 0.0, "stream": True, "ignore_eos": args.ignore_eos,
+                                "stream_options": {"include_usage": True}}
+    else:
+        url = "/generate"
+        body = {"input_ids": prompt, "stream": True,
+                "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": args.ignore_eos}}
+    start = last = time.perf_counter()
+    tokens = 0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                chunk = _sse_payloads(line)
+                if chunk is None:
+                    continue
+                if "error" in chunk:
+                    res.error = str(chunk["error"])
+                    return res
+                now = time.perf_counter()
+                if oai:
+                    usage = chunk.get("usage")
+                    if usage:
+                        res.output_len = usage["completion_tokens"]
+                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    new = 1 if any(c.get("text") for c in chunk.get("choices", [])) else 0
+                else:
+                    ids = chunk.get("output_ids", [])
+                    new = len(ids) - tokens
+                    res.output_ids, res.output_len = list(ids), len(ids)
+                    res.cached_tokens = chunk.get("meta_info", {}).get("cached_tokens", 0)
+                if new > 0:
+                    if tokens == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    tokens += new
+                    last = now
+        res.latency = time.perf_counter() - start
+        res.ok = tokens > 0
+        if not res.ok:
+            res.error = "no tokens streamed"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run(args: argparse.Namespace, sessions: list[list[Turn]]) -> tuple[list[RequestResult], float]:
+    """Run every session (pacing and concurrency per the flags); returns all request results and duration (s)."""
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    limit = args.max_concurrency or None
+    sem = asyncio.Semaphore(limit) if limit else None
+    rng = np.random.default_rng(args.seed)
+    results: list[RequestResult] = []
+    bar = tqdm(total=sum(len(s) for s in sessions), disable=args.disable_tqdm, desc="requests")
+
+    async def one_session(client: httpx.AsyncClient, turns: list[Turn], delay: float) -> None:
+        await asyncio.sleep(delay)
+        history: list[int] = []
+        for turn in turns:
+            prompt = history + turn.new_ids
+            if sem is not None:
+                async with sem:
+                    res = await send_request(client, args, prompt, turn.output_len)
+            else:
+                res = await send_request(client, args, prompt, turn.output_len)
+            results.append(res)
+            bar.update(1)
+            if not res.ok:
+                return  # later turns depend on this reply
+            history = prompt + res.output_ids
+
+    delays = np.zeros(len(sessions))
+    if math.isfinite(args.request_rate) and args.request_rate > 0:
+        delays = np.cumsum(rng.exponential(1.0 / args.request_rate, size=len(sessions)))
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    async with httpx.AsyncClient(base_url=base, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=limit)) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one_session(client, s, float(d)) for s, d in zip(sessions, delays, strict=True)))
+        duration = time.perf_counter() - start
+    bar.close()
+    return results, duration
+
+
+def summarize(results: Sequence[RequestResult], duration: float, num_requests: int) -> dict[str, Any]:
+    """Aggregate metrics (SGLang's key names where they exist); latencies in ms, throughputs per second."""
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_len for r in ok)
+    out = sum(r.output_len for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    m: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "not_sent": num_requests - len(results),
+        "duration": duration,
+        "total_input_tokens": prompt, "total_output_tokens": out,
+        "cached_tokens": cached, "prefill_tokens_computed": prompt - cached,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "request_throughput": len(ok) / duration, "input_throughput": prompt / duration,
+        "output_throughput": out / duration, "total_throughput": (prompt + out) / duration,
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    for name, vals in (("ttft", [r.ttft for r in ok]), ("itl", [g for r in ok for g in r.itl])):
+        arr = np.asarray(vals, dtype=np.float64) * 1000.0
+        m[f"mean_{name}_ms"] = float(arr.mean()) if arr.size else 0.0
+        for q, key in ((50, "median"), (90, "p90"), (99, "p99")):
+            m[f"{key}_{name}_ms"] = float(np.percentile(arr, q)) if arr.size else 0.0
+    return m
+
+
+def format_report(m: dict[str, Any]) -> str:
+    """The metrics as an aligned text table."""
+    rows = [("Completed requests", m["completed"]), ("Failed requests", m["failed"]),
+            ("Duration (s)", f"{m['duration']:.2f}"),
+            ("Prompt tokens", m["total_input_tokens"]), ("Cached tokens", m["cached_tokens"]),
+            ("Cache hit rate", f"{m['cache_hit_rate']:.3f}"),
+            ("Prefill tokens computed", m["prefill_tokens_computed"]),
+            ("Output tokens", m["total_output_tokens"]),
+            ("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
+            ("Input throughput (tok/s)", f"{m['input_throughput']:.2f}"),
+            ("Output throughput (tok/s)", f"{m['output_throughput']:.2f}"),
+            ("Total throughput (tok/s)", f"{m['total_throughput']:.2f}")]
+    for name in ("ttft", "itl"):
+        rows += [(f"{name.upper()} {k} (ms)", f"{m[f'{k}_{name}_ms']:.2f}") for k in ("mean", "median", "p90", "p99")]
+    rows += [("Error", e) for e in m["errors"]]
+    width = max(len(k) for k, _ in rows) + 2
+    return "\n".join(["=" * 20 + " Serving Benchmark Result " + "=" * 20]
+                     + [f"{k:<{width}}{v}" for k, v in rows] + ["=" * 66])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command-line flags (SGLang's names)."""
+    p = argparse.ArgumentParser(prog="python -m sglang_tpu_qwen.bench_serving", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=["sglang", "sglang-oai"], default="sglang")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--base-url", default=None, help="overrides --host/--port, e.g. http://127.0.0.1:30000")
+    p.add_argument("--model", default=None, help="model name for --backend sglang-oai")
+    p.add_argument("--dataset-name", choices=["random", "generated-shared-prefix", "multi-turn"], default="random")
+    p.add_argument("--num-prompts", type=int, default=100, help="random dataset: number of prompts")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output-file", default=None, help="write the metrics as JSON here")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--gsp-num-groups", type=int, default=16)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=128)
+    p.add_argument("--gsp-output-len", type=int, default=64)
+    p.add_argument("--mt-num-sessions", type=int, default=8)
+    p.add_argument("--mt-num-turns", type=int, default=8)
+    p.add_argument("--mt-system-prompt-len", type=int, default=1024)
+    p.add_argument("--mt-turn-input-len", type=int, default=128)
+    p.add_argument("--mt-turn-output-len", type=int, default=64)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout (s)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; prints the report, writes ``--output-file`` if given, returns the metrics dict."""
+    args = parse_args(argv)
+    sessions = build_sessions(args)
+    results, duration = asyncio.run(run(args, sessions))
+    metrics = summarize(results, duration, sum(len(s) for s in sessions))
+    metrics.update(backend=args.backend, dataset_name=args.dataset_name, num_requests=sum(len(s) for s in sessions),
+                   max_concurrency=args.max_concurrency, seed=args.seed,
+                   request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf")
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump(metrics, f, indent=2)
+    print(format_report(metrics), file=sys.stdout)
+    return metrics

@@ -1,0 +1,276 @@
+"""Fused conv1d + Gated DeltaNet (Pallas TPU kernel) for a batch of sequences, states updated in place.
+
+Math: Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025) in the chunked WY/UT form of Yang et al.
+("Parallelizing Linear Transformers with the Delta Rule over Sequence Length", NeurIPS 2024), exactly as
+``model.gated_deltanet`` (the reference): depthwise causal conv1d (kernel K = 4) + SiLU over the q|k|v
+channels, q/k L2-normalised (q scaled by dk^-0.5), then per value head, state ``S [dk, dv]``::
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}'^T k_t))^T      (S' = exp(g_t) S_{t-1})
+    o_t = S_t^T q_t
+
+Prefill (T > 1) runs chunks of C = 64 tokens: with ``cum`` the in-chunk cumulative log-decay,
+``D[i, j] = exp(cum_i - cum_j)`` (i >= j) and ``L = tril(diag(beta) K K^T * D, -1)``, the chunk's writes are
+``U = (I + L)^-1 diag(beta) V`` and ``W = (I + L)^-1 diag(beta) K exp(cum)``; the inverse of the unit lower
+triangular matrix is the product ``(I - L)(I + L^2)(I + L^4)...(I + L^32)`` (L is nilpotent), six MXU
+matmul pairs instead of a sequential substitution. Then ``V' = U - W S``,
+``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and ``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
+Decode (T == 1) runs the recurrence directly.
+
+Layout and grid. One grid step is (sequence b, key head kh, block of ``block_t`` tokens); the
+``r = Hv / Hk`` value heads that share key head ``kh`` are handled together, so q/k are convolved and
+normalised once for all of them. Inputs are read straight from the model's arrays:
+
+    mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
+    conv_weight  [conv_dim, K]
+    g, beta      [B, T, Hv] float32  log-decay and write strength (0 at padded tokens)
+    conv_pool    [L, S, conv_dim, K-1]   all GDN layers' conv states (docs/internals.md), aliased in -> out
+    rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
+    layer, slot_ids [B], new_lens [B], fresh [B]: scalar-prefetched (SMEM)
+
+The recurrent state block of (layer, slot_ids[b], kh) is selected by the BlockSpec index map from the
+prefetched slot ids and stays resident in VMEM across the token blocks (its index does not depend on the
+token axis), so each state is read once and written once per call. The conv window (K-1 inputs per channel)
+is DMAed from the pool into VMEM at the first token block, carried across token blocks, and DMAed back at
+the last. ``block_t`` (default 256, a multiple of C) bounds VMEM: at Qwen3.5-397B shapes (dk = dv = 128,
+r = 4) a step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving
+room for double buffering; 256 tokens amortise the per-step overhead over four chunks.
+
+Padded tokens (``t >= new_lens[b]``) have ``k = g = beta = 0`` and so change nothing; their outputs are
+finite but meaningless. ``fresh[b]`` makes the kernel read both states of the row as zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+CHUNK_SIZE = 64
+_HI = jax.lax.Precision.HIGHEST
+_NN = (((1,), (0,)), ((), ()))
+_NT = (((1,), (1,)), ((), ()))
+_TN = (((0,), (0,)), ((), ()))
+
+
+def _dot(a: jax.Array, b: jax.Array, dims=_NN) -> jax.Array:
+    return jax.lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=jnp.float32)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    """Same convention as ``model.norms.l2_normalize`` (eps 1e-6 inside the rsqrt)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _kernel(
+    _layer_ref, _slot_ref, len_ref, fresh_ref,  # scalar prefetch (layer and slots feed the index map)
+    xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, g_ref, beta_ref, cq_in, ck_in, cv_in, rec_in,  # inputs
+    o_ref, cq, ck, cv, rec_ref,  # outputs (rec_ref aliased to the recurrent pool)
+    sq, sk, sv, qn, kn, vn,  # scratch
+    *, dk: int, dv: int, r: int, chunk: int,
+):
+    b, tb = pl.program_id(0), pl.program_id(2)
+    block_t = xq_ref.shape[0]
+    fresh = fresh_ref[b] != 0
+    # Valid tokens of this row inside this token block.
+    n = jnp.clip(len_ref[b] - tb * block_t, 0, block_t)
+
+    @pl.when(tb == 0)
+    def _load_states():
+        for src, dst in ((cq_in, cq), (ck_in, ck), (cv_in, cv), (rec_in, rec_ref)):
+            dst[...] = jnp.where(fresh, 0, src[...])
+
+    def conv(x_ref, w_ref, win_ref, xs_ref):
+        """SiLU(causal depthwise conv) of this block's inputs; carries the K-1 input window in win_ref."""
+        km1 = win_ref.shape[0]
+        xs_ref[0:km1, :] = win_ref[...].astype(jnp.float32)
+        xs_ref[km1:, :] = x_ref[...].astype(jnp.float32)
+        wt = w_ref[...].astype(jnp.float32).T  # [K, channels]
+        y = xs_ref[0:block_t, :] * wt[0:1, :]
+        for i in range(1, km1 + 1):
+            y = y + xs_ref[i : i + block_t, :] * wt[i : i + 1, :]
+        for i in range(km1):  # the last K-1 valid inputs; row by row (Mosaic loads one unaligned row)
+            win_ref[i : i + 1, :] = xs_ref[pl.ds(n + i, 1), :].astype(win_ref.dtype)
+        return y * jax.nn.sigmoid(y)
+
+    valid = jax.lax.broadcasted_iota(jnp.int32, (block_t, 1), 0) < n
+    qn[...] = _l2norm(conv(xq_ref, wq_ref, cq, sq)) * (dk**-0.5)
+    kn[...] = jnp.where(valid, _l2norm(conv(xk_ref, wk_ref, ck, sk)), 0.0)
+    vn[...] = conv(xv_ref, wv_ref, cv, sv)
+
+    for h in range(r):
+        lanes = slice(h * dv, (h + 1) * dv)
+        s0 = rec_ref[h].astype(jnp.float32)
+        if block_t == 1:  # decode: the recurrent form
+            g, beta = g_ref[:, h : h + 1], beta_ref[:, h : h + 1]  # [1, 1]
+            s = s0 * jnp.exp(g)
+            delta = (vn[:, lanes] - _dot(kn[...], s)) * beta
+            s = s + _dot(kn[...], delta, _TN)
+            o_ref[:, lanes] = _dot(qn[...], s)
+        else:
+            o_ref[:, lanes] = jnp.zeros((block_t, dv), jnp.float32)
+            s = jax.lax.fori_loop(
+                0, jax.lax.div(n + chunk - 1, chunk), functools.partial(_chunk_step, h=h, dv=dv, chunk=chunk,
+                                                                        refs=(qn, kn, vn, g_ref, beta_ref, o_ref)),
+                s0)
+        rec_ref[h] = s.astype(rec_ref.dtype)
+
+
+def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
+    """One chunk of the WY/UT form for value head h (see module docstring); returns the new state."""
+    qn, kn, vn, g_ref, beta_ref, o_ref = refs
+    t0 = pl.multiple_of(c * chunk, chunk)
+    tok = pl.ds(t0, chunk)
+    lanes = slice(h * dv, (h + 1) * dv)
+    q, k, v = qn[tok, :], kn[tok, :], vn[tok, lanes]
+    g, beta = g_ref[tok, h : h + 1], beta_ref[tok, h : h + 1]  # [C, 1]
+    row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    causal, strict = row >= col, row > col
+    # In-chunk cumulative sum as a triangular matmul (Mosaic has no cumsum); 128 equal lanes, then transposed
+    # to get the same values along a row.
+    cum_b = _dot(causal.astype(jnp.float32), jnp.broadcast_to(g, (chunk, 128)))
+    cum, cum_row, last = cum_b[:, :1], cum_b.T[:1, :], cum_b[chunk - 1 :, :1]
+    # Mask before exp: the upper triangle holds positive exponents that could overflow.
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum - cum_row, 0.0)), 0.0)
+    k_beta = k * beta
+    lower = jnp.where(strict, _dot(k_beta, k, _NT) * decay, 0.0)
+    eye = (row == col).astype(jnp.float32)
+    inv, power = eye - lower, lower
+    for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
+        power = _dot(power, power)
+        inv = _dot(inv, eye + power)
+    u = _dot(inv, v * beta)
+    w = _dot(inv, k_beta * jnp.exp(cum))
+    v_new = u - _dot(w, s)
+    intra = jnp.where(causal, _dot(q, k, _NT) * decay, 0.0)
+    o_ref[tok, lanes] = _dot(q * jnp.exp(cum), s) + _dot(intra, v_new)
+    return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "block_t", "interpret"),
+    donate_argnums=(4, 5))
+def fused_gdn(
+    mixed: jax.Array,
+    conv_weight: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    conv_pool: jax.Array,
+    rec_pool: jax.Array,
+    layer: jax.Array | int,
+    slot_ids: jax.Array,
+    new_lens: jax.Array,
+    fresh: jax.Array,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    block_t: int = 256,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Conv1d + L2 norm + gated delta rule of a batch, updating the state pools in place (module docstring).
+
+    Args:
+        mixed: ``[B, T, conv_dim]`` pre-conv channels, ``conv_dim = 2 * Hk * dk + Hv * dv``; 0 at padding.
+        conv_weight: ``[conv_dim, K]`` depthwise kernel.
+        g, beta: ``[B, T, Hv]`` float32, 0 at padded tokens.
+        conv_pool: ``[L, S, conv_dim, K-1]``, donated. rec_pool: ``[L, S, Hv, dk, dv]``, donated.
+        layer: GDN-layer index (int32 scalar, may be traced).
+        slot_ids: ``[B]`` int32 state slot per row (padding rows use trash slot 0).
+        new_lens: ``[B]`` int32 valid tokens per row.
+        fresh: ``[B]`` bool, read the row's states as zeros (a sequence's first tokens).
+        num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv (Hv comes from ``g``).
+        block_t: tokens per grid step when T > 1 (rounded to a multiple of the 64-token chunk).
+        interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
+
+    Returns:
+        ``(o [B, T, Hv, dv] float32, conv_pool, rec_pool)``. ``T == 1`` uses the recurrent form.
+
+    Raises:
+        ValueError: when Hv is not a multiple of Hk, or the v channels of a key-head group do not start on a
+            multiple of the group's width (``2 * Hk * dk % (r * dv) != 0``).
+    """
+    bsz, t, conv_dim = mixed.shape
+    hv = g.shape[-1]
+    hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
+    if hv % hk or conv_dim != 2 * hk * dk + hv * dv:
+        raise ValueError(f"bad GDN dims: Hk={hk} Hv={hv} dk={dk} dv={dv} conv_dim={conv_dim}")
+    r = hv // hk
+    if (2 * hk * dk) % (r * dv):
+        raise ValueError("v channels of a key-head group must start at a multiple of r * dv")
+    v_base = 2 * hk * dk // (r * dv)
+    km1 = conv_weight.shape[1] - 1
+    if t == 1:
+        bt, tp = 1, 1
+    else:
+        bt = min(-(-block_t // CHUNK_SIZE), -(-t // CHUNK_SIZE)) * CHUNK_SIZE
+        tp = -(-t // bt) * bt
+    if tp != t:
+        mixed = jnp.pad(mixed, ((0, 0), (0, tp - t), (0, 0)))
+        g = jnp.pad(g, ((0, 0), (0, tp - t), (0, 0)))
+        beta = jnp.pad(beta, ((0, 0), (0, tp - t), (0, 0)))
+
+    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    slot_ids = slot_ids.astype(jnp.int32)
+
+    def by_group(a: jax.Array) -> jax.Array:  # [B, Tp, Hv] -> [B, Hk, Tp, r]
+        return a.astype(jnp.float32).reshape(bsz, tp, hk, r).transpose(0, 2, 1, 3)
+
+    # The conv window goes through XLA as [B, K-1, conv_dim] (taps-major, lane-dense): the pool's
+    # [.., conv_dim, K-1] layout would be padded from K-1 to 128 lanes if it were a Mosaic operand, making
+    # XLA relayout (copy) the whole pool around the call. The gather/scatter moves only B x K-1 x conv_dim.
+    conv_rows = jnp.swapaxes(conv_pool[layer, slot_ids], 1, 2)
+
+    kernel = functools.partial(_kernel, dk=dk, dv=dv, r=r, chunk=CHUNK_SIZE)
+    state_spec = pl.BlockSpec((None, None, r, dk, dv), lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
+    gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
+    win_in_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
+                    pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, hk + h)),
+                    pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, v_base + h))]
+    win_out_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
+                     pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
+                     pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
+    o, cq, ck, cv, rec_pool = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(bsz, hk, tp // bt),
+            in_specs=[
+                pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, h)),
+                pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, hk + h)),
+                pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, v_base + h)),
+                pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (h, 0)),
+                pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (hk + h, 0)),
+                pl.BlockSpec((r * dv, km1 + 1), lambda b, h, t, *_: (v_base + h, 0)),
+                gb_spec, gb_spec, *win_in_specs, state_spec,
+            ],
+            out_specs=[pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)), *win_out_specs, state_spec],
+            scratch_shapes=[
+                pltpu.VMEM((km1 + bt, dk), jnp.float32),
+                pltpu.VMEM((km1 + bt, dk), jnp.float32),
+                pltpu.VMEM((km1 + bt, r * dv), jnp.float32),
+                pltpu.VMEM((bt, dk), jnp.float32),
+                pltpu.VMEM((bt, dk), jnp.float32),
+                pltpu.VMEM((bt, r * dv), jnp.float32),
+            ],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv * dv), jnp.float32),
+                   jax.ShapeDtypeStruct((bsz, km1, hk * dk), conv_pool.dtype),
+                   jax.ShapeDtypeStruct((bsz, km1, hk * dk), conv_pool.dtype),
+                   jax.ShapeDtypeStruct((bsz, km1, hv * dv), conv_pool.dtype),
+                   jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)],
+        # Operand indices count the 4 scalar-prefetch operands: rec_pool is operand 15.
+        input_output_aliases={15: 4},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(
+        layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
+        conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
+    )
+    conv_new = jnp.swapaxes(jnp.concatenate([cq, ck, cv], axis=-1), 1, 2)
+    conv_pool = conv_pool.at[layer, slot_ids].set(conv_new)
+    return o.reshape(bsz, tp, hv, dv)[:, :t], conv_pool, rec_pool

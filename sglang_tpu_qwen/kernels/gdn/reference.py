@@ -1,0 +1,56 @@
+"""Pure-jnp reference of the fused GDN kernel: the model's own conv1d + gated delta rule over state pools.
+
+Same signature and layouts as :func:`kernel.fused_gdn`. The math is ``model.gated_deltanet.gdn_mix``
+(Yang et al., ICLR 2025 / NeurIPS 2024), which is what the model runs off TPU; this wrapper only gathers
+each row's states from the pools by slot id and scatters them back, as ``model.forward`` does.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_qwen.model.gated_deltanet import gdn_mix
+
+
+def fused_gdn_reference(
+    mixed: jax.Array,
+    conv_weight: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    conv_pool: jax.Array,
+    rec_pool: jax.Array,
+    layer: jax.Array | int,
+    slot_ids: jax.Array,
+    new_lens: jax.Array,
+    fresh: jax.Array,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reference of ``fused_gdn`` (shapes as the kernel).
+
+    Args:
+        mixed: ``[B, T, conv_dim]``; conv_weight: ``[conv_dim, K]``; g, beta: ``[B, T, Hv]`` float32.
+        conv_pool: ``[L, S, conv_dim, K-1]``; rec_pool: ``[L, S, Hv, dk, dv]``.
+        layer: GDN-layer index; slot_ids, new_lens: ``[B]`` int32; fresh: ``[B]`` bool.
+        num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv.
+
+    Returns:
+        ``(o [B, T, Hv, dv] float32, conv_pool, rec_pool)``.
+    """
+    t = mixed.shape[1]
+    hv = g.shape[-1]
+    # gdn_mix reads only these config fields.
+    dims = SimpleNamespace(
+        linear_num_key_heads=num_k_heads, linear_num_value_heads=hv, linear_key_head_dim=head_k_dim,
+        linear_value_head_dim=head_v_dim, gdn_key_dim=num_k_heads * head_k_dim)
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < new_lens[:, None]
+    fresh = fresh[:, None, None]
+    conv_s = jnp.where(fresh, 0, conv_pool[layer, slot_ids])
+    rec_s = jnp.where(fresh[..., None], 0, rec_pool[layer, slot_ids])
+    o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims)  # type: ignore[arg-type]
+    return o, conv_pool.at[layer, slot_ids].set(conv_s), rec_pool.at[layer, slot_ids].set(rec_s)

@@ -1,0 +1,1 @@
+"""Batched ragged paged attention: Pallas kernel (kernel.py), reference (reference.py), block sizes."""

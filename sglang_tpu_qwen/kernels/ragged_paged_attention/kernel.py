@@ -1,0 +1,246 @@
+"""Batched ragged paged attention (Pallas TPU kernel): every sequence of a step in one call.
+
+Algorithm: PagedAttention (Kwon et al., SOSP 2023) with the online softmax of FlashAttention (Dao et al.,
+NeurIPS 2022). For each sequence the call first writes the step's new K/V rows into their pages (one DMA
+per token, HBM to HBM, into the cache aliased input -> output), then for each query block walks the
+sequence's pages ``kv_pages`` at a time (DMA HBM -> VMEM through the page table), keeping a running max,
+sum and fp32 accumulator per query row. Causal masking is by absolute position (the query at position
+``p`` sees keys ``< min(kv_len, p + 1)``); pages past the block's last visible key are not fetched.
+
+Layout. The scheduler pads a step to ``[B, T]`` (B, T powers of two), so the ragged batch is given as rows
+``b`` with ``q_lens[b]`` valid tokens each: sequence ``b``'s tokens start at flat offset ``b * T``. This
+fixed stride is what makes a query block addressable by a BlockSpec; decodes and prefill chunks of one step
+share the call. Shapes:
+
+    q              [B, T, nq, hd]       queries (RoPE applied), any float dtype
+    k_new, v_new   [B, T, nkv, hd]      this step's keys / values
+    k_cache, v_cache [L, num_pages, page_size, nkv, hd]   all attention layers (contract in docs/internals.md)
+    layer          int32 scalar         attention layer to use
+    q_lens         [B] int32            new tokens per row (0: padding row; nothing written, output 0)
+    kv_lens        [B] int32            context length after this step (prefix + q_len)
+    page_table     [B, P] int32         page of key position j is page_table[b, j // page_size]
+
+GQA: the ``G = nq / nkv`` query heads of one KV head are stacked into the rows of one matmul
+(``[q_block * G, hd] x [hd, keys]``), so a K/V page is read once for all of its query heads. Inside the
+kernel the queries are ``[B, nkv, T * G, hd]`` (transposed by XLA outside).
+
+Grid ``(B / rows_per_step, T / q_block)``. T == 1 (a decode step): ``decode_seqs`` sequences per grid step.
+T > 1: one sequence per step, ``prefill_q`` query tokens per step. The row axis is "parallel", the query-block
+axis "arbitrary" (the K/V write at the first query block must precede the reads of later blocks). Scalar
+metadata (layer, lengths, flattened page table) is scalar-prefetched into SMEM. Block sizes:
+``block_sizes.py``. Page fetches are synchronous (no double buffering yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes, block_sizes_for
+
+# Integer division in the kernel uses lax.div / lax.rem (operands are >= 0): jnp's floor division lowers
+# through `sign`, whose Mosaic rule asks the *local* device for its TPU generation, which breaks deviceless AOT.
+_MASK = -1e30  # finite: a fully masked row must not turn into NaN via (-inf) - (-inf)
+
+
+def _kernel(
+    layer_ref, qlen_ref, kvlen_ref, pt_ref,  # scalar prefetch (SMEM)
+    q_ref, knew_hbm, vnew_hbm, _kc_in, _vc_in,  # inputs
+    o_ref, kc_hbm, vc_hbm,  # outputs (the caches are aliased to their inputs)
+    kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref,  # scratch
+    *, rows_per_step: int, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int,
+    sm_scale: float,
+):
+    i, j = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    for s in range(rows_per_step):
+        _one_sequence(s, i * rows_per_step + s, j, layer, qlen_ref, kvlen_ref, pt_ref, q_ref, knew_hbm, vnew_hbm,
+                      o_ref, kc_hbm, vc_hbm, kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref, q_block=q_block,
+                      groups=groups, page_size=page_size, kv_pages=kv_pages, pages_per_seq=pages_per_seq,
+                      sm_scale=sm_scale)
+
+
+def _one_sequence(
+    s, b, j, layer, qlen_ref, kvlen_ref, pt_ref, q_ref, knew_hbm, vnew_hbm, o_ref, kc_hbm, vc_hbm,
+    kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref,
+    *, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int, sm_scale: float,
+):
+    """Query block j of sequence b (row s of this grid step's block): write its K/V (j == 0), then attend."""
+    nkv = q_ref.shape[1]
+    rows = q_block * groups
+    keys = kv_pages * page_size
+    q_len = qlen_ref[b]
+    kv_len = kvlen_ref[b]
+    prefix = kv_len - q_len
+
+    @pl.when(j == 0)
+    def _write_new_kv():
+        def copies(t):
+            pos = prefix + t
+            page = pt_ref[b * pages_per_seq + jax.lax.div(pos, page_size)]
+            off = jax.lax.rem(pos, page_size)
+            return (pltpu.make_async_copy(knew_hbm.at[b, t], kc_hbm.at[layer, page, off], wsem.at[0]),
+                    pltpu.make_async_copy(vnew_hbm.at[b, t], vc_hbm.at[layer, page, off], wsem.at[1]))
+
+        def start(t, c):
+            for cp in copies(t):
+                cp.start()
+            return c
+
+        def wait(t, c):
+            for cp in copies(t):  # only the shape of the descriptor matters for a wait
+                cp.wait()
+            return c
+
+        jax.lax.fori_loop(0, q_len, start, 0)
+        jax.lax.fori_loop(0, q_len, wait, 0)
+
+    q_start = j * q_block
+    # Absolute position of each query row (row r holds token r // G of the block).
+    q_pos = prefix + q_start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), groups)
+    kv_end = jnp.minimum(kv_len, prefix + q_start + q_block)
+    n_blocks = jnp.where(q_start < q_len, jax.lax.div(kv_end + keys - 1, keys), 0)
+    m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def kv_block(kb, c):
+        cps = []
+        for p in range(kv_pages):
+            col = jnp.minimum(kb * kv_pages + p, pages_per_seq - 1)
+            page = pt_ref[b * pages_per_seq + col]
+            cps.append(pltpu.make_async_copy(kc_hbm.at[layer, page], kbuf.at[p], rsem.at[0]))
+            cps.append(pltpu.make_async_copy(vc_hbm.at[layer, page], vbuf.at[p], rsem.at[1]))
+        for cp in cps:
+            cp.start()
+        for cp in cps:
+            cp.wait()
+        k_all = kbuf[...].reshape(keys, nkv, -1)
+        v_all = vbuf[...].reshape(keys, nkv, -1)
+        key_row = kb * keys + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+        key_col = kb * keys + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
+        mask = (key_row < kv_len) & (key_row <= q_pos)  # [rows, keys]
+        key_ok = key_col < kv_len  # [keys, 1]
+        for h in range(nkv):
+            q = q_ref[s, h]  # [rows, hd]
+            # Zero keys/values past the context: stale or trash-page contents must not reach a row as NaN.
+            k = jnp.where(key_ok, k_all[:, h, :], 0).astype(q.dtype)
+            v = jnp.where(key_ok, v_all[:, h, :], 0).astype(q.dtype)
+            sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            sc = jnp.where(mask, sc * sm_scale, _MASK)
+            m_prev = m_ref[h]  # [rows, 128], lanes equal
+            m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
+            pr = jnp.where(mask, jnp.exp(sc - m_new[:, :1]), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(pr, axis=1, keepdims=True)
+            pv = jnp.dot(pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+            m_ref[h] = m_new
+        return c
+
+    jax.lax.fori_loop(0, n_blocks, kv_block, 0)
+    for h in range(nkv):
+        denom = l_ref[h][:, :1]
+        o_ref[s, h] = (acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
+
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"), donate_argnums=(3, 4))
+def ragged_paged_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    q_lens: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write a step's K/V into the paged cache and attend every sequence of the step (see module docstring).
+
+    Args:
+        q: ``[B, T, nq, hd]`` queries; ``nq`` a multiple of ``nkv``.
+        k_new, v_new: ``[B, T, nkv, hd]`` new keys / values (cast to the cache dtype when written).
+        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``, donated and updated in place.
+        layer: attention-layer index into the caches (int32 scalar, may be traced).
+        q_lens: ``[B]`` int32 valid new tokens per row (``<= T``).
+        kv_lens: ``[B]`` int32 context length including the new tokens.
+        page_table: ``[B, P]`` int32 page ids.
+        sm_scale: softmax scale, default ``hd ** -0.5``.
+        block_sizes: tiling; default from ``block_sizes_for(hd, page_size)`` for the current device.
+        interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
+
+    Returns:
+        ``(out [B, T, nq, hd] in q.dtype, k_cache, v_cache)``. Rows ``t >= q_lens[b]`` of ``out`` are finite
+        but meaningless (0 for rows with ``q_lens[b] == 0``); the K/V of padded tokens is not written.
+
+    Raises:
+        ValueError: when ``nq`` is not a multiple of ``nkv``.
+    """
+    b, t, nq, hd = q.shape
+    _, _, page_size, nkv, _ = k_cache.shape
+    if nq % nkv:
+        raise ValueError(f"query heads ({nq}) must be a multiple of KV heads ({nkv})")
+    groups = nq // nkv
+    bs = block_sizes or block_sizes_for(hd, page_size)
+    if t == 1:
+        q_block, rows_per_step = 1, min(bs.decode_seqs, b)
+    else:
+        q_block, rows_per_step = min(bs.prefill_q, t), 1
+    pad_b, pad_t = (-b) % rows_per_step, (-t) % q_block
+    if pad_b or pad_t:
+        q = jnp.pad(q, ((0, pad_b), (0, pad_t), (0, 0), (0, 0)))
+        k_new = jnp.pad(k_new, ((0, pad_b), (0, pad_t), (0, 0), (0, 0)))
+        v_new = jnp.pad(v_new, ((0, pad_b), (0, pad_t), (0, 0), (0, 0)))
+        q_lens, kv_lens = jnp.pad(q_lens, (0, pad_b)), jnp.pad(kv_lens, (0, pad_b))
+        page_table = jnp.pad(page_table, ((0, pad_b), (0, 0)))
+    bp, tp = b + pad_b, t + pad_t
+    pages_per_seq = page_table.shape[1]
+    qt = q.reshape(bp, tp, nkv, groups, hd).transpose(0, 2, 1, 3, 4).reshape(bp, nkv, tp * groups, hd)
+    k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
+    rows = q_block * groups
+    kernel = functools.partial(
+        _kernel, rows_per_step=rows_per_step, q_block=q_block, groups=groups, page_size=page_size,
+        kv_pages=bs.kv_pages, pages_per_seq=pages_per_seq, sm_scale=sm_scale or hd**-0.5)
+    q_spec = pl.BlockSpec((rows_per_step, nkv, rows, hd), lambda i, j, *_: (i, 0, j, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(bp // rows_per_step, tp // q_block),
+            in_specs=[q_spec, any_spec, any_spec, any_spec, any_spec],
+            out_specs=[q_spec, any_spec, any_spec],
+            scratch_shapes=[
+                pltpu.VMEM((bs.kv_pages, page_size, nkv, hd), k_cache.dtype),
+                pltpu.VMEM((bs.kv_pages, page_size, nkv, hd), v_cache.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((nkv, rows, 128), jnp.float32),
+                pltpu.VMEM((nkv, rows, 128), jnp.float32),
+                pltpu.VMEM((nkv, rows, hd), jnp.float32),
+            ],
+        ),
+        out_shape=[jax.ShapeDtypeStruct(qt.shape, q.dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        # Operand indices count the 4 scalar-prefetch operands: k_cache is operand 7, v_cache operand 8.
+        input_output_aliases={7: 1, 8: 2},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=bs.vmem_limit_bytes),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(
+        jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32).reshape(-1), qt, k_new, v_new, k_cache, v_cache,
+    )
+    out = out.reshape(bp, nkv, tp, groups, hd).transpose(0, 2, 1, 3, 4).reshape(bp, tp, nq, hd)
+    return out[:b, :t], k_cache, v_cache

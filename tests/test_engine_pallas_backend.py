@@ -1,0 +1,40 @@
+"""The engine with both Pallas kernels forced on CPU (interpret mode) gives the reference backend's greedy tokens.
+
+A short multi-request run of the embedded model: a batched prefill of prompts of different lengths (the
+attention kernel's prefill path and the chunked GDN form), then batched decodes (the decode path and the
+recurrent form), with pages and state slots shared across requests.
+"""
+
+from __future__ import annotations
+
+from sglang_tpu_qwen.engine.engine import Engine
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends, resolve_backends
+
+PROMPTS = ["The quick brown fox", "a much longer prompt than the other one, to make the batch ragged", "x"]
+PARAMS = {"temperature": 0.0, "max_new_tokens": 4}
+KWARGS = dict(max_total_tokens=512, page_size=4, max_running_requests=4, chunked_prefill_size=64,
+              disable_radix_cache=True)
+
+
+def _generate(attention_backend: str, gdn_backend: str) -> list[list[int]]:
+    eng = Engine(**KWARGS, attention_backend=attention_backend, gdn_backend=gdn_backend)
+    try:
+        resolved = eng.runner.backends
+        assert (resolved.attention, resolved.gdn) == (attention_backend, gdn_backend)
+        assert resolved.interpret == (attention_backend == "pallas")  # CPU: Pallas runs in interpret mode
+        return [r["output_ids"] for r in eng.generate(PROMPTS, PARAMS)]
+    finally:
+        eng.shutdown()
+
+
+def test_resolve_backends_on_cpu() -> None:
+    assert resolve_backends("auto", "auto", platform="cpu") == KernelBackends("reference", "reference", False)
+    assert resolve_backends("auto", "auto", platform="tpu") == KernelBackends("pallas", "pallas", False)
+    assert resolve_backends("pallas", "reference", platform="cpu") == KernelBackends("pallas", "reference", True)
+
+
+def test_pallas_backends_match_reference_greedy_tokens() -> None:
+    reference = _generate(attention_backend="reference", gdn_backend="reference")
+    pallas = _generate(attention_backend="pallas", gdn_backend="pallas")
+    assert all(len(ids) == PARAMS["max_new_tokens"] for ids in reference)
+    assert pallas == reference

@@ -1,0 +1,92 @@
+"""Deviceless AOT compile of both Pallas kernels for one device of an Ironwood (tpu7x:2x2x1) topology.
+
+Needs ``libtpu`` (the ``test`` extra) but no TPU: ``jax.experimental.topologies`` describes the chips and
+Mosaic compiles the kernels for them, so a block shape Mosaic rejects or a kernel that exceeds on-chip memory
+fails here. Shapes are Qwen3.5-397B's: attention 32 query / 2 KV heads x 256, page size 256 (bf16 cache);
+GDN 16 key heads and 64 value heads x 128, conv kernel 4 (fp32 state). Prints each compiled memory use.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# libtpu takes /tmp/libtpu_lockfile in every process that loads it; concurrent test processes (pytest-xdist,
+# another suite) would then fail to build the topology. Must be set before libtpu loads.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
+from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
+from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
+
+topologies = pytest.importorskip("jax.experimental.topologies")
+
+NQ, NKV, HD, PAGE = 32, 2, 256, 256
+HK, HV, DK, DV, KCONV = 16, 64, 128, 128, 4
+
+
+@pytest.fixture(scope="module")
+def device():
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1")
+    except Exception as e:  # noqa: BLE001 - any failure means libtpu is missing or too old
+        pytest.skip(f"no TPU topology support (install the test extra's libtpu): {e}")
+    assert len(topo.devices) == 8  # 4 chips x 2 TensorCores
+    return topo.devices[0]
+
+
+def _spec(shape, dtype, dev):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev))
+
+
+def _report(name: str, compiled) -> None:
+    mem = compiled.memory_analysis()
+    print(f"{name}: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, out {mem.output_size_in_bytes / 2**20:.1f} "
+          f"MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, alias {mem.alias_size_in_bytes / 2**20:.1f} MiB")
+    assert mem.alias_size_in_bytes > 0  # the caches / states are updated in place
+    # No copy of a cache or state pool around the kernel (a relayout would show up here as GiBs).
+    assert mem.temp_size_in_bytes < 64 * 2**20
+
+
+@pytest.mark.parametrize(("batch", "tokens"), [(64, 1), (4, 256)], ids=["decode", "prefill"])
+def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens: int) -> None:
+    layers, pages, pages_per_seq = 15, 256, 16
+    fn = functools.partial(ragged_paged_attention, block_sizes=block_sizes_for(HD, PAGE, "TPU7x"))
+    compiled = jax.jit(fn, donate_argnums=(3, 4)).lower(
+        _spec((batch, tokens, NQ, HD), jnp.bfloat16, device),
+        _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
+        _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
+        _spec((layers, pages, PAGE, NKV, HD), jnp.bfloat16, device),
+        _spec((layers, pages, PAGE, NKV, HD), jnp.bfloat16, device),
+        _spec((), jnp.int32, device),
+        _spec((batch,), jnp.int32, device),
+        _spec((batch,), jnp.int32, device),
+        _spec((batch, pages_per_seq), jnp.int32, device),
+    ).compile()
+    _report(f"ragged_paged_attention[{batch}x{tokens}]", compiled)
+
+
+@pytest.mark.parametrize(("batch", "tokens"), [(16, 1), (2, 256)], ids=["decode", "prefill"])
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fused_gdn_compiles_for_ironwood(device, batch: int, tokens: int, state_dtype) -> None:
+    layers, slots = 45, 33
+    conv_dim = 2 * HK * DK + HV * DV
+    fn = functools.partial(fused_gdn, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV)
+    compiled = jax.jit(fn, donate_argnums=(4, 5)).lower(
+        _spec((batch, tokens, conv_dim), jnp.bfloat16, device),
+        _spec((conv_dim, KCONV), jnp.bfloat16, device),
+        _spec((batch, tokens, HV), jnp.float32, device),
+        _spec((batch, tokens, HV), jnp.float32, device),
+        _spec((layers, slots, conv_dim, KCONV - 1), state_dtype, device),
+        _spec((layers, slots, HV, DK, DV), state_dtype, device),
+        _spec((), jnp.int32, device),
+        _spec((batch,), jnp.int32, device),
+        _spec((batch,), jnp.int32, device),
+        _spec((batch,), jnp.bool_, device),
+    ).compile()
+    _report(f"fused_gdn[{batch}x{tokens}, state {jnp.dtype(state_dtype).name}]", compiled)

@@ -1,0 +1,113 @@
+"""Ragged paged attention: the Pallas kernel in interpret mode (CPU) against the model's jnp reference.
+
+Seeded ragged batches over a paged cache with shuffled page tables: only decodes, only prefills, mixed
+decodes + prefill chunks with and without a cached prefix, contexts crossing page boundaries, padding rows
+(zero-length context), head_dim 128 and 256, and the largest bucket the test affords. Small head counts and
+pages keep interpret mode fast. Tolerances (max abs error on valid rows, values O(1)): fp32 2e-5,
+bf16 3e-2 (bf16 probabilities times bf16 values, summed in fp32). The caches must match exactly on every
+page but trash page 0 (the reference writes padded tokens there, the kernel skips them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes
+from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+BLOCKS = BlockSizes(decode_seqs=4, prefill_q=8, kv_pages=2)
+
+
+def _batch(rng, prefix_lens, q_lens, t, *, nq=4, nkv=2, hd=128, page_size=8, layers=2, dtype=jnp.float32):
+    """Random queries, new K/V and a random cache; each row's pages drawn from a shuffled pool (never 0)."""
+    prefix_lens, q_lens = np.asarray(prefix_lens, np.int32), np.asarray(q_lens, np.int32)
+    kv_lens = prefix_lens + q_lens
+    need = -(-kv_lens // page_size)
+    cols = max(1, int(need.max()))
+    num_pages = int(need.sum()) + 3
+    pool = iter(rng.permutation(np.arange(1, num_pages)))  # out-of-order pages
+    page_table = np.zeros((len(q_lens), cols), np.int32)
+    for b, n in enumerate(need):
+        page_table[b, :n] = [next(pool) for _ in range(n)]
+    b = len(q_lens)
+
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    return dict(q=arr(b, t, nq, hd), k_new=arr(b, t, nkv, hd), v_new=arr(b, t, nkv, hd),
+                k_cache=arr(layers, num_pages, page_size, nkv, hd), v_cache=arr(layers, num_pages, page_size, nkv, hd),
+                layer=layers - 1, q_lens=jnp.asarray(q_lens), kv_lens=jnp.asarray(kv_lens),
+                page_table=jnp.asarray(page_table))
+
+
+def _check(inputs, dtype, block_sizes=BLOCKS):
+    out_r, k_r, v_r = ragged_paged_attention_reference(**inputs)
+    copies = {k: jnp.array(v, copy=True) if k in ("k_cache", "v_cache") else v for k, v in inputs.items()}
+    out_k, k_k, v_k = ragged_paged_attention(**copies, block_sizes=block_sizes, interpret=True)
+    q_lens = np.asarray(inputs["q_lens"])
+    valid = np.arange(inputs["q"].shape[1])[None, :] < q_lens[:, None]
+    err = np.abs(np.asarray(out_k, np.float32) - np.asarray(out_r, np.float32))[valid]
+    assert np.all(np.isfinite(np.asarray(out_k, np.float32)))
+    assert err.max() <= TOL[dtype], f"max abs error {err.max()}"
+    np.testing.assert_array_equal(np.asarray(k_k)[:, 1:], np.asarray(k_r)[:, 1:])
+    np.testing.assert_array_equal(np.asarray(v_k)[:, 1:], np.asarray(v_r)[:, 1:])
+    # A padding row (q_len 0) gets zeros.
+    assert np.all(np.asarray(out_k)[q_lens == 0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_only_decodes(dtype) -> None:
+    rng = np.random.default_rng(1)
+    # Contexts ending exactly on, just past and well past page boundaries; one padding row (empty context).
+    prefix = [7, 8, 15, 0, 30, 2, 16, 0]
+    q_lens = [1, 1, 1, 1, 1, 1, 1, 0]
+    _check(_batch(rng, prefix, q_lens, 1, dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_only_prefills(dtype) -> None:
+    rng = np.random.default_rng(2)
+    _check(_batch(rng, [0, 0, 0], [32, 19, 8], 32, dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("hd", [128, 256])
+def test_mixed_decodes_and_prefill_chunks(hd: int) -> None:
+    rng = np.random.default_rng(3)
+    # decode, chunk with a cached prefix crossing pages, fresh prefill, padding row, prefix-only-ish chunk
+    prefix = [13, 9, 0, 0, 21]
+    q_lens = [1, 16, 7, 0, 3]
+    _check(_batch(rng, prefix, q_lens, 16, hd=hd), jnp.float32)
+
+
+def test_gqa_ratio_and_largest_bucket() -> None:
+    """Eight query heads per KV head, 64-token bucket over many pages, default-ish blocks."""
+    rng = np.random.default_rng(4)
+    inputs = _batch(rng, [40, 0, 100], [64, 64, 33], 64, nq=8, nkv=1, page_size=16)
+    _check(inputs, jnp.float32, BlockSizes(decode_seqs=8, prefill_q=32, kv_pages=4))
+
+
+def test_layer_index_selects_only_that_layer() -> None:
+    rng = np.random.default_rng(5)
+    inputs = _batch(rng, [5, 0], [3, 4], 4, layers=3)
+    inputs["layer"] = jnp.int32(1)
+    before = np.asarray(inputs["k_cache"]).copy()
+    _, k_k, _ = ragged_paged_attention(**{**inputs, "k_cache": jnp.array(inputs["k_cache"], copy=True),
+                                          "v_cache": jnp.array(inputs["v_cache"], copy=True)},
+                                       block_sizes=BLOCKS, interpret=True)
+    k_k = np.asarray(k_k)
+    np.testing.assert_array_equal(k_k[0], before[0])
+    np.testing.assert_array_equal(k_k[2], before[2])
+    assert not np.array_equal(k_k[1], before[1])
+    _check(inputs, jnp.float32)
+
+
+def test_rejects_bad_head_ratio() -> None:
+    rng = np.random.default_rng(6)
+    inputs = _batch(rng, [0], [2], 2, nq=3, nkv=2)
+    with pytest.raises(ValueError, match="multiple"):
+        jax.eval_shape(lambda: ragged_paged_attention(**inputs, interpret=True))

@@ -1,0 +1,135 @@
+"""Fused conv1d + Gated DeltaNet: the Pallas kernel in interpret mode (CPU) against the model's jnp reference.
+
+Seeded ragged batches over state pools: only decodes (recurrent form), only prefills (chunked form, several
+64-token chunks and token blocks), mixed lengths, fresh sequences (states read as zeros), padding rows on
+the trash slot, slots out of order. Tolerances (max abs error, values O(1)): fp32 state 1e-4 on outputs and
+states (both sides compute in fp32; the kernel inverts the chunk system by matmuls, the reference by a
+triangular solve). The bf16-state option is compared against the fp32 state over a prefill followed by
+decode steps and its error is printed and bounded.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
+from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
+
+HK, HV, DK, DV, K = 2, 4, 32, 32, 4
+CONV_DIM = 2 * HK * DK + HV * DV
+DIMS = dict(num_k_heads=HK, head_k_dim=DK, head_v_dim=DV)
+TOL = 1e-4
+
+
+def _pools(rng, layers=2, slots=8, dtype=jnp.float32):
+    conv = jnp.asarray(rng.standard_normal((layers, slots, CONV_DIM, K - 1)), dtype)
+    rec = jnp.asarray(rng.standard_normal((layers, slots, HV, DK, DV)) * 0.1, dtype)
+    return conv, rec
+
+
+def _step(rng, lens, t):
+    """Inputs of one step: pre-conv channels, log-decay and write strength, zero at padded tokens."""
+    lens = np.asarray(lens, np.int32)
+    valid = (np.arange(t)[None, :] < lens[:, None])[..., None]
+    mixed = jnp.asarray(rng.standard_normal((len(lens), t, CONV_DIM)) * valid, jnp.float32)
+    g = jnp.asarray(-rng.uniform(0.0, 0.5, (len(lens), t, HV)) * valid, jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (len(lens), t, HV)) * valid, jnp.float32)
+    return mixed, g, beta, jnp.asarray(lens)
+
+
+def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64):
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    conv, rec = _pools(rng)
+    mixed, g, beta, lens = _step(rng, lens, t)
+    slots, fresh = jnp.asarray(slots, jnp.int32), jnp.asarray(fresh, bool)
+    ref = fused_gdn_reference(mixed, conv_w, g, beta, conv, rec, layer, slots, lens, fresh, **DIMS)
+    ker = fused_gdn(mixed, conv_w, g, beta, jnp.array(conv, copy=True), jnp.array(rec, copy=True), layer, slots,
+                    lens, fresh, block_t=block_t, interpret=True, **DIMS)
+    valid = np.arange(t)[None, :] < np.asarray(lens)[:, None]
+    return ref, ker, valid, (conv, rec)
+
+
+def _assert_close(ref, ker, valid, before):
+    o_r, conv_r, rec_r = (np.asarray(x) for x in ref)
+    o_k, conv_k, rec_k = (np.asarray(x) for x in ker)
+    assert np.all(np.isfinite(o_k))
+    assert np.abs(o_k - o_r)[valid].max() <= TOL
+    # Slot 0 is the trash slot (padding rows); every other slot must match, untouched ones exactly.
+    assert np.abs(conv_k[:, 1:] - conv_r[:, 1:]).max() <= TOL
+    assert np.abs(rec_k[:, 1:] - rec_r[:, 1:]).max() <= TOL
+    np.testing.assert_array_equal(rec_k[0], np.asarray(before[1])[0])  # other layer untouched
+
+
+def test_only_decodes_recurrent_form() -> None:
+    rng = np.random.default_rng(10)
+    # Slots out of order; one fresh sequence; one padding row on trash slot 0.
+    ref, ker, valid, before = _run_both(rng, [1, 1, 1, 0], 1, slots=[5, 2, 7, 0], fresh=[False, True, False, False])
+    _assert_close(ref, ker, valid, before)
+
+
+def test_only_prefills_chunked_form() -> None:
+    rng = np.random.default_rng(11)
+    # 150 tokens = 3 token blocks of 64 (the last partial), several chunks; one continues a cached prefix.
+    ref, ker, valid, before = _run_both(rng, [150, 129], 150, slots=[3, 6], fresh=[True, False])
+    _assert_close(ref, ker, valid, before)
+
+
+def test_mixed_lengths_one_block() -> None:
+    rng = np.random.default_rng(12)
+    ref, ker, valid, before = _run_both(rng, [1, 64, 37, 0], 64, slots=[4, 1, 6, 0],
+                                        fresh=[False, True, False, False], block_t=256)
+    _assert_close(ref, ker, valid, before)
+
+
+def test_steps_chain_through_the_pools() -> None:
+    """Prefill then decodes through the kernel alone equal the reference chain (state carried in the pools)."""
+    rng = np.random.default_rng(13)
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    pools_r = _pools(rng)
+    pools_k = tuple(jnp.array(p, copy=True) for p in pools_r)
+    slots = jnp.asarray([2, 5], jnp.int32)
+    for step, (lens, t) in enumerate([([70, 5], 70), ([1, 1], 1)]):
+        mixed, g, beta, lens = _step(rng, lens, t)
+        fresh = jnp.asarray([step == 0] * 2)
+        o_r, *pools_r = fused_gdn_reference(mixed, conv_w, g, beta, *pools_r, 0, slots, lens, fresh, **DIMS)
+        o_k, *pools_k = fused_gdn(mixed, conv_w, g, beta, *pools_k, 0, slots, lens, fresh, block_t=64,
+                                  interpret=True, **DIMS)
+        valid = np.arange(t)[None, :] < np.asarray(lens)[:, None]
+        assert np.abs(np.asarray(o_k) - np.asarray(o_r))[valid].max() <= TOL, f"step {step}"
+    for a, b in zip(pools_k, pools_r, strict=True):
+        assert np.abs(np.asarray(a)[:, 1:] - np.asarray(b)[:, 1:]).max() <= TOL
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16])
+def test_bf16_state_error_against_fp32(state_dtype) -> None:
+    """bf16 recurrent/conv state: error of the outputs against the fp32-state kernel over prefill + decodes."""
+    rng = np.random.default_rng(14)
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    conv, rec = _pools(rng)
+    p32 = (conv, rec)
+    p16 = (conv.astype(state_dtype), rec.astype(state_dtype))
+    slots = jnp.asarray([1, 3], jnp.int32)
+    worst, scale = 0.0, 0.0
+    for step, (lens, t) in enumerate([([100, 90], 100)] + [([1, 1], 1)] * 3):
+        mixed, g, beta, lens = _step(rng, lens, t)
+        fresh = jnp.asarray([step == 0] * 2)
+        o32, *p32 = fused_gdn(mixed, conv_w, g, beta, *p32, 0, slots, lens, fresh, interpret=True, **DIMS)
+        o16, *p16 = fused_gdn(mixed, conv_w, g, beta, *p16, 0, slots, lens, fresh, interpret=True, **DIMS)
+        valid = np.arange(t)[None, :] < np.asarray(lens)[:, None]
+        worst = max(worst, float(np.abs(np.asarray(o16) - np.asarray(o32))[valid].max()))
+        scale = max(scale, float(np.abs(np.asarray(o32))[valid].max()))
+    assert p16[1].dtype == state_dtype
+    print(f"bf16 state vs fp32: max abs output error {worst:.2e} (outputs up to {scale:.2f}), "
+          f"relative {worst / scale:.2e}")
+    assert 0 < worst <= 2e-2 * scale  # bf16 keeps ~3 significant digits; the error must stay at that level
+
+
+def test_rejects_bad_dims() -> None:
+    rng = np.random.default_rng(15)
+    conv, rec = _pools(rng)
+    mixed, g, beta, lens = _step(rng, [1], 1)
+    with pytest.raises(ValueError, match="bad GDN dims"):
+        fused_gdn(mixed, jnp.zeros((CONV_DIM, K)), g, beta, conv, rec, 0, jnp.zeros(1, jnp.int32), lens,
+                  jnp.zeros(1, bool), num_k_heads=HK, head_k_dim=DK + 1, head_v_dim=DV, interpret=True)

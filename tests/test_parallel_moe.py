@@ -1,0 +1,181 @@
+"""Sharded MoE and sharded forward (DP attention + expert parallelism) == the single-device model.
+
+The checks need 8 devices, and the rest of the suite runs in this process with 1, so they run in a child
+process (this file run as a script) with ``--xla_force_host_platform_device_count=8``; it prints one JSON
+line per case with the largest error, and the tests here assert on those numbers.
+
+Tolerance: float32 everywhere; the sharded path sums the k expert outputs and the device partial sums in
+a different order than the single-device path and packs routing weights with 23 - 4 mantissa bits
+(expert ids take 4 bits for 16 experts), so results agree to ~1e-5 relative, not bit for bit. We allow
+2e-4 of the reference's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOL = 2e-4
+LAYOUTS = [(1, 8), (2, 4), (8, 8)]  # (dp, ep); (8, 8) is the Ironwood host: attention dp8 + MoE ep8
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[str, float]]:
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())], env=_child_env(), capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["case"]] = r
+    return out
+
+
+@pytest.mark.parametrize("dp,ep", LAYOUTS)
+@pytest.mark.parametrize("combine", ["flat", "hierarchical"])
+def test_sharded_moe_matches_single_device(results, dp, ep, combine):
+    for routing in ("random", "one_expert", "top1_one_expert"):
+        r = results[f"moe dp{dp} ep{ep} {combine} {routing}"]
+        assert r["rel_err"] < TOL, r
+
+
+def test_sharded_moe_micro_batches(results):
+    r = results["moe dp8 ep8 hierarchical random mb3"]
+    assert r["rel_err"] < TOL, r
+
+
+@pytest.mark.parametrize("dp,ep,combine", [(1, 8, "hierarchical"), (2, 4, "flat"), (8, 8, "hierarchical"),
+                                           (8, 8, "flat")])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_sharded_forward_matches_single_device(results, dp, ep, combine, phase):
+    r = results[f"forward dp{dp} ep{ep} {combine} {phase}"]
+    assert r["rel_err"] < TOL, r
+    assert r["valid_tokens"] > 0
+
+
+def test_hierarchical_reduce_scatter_equals_psum_scatter(results):
+    r = results["reduce_scatter"]
+    assert r["max_abs_err"] < 1e-5, r
+
+
+# ---------------------------------------------------------------- child process (8 emulated devices)
+
+
+def _child() -> None:  # noqa: C901 - one linear script
+    import dataclasses
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+    from sglang_tpu_qwen.model.embedded import embedded_config_dict, init_embedded_params
+    from sglang_tpu_qwen.model.forward import forward_step, init_cache
+    from sglang_tpu_qwen.model.moe import moe_block
+    from sglang_tpu_qwen.parallel import collectives, sharding
+    from sglang_tpu_qwen.parallel.expert_parallel import make_ep_moe_fn
+    from sglang_tpu_qwen.parallel.mesh import EXPERT, make_layout
+    from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    assert len(jax.devices()) == 8
+    d = embedded_config_dict()
+    d["text_config"].update(vocab_size=512, num_experts=16, num_experts_per_tok=4)
+    config = Qwen35MoeConfig.from_hf_dict(d)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), init_embedded_params(config))
+    params["layers"][0]["gdn"]["A_log"] = params["layers"][0]["gdn"]["A_log"].astype(jnp.float32)
+
+    def emit(case: str, got: np.ndarray, want: np.ndarray, **extra: object) -> None:
+        err = float(np.max(np.abs(got - want))) if got.size else 0.0
+        scale = float(np.max(np.abs(want))) if want.size else 1.0
+        print(json.dumps({"case": case, "max_abs_err": err, "rel_err": err / max(scale, 1e-30), **extra}),
+              flush=True)
+
+    # Hierarchical reduce-scatter vs psum_scatter on the expert axis of a dp2-ep4 mesh.
+    lay = make_layout(2, 4)
+    y = jax.random.normal(jax.random.key(1), (2 * 4 * 12, 5))
+
+    def rs(fn):
+        return jax.jit(jax.shard_map(fn, mesh=lay.mesh, in_specs=P("data"), out_specs=P(("data", EXPERT)),
+                                     check_vma=False))(y)
+
+    flat = rs(lambda v: collectives.flat_reduce_scatter(v, EXPERT))
+    hier = rs(lambda v: collectives.hierarchical_reduce_scatter(v, EXPERT, 4))
+    emit("reduce_scatter", np.asarray(hier), np.asarray(flat))
+
+    # MoE block alone.
+    moe_p = params["layers"][0]["moe"]
+    x = jax.random.normal(jax.random.key(2), (40, config.hidden_size), jnp.float32)
+    one = dict(moe_p, router=jnp.zeros_like(moe_p["router"]).at[0, 11].set(10.0))
+    x_one = x.at[:, 0].set(1.0)  # logit 10 for expert 11, 0 for the rest: every token's top-1 is expert 11
+    top1 = dataclasses.replace(config, num_experts_per_tok=1)
+    cases = [("random", moe_p, x, config), ("one_expert", one, x_one, config), ("top1_one_expert", one, x_one, top1)]
+    for dp, ep in LAYOUTS:
+        lay = make_layout(dp, ep)
+        for combine in ("flat", "hierarchical"):
+            for mb in (1, 3) if (dp, ep, combine) == (8, 8, "hierarchical") else (1,):
+                fn = make_ep_moe_fn(EXPERT, ep, tokens_replicated=not lay.attention_spans_experts,
+                                    combine=combine, micro_batches=mb)
+                for name, p, xx, cfg in cases if mb == 1 else cases[:1]:
+                    run = jax.jit(jax.shard_map(
+                        functools.partial(fn, config=cfg), mesh=lay.mesh,
+                        in_specs=(sharding.param_pspecs(p, lay), sharding.batch_pspec(lay)),
+                        out_specs=sharding.batch_pspec(lay), check_vma=False))
+                    got = run(sharding.shard_params(p, lay), xx)
+                    want = moe_block(p, xx, cfg)
+                    emit(f"moe dp{dp} ep{ep} {combine} {name}" + (f" mb{mb}" if mb > 1 else ""),
+                         np.asarray(got), np.asarray(want))
+
+    # Full forward: prefill (T=8, uneven lengths, one all-padding row) then one decode step.
+    b, t, ps, pages, slots = 8, 8, 4, 64, 16
+    new_prefill = np.array([5, 3, 0, 7, 1, 8, 2, 4], np.int32)
+    rng = np.random.default_rng(0)
+    tok_prefill = rng.integers(1, config.vocab_size, (b, t)).astype(np.int32)
+    tok_decode = rng.integers(1, config.vocab_size, (b, 1)).astype(np.int32)
+    ref_fwd = jax.jit(functools.partial(forward_step, config=config))
+    for dp, ep, combine in [(1, 8, "hierarchical"), (2, 4, "flat"), (8, 8, "hierarchical"), (8, 8, "flat")]:
+        lay = make_layout(dp, ep)
+        rows, ppr, spr = b // dp, pages // dp, slots // dp
+        local_pt = np.zeros((b, 4), np.int32)
+        local_slot = np.zeros(b, np.int32)
+        for row in range(b):
+            i = row % rows  # row index within its rank
+            local_pt[row, :3] = 1 + 3 * i + np.arange(3)
+            local_slot[row] = 1 + i
+        rank = np.arange(b) // rows
+        global_pt = np.where(local_pt > 0, local_pt + (rank * ppr)[:, None], 0).astype(np.int32)
+        global_slot = (local_slot + rank * spr).astype(np.int32)
+
+        fwd = jax.jit(make_sharded_forward(lay, config, params, combine=combine))
+        sp = sharding.shard_params(params, lay)
+        cache = sharding.shard_cache(init_cache(config, pages, ps, slots, jnp.float32), lay)
+        ref_cache = init_cache(config, pages, ps, slots, jnp.float32)
+        steps = [("prefill", tok_prefill, np.zeros(b, np.int32), new_prefill),
+                 ("decode", tok_decode, new_prefill, np.ones(b, np.int32))]
+        for phase, tok, pre, new in steps:
+            h, cache = fwd(sp, cache, tok, pre, new, local_pt, local_slot)
+            h_ref, ref_cache = ref_fwd(params, ref_cache, tok, pre, new, global_pt, global_slot)
+            valid = np.arange(tok.shape[1])[None, :] < new[:, None]
+            emit(f"forward dp{dp} ep{ep} {combine} {phase}", np.asarray(h)[valid], np.asarray(h_ref)[valid],
+                 valid_tokens=int(valid.sum()))
+
+
+if __name__ == "__main__":
+    _child()
