@@ -1,7 +1,11 @@
 """Prefix cache exactness on the embedded model: a hit gives the tokens (and logprobs) of the cache-off run.
 
-Greedy throughout. Logprobs agree within LOGPROB_TOL: a hit prefills the remainder in different chunks,
-which changes only the float summation order (the model tests bound that at ~1e-5).
+Greedy throughout. Logprobs agree within LOGPROB_TOL: a hit prefills the remainder in different chunks and
+batches, which changes only the float summation order (the model tests bound that at ~1e-5). Token
+equality then holds unless the run meets an exact tie: a top-k router choice between two experts whose
+probabilities agree to ~1e-7 can flip with batch composition alone, cache or not (seen with prefix seed 1
+in the concurrent test: experts 1 and 6 at 0.2116432 in layer 2). The prompts below avoid such ties; a
+cache bug shows up as O(1) logit errors on every prompt, not as one flipped tie.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def _gen(eng: Engine, ids: list[int], n: int = 8) -> dict:
 
 
 def _same(a: dict, b: dict) -> None:
-    assert a["output_ids"] == b["output_ids"]
+    assert a["output_ids"] == b["output_ids"], (a["meta_info"]["id"], a["meta_info"]["cached_tokens"])
     la = np.array([t[0] for t in a["meta_info"]["output_token_logprobs"]])
     lb = np.array([t[0] for t in b["meta_info"]["output_token_logprobs"]])
     np.testing.assert_allclose(la, lb, atol=LOGPROB_TOL)
@@ -73,8 +77,8 @@ def test_resend_hits_and_matches_cache_off(cold, warm, length):
 
 
 def test_concurrent_shared_prefix_then_fifth(cold, warm):
-    prefix = _ids(1, 256)
-    prompts = [prefix + _ids(10 + i, n) for i, n in enumerate([60, 130, 200, 244])]
+    prefix = _ids(21, 256)
+    prompts = [prefix + _ids(30 + i, n) for i, n in enumerate([60, 130, 200, 244])]
     refs = [_gen(cold, p) for p in prompts]
     outs: list = [None] * 4
 
@@ -117,7 +121,9 @@ def test_interleaved_turns_with_nan_filled_free_slots(cold, warm):
     _same(outs["b2"], _gen(cold, b2, n=12))
     # The second turn reuses the first turn's prompt and reply (snapshot at the reply's last page boundary).
     assert outs["a2"]["meta_info"]["cached_tokens"] >= PAGE * ((len(a) + len(ra["output_ids"]) - 1) // PAGE)
-    _same(outs["a"], ra)
+    # A resent while its next turn runs: a full hit, and the first 8 of its 12 greedy tokens are A's reply.
+    assert outs["a"]["output_ids"][:8] == ra["output_ids"]
+    assert outs["a"]["meta_info"]["cached_tokens"] >= PAGE * ((len(a) - 1) // PAGE)
 
 
 def test_snapshot_evicted_to_host_and_back(cold):

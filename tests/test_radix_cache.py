@@ -324,3 +324,14 @@ def test_drop_snapshot_only_exact_unlocked() -> None:
     assert cache.drop_snapshot(toks[:4], 7)
     assert cache.num_snapshots == 0 and cache.match_prefix(toks[:5]).length == 0
     cache.check_invariants()
+
+
+def test_evict_snapshots_only_filter() -> None:
+    cache = RadixCache(page_size=2)
+    toks = [1, 2, 3, 4, 5, 6]
+    cache.insert(toks, [10, 11, 12])
+    cache.set_snapshot(toks[:2], 100)
+    cache.set_snapshot(toks[:4], 7)
+    freed = cache.evict_snapshots(5, only=lambda sid: sid < 50)
+    assert freed.snapshots == [7] and cache.num_snapshots == 1
+    cache.check_invariants()

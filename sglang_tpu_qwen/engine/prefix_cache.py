@@ -82,6 +82,8 @@ class PrefixCache:
             r.cached_tokens = m.length
         if m.length and m.snapshot is not None:
             self._restore(m.snapshot, r.slot)
+        logger.debug("admit %s: hit %d (kv %d) snapshot %s -> slot %s", r.rid[:6], m.length, m.kv_length,
+                     m.snapshot, r.slot)
         targets = {self.page_size * ((len(r.fill_ids) - 1) // self.page_size)}
         if m.kv_length > m.length:
             targets.add(m.kv_length)
@@ -149,6 +151,7 @@ class PrefixCache:
     def _attach(self, tokens: list[int], snap: int) -> None:
         key = tuple(tokens)
         returned = self.tree.set_snapshot(key, snap)
+        logger.debug("attach snapshot %d at %d (returned %s)", snap, len(key), returned)
         if returned != snap:
             self._where[snap] = key
         if returned is not None:
@@ -195,7 +198,8 @@ class PrefixCache:
             got = self.snap_pool.alloc(1)
             if got is not None:
                 return got[0]
-            freed = self.tree.evict_snapshots(1)
+            # Only device snapshots: dropping a host one would free no slot here.
+            freed = self.tree.evict_snapshots(1, only=lambda sid: not is_host_id(sid))
             if not freed.snapshots:
                 return None
             self._release_snapshots(freed.snapshots, demote=True)

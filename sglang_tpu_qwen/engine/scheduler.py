@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+_CHECK = os.environ.get("SGLANG_TPU_QWEN_CHECK_INVARIANTS") == "1"  # debug: verify memory ownership each step
 
 
 class Scheduler:
@@ -157,8 +159,29 @@ class Scheduler:
         if not chosen:
             return False
         self._last_was_extend = is_extend
+        if _CHECK:
+            self.check_memory_invariants()
         self._run(chosen, is_extend)
         return True
+
+    def check_memory_invariants(self) -> None:
+        """Every page and slot is held by exactly one owner (pool, tree, request); raises AssertionError."""
+        owned: dict[int, str] = {}
+        tree = self.prefix_cache.tree if self.prefix_cache is not None else None
+        tree_pages = set(tree._pages) if tree is not None else set()
+        for r in self.running:
+            for i, p in enumerate(r.pages):
+                if i < r.num_tree_pages:
+                    assert p in tree_pages, f"{r.rid}: page {p} at {i} should be the tree's"
+                    continue
+                assert p not in tree_pages, f"{r.rid}: own page {p} at {i} is also the tree's"
+                assert p not in owned, f"page {p} held by {r.rid} and {owned[p]}"
+                owned[p] = r.rid
+        free = set(self.kv_pool._free)
+        assert not (free & set(owned)) and not (free & tree_pages), "a free page is in use"
+        assert len(free) + len(owned) + len(tree_pages) == self.kv_pool.num_usable, "pages leaked"
+        slots = [r.slot for r in self.running]
+        assert len(slots) == len(set(slots)) and None not in slots, f"slots {slots}"
 
     def _drop_aborted(self) -> None:
         for r in [r for r in self.running if r.aborted]:

@@ -42,9 +42,11 @@ def param_pspecs(params: Any, layout: Layout) -> Any:
 
     def spec(path: tuple[Any, ...], leaf: Any) -> P:
         if _key_names(path) & EXPERT_LEAVES:
-            if leaf.shape[0] % layout.ep:
-                raise ValueError(f"{leaf.shape[0]} experts do not split {layout.ep} ways")
-            return P(EXPERT)
+            # [..., E, in, out] (a leading dim when layers are stacked for scan, scan_forward.py).
+            e_dim = len(leaf.shape) - 3
+            if leaf.shape[e_dim] % layout.ep:
+                raise ValueError(f"{leaf.shape[e_dim]} experts do not split {layout.ep} ways")
+            return P(*([None] * e_dim), EXPERT)
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, params)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sglang_tpu_qwen.radix_cache.eviction import page_saving_tokens, score, snapshot_saving_tokens
@@ -326,9 +326,10 @@ class RadixCache:
         self._counters["evicted_snapshots"] += len(freed.snapshots)
         return freed
 
-    def evict_snapshots(self, n: int) -> Freed:
+    def evict_snapshots(self, n: int, only: Callable[[int], bool] | None = None) -> Freed:
         """Drop up to `n` snapshots (KV pages stay), lowest score first; never one on a node locked directly.
 
+        `only`, when given, limits eviction to snapshot ids it accepts (e.g. those in one memory tier).
         Dropping a snapshot raises the value of the snapshots below it (their hits no longer fall back to
         it), so scores are re-checked lazily when popped.
         """
@@ -338,7 +339,7 @@ class RadixCache:
         lo, hi = self._clock_range()
         heap: list[tuple[float, int, TreeNode]] = []
         for node in self._nodes():
-            if node.snapshot is not None and node.direct_lock == 0:
+            if node.snapshot is not None and node.direct_lock == 0 and (only is None or only(node.snapshot)):
                 heap.append((self._snapshot_score(node, lo, hi), next(self._seq), node))
         heapq.heapify(heap)
         while heap and len(freed.snapshots) < n:

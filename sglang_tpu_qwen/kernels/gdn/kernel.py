@@ -5,14 +5,15 @@ Math: Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025) in the chunked WY/UT 
 ``model.gated_deltanet`` (the reference): depthwise causal conv1d (kernel K = 4) + SiLU over the q|k|v
 channels, q/k L2-normalised (q scaled by dk^-0.5), then per value head, state ``S [dk, dv]``::
 
-    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}'^T k_t))^T      (S' = exp(g_t) S_{t-1})
+    S' = exp(g_t) S_{t-1}
+    S_t = S' + k_t (beta_t (v_t - S'^T k_t))^T
     o_t = S_t^T q_t
 
 Prefill (T > 1) runs chunks of C = 64 tokens: with ``cum`` the in-chunk cumulative log-decay,
 ``D[i, j] = exp(cum_i - cum_j)`` (i >= j) and ``L = tril(diag(beta) K K^T * D, -1)``, the chunk's writes are
 ``U = (I + L)^-1 diag(beta) V`` and ``W = (I + L)^-1 diag(beta) K exp(cum)``; the inverse of the unit lower
-triangular matrix is the product ``(I - L)(I + L^2)(I + L^4)...(I + L^32)`` (L is nilpotent), six MXU
-matmul pairs instead of a sequential substitution. Then ``V' = U - W S``,
+triangular matrix is the product ``(I - L)(I + L^2)(I + L^4)...(I + L^32)`` (L is nilpotent): five
+squarings and five products on the MXU instead of a 64-step sequential substitution. Then ``V' = U - W S``,
 ``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and ``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
 Decode (T == 1) runs the recurrence directly.
 
@@ -23,17 +24,23 @@ normalised once for all of them. Inputs are read straight from the model's array
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
     conv_weight  [conv_dim, K]
     g, beta      [B, T, Hv] float32  log-decay and write strength (0 at padded tokens)
-    conv_pool    [L, S, conv_dim, K-1]   all GDN layers' conv states (docs/internals.md), aliased in -> out
+    conv_pool    [L, S, conv_dim, K-1]   all GDN layers' conv states (docs/internals.md)
     rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
     layer, slot_ids [B], new_lens [B], fresh [B]: scalar-prefetched (SMEM)
 
 The recurrent state block of (layer, slot_ids[b], kh) is selected by the BlockSpec index map from the
 prefetched slot ids and stays resident in VMEM across the token blocks (its index does not depend on the
-token axis), so each state is read once and written once per call. The conv window (K-1 inputs per channel)
-is DMAed from the pool into VMEM at the first token block, carried across token blocks, and DMAed back at
-the last. ``block_t`` (default 256, a multiple of C) bounds VMEM: at Qwen3.5-397B shapes (dk = dv = 128,
-r = 4) a step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving
-room for double buffering; 256 tokens amortise the per-step overhead over four chunks.
+token axis), so each state is read once and written once per call, in place. The conv window (K-1
+inputs per channel) enters as the rows' ``[B, K-1, conv_dim]`` slice of the pool, gathered and transposed
+by XLA (taps-major is lane-dense; the pool's ``[conv_dim, K-1]`` tiles would pad K-1 to 128 lanes, and
+handing the pool itself to Mosaic made XLA copy all of it around the call: 8.9 GiB at 45 layers x 33
+slots). The window lives in a resident output block across token blocks and XLA scatters it back into the
+pool (B x 3 x conv_dim values per layer, <0.3% of a row's state bytes).
+
+``block_t`` (default 256, a multiple of C) bounds VMEM: at Qwen3.5-397B shapes (dk = dv = 128, r = 4) a
+step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving room
+for double buffering; 256 tokens amortise the per-step overhead over four chunks. Decode rows take one
+grid step per (sequence, key head); the state block (256 KiB fp32) dominates that step's traffic.
 
 Padded tokens (``t >= new_lens[b]``) have ``k = g = beta = 0`` and so change nothing; their outputs are
 finite but meaningless. ``fresh[b]`` makes the kernel read both states of the row as zeros.

@@ -8,11 +8,12 @@ page buffers fit the scoped VMEM limit with room for Mosaic's temporaries. ``kv_
 inner step (``kv_pages * page_size`` keys).
 
 Ironwood (TPU7x) has 64 MiB of VMEM per TensorCore. With Qwen3.5-397B's attention (G = 16 query heads per KV
-head, head_dim 256, page 256, bf16 cache) one prefill step with ``prefill_q = 64`` holds a 1024-row query tile,
-two 1024 x 256 fp32 accumulators (2 MiB) plus their max/sum rows (2 MiB), 1024 x 256 fp32 scores per head
-(1 MiB) and two page buffers that Mosaic pads from 2 to 16 sublanes (``[page, nkv, hd]`` tiles: 2 MiB each per
-page); about 14 MiB, well under the 48 MiB limit asked for. The table was checked by the deviceless
-Ironwood AOT compile (tests/test_kernels_aot_ironwood.py), not tuned on hardware.
+head, head_dim 256, page 256, bf16 cache) one prefill step with ``prefill_q = 64`` holds a 1024-row query
+tile, two 1024 x 256 fp32 accumulators (2 MiB) plus their max/sum rows (2 MiB), 1024 x 256 fp32 scores per
+head (1 MiB) and the double-buffered K and V page buffers, which Mosaic pads from 2 to 16 sublanes
+(``[page, nkv, hd]`` tiles: 2 MiB per page, 8 MiB in all); about 18 MiB, well under the 48 MiB limit asked
+for. The table was checked by the deviceless Ironwood AOT compile (tests/test_kernels_aot_ironwood.py), not
+tuned on hardware.
 """
 
 from __future__ import annotations

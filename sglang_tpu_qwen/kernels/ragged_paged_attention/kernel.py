@@ -3,9 +3,10 @@
 Algorithm: PagedAttention (Kwon et al., SOSP 2023) with the online softmax of FlashAttention (Dao et al.,
 NeurIPS 2022). For each sequence the call first writes the step's new K/V rows into their pages (one DMA
 per token, HBM to HBM, into the cache aliased input -> output), then for each query block walks the
-sequence's pages ``kv_pages`` at a time (DMA HBM -> VMEM through the page table), keeping a running max,
-sum and fp32 accumulator per query row. Causal masking is by absolute position (the query at position
-``p`` sees keys ``< min(kv_len, p + 1)``); pages past the block's last visible key are not fetched.
+sequence's pages ``kv_pages`` at a time (DMA HBM -> VMEM through the page table, double-buffered),
+keeping a running max, sum and fp32 accumulator per query row. Causal masking is by absolute position
+(the query at position ``p`` sees keys ``< min(kv_len, p + 1)``); pages past the block's last visible key
+are not fetched.
 
 Layout. The scheduler pads a step to ``[B, T]`` (B, T powers of two), so the ragged batch is given as rows
 ``b`` with ``q_lens[b]`` valid tokens each: sequence ``b``'s tokens start at flat offset ``b * T``. This
@@ -28,7 +29,7 @@ Grid ``(B / rows_per_step, T / q_block)``. T == 1 (a decode step): ``decode_seqs
 T > 1: one sequence per step, ``prefill_q`` query tokens per step. The row axis is "parallel", the query-block
 axis "arbitrary" (the K/V write at the first query block must precede the reads of later blocks). Scalar
 metadata (layer, lengths, flattened page table) is scalar-prefetched into SMEM. Block sizes:
-``block_sizes.py``. Page fetches are synchronous (no double buffering yet).
+``block_sizes.py``. Page fetches are double-buffered: block kb + 1's pages load while block kb computes.
 """
 
 from __future__ import annotations
@@ -108,19 +109,33 @@ def _one_sequence(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def kv_block(kb, c):
+    def fetch(kb, slot):
+        """DMA descriptors of KV block kb's pages into buffer slot (0/1)."""
         cps = []
         for p in range(kv_pages):
             col = jnp.minimum(kb * kv_pages + p, pages_per_seq - 1)
             page = pt_ref[b * pages_per_seq + col]
-            cps.append(pltpu.make_async_copy(kc_hbm.at[layer, page], kbuf.at[p], rsem.at[0]))
-            cps.append(pltpu.make_async_copy(vc_hbm.at[layer, page], vbuf.at[p], rsem.at[1]))
-        for cp in cps:
+            cps.append(pltpu.make_async_copy(kc_hbm.at[layer, page], kbuf.at[slot, p], rsem.at[slot, 0]))
+            cps.append(pltpu.make_async_copy(vc_hbm.at[layer, page], vbuf.at[slot, p], rsem.at[slot, 1]))
+        return cps
+
+    @pl.when(n_blocks > 0)
+    def _prefetch_first():
+        for cp in fetch(0, 0):
             cp.start()
-        for cp in cps:
+
+    def kv_block(kb, c):
+        slot = jax.lax.rem(kb, 2)
+
+        @pl.when(kb + 1 < n_blocks)
+        def _prefetch_next():  # double buffering: the next block's pages load while this one computes
+            for cp in fetch(kb + 1, 1 - slot):
+                cp.start()
+
+        for cp in fetch(kb, slot):
             cp.wait()
-        k_all = kbuf[...].reshape(keys, nkv, -1)
-        v_all = vbuf[...].reshape(keys, nkv, -1)
+        k_all = kbuf[slot].reshape(keys, nkv, -1)
+        v_all = vbuf[slot].reshape(keys, nkv, -1)
         key_row = kb * keys + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
         key_col = kb * keys + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
         mask = (key_row < kv_len) & (key_row <= q_pos)  # [rows, keys]
@@ -221,9 +236,9 @@ def ragged_paged_attention(
             in_specs=[q_spec, any_spec, any_spec, any_spec, any_spec],
             out_specs=[q_spec, any_spec, any_spec],
             scratch_shapes=[
-                pltpu.VMEM((bs.kv_pages, page_size, nkv, hd), k_cache.dtype),
-                pltpu.VMEM((bs.kv_pages, page_size, nkv, hd), v_cache.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((2, bs.kv_pages, page_size, nkv, hd), k_cache.dtype),
+                pltpu.VMEM((2, bs.kv_pages, page_size, nkv, hd), v_cache.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((nkv, rows, 128), jnp.float32),
                 pltpu.VMEM((nkv, rows, 128), jnp.float32),
