@@ -32,7 +32,7 @@ def cold():
 
 @pytest.fixture(scope="module")
 def warm():
-    eng = Engine(**ROOMY)
+    eng = Engine(debug_nan_fill_freed_slots=True, **ROOMY)
     yield eng
     eng.shutdown()
 
