@@ -18,6 +18,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
+from conftest import record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
@@ -46,8 +47,9 @@ def _spec(shape, dtype, dev):
 
 def _report(name: str, compiled) -> None:
     mem = compiled.memory_analysis()
-    print(f"{name}: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, out {mem.output_size_in_bytes / 2**20:.1f} "
-          f"MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, alias {mem.alias_size_in_bytes / 2**20:.1f} MiB")
+    record("Pallas kernels compiled for Ironwood (tpu7x:2x2x1, one device)",
+           f"{name}: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, out {mem.output_size_in_bytes / 2**20:.1f} "
+           f"MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, alias {mem.alias_size_in_bytes / 2**20:.1f} MiB")
     assert mem.alias_size_in_bytes > 0  # the caches / states are updated in place
     # No copy of a cache or state pool around the kernel (a relayout would show up here as GiBs).
     assert mem.temp_size_in_bytes < 64 * 2**20

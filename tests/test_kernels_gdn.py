@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import record
 
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
@@ -121,8 +122,8 @@ def test_bf16_state_error_against_fp32(state_dtype) -> None:
         worst = max(worst, float(np.abs(np.asarray(o16) - np.asarray(o32))[valid].max()))
         scale = max(scale, float(np.abs(np.asarray(o32))[valid].max()))
     assert p16[1].dtype == state_dtype
-    print(f"bf16 state vs fp32: max abs output error {worst:.2e} (outputs up to {scale:.2f}), "
-          f"relative {worst / scale:.2e}")
+    record("Fused GDN kernel: bf16 recurrent state vs fp32",
+           f"max abs output error {worst:.2e} (outputs up to {scale:.2f}), relative {worst / scale:.2e}")
     assert 0 < worst <= 2e-2 * scale  # bf16 keeps ~3 significant digits; the error must stay at that level
 
 

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import REFERENCE_REPORT  # noqa: E402
+from conftest import record  # noqa: E402
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config  # noqa: E402
 from sglang_tpu_qwen.model.embedded import ensure_embedded_model  # noqa: E402
@@ -187,9 +187,8 @@ def _hf_logits(model: Any, ids: list[int]) -> np.ndarray:
 
 
 def _report(what: str, err: float, tol: float) -> None:
-    line = f"{what}: max abs err {err:.3e} (tol {tol:.1e})"
-    print(line)
-    REFERENCE_REPORT.append(f"[{_CURRENT[0]}] {line}")
+    record("HF reference check: max abs error vs tolerance (fp32)",
+           f"[{_CURRENT[0]}] {what}: max abs err {err:.3e} (tol {tol:.1e})")
     assert err < tol, what
 
 

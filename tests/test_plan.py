@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import record
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 
@@ -37,7 +38,8 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
     # compiled by the CLI run (README table), which takes ~5 minutes more on 2 cores.
     for name in ("decode",):
         s = r["steps"][name]
-        print(f"{name}: bytes accessed / minimum bytes = {s['bytes_ratio']:.2f}")
+        record("Planner: Qwen3.5-397B-A17B on tpu7x:2x2x1",
+               f"{name}: bytes accessed / minimum bytes = {s['bytes_ratio']:.2f}")
         assert s["memory"]["fits"], s["memory"]
         assert s["flops"] > 0 and s["bytes_accessed"] >= s["min_bytes"] * 0.5
     assert r["fits"]
