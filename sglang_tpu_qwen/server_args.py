@@ -119,11 +119,14 @@ def _scalar_type(hint: Any) -> type:
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
-    """Parse command-line flags (SGLang names) into ServerArgs; argparse exits with code 2 on unknown flags."""
+    """Parse command-line flags (SGLang names) into ServerArgs; exits with code 2 on an unknown flag or bad value."""
     parser = argparse.ArgumentParser(
         prog="python -m sglang_tpu_qwen.launch_server",
         description="SGLang-compatible server for Qwen3.5-MoE in JAX.",
         allow_abbrev=False,
     )
     ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        return ServerArgs.from_cli_args(parser.parse_args(argv))
+    except ValueError as e:  # a bad value: usage message and exit code 2, like an unknown flag
+        parser.error(str(e))
