@@ -248,9 +248,12 @@ class PrefixCache:
         self._release_snapshots(freed.snapshots, demote=False)
 
     def stats(self) -> dict[str, Any]:
-        s = self.tree.stats()
-        out = {"cached_pages": s.pages, "cached_snapshots": s.snapshots, "cache_hit_rate": s.hit_rate,
-               "cache_hit_tokens": s.hit_tokens, "cache_query_tokens": s.query_tokens,
+        """Usage figures; O(1) reads only, since /get_server_info calls this from the HTTP thread while the
+        scheduler thread changes the tree (tree.stats() walks it)."""
+        hits, queries = self.tree.hit_counts()
+        out = {"cached_pages": self.tree.num_pages, "cached_snapshots": self.tree.num_snapshots,
+               "cache_hit_rate": hits / queries if queries else 0.0,
+               "cache_hit_tokens": hits, "cache_query_tokens": queries,
                "host_snapshots": len(self.host), "host_snapshot_bytes": self.host.used_bytes}
         if self.snap_pool is not None:
             out.update(snapshot_slots_total=self.snap_pool.num_usable, snapshot_slots_free=self.snap_pool.num_free)

@@ -285,3 +285,33 @@ def gdn_layer_pooled(
         num_k_heads=config.linear_num_key_heads, head_k_dim=config.linear_key_head_dim,
         head_v_dim=config.linear_value_head_dim)
     return gdn_output(p, o, z, x.dtype, config), conv_pool, rec_pool
+
+
+def gdn_layer_on_pools(
+    p: dict[str, Any],
+    x: jax.Array,
+    conv: jax.Array,
+    rec: jax.Array,
+    layer: int,
+    slot_ids: jax.Array,
+    fresh: jax.Array,
+    valid: jax.Array,
+    new_lens: jax.Array,
+    config: Qwen35MoeConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`gdn_layer` reading and writing each row's state in the slot pools (jnp reference path).
+
+    Args:
+        conv: ``[n_gdn_layers, num_slots, conv_dim, K-1]``; rec: ``[n_gdn_layers, num_slots, Hv, dk, dv]``.
+        layer: index of this layer among the GDN layers; slot_ids: ``[B]`` int32.
+        fresh: ``[B]`` bool, rows starting a sequence: their slot is read as zeros (whatever it holds).
+        Others as in :func:`gdn_layer`.
+
+    Returns:
+        ``(out [B, T, H], conv, rec)`` with the rows' new states written to their slots.
+    """
+    f = fresh[:, None, None]
+    conv_s = jnp.where(f, 0, conv[layer, slot_ids])
+    rec_s = jnp.where(f[..., None], 0, rec[layer, slot_ids])
+    out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, valid, new_lens, config)
+    return out, conv.at[layer, slot_ids].set(conv_s), rec.at[layer, slot_ids].set(rec_s)

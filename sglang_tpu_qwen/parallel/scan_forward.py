@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.gated_deltanet import gdn_layer
+from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import rope_cos_sin
@@ -72,7 +72,7 @@ def scan_forward_step(
     positions = prefix_lens[:, None] + ar[None, :]
     valid = ar[None, :] < new_lens[:, None]
     kv_lens = prefix_lens + new_lens
-    fresh = (prefix_lens == 0)[:, None, None]
+    fresh = prefix_lens == 0  # [B]: rows whose GDN state starts at zero
     cos, sin = rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
     eps = config.rms_norm_eps
     dtype = params["embed"].dtype
@@ -92,11 +92,9 @@ def scan_forward_step(
                 )
                 attn_i += 1
             else:
-                conv_s = jnp.where(fresh, 0, conv[gdn_i, slot_ids])
-                rec_s = jnp.where(fresh[..., None], 0, rec[gdn_i, slot_ids])
-                x, conv_s, rec_s = gdn_layer(lp["gdn"], x, conv_s, rec_s, valid, new_lens, config)
-                conv = conv.at[gdn_i, slot_ids].set(conv_s)
-                rec = rec.at[gdn_i, slot_ids].set(rec_s)
+                x, conv, rec = gdn_layer_on_pools(
+                    lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config
+                )
                 gdn_i += 1
             h = h + x
             h = h + moe(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)

@@ -134,6 +134,10 @@ class RadixCache:
         """Pages not on a locked path: `evict_pages` can free all of them."""
         return len(self._pages) - self._locked_pages
 
+    def hit_counts(self) -> tuple[int, int]:
+        """(hit_tokens, query_tokens) over touching matches, O(1): safe to read while another thread matches."""
+        return self._counters["hit_tokens"], self._counters["query_tokens"]
+
     def stats(self) -> CacheStats:
         """Current counters (walks the tree for the node count: O(nodes))."""
         c = self._counters
