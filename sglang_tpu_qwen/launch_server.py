@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import threading
 import time
 import urllib.request
@@ -22,8 +24,8 @@ logger = logging.getLogger("sglang_tpu_qwen.launch_server")
 READY_MESSAGE = "The server is fired up and ready to roll!"
 
 
-def _warm_up_and_announce(server: uvicorn.Server, args: ServerArgs) -> None:
-    """Wait for uvicorn to listen, POST one short /generate, then log the ready line.
+def _warm_up_and_announce(server: uvicorn.Server, args: ServerArgs, announce: bool = True) -> None:
+    """Wait for uvicorn to listen, POST one short /generate, then log the ready line (if `announce`).
 
     A failed warm-up is logged and stops the server (it would not serve requests either).
     """
@@ -53,11 +55,20 @@ def _warm_up_and_announce(server: uvicorn.Server, args: ServerArgs) -> None:
             logger.exception("Warm-up request failed; shutting down.")
             server.should_exit = True
             return
-    logger.info(READY_MESSAGE)
+    if announce:
+        logger.info(READY_MESSAGE)
 
 
 def launch_server(args: ServerArgs) -> None:
     """Build the Engine and serve it over HTTP until interrupted."""
+    if args.disaggregation_mode == "colocated-split":  # two engines, two ports (disagg/colocated.py)
+        from sglang_tpu_qwen.disagg.colocated import launch_colocated_split
+
+        launch_colocated_split(args)
+        return
+    if args.disaggregation_transfer_backend == "inprocess":
+        raise SystemExit("--disaggregation-transfer-backend inprocess needs --disaggregation-mode colocated-split "
+                         "(both engines in one process); use tcp between servers")
     from sglang_tpu_qwen.engine.engine import Engine
     from sglang_tpu_qwen.server.app import create_app
 
@@ -74,8 +85,20 @@ def launch_server(args: ServerArgs) -> None:
         engine.shutdown()
 
 
+def size_cpu_thread_pool() -> None:
+    """With emulated CPU devices (XLA_FLAGS --xla_force_host_platform_device_count=N), give XLA:CPU a thread
+    pool of at least 2N threads (PJRT_NPROC, read when JAX creates its CPU client). Its default is the core
+    count; a device program blocked in a collective holds a thread, and with fewer threads than devices the
+    other devices' programs cannot reach the collective: the step deadlocks (seen with 8 devices on 2 cores).
+    """
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if match and int(match.group(1)) > 1:
+        os.environ.setdefault("PJRT_NPROC", str(max(2 * int(match.group(1)), os.cpu_count() or 1)))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: parse flags, set up logging, launch."""
+    size_cpu_thread_pool()
     args = prepare_server_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),

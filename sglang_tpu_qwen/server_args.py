@@ -61,11 +61,40 @@ class ServerArgs:
     # Kernels.
     attention_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
     gdn_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
+    # Constrained decoding (sglang_tpu_qwen/grammar).
+    grammar_backend: str = field(
+        default="xgrammar", metadata={"help": "xgrammar, llguidance or none (constrained requests get a 400)."}
+    )
+    constrained_json_disable_any_whitespace: bool = field(
+        default=False, metadata={"help": "JSON Schema output without free whitespace between tokens."}
+    )
+    # OpenAI chat output parsers (sglang_tpu_qwen/parsers).
+    reasoning_parser: str | None = field(
+        default=None, metadata={"help": "Split reasoning into reasoning_content: qwen3 (Qwen3 / Qwen3.5)."}
+    )
+    tool_call_parser: str | None = field(
+        default=None, metadata={"help": "Parse tool calls into tool_calls: qwen3_coder (Qwen3.5 XML format)."}
+    )
     # Parallelism.
     moe_combine: str = field(default="hierarchical", metadata={"help": "MoE reduce-scatter: flat or hierarchical."})
     nnodes: int = field(default=1, metadata={"help": "Number of hosts (JAX processes)."})
     node_rank: int = field(default=0, metadata={"help": "This host's rank."})
     dist_init_addr: str | None = field(default=None, metadata={"help": "host:port of the rank-0 coordinator."})
+    # Prefill/decode disaggregation (sglang_tpu_qwen/disagg).
+    disaggregation_mode: str = field(default="null", metadata={
+        "help": "null, prefill, decode, or colocated-split (a prefill and a decode engine on two device groups "
+                "of this process, each with its own HTTP port)."})
+    disaggregation_bootstrap_port: int = field(
+        default=8998, metadata={"help": "Prefill server: port the decode servers fetch request state from."})
+    disaggregation_transfer_backend: str = field(default="auto", metadata={
+        "help": "auto (inprocess for colocated-split, else tcp), tcp, or inprocess (colocated-split only)."})
+    disaggregation_timeout: float = field(default=300.0, metadata={
+        "help": "Prefill: seconds unfetched state is kept, and a fetch waits for its request to arrive; decode: "
+                "seconds of silence from a prefill server before a waiting request fails."})
+    disaggregation_decode_port: int | None = field(
+        default=None, metadata={"help": "colocated-split: HTTP port of the decode engine (default --port + 1)."})
+    disaggregation_prefill_devices: int | None = field(default=None, metadata={
+        "help": "colocated-split: devices of the prefill engine, the first N (default half); decode gets the rest."})
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -74,12 +103,31 @@ class ServerArgs:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
-                   "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical")}
+                   "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
+                   "grammar_backend": ("xgrammar", "llguidance", "none")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        from sglang_tpu_qwen.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+        for name, allowed in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_CALL_PARSERS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        self._check_disaggregation()
+
+    def _check_disaggregation(self) -> None:
+        modes = ("null", "prefill", "decode", "colocated-split")
+        if self.disaggregation_mode not in modes:
+            raise ValueError(f"--disaggregation-mode must be one of {', '.join(modes)}")
+        if self.disaggregation_transfer_backend not in ("auto", "tcp", "inprocess"):
+            raise ValueError("--disaggregation-transfer-backend must be one of auto, tcp, inprocess")
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError(f"--disaggregation-bootstrap-port must be a TCP port (0-65535), got "
+                             f"{self.disaggregation_bootstrap_port}")
+        if self.disaggregation_timeout <= 0:
+            raise ValueError(f"--disaggregation-timeout must be positive, got {self.disaggregation_timeout}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

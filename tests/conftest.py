@@ -18,9 +18,11 @@ from typing import Any
 
 import pytest
 
-# Small limits keep the suite fast on 2 CPU cores; enable_metrics so /metrics can be checked.
+# Small limits keep the suite fast on 2 CPU cores; enable_metrics so /metrics can be checked. Compact JSON
+# for json_schema constraints: the random-weight model prefers whitespace tokens and would pad JSON forever.
 ENGINE_KWARGS: dict[str, Any] = dict(max_running_requests=4, context_length=256, enable_metrics=True,
-                                     chunked_prefill_size=256, max_prefill_tokens=512)
+                                     chunked_prefill_size=256, max_prefill_tokens=512,
+                                     constrained_json_disable_any_whitespace=True)
 
 
 @dataclass

@@ -33,6 +33,7 @@ def _child_env() -> dict[str, str]:
         " --xla_cpu_enable_concurrency_optimized_scheduler=false"
     )
     env["JAX_PLATFORMS"] = "cpu"
+    env["PJRT_NPROC"] = "16"  # >= 2 threads per device, else blocked collectives starve (launch_server.py)
     return env
 
 

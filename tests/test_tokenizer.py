@@ -129,7 +129,12 @@ def test_special_tokens_and_vocab(tok: Tokenizer) -> None:
         assert tok.id_to_token(token_id) == content
     for content, token_id in QWEN35_NAMES.items():
         assert tok.token_to_id(content) == token_id
-    assert tok.special_token_ids == frozenset(range(248044, 248077))
+    # Text markers (<think>, <tool_call>, fim/repo tokens) are non-special, as in the Qwen3.5 release:
+    # skip_special_tokens keeps them, so the reasoning and tool-call parsers see them.
+    markers = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+               "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
+    assert tok.special_token_ids == frozenset(i for i, c in QWEN3_5_SPECIAL_TOKENS if c not in markers)
+    assert tok.decode(tok.encode("a</think>b<tool_call><|im_end|>")) == "a</think>b<tool_call>"
     assert tok.encode("") == []  # no BOS
     assert tok.encode("hi")[0] != 248044
     assert tok.eos_token_ids == (248044, 248046)
@@ -206,16 +211,9 @@ def test_template_tools_and_tool_calls(tok: Tokenizer) -> None:
             "content": "Checking.",
             "reasoning_content": "Two calls.",
             "tool_calls": [
-                {
-                    "id": "a",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                },
-                {
-                    "id": "b",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Lyon"}},
-                },
+                {"id": "a", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "ok": True}}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}},
             ],
         },
         {"role": "tool", "tool_call_id": "a", "content": "18C"},
@@ -223,16 +221,18 @@ def test_template_tools_and_tool_calls(tok: Tokenizer) -> None:
     ]
     out = tok.apply_chat_template(messages, tools=tools)
     system, rest = out.split("<|im_end|>\n", 1)
-    assert system.startswith("<|im_start|>system\nBe helpful.\n\n")
+    assert system.startswith("<|im_start|>system\n# Tools\n")
     assert f"\n<tools>\n{json.dumps(tools[0], ensure_ascii=False)}\n</tools>\n" in system
-    assert system.endswith(
-        '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
-    )
+    assert "<tool_call>\n<function=NAME>\n<parameter=ARG>\nvalue\n</parameter>\n</function>\n</tool_call>" in system
+    assert system.endswith("\n\nBe helpful.")
+    # Calls in the qwen3_coder XML format; non-string values as JSON.
     assert rest == (
         "<|im_start|>user\nWeather in Paris and Lyon?<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\nTwo calls.\n</think>\n\nChecking.\n"
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>assistant\n<think>\nTwo calls.\n</think>\n\nChecking.\n\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n<parameter=ok>\ntrue\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>"
+        "<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\n20C\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\n<think>\n"
     )
@@ -243,6 +243,21 @@ def test_template_tools_and_tool_calls(tok: Tokenizer) -> None:
         "<|im_start|>user\nWeather in Paris and Lyon?<|im_end|>\n"
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
+
+
+LATE_SYSTEM = "System message must be at the beginning"
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}], LATE_SYSTEM),
+    ([{"role": "system", "content": "a"}, {"role": "system", "content": "again"}], LATE_SYSTEM),
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}],
+     "arguments must be a JSON object"),
+    ([{"role": "narrator", "content": "x"}], "Unexpected message role"),
+])
+def test_template_rejects_like_qwen35(tok: Tokenizer, messages: list, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        tok.apply_chat_template(messages)
 
 
 def test_template_rejects_image_parts(tok: Tokenizer) -> None:

@@ -16,6 +16,10 @@ Datasets (seeded, token ids in [0, NORMAL_ID_LIMIT): no special tokens):
 
 ``--request-rate`` (requests/s, Poisson arrivals; inf = all at once) paces independent requests and the start
 of sessions; ``--max-concurrency`` caps requests in flight. ``--ignore-eos`` (default on) fixes output lengths.
+``--json-schema`` constrains every request of any dataset to a JSON Schema (``sampling_params.json_schema``, or
+``response_format`` with ``--backend sglang-oai``): JSON text, ``@file``, or the bare flag for a built-in schema
+of at least 64 records, longer than any usual output length, so constrained requests run to their length as
+unconstrained ones do and the two output throughputs compare grammar overhead alone.
 
 Report: completed/failed requests, duration (s), request / input / output / total throughput (per s), TTFT
 and ITL mean/p50/p90/p99 (ms), prompt tokens, cached tokens, hit rate = cached / prompt tokens, and prefill
@@ -41,6 +45,19 @@ from tqdm import tqdm
 
 # Qwen3.5's ordinary (non-special) token ids are [0, 248044).
 NORMAL_ID_LIMIT = 248044
+
+# The bare --json-schema workload: a list of records, too long to finish within the output length.
+RECORDS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 64, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                       "name": {"type": "string", "maxLength": 12},
+                       "status": {"enum": ["active", "idle", "failed"]},
+                       "score": {"type": "number"}},
+        "required": ["id", "name", "status", "score"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False,
+}
 
 
 @dataclass
@@ -106,6 +123,21 @@ def build_sessions(args: argparse.Namespace) -> list[list[Turn]]:
     raise ValueError(f"unknown --dataset-name {name!r}")
 
 
+def json_schema_of(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The --json-schema constraint as a dict: None without the flag, RECORDS_SCHEMA for the bare flag, else the
+    flag's JSON text or the file it names with a leading '@'. Raises ValueError for text that is not JSON."""
+    value = getattr(args, "json_schema", None)
+    if value is None:
+        return None
+    if value == "records":
+        return RECORDS_SCHEMA
+    text = open(value[1:]).read() if value.startswith("@") else value
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema is not valid JSON: {e}") from None
+
+
 def _sse_payloads(line: str) -> dict | None:
     if not line.startswith("data:"):
         return None
@@ -118,15 +150,20 @@ async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, prom
     """Send one streamed request and measure it; errors are recorded in the result, never raised."""
     res = RequestResult(prompt_len=len(prompt))
     oai = args.backend == "sglang-oai"
+    schema = getattr(args, "schema", None)
     if oai:
         url = "/v1/completions"
         body: dict[str, Any] = {"model": args.model or "default", "prompt": prompt, "max_tokens": output_len,
                                 "temperature": 0.0, "stream": True, "ignore_eos": args.ignore_eos,
                                 "stream_options": {"include_usage": True}}
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     else:
         url = "/generate"
         body = {"input_ids": prompt, "stream": True,
                 "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": args.ignore_eos}}
+        if schema is not None:
+            body["sampling_params"]["json_schema"] = json.dumps(schema)
     start = last = time.perf_counter()
     tokens = 0
     try:
@@ -245,6 +282,8 @@ def format_report(m: dict[str, Any]) -> str:
             ("Total throughput (tok/s)", f"{m['total_throughput']:.2f}")]
     for name in ("ttft", "itl"):
         rows += [(f"{name.upper()} {k} (ms)", f"{m[f'{k}_{name}_ms']:.2f}") for k in ("mean", "median", "p90", "p99")]
+    if m.get("json_schema"):
+        rows.insert(0, ("Constraint", "json_schema (every request)"))
     rows += [("Error", e) for e in m["errors"]]
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(["=" * 20 + " Serving Benchmark Result " + "=" * 20]
@@ -279,9 +318,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mt-turn-input-len", type=int, default=128)
     p.add_argument("--mt-turn-output-len", type=int, default=64)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json-schema", nargs="?", const="records", default=None,
+                   help="constrain every request to a JSON Schema: JSON text, @file, or bare for a built-in schema")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout (s)")
     p.add_argument("--disable-tqdm", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.schema = json_schema_of(args)  # resolved once; None without --json-schema
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -291,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results, duration = asyncio.run(run(args, sessions))
     metrics = summarize(results, duration, sum(len(s) for s in sessions))
     metrics.update(backend=args.backend, dataset_name=args.dataset_name, num_requests=sum(len(s) for s in sessions),
+                   json_schema=args.json_schema is not None,
                    max_concurrency=args.max_concurrency, seed=args.seed,
                    request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf")
     if args.output_file:

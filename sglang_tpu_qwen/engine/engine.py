@@ -13,14 +13,19 @@ import logging
 import queue
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
+from sglang_tpu_qwen.disagg import roles as disagg_roles
+from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_qwen.engine.scheduler import Scheduler
+from sglang_tpu_qwen.grammar.manager import create_grammar_manager
+from sglang_tpu_qwen.grammar.spec import GrammarSpec
 from sglang_tpu_qwen.model.embedded import ensure_embedded_model
 from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.detokenizer import IncrementalDetokenizer
@@ -38,22 +43,34 @@ class Engine:
     Without `model_path` the embedded tiny checkpoint is built (once) and served.
     """
 
-    def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
+    def __init__(self, server_args: ServerArgs | None = None, *, devices: list[Any] | None = None,
+                 **kwargs: Any) -> None:
+        """`devices`: the JAX devices to place weights and cache on (default: all, or device 0 without a
+        mesh); disaggregation's colocated-split gives each of its two engines its own group."""
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
-        if max(args.tp_size, args.dp_size, args.ep_size) > 1:
-            raise ValueError("--tp-size/--dp-size/--ep-size > 1 need the device mesh, which is not built yet; "
-                             "serve on one device (the default)")
+        if args.tp_size > 1:
+            raise ValueError("--tp-size > 1 is not implemented: attention is data-parallel (--dp-size) and "
+                             "experts expert-parallel (--ep-size)")
+        if args.nnodes > 1:
+            raise ValueError("serving across hosts (--nnodes > 1) is not implemented yet; the mesh and the "
+                             "sharded forward support it (parallel/multihost.py), the scheduler does not")
         self.model_path = args.model_path or str(ensure_embedded_model())
         self.tokenizer_path = args.tokenizer_path or self.model_path
         self.served_model_name = args.served_model_name or self.model_path
         self.tokenizer = Tokenizer(self.tokenizer_path)
-        self.runner = ModelRunner(self.model_path, args)
+        self.runner = ModelRunner(self.model_path, args, devices=devices)
         self.model_config = self.runner.config
         self.context_length = args.context_length or self.model_config.max_position_embeddings
         self.metrics = Metrics() if args.enable_metrics else None
         self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
+        # Constrained decoding; the backend (xgrammar imports torch) loads on a background thread.
+        self.grammar = create_grammar_manager(
+            args.grammar_backend, self.tokenizer, self.model_config.vocab_size,
+            set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids),
+            any_whitespace=not args.constrained_json_disable_any_whitespace)
         self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
+        self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
         self.scheduler.start()
 
     # ---- request building ----------------------------------------------------------------------
@@ -103,6 +120,8 @@ class Engine:
         reqs: list[Request] = []
         for i, ids in enumerate(prompts):
             params = SamplingParams.from_dict(sps[i])
+            spec = params.grammar_spec
+            compiled = None if spec is None else self._check_grammar(spec)
             self._check_ids(ids)
             max_new = self._max_new_tokens(len(ids), params)
             start = starts[i]
@@ -123,8 +142,17 @@ class Engine:
                     top_logprobs_num=top, return_text_in_logprobs=bool(return_text_in_logprobs),
                     detokenizer=IncrementalDetokenizer(self.tokenizer, stop=params.stop,
                                                        skip_special_tokens=params.skip_special_tokens,
-                                                       trim_stop=not params.no_stop_trim)))
+                                                       trim_stop=not params.no_stop_trim),
+                    grammar=None if compiled is None else self.grammar.request_grammar(spec, compiled)))
         return reqs, is_batch or len(reqs) > 1
+
+    def _check_grammar(self, spec: GrammarSpec) -> Future:
+        """Validate a constraint now (a bad one raises GrammarError, an InvalidRequestError); returns the future
+        of its compiled grammar, shared by the prompt's samples."""
+        if self.grammar is None:
+            raise InvalidRequestError(f"sampling_params.{spec.kind}: constrained decoding is off "
+                                      "(--grammar-backend none)")
+        return self.grammar.submit(spec)
 
     def _check_ids(self, ids: Any) -> None:
         vocab = self.model_config.vocab_size
@@ -159,13 +187,23 @@ class Engine:
         self, text: Any = None, input_ids: Any = None, sampling_params: Any = None,
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
+        bootstrap_host: Any = None, bootstrap_port: Any = None, bootstrap_room: Any = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
-        """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input."""
+        """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input.
+
+        bootstrap_*: prefill/decode disaggregation (SGLang's fields, injected by the PD router; disagg/).
+        A request that ends aborted with a status code (a failed transfer) raises that error instead.
+        """
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[dict] = asyncio.Queue()
-        reqs, is_batch = self._build(text, input_ids, sampling_params, return_logprob, logprob_start_len,
-                                     top_logprobs_num, return_text_in_logprobs, stream, rid,
-                                     lambda d: loop.call_soon_threadsafe(out.put_nowait, d))
+        try:
+            reqs, is_batch = self._build(text, input_ids, sampling_params, return_logprob, logprob_start_len,
+                                         top_logprobs_num, return_text_in_logprobs, stream, rid,
+                                         lambda d: loop.call_soon_threadsafe(out.put_nowait, d))
+            disagg_roles.attach(self.disagg, reqs, bootstrap_host, bootstrap_port, bootstrap_room)
+        except InvalidRequestError as e:  # a prefill server tells the decode legs waiting on these rooms
+            disagg_roles.reject_call(self.disagg, text, input_ids, sampling_params, bootstrap_room, str(e))
+            raise
         if self.metrics:
             for _ in reqs:
                 self.metrics.on_request_start()
@@ -177,15 +215,21 @@ class Engine:
         except BaseException:  # cancelled: the client went away
             self._abort_all(reqs)
             raise
+        for d in finals:
+            _raise_on_status(d)
         return finals if is_batch else finals[0]
 
     async def _stream_async(self, reqs: list[Request], out: asyncio.Queue[dict]) -> AsyncIterator[dict]:
         remaining = len(reqs)
+        first = True
         try:
             while remaining:
                 chunk = await out.get()
                 if chunk["meta_info"]["finish_reason"] is not None:
                     remaining -= 1
+                if first:  # still before the HTTP status is sent: a failed transfer becomes its error
+                    _raise_on_status(chunk)
+                    first = False
                 yield chunk
         finally:
             if remaining:
@@ -250,10 +294,30 @@ class Engine:
             "num_waiting": len(self.scheduler.waiting),
             "version": _version(),
         })
+        if self.disagg is not None:
+            info["disaggregation"] = self.disagg.stats()
         return info
 
     def shutdown(self) -> None:
+        if self.disagg is not None:
+            self.disagg.shutdown()
         self.scheduler.shutdown()
+        if self.grammar is not None:
+            self.grammar.shutdown()
+
+
+def _raise_on_status(reply: dict) -> None:
+    """SGLang's rule: a reply aborted with a status_code (a failed PD transfer) is that HTTP error.
+
+    Raises InvalidRequestError for 400, TransferError (its status) for another code; returns otherwise.
+    """
+    reason = reply["meta_info"]["finish_reason"] or {}
+    status = reason.get("status_code") if reason.get("type") == "abort" else None
+    if status is None:
+        return
+    if status == 400:
+        raise InvalidRequestError(str(reason.get("message")))
+    raise TransferError(str(reason.get("message")), int(status))
 
 
 async def _collect(out: asyncio.Queue[dict], count: int) -> list[dict]:

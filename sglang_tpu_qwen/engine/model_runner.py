@@ -9,18 +9,24 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.engine import sampler
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
 from sglang_tpu_qwen.model.weights import load_params
+from sglang_tpu_qwen.parallel.mesh import make_layout
+from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
+from sglang_tpu_qwen.parallel.sharding import batch_pspec, param_pspecs, shard_cache, shard_params
 from sglang_tpu_qwen.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -61,45 +67,118 @@ class SamplingBatch:
     banned_ids: np.ndarray  # [B, S] int32, -1 padded: ids masked out (EOS before min_new_tokens)
     want_logprobs: bool  # any row returns logprobs
     num_top_logprobs: int  # top alternatives wanted by any row (0: none)
+    token_bitmask: np.ndarray | None = None  # [B, ceil(V/32)] int32 grammar mask (grammar/bitmask.py); None: no grammar
 
 
 class ModelRunner:
     """Weights, KV pages and GDN slots on device, and the jitted forward / sampling steps."""
 
-    def __init__(self, model_path: str, args: ServerArgs) -> None:
+    def __init__(self, model_path: str, args: ServerArgs, devices: list | None = None) -> None:
+        """`devices`: where weights and cache live (the mesh's devices with --dp-size/--ep-size > 1, else the
+        first one); default all devices / the default device."""
         self.config: Qwen35MoeConfig = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype)
         t0 = time.perf_counter()
         self.params = load_params(model_path, self.config, self.dtype)
         logger.info("loaded weights from %s in %.1f s (dtype %s)", model_path, time.perf_counter() - t0,
                     jnp.dtype(self.dtype).name)
+        # Data-parallel attention + expert-parallel MoE (DESIGN.md section 4): one mesh; each DP rank owns
+        # a contiguous block of num_pages pages and num_slots slots of the global cache.
+        self.dp = args.dp_size
+        self.layout = make_layout(args.dp_size, args.ep_size, args.tp_size, devices=devices) \
+            if args.dp_size * args.ep_size > 1 else None
+        # Without a mesh, an explicit device list pins the engine to its first device (committed arrays: every
+        # jitted step then runs there).
+        self._device = devices[0] if devices and self.layout is None else None
+        if self._device is not None:
+            self.params = jax.device_put(self.params, self._device)
+        if self.layout is not None:
+            self.params = shard_params(self.params, self.layout)
+            logger.info("mesh %s: attention dp=%d over %s, experts ep=%d, MoE combine %s",
+                        dict(self.layout.mesh.shape), self.dp, "+".join(self.layout.batch_axes), args.ep_size,
+                        args.moe_combine)
         self.page_size = args.page_size
         max_tokens = args.max_total_tokens or self._default_kv_tokens(args)
-        self.num_pages = max_tokens // self.page_size + 1  # +1: page 0 is the trash page
-        # Slot ids: 0 trash, [1, R] running requests, (R, R + S] prefix-cache snapshots.
-        self.num_running_slots = args.max_running_requests + 1
+        # Per DP rank (with dp = 1: the whole pool). Page 0 / slot 0 of each rank are its trash targets.
+        self.num_pages = max_tokens // self.page_size + 1
+        # Slot ids within a rank: 0 trash, [1, R] running requests, (R, R + S] prefix-cache snapshots.
+        self.max_running_per_rank = -(-args.max_running_requests // self.dp)
+        self.num_running_slots = self.max_running_per_rank + 1
         if args.disable_radix_cache or not self.config.num_gdn_layers:
             self.num_snapshot_slots = 0
         else:
-            default = 2 * args.max_running_requests
+            default = 2 * self.max_running_per_rank
             self.num_snapshot_slots = default if args.max_gdn_snapshots is None else args.max_gdn_snapshots
         self.num_slots = self.num_running_slots + self.num_snapshot_slots
-        self.cache = init_cache(self.config, self.num_pages, self.page_size, self.num_slots, self.dtype,
-                                jnp.float32)
-        logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots", self.num_pages - 1,
-                    self.page_size, self.num_running_slots - 1, self.num_snapshot_slots)
+        self.cache = init_cache(self.config, self.dp * self.num_pages, self.page_size, self.dp * self.num_slots,
+                                self.dtype, jnp.float32)
+        if self.layout is not None:
+            self.cache = shard_cache(self.cache, self.layout)
+        elif self._device is not None:
+            self.cache = jax.device_put(self.cache, self._device)
+        logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots%s", self.num_pages - 1,
+                    self.page_size, self.num_running_slots - 1, self.num_snapshot_slots,
+                    f" (each of {self.dp} DP ranks)" if self.dp > 1 else "")
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
-        self._forward = jax.jit(partial(forward_step, config=self.config, backends=self.backends),
-                                donate_argnums=(1,))
+        step = partial(forward_step, backends=self.backends)
+        if self.layout is None:
+            self._forward = jax.jit(partial(step, config=self.config), donate_argnums=(1,))
+        else:
+            self._forward = jax.jit(make_sharded_forward(self.layout, self.config, self.params,
+                                                         combine=args.moe_combine, forward=step),
+                                    donate_argnums=(1,))
         self._sample = jax.jit(
-            partial(_sample_step, config=self.config),
+            self._per_rank(partial(_sample_step, config=self.config)),
             static_argnames=("all_greedy", "max_top_k", "num_top", "use_penalty", "use_top_p", "use_min_p",
-                             "want_logprobs", "use_bans"),
+                             "want_logprobs", "use_bans", "use_grammar"),
         )
         self._logprobs = jax.jit(partial(_gathered_logprobs, config=self.config), static_argnames=("num_top",))
         self._seen_shapes: set[tuple] = set()
+
+    def _per_rank(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn(params, hidden, *row_arrays, **static)` run by each DP rank on its own rows.
+
+        Without a mesh, fn itself. With one, a `shard_map` over the batch axes: rows are independent
+        (per-row seeds), so each device samples the rows it computed and no data crosses devices (a
+        global-batch jit would let XLA insert collectives for nothing). None arrays pass through.
+        """
+        if self.layout is None:
+            return fn
+        layout = self.layout
+        pspecs = param_pspecs(self.params, layout)
+        rows = batch_pspec(layout)
+
+        def run(params: Any, hidden: jax.Array, *arrays: Any, **static: Any) -> Any:
+            specs = tuple(P() if a is None else rows for a in arrays)
+            return jax.shard_map(partial(fn, **static), mesh=layout.mesh, in_specs=(pspecs, rows, *specs),
+                                 out_specs=rows, check_vma=False)(params, hidden, *arrays)
+
+        return run
+
+    def page_base(self, rank: int) -> int:
+        """Global id of DP rank `rank`'s trash page; its usable pages are the next num_pages - 1 ids."""
+        return rank * self.num_pages
+
+    def slot_base(self, rank: int) -> int:
+        """Global id of DP rank `rank`'s trash slot; running slots follow, then snapshot slots."""
+        return rank * self.num_slots
+
+    def _to_rank_local(self, ids: np.ndarray, per_rank: int) -> np.ndarray:
+        """Global page/slot ids [B, ...] -> the ids each rank's shard uses (row block r minus r * per_rank).
+
+        Rank r owns rows [r*B/dp, (r+1)*B/dp); 0 (padding: the trash target) stays 0.
+        """
+        if self.dp == 1:
+            return ids
+        b = ids.shape[0]
+        base = (np.arange(b) // (b // self.dp)) * per_rank
+        base = base.reshape((b,) + (1,) * (ids.ndim - 1))
+        local = np.where(ids > 0, ids - base, 0).astype(np.int32)
+        if np.any(local < 0) or np.any(local >= per_rank):
+            raise AssertionError("a row uses a page or slot of another DP rank")
+        return local
 
     def _default_kv_tokens(self, args: ServerArgs) -> int:
         """KV pool size when --max-total-tokens is absent: --mem-fraction-static of device memory if known."""
@@ -108,7 +187,9 @@ class ModelRunner:
         if not limit:
             return _DEFAULT_CPU_KV_TOKENS
         cfg = self.config
-        param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+        dev = jax.devices()[0]  # per-device bytes: experts are split over the expert axis
+        param_bytes = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(self.params)
+                          for s in x.addressable_shards if s.device == dev)
         kv_per_token = 2 * cfg.num_attn_layers * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(
             self.dtype).itemsize
         budget = int(limit * args.mem_fraction_static) - param_bytes
@@ -129,8 +210,12 @@ class ModelRunner:
     ) -> jax.Array:
         """Run one step on already-bucketed host arrays; returns hidden [B, T, H] on device.
 
-        tokens [B, T] int32; prefix_lens, new_lens, slot_ids [B] int32; page_table [B, P] int32.
+        tokens [B, T] int32; prefix_lens, new_lens, slot_ids [B] int32; page_table [B, P] int32. Page and
+        slot ids are global; with dp > 1, B is a multiple of dp and rows [r*B/dp, (r+1)*B/dp) must use
+        rank r's ids only (AssertionError otherwise).
         """
+        page_table = self._to_rank_local(page_table, self.num_pages)
+        slot_ids = self._to_rank_local(slot_ids, self.num_slots)
         self._note_shape("forward", tokens.shape + page_table.shape[1:])
         hidden, self.cache = self._forward(
             self.params, self.cache, jnp.asarray(tokens), jnp.asarray(prefix_lens), jnp.asarray(new_lens),
@@ -153,8 +238,9 @@ class ModelRunner:
         use_min_p = not all_greedy and bool(np.any(batch.min_p > 0.0))
         use_bans = bool(np.any(batch.banned_ids >= 0))
         num_top = next_pow2(batch.num_top_logprobs) if batch.num_top_logprobs else 0
+        use_grammar = batch.token_bitmask is not None
         self._note_shape("sample", (hidden.shape[0], all_greedy, max_top_k, num_top, use_penalty, use_top_p,
-                                    use_min_p, batch.want_logprobs, use_bans,
+                                    use_min_p, batch.want_logprobs, use_bans, use_grammar,
                                     None if batch.seen_ids is None else batch.seen_ids.shape[1]))
         out = self._sample(
             self.params, hidden, jnp.asarray(last_index), jnp.asarray(batch.temperature),
@@ -164,8 +250,10 @@ class ModelRunner:
             None if batch.seen_ids is None else jnp.asarray(batch.seen_ids),
             None if batch.output_ids is None else jnp.asarray(batch.output_ids),
             jnp.asarray(batch.banned_ids),
+            None if batch.token_bitmask is None else jnp.asarray(batch.token_bitmask),
             all_greedy=all_greedy, max_top_k=max_top_k, num_top=num_top, use_penalty=use_penalty,
-            use_top_p=use_top_p, use_min_p=use_min_p, want_logprobs=batch.want_logprobs, use_bans=use_bans)
+            use_top_p=use_top_p, use_min_p=use_min_p, want_logprobs=batch.want_logprobs, use_bans=use_bans,
+            use_grammar=use_grammar)
         return tuple(np.asarray(x) for x in jax.device_get(out))  # type: ignore[return-value]
 
     def logprobs_at(
@@ -180,6 +268,10 @@ class ModelRunner:
         pad = size - n
         rows_p, cols_p, tgt_p = (np.pad(a.astype(np.int32), (0, pad)) for a in (rows, cols, targets))
         k = next_pow2(num_top) if num_top else 0
+        if self.layout is not None:
+            # Rows of several ranks: gather them on the host (prompt logprobs only) rather than across devices.
+            picked = np.asarray(jax.device_get(hidden))[rows_p, cols_p]
+            hidden, rows_p, cols_p = picked[:, None, :], np.arange(size, dtype=np.int32), np.zeros(size, np.int32)
         self._note_shape("logprobs", (hidden.shape[0], hidden.shape[1], size, k))
         lp, top_lp, top_ids = jax.device_get(self._logprobs(
             self.params, hidden, jnp.asarray(rows_p), jnp.asarray(cols_p), jnp.asarray(tgt_p), num_top=k))
@@ -188,19 +280,26 @@ class ModelRunner:
 
 def _sample_step(
     params, hidden, last_index, temperature, top_p, top_k, min_p, seeds, steps, repetition, frequency,
-    presence, seen_ids, output_ids, banned_ids, *, config, all_greedy, max_top_k, num_top, use_penalty,
-    use_top_p, use_min_p, want_logprobs, use_bans,
+    presence, seen_ids, output_ids, banned_ids, token_bitmask, *, config, all_greedy, max_top_k, num_top,
+    use_penalty, use_top_p, use_min_p, want_logprobs, use_bans, use_grammar,
 ):
-    """Logits at each row's last new token, then penalties, bans and sampling; see sampler.sample."""
+    """Logits at each row's last new token, then the grammar mask, penalties, bans and sampling (see
+    sampler.sample); logprobs are those of the raw logits."""
     rows = jnp.arange(hidden.shape[0])
     logits = compute_logits(params, hidden[rows, last_index], config=config)
     raw = logits
+    if use_grammar:
+        logits, allowed = sampler.apply_token_bitmask(logits, token_bitmask)
     if use_penalty:
         logits = sampler.apply_penalties(logits, seen_ids, output_ids, repetition, frequency, presence)
     if use_bans:
         v = logits.shape[-1]
-        logits = logits.at[rows[:, None], jnp.where(banned_ids >= 0, banned_ids, v)].set(
+        banned = logits.at[rows[:, None], jnp.where(banned_ids >= 0, banned_ids, v)].set(
             sampler.NEG_INF, mode="drop")
+        if use_grammar:  # where the grammar allows only banned ids (EOS before min_new_tokens), the grammar wins
+            keeps_one = jnp.any(allowed & (banned > sampler.NEG_INF), axis=-1, keepdims=True)
+            banned = jnp.where(keeps_one, banned, logits)
+        logits = banned
     tokens = sampler.sample(logits, temperature, top_p, top_k, min_p, seeds, steps,
                             all_greedy=all_greedy, max_top_k=max_top_k, use_top_p=use_top_p,
                             use_min_p=use_min_p)

@@ -42,7 +42,9 @@ class PrefixCache:
     """
 
     def __init__(self, runner: ModelRunner, kv_pool: IdPool, page_size: int, host_bytes: int,
-                 nan_fill: bool) -> None:
+                 nan_fill: bool, slot_base: int = 0) -> None:
+        """`kv_pool`: the pages of this device group (DP rank); `slot_base`: global id of the rank's first
+        slot, its snapshot slots being [slot_base + num_running_slots, slot_base + num_slots)."""
         cfg = runner.config
         self.runner = runner
         self.kv_pool = kv_pool
@@ -54,7 +56,7 @@ class PrefixCache:
                                                cfg.linear_value_head_dim)
         cost = max(1, snap_bytes // max(kv_token_bytes, 1))
         self.tree = RadixCache(page_size, has_gdn=self.has_gdn, snapshot_cost_tokens=cost)
-        self.snap_pool = (IdPool(runner.num_slots, "snapshot", start=runner.num_running_slots)
+        self.snap_pool = (IdPool(slot_base + runner.num_slots, "snapshot", start=slot_base + runner.num_running_slots)
                           if self.has_gdn else None)
         self.host = HostSnapshotStore(host_bytes)
         self.nan_fill = nan_fill

@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_tpu_qwen.engine.sampling_params import SamplingParams
 from sglang_tpu_qwen.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from sglang_tpu_qwen.grammar.request_grammar import RequestGrammar
 
 Logprob = list[Any]  # [logprob | None, token_id, text | None], SGLang's triple
 
@@ -40,6 +43,7 @@ class Request:
     text: str = ""
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
+    rank: int = 0  # data-parallel attention rank holding pages and slot (scheduler.py, rank_memory.py)
     cached_len: int = 0
     admit_order: int = 0
     # Prefix cache (engine/prefix_cache.py): pages[:num_tree_pages] belong to the tree, locked via prefix_node.
@@ -59,6 +63,10 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     streamed_upto: int = 0  # output tokens already sent in a stream chunk
+    # Constrained decoding: the request's grammar state (grammar/request_grammar.py), None when unconstrained.
+    grammar: RequestGrammar | None = None
+    # Prefill/decode disaggregation: this sequence's transfer leg (disagg/prefill.py, disagg/decode.py) or None.
+    disagg: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -137,3 +137,22 @@ def sample(
     # Never land on a zero-probability id (u * total can equal the total in float rounding).
     sampled = jnp.minimum(sampled, jnp.argmax(jnp.where(probs > 0, jnp.arange(probs.shape[-1]), -1), axis=-1))
     return jnp.where(is_greedy, greedy_ids, sampled.astype(jnp.int32))
+
+
+def unpack_token_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, ceil(V/32)] int32 token bitmask (bit t % 32 of word t // 32 = token t) -> [B, V] bool allowed."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # arithmetic shift: bit 31 of a negative word reads as 1 too
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(jnp.bool_)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Grammar mask: tokens a row's bitmask disallows get NEG_INF.
+
+    Args:
+      logits: [B, V] float32.
+      bitmask: [B, ceil(V/32)] int32 (grammar/bitmask.py layout; all ones for unconstrained rows).
+    Returns: (masked logits [B, V] float32, allowed [B, V] bool).
+    """
+    allowed = unpack_token_bitmask(bitmask, logits.shape[-1])
+    return jnp.where(allowed, logits, NEG_INF), allowed

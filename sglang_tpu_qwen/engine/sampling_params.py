@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.grammar.spec import CONSTRAINT_KEYS, GrammarSpec, spec_from_fields
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -36,6 +37,11 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
+    # Constrained decoding (sglang_tpu_qwen/grammar): at most one; json_schema / structural_tag as JSON text.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -43,12 +49,18 @@ class SamplingParams:
         d = dict(d or {})
         if "sampling_seed" in d:
             d["seed"] = d.pop("sampling_seed")
-        for constraint in ("json_schema", "regex", "ebnf", "structural_tag"):
-            if d.pop(constraint, None) is not None:
-                raise InvalidRequestError(f"sampling_params.{constraint}: constrained decoding is not supported yet")
+        try:  # at most one constraint; a dict json_schema becomes its JSON text
+            spec = spec_from_fields(d)
+        except ValueError as e:
+            raise InvalidRequestError(f"sampling_params: {e}") from None
+        if spec is not None:
+            d[spec.kind] = spec.text
         # SGLang accepts these; with no effect here, dropping them keeps SGLang clients working.
         for ignored in ("custom_params", "logit_bias", "stream_interval"):
             d.pop(ignored, None)
+        # The SGLang frontend sends stop_regex with every gen (an empty list unless set).
+        if d.pop("stop_regex", None):
+            raise InvalidRequestError("sampling_params.stop_regex is not supported by this server")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -112,6 +124,11 @@ class SamplingParams:
             bad("stop_token_ids must be a list of non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The output constraint (regex / json_schema / ebnf / structural_tag), None when unconstrained."""
+        return spec_from_fields({k: getattr(self, k) for k in CONSTRAINT_KEYS})
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,11 @@ Extend steps take priority, but never twice in a row while requests are decoding
 long prompts cannot stall the decodes. A request joins when a GDN slot and the pages of its first
 chunk are free; when a decode cannot get a page, the newest request is retracted (its pages and slot
 freed) and later re-prefilled from prompt + output, so memory pressure never crashes the server.
+
+With --dp-size N (data-parallel attention) each DP rank has its own pages, slots and radix tree
+(rank_memory.py); a request is admitted to the rank holding the longest cached prefix of it, else the
+least loaded one. A step runs every rank at once: rank r's rows are rows [r*B/N, (r+1)*B/N) of the
+batch, and each rank has its own prefill-token budget.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner, SamplingBatch, next_pow2
-from sglang_tpu_qwen.engine.prefix_cache import PrefixCache
+from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.grammar.bitmask import token_bitmask
 from sglang_tpu_qwen.memory import gdn_state
-from sglang_tpu_qwen.memory.id_pool import IdPool
 from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
@@ -47,11 +53,7 @@ class Scheduler:
         self.context_length = context_length
         self.metrics = metrics
         self.page_size = runner.page_size
-        self.kv_pool = IdPool(runner.num_pages, "page")
-        self.slot_pool = IdPool(runner.num_running_slots, "slot")
-        self.prefix_cache = None if args.disable_radix_cache else PrefixCache(
-            runner, self.kv_pool, self.page_size, int(args.gdn_snapshot_host_gb * 2**30),
-            args.debug_nan_fill_freed_slots)
+        self.ranks = [RankMemory.build(runner, args, rank) for rank in range(runner.dp)]
         self.eos_ids = set(runner.config.eos_token_id) | set(tokenizer.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -60,6 +62,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._last_was_extend = False
         self._admit_counter = 0
+        self.disagg: Any = None  # prefill/decode disaggregation role (disagg/roles.py sets it), hooks below
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     # ---- other threads -------------------------------------------------------------------------
@@ -90,27 +93,41 @@ class Scheduler:
 
     @property
     def kv_tokens_total(self) -> int:
-        return self.kv_pool.num_usable * self.page_size
+        """KV tokens one request can use at most (one rank's pool)."""
+        return self.ranks[0].kv_pool.num_usable * self.page_size
 
     def memory_usage(self) -> dict[str, Any]:
-        """Pool usage. KV pages held by the prefix cache are not free until evicted or flushed."""
+        """Pool usage summed over DP ranks (and per rank under "dp_ranks" when dp > 1). KV pages held by the
+        prefix cache are not free until evicted or flushed."""
+        per_rank = [self._rank_usage(m) for m in self.ranks]
+        if len(per_rank) == 1:
+            return per_rank[0]
+        usage: dict[str, Any] = {k: sum(u[k] for u in per_rank) for k, v in per_rank[0].items()
+                                 if isinstance(v, int) and not isinstance(v, bool) and k != "page_size"}
+        usage.update(page_size=self.page_size, radix_cache=per_rank[0]["radix_cache"], dp_ranks=per_rank)
+        if "cache_query_tokens" in usage:
+            queries = usage["cache_query_tokens"]
+            usage["cache_hit_rate"] = usage["cache_hit_tokens"] / queries if queries else 0.0
+        return usage
+
+    def _rank_usage(self, m: RankMemory) -> dict[str, Any]:
         usage: dict[str, Any] = {
-            "kv_pages_total": self.kv_pool.num_usable,
-            "kv_pages_free": self.kv_pool.num_free,
-            "gdn_slots_total": self.slot_pool.num_usable,
-            "gdn_slots_free": self.slot_pool.num_free,
+            "kv_pages_total": m.kv_pool.num_usable,
+            "kv_pages_free": m.kv_pool.num_free,
+            "gdn_slots_total": m.slot_pool.num_usable,
+            "gdn_slots_free": m.slot_pool.num_free,
             "page_size": self.page_size,
-            "radix_cache": self.prefix_cache is not None,
+            "radix_cache": m.prefix_cache is not None,
         }
-        if self.prefix_cache is not None:
-            usage.update(self.prefix_cache.stats())
+        if m.prefix_cache is not None:
+            usage.update(m.prefix_cache.stats())
         return usage
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not (self.disagg is not None and self.disagg.busy):
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -131,25 +148,30 @@ class Scheduler:
             except queue.Empty:
                 return
             if kind == "add":
-                self.waiting.extend(payload)
+                self.waiting.extend(payload if self.disagg is None else self.disagg.intercept(payload))
             elif kind == "abort":
                 self._abort(payload)
             elif kind == "flush":
                 done, result = payload
                 idle = not self.waiting and not self.running
-                if idle and self.prefix_cache is not None:
-                    self.prefix_cache.flush()
+                for m in self.ranks:
+                    if idle and m.prefix_cache is not None:
+                        m.prefix_cache.flush()
                 result.append(idle)
                 done.set()
 
     def _abort(self, rid: str | None) -> None:
         """Abort the request `rid` (all its samples), or every request when rid is None."""
+        if self.disagg is not None:
+            self.disagg.abort(rid)
         for r in [*self.waiting, *self.running]:
             if rid is None or r.rid == rid or r.rid.startswith(rid + "::"):
                 self._finish(r, {"type": "abort", "message": "aborted by the client"})
 
     def step(self) -> bool:
         """Admit, pick one batch, run it. Returns False when there was nothing runnable."""
+        if self.disagg is not None:
+            self.disagg.poll()  # PD: admit requests whose state arrived, fail broken transfers
         self._drop_aborted()
         self._admit()
         chosen = self._pick_extend() if self._want_extend() else []
@@ -165,49 +187,95 @@ class Scheduler:
         return True
 
     def check_memory_invariants(self) -> None:
-        """Every page and slot is held by exactly one owner (pool, tree, request); raises AssertionError."""
+        """Every page and slot is held by exactly one owner (pool, tree, request) of the request's own DP
+        rank; raises AssertionError."""
+        for m in self.ranks:
+            self._check_rank(m)
+
+    def _check_rank(self, m: RankMemory) -> None:
         owned: dict[int, str] = {}
-        tree = self.prefix_cache.tree if self.prefix_cache is not None else None
+        tree = m.prefix_cache.tree if m.prefix_cache is not None else None
         tree_pages = set(tree._pages) if tree is not None else set()
-        for r in self.running:
+        pages_lo, pages_hi = m.kv_pool.start, m.kv_pool.size
+        running = [r for r in self.running if r.rank == m.rank]
+        for r in running:
+            assert r.slot is not None and m.slot_pool.start <= r.slot < m.slot_pool.size, f"{r.rid}: slot {r.slot}"
             for i, p in enumerate(r.pages):
+                assert pages_lo <= p < pages_hi, f"{r.rid}: page {p} is not rank {m.rank}'s"
                 if i < r.num_tree_pages:
                     assert p in tree_pages, f"{r.rid}: page {p} at {i} should be the tree's"
                     continue
                 assert p not in tree_pages, f"{r.rid}: own page {p} at {i} is also the tree's"
                 assert p not in owned, f"page {p} held by {r.rid} and {owned[p]}"
                 owned[p] = r.rid
-        free = set(self.kv_pool._free)
+        free = set(m.kv_pool._free)
         assert not (free & set(owned)) and not (free & tree_pages), "a free page is in use"
-        assert len(free) + len(owned) + len(tree_pages) == self.kv_pool.num_usable, "pages leaked"
-        slots = [r.slot for r in self.running]
+        assert len(free) + len(owned) + len(tree_pages) == m.kv_pool.num_usable, "pages leaked"
+        slots = [r.slot for r in running]
         assert len(slots) == len(set(slots)) and None not in slots, f"slots {slots}"
 
     def _drop_aborted(self) -> None:
         for r in [r for r in self.running if r.aborted]:
             self._finish(r, {"type": "abort", "message": "aborted by the client"})
 
+    def _peek(self, r: Request) -> int:
+        """Longest cached prefix of r on any rank (0 without the radix cache)."""
+        return max((m.prefix_cache.peek(r) for m in self.ranks if m.prefix_cache is not None), default=0)
+
     def _admit(self) -> None:
-        cache = self.prefix_cache
-        if cache is not None and self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= 128:
+        if not self.args.disable_radix_cache and self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= 128:
             # Longest prefix first (SGLang's lpm): requests sharing a cached prefix run while it is hot.
-            self.waiting = deque(sorted(self.waiting, key=cache.peek, reverse=True))
+            self.waiting = deque(sorted(self.waiting, key=self._peek, reverse=True))
         while self.waiting and len(self.running) < self.args.max_running_requests:
-            r = self.waiting[0]
-            first_chunk = min(r.pending, self.args.chunked_prefill_size)
-            available = self.kv_pool.num_free + (cache.evictable_pages if cache is not None else 0)
-            if self._pages_needed(r, r.cached_len + first_chunk) > available:
+            r = self._next_admissible()
+            if r is None:
                 return
-            slot = self.slot_pool.alloc(1)
-            if slot is None:
+            m = self._choose_rank(r)
+            if m is None:
                 return
-            self.waiting.popleft()
+            slot = m.slot_pool.alloc(1)
+            assert slot is not None  # _choose_rank checked
+            self.waiting.remove(r)
+            r.rank = m.rank
             r.slot = slot[0]
-            if cache is not None:
-                cache.admit(r)
+            if m.prefix_cache is not None:
+                m.prefix_cache.admit(r)
             self._admit_counter += 1
             r.admit_order = self._admit_counter
             self.running.append(r)
+
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request whose grammar (if any) is compiled; the batch never waits for a compile.
+
+        A request whose grammar failed to compile is finished with the compiler's message.
+        """
+        for r in list(self.waiting):
+            try:
+                if r.grammar is None or r.grammar.ready():
+                    return r
+            except InvalidRequestError as e:
+                self._finish(r, {"type": "abort", "message": str(e)})
+        return None
+
+    def _choose_rank(self, r: Request) -> RankMemory | None:
+        """The rank to admit r to: among ranks with a free slot and pages for r's first chunk, the one with
+        the longest cached prefix of r, then the fewest running requests, then the most free pages."""
+        first_chunk = min(r.pending, self.args.chunked_prefill_size)
+        running = [0] * len(self.ranks)
+        for x in self.running:
+            running[x.rank] += 1
+        best, best_key = None, None
+        for m in self.ranks:
+            cache = m.prefix_cache
+            available = m.kv_pool.num_free + (cache.evictable_pages if cache is not None else 0)
+            if (running[m.rank] >= m.max_running or m.slot_pool.num_free == 0
+                    or self._pages_needed(r, r.cached_len + first_chunk) > available):
+                continue
+            hit = cache.peek(r) if cache is not None and len(self.ranks) > 1 else 0
+            key = (hit, -running[m.rank], m.kv_pool.num_free)
+            if best_key is None or key > best_key:
+                best, best_key = m, key
+        return best
 
     def _want_extend(self) -> bool:
         has_extend = any(r.pending > 1 for r in self.running)
@@ -215,21 +283,20 @@ class Scheduler:
         return has_extend and (not has_decode or not self._last_was_extend)
 
     def _pick_extend(self) -> list[tuple[Request, int]]:
-        budget = self.args.chunked_prefill_size
+        budget = [self.args.chunked_prefill_size] * len(self.ranks)  # prefill tokens per rank per step
         chosen: list[tuple[Request, int]] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
-            if budget <= 0:
-                break
-            if r.slot is None:  # retracted earlier in this loop
+            if r.slot is None or budget[r.rank] <= 0:  # retracted earlier in this loop, or rank full
                 continue
-            n = min(r.pending, budget)
-            target = self.prefix_cache.next_target(r) if self.prefix_cache is not None else None
+            n = min(r.pending, budget[r.rank])
+            cache = self.ranks[r.rank].prefix_cache
+            target = cache.next_target(r) if cache is not None else None
             if target is not None:  # end the chunk where a snapshot is wanted
                 n = min(n, target - r.cached_len)
             if not self._ensure_pages_or_retract(r, r.cached_len + n):
                 continue
             chosen.append((r, n))
-            budget -= n
+            budget[r.rank] -= n
         return chosen
 
     def _pick_decode(self) -> list[tuple[Request, int]]:
@@ -247,16 +314,19 @@ class Scheduler:
 
     def _ensure_pages_or_retract(self, r: Request, num_tokens: int) -> bool:
         """Give r pages for num_tokens tokens, retracting newer requests if needed; False if r was retracted."""
+        m = self.ranks[r.rank]
         while True:
             need = self._pages_needed(r, num_tokens)
-            short = need - self.kv_pool.num_free
-            if short > 0 and self.prefix_cache is not None:
-                self.prefix_cache.evict_pages(short)
-            got = self.kv_pool.alloc(need) if need else []
+            short = need - m.kv_pool.num_free
+            if short > 0 and m.prefix_cache is not None:
+                m.prefix_cache.evict_pages(short)
+            got = m.kv_pool.alloc(need) if need else []
             if got is not None:
                 r.pages.extend(got)
                 return True
-            newer = [x for x in self.running if x.admit_order > r.admit_order and x.slot is not None]
+            # Only requests of the same rank hold pages this rank can reuse.
+            newer = [x for x in self.running
+                     if x.rank == r.rank and x.admit_order > r.admit_order and x.slot is not None]
             victim = max(newer, key=lambda x: x.admit_order) if newer else r
             self._retract(victim)
             if victim is r:
@@ -264,13 +334,14 @@ class Scheduler:
 
     def _release(self, r: Request, keep: bool = True) -> None:
         """Return r's memory; with the prefix cache, first hand what r computed to the tree (keep=True)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.finish(r, keep)
+        m = self.ranks[r.rank]
+        if m.prefix_cache is not None:
+            m.prefix_cache.finish(r, keep)
         if r.pages:
-            self.kv_pool.free(r.pages)
+            m.kv_pool.free(r.pages)
             r.pages = []
         if r.slot is not None:
-            self.slot_pool.free([r.slot])
+            m.slot_pool.free([r.slot])
             if self.args.debug_nan_fill_freed_slots:
                 self.runner.cache = gdn_state.fill_nan(self.runner.cache, [r.slot])
             r.slot = None
@@ -286,8 +357,22 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     # ---- running a batch -----------------------------------------------------------------------
+    def _batch_rows(self, chosen: list[tuple[Request, int]]) -> tuple[list[int], int]:
+        """Batch row of each chosen request and the batch size B: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
+        dp = len(self.ranks)
+        count = [0] * dp
+        rows = []
+        for r, _ in chosen:
+            count[r.rank] += 1
+        per_rank = next_pow2(max(count))
+        count = [0] * dp
+        for r, _ in chosen:
+            rows.append(r.rank * per_rank + count[r.rank])
+            count[r.rank] += 1
+        return rows, per_rank * dp
+
     def _run(self, chosen: list[tuple[Request, int]], is_extend: bool) -> None:
-        b = next_pow2(len(chosen))
+        rows, b = self._batch_rows(chosen)
         max_new = max(n for _, n in chosen)
         t = next_pow2(max_new, 16) if is_extend else 1
         p = next_pow2(max(len(r.pages) for r, _ in chosen), 4)
@@ -296,42 +381,45 @@ class Scheduler:
         new_lens = np.zeros(b, np.int32)
         slot_ids = np.zeros(b, np.int32)
         page_table = np.zeros((b, p), np.int32)
-        for i, (r, n) in enumerate(chosen):
+        for (r, n), i in zip(chosen, rows, strict=True):
             tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
             prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
             page_table[i, : len(r.pages)] = r.pages
         hidden = self.runner.forward(tokens, prefix_lens, new_lens, page_table, slot_ids)
-        self._input_logprobs(chosen, hidden)
+        self._input_logprobs(chosen, rows, hidden)
 
         finishing = [i for i, (r, n) in enumerate(chosen) if r.cached_len + n == len(r.fill_ids)]
         for r, n in chosen:
             r.cached_len += n
-        self._sample_and_accept(chosen, finishing, hidden, new_lens, b)
-        if self.prefix_cache is not None:
-            self.prefix_cache.after_step([r for r, _ in chosen], is_extend)
+        self._sample_and_accept(chosen, rows, finishing, hidden, new_lens, b)
+        if self.disagg is not None:
+            self.disagg.after_step(chosen)  # PD prefill: stream the KV computed in this step
+        for m in self.ranks:
+            if m.prefix_cache is not None:
+                m.prefix_cache.after_step([r for r, _ in chosen if r.rank == m.rank], is_extend)
 
-    def _sample_and_accept(self, chosen: list[tuple[Request, int]], finishing: list[int], hidden: Any,
-                           new_lens: np.ndarray, b: int) -> None:
+    def _sample_and_accept(self, chosen: list[tuple[Request, int]], rows: list[int], finishing: list[int],
+                           hidden: Any, new_lens: np.ndarray, b: int) -> None:
         """Sample the next token of every row whose pending tokens are all in the cache now."""
         if all(chosen[i][0].max_new_tokens == 0 for i in finishing):  # scoring only: nothing to sample
             for i in finishing:
                 self._finish(chosen[i][0], {"type": "length", "length": 0})
             return
-        batch = self._sampling_batch(chosen, b)
+        batch = self._sampling_batch(chosen, rows, b)
         toks, lps, top_lps, top_ids = self.runner.sample(hidden, np.maximum(new_lens - 1, 0), batch)
         now = time.perf_counter()
         for i in finishing:
-            r = chosen[i][0]
+            r, row = chosen[i][0], rows[i]
             if r.max_new_tokens == 0:  # scoring only: the prompt's logprobs are the answer
                 self._finish(r, {"type": "length", "length": 0})
                 continue
-            self._accept_token(r, int(toks[i]), float(lps[i]), top_lps[i], top_ids[i], now)
+            self._accept_token(r, int(toks[row]), float(lps[row]), top_lps[row], top_ids[row], now)
 
-    def _input_logprobs(self, chosen: list[tuple[Request, int]], hidden: Any) -> None:
+    def _input_logprobs(self, chosen: list[tuple[Request, int]], batch_rows: list[int], hidden: Any) -> None:
         """Prompt logprobs from logprob_start_len, gathered for the positions this step computed."""
         rows, cols, targets, owners = [], [], [], []
         num_top = 0
-        for i, (r, n) in enumerate(chosen):
+        for (r, n), i in zip(chosen, batch_rows, strict=True):
             if not r.return_logprob or r.input_logprobs_done:
                 continue
             prompt = r.prompt_ids
@@ -358,7 +446,7 @@ class Scheduler:
             if r.top_logprobs_num:
                 r.input_top_logprobs.append(self._top_list(r, top_lp[k], top_ids[k]))
 
-    def _sampling_batch(self, chosen: list[tuple[Request, int]], b: int) -> SamplingBatch:
+    def _sampling_batch(self, chosen: list[tuple[Request, int]], rows: list[int], b: int) -> SamplingBatch:
         temperature = np.zeros(b, np.float32)
         top_p = np.ones(b, np.float32)
         top_k = np.zeros(b, np.int32)
@@ -373,8 +461,8 @@ class Scheduler:
         if any_penalty:
             seen_ids = np.full((b, next_pow2(max(len(r.fill_ids) for r, _ in chosen), 16)), -1, np.int32)
             output_ids = np.full((b, next_pow2(max(len(r.output_ids) for r, _ in chosen), 16)), -1, np.int32)
-        ban_lists = []
-        for i, (r, _) in enumerate(chosen):
+        ban_lists: list[list[int]] = [[] for _ in range(b)]
+        for (r, _), i in zip(chosen, rows, strict=True):
             sp = r.params
             temperature[i] = 0.0 if sp.greedy else sp.temperature
             top_p[i], top_k[i], min_p[i] = sp.top_p, max(sp.top_k, 0), sp.min_p
@@ -387,14 +475,18 @@ class Scheduler:
             bans: list[int] = []
             if len(r.output_ids) < sp.min_new_tokens:
                 bans = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids))
-            ban_lists.append(bans)
+            ban_lists[i] = bans
         banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
         for i, bans in enumerate(ban_lists):
             banned[i, : len(bans)] = bans
         want_logprobs = any(r.return_logprob for r, _ in chosen)
         num_top = max((r.top_logprobs_num for r, _ in chosen if r.return_logprob), default=0)
+        grammars: list[Any] = [None] * b
+        for (r, _), i in zip(chosen, rows, strict=True):
+            grammars[i] = r.grammar
         return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
-                             output_ids, banned, want_logprobs, num_top)
+                             output_ids, banned, want_logprobs, num_top,
+                             token_bitmask(grammars, b, self.runner.config.vocab_size))
 
     # ---- outputs -------------------------------------------------------------------------------
     def _tok_text(self, r: Request, token_id: int) -> str | None:
@@ -420,6 +512,9 @@ class Scheduler:
                                                             top_ids[: r.top_logprobs_num]))
         sp = r.params
         r.text += r.detokenizer.push([tok])
+        if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
+            self._finish(r, r.grammar.end_reason(tok))  # a stop token where the grammar may end
+            return
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
         if tok in stop_ids and len(r.output_ids) >= sp.min_new_tokens:
             self._finish(r, {"type": "stop", "matched": tok})
@@ -437,7 +532,11 @@ class Scheduler:
         r.finish_reason = reason
         if reason["type"] != "abort" and not r.detokenizer.stopped:
             r.text += r.detokenizer.flush()
+        if self.disagg is not None:
+            self.disagg.on_finish(r, reason)  # PD prefill: copy the state out before the memory is freed
         self._release(r, keep)
+        if r.grammar is not None:
+            r.grammar.release()
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:
@@ -448,7 +547,9 @@ class Scheduler:
 
     def _report_usage(self) -> None:
         if self.metrics:
+            pages_total = sum(m.kv_pool.num_usable for m in self.ranks)
+            slots_total = sum(m.slot_pool.num_usable for m in self.ranks)
             self.metrics.set_usage(
                 len(self.running), len(self.waiting),
-                self.kv_pool.num_usable - self.kv_pool.num_free, self.kv_pool.num_usable,
-                self.slot_pool.num_usable - self.slot_pool.num_free, self.slot_pool.num_usable)
+                pages_total - sum(m.kv_pool.num_free for m in self.ranks), pages_total,
+                slots_total - sum(m.slot_pool.num_free for m in self.ranks), slots_total)

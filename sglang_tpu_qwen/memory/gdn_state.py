@@ -5,15 +5,24 @@ cache["conv"][:, slot] ([n_gdn_layers, conv_dim, K-1]) and cache["rec"][:, slot]
 ([n_gdn_layers, Hv, dk, dv]). Running requests and prefix-cache snapshots both live in these arrays;
 only the id pools that hand slots out tell them apart. Each function here touches all GDN layers in
 one jitted scatter, with the cache donated so it is updated in place.
+
+With data-parallel attention the slot axis is split over the mesh's batch axes (parallel/sharding.py) and
+callers pass global slot ids; a copy never crosses ranks (a rank's snapshots hold its own requests'
+state), so each operation runs as a `shard_map` on rank-local ids and moves no data between devices
+(a global-index scatter would make XLA insert collectives for what is a local copy).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.engine.model_runner import next_pow2
 
@@ -54,13 +63,105 @@ def _padded(pairs: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(src), jnp.asarray(dst)
 
 
+@dataclass(frozen=True)
+class _RankSplit:
+    """How the slot axis of a sharded cache is split: `ranks` blocks of `per_rank` slots over `axes`."""
+
+    mesh: Mesh
+    axes: tuple[str, ...]
+    ranks: int
+    per_rank: int
+
+    def local(self, slot: int) -> tuple[int, int]:
+        """Global slot id -> (rank, local id)."""
+        return divmod(slot, self.per_rank)
+
+
+def _rank_split(cache: dict) -> _RankSplit | None:
+    """The slot-axis split of `cache` when its GDN arrays are sharded over data-parallel ranks, else None."""
+    sharding = cache["conv"].sharding
+    if not isinstance(sharding, NamedSharding) or len(sharding.spec) < 2 or sharding.spec[1] is None:
+        return None
+    axes = sharding.spec[1] if isinstance(sharding.spec[1], tuple) else (sharding.spec[1],)
+    ranks = math.prod(sharding.mesh.shape[a] for a in axes)
+    if ranks == 1:
+        return None
+    return _RankSplit(sharding.mesh, axes, ranks, cache["conv"].shape[1] // ranks)
+
+
+def _per_rank(split: _RankSplit, columns: list[list[int]], fill: int) -> list[np.ndarray]:
+    """Per column, a rank-major [ranks * n] int32 array of local ids, rank r's entries padded with `fill` to
+    n (a power of two). Each row's ids must all be on one rank (ValueError)."""
+    per = [[[] for _ in range(split.ranks)] for _ in columns]
+    for row in zip(*columns, strict=True):
+        rank = split.local(row[0])[0]
+        for col, slot in zip(per, row, strict=True):
+            r, local = split.local(slot)
+            if r != rank:
+                raise ValueError(f"slot {slot} is not on data-parallel rank {rank}")
+            col[rank].append(local)
+    n = next_pow2(max(len(x) for x in per[0]))
+    out = []
+    for col in per:
+        arr = np.full((split.ranks, n), fill, np.int32)
+        for rank, ids in enumerate(col):
+            arr[rank, : len(ids)] = ids
+        out.append(arr.reshape(-1))
+    return out
+
+
+@partial(jax.jit, static_argnames=("split",), donate_argnums=(0,))
+def _copy_slots_ranked(cache: dict, src: jax.Array, dst: jax.Array, *, split: _RankSplit) -> dict:
+    def body(c: dict, s: jax.Array, d: jax.Array) -> dict:
+        out = dict(c)
+        for key in GDN_KEYS:  # padding copies go to an out-of-range slot and are dropped
+            out[key] = c[key].at[:, d].set(c[key][:, s], mode="drop")
+        return out
+
+    cspec = {k: P(None, split.axes) for k in cache}
+    return jax.shard_map(body, mesh=split.mesh, in_specs=(cspec, P(split.axes), P(split.axes)),
+                         out_specs=cspec, check_vma=False)(cache, src, dst)
+
+
+@partial(jax.jit, static_argnames=("split",), donate_argnums=(0,))
+def _fill_nan_ranked(cache: dict, slots: jax.Array, *, split: _RankSplit) -> dict:
+    def body(c: dict, s: jax.Array) -> dict:
+        out = dict(c)
+        for key in GDN_KEYS:
+            out[key] = c[key].at[:, s].set(jnp.nan, mode="drop")
+        return out
+
+    cspec = {k: P(None, split.axes) for k in cache}
+    return jax.shard_map(body, mesh=split.mesh, in_specs=(cspec, P(split.axes)), out_specs=cspec,
+                         check_vma=False)(cache, slots)
+
+
+@partial(jax.jit, static_argnames=("split",), donate_argnums=(0,))
+def _write_slot_ranked(cache: dict, slot: jax.Array, conv: jax.Array, rec: jax.Array, *, split: _RankSplit) -> dict:
+    def body(c: dict, s: jax.Array, cv: jax.Array, rc: jax.Array) -> dict:
+        out = dict(c)
+        out["conv"] = c["conv"].at[:, s].set(cv, mode="drop")
+        out["rec"] = c["rec"].at[:, s].set(rc, mode="drop")
+        return out
+
+    cspec = {k: P(None, split.axes) for k in cache}
+    return jax.shard_map(body, mesh=split.mesh, in_specs=(cspec, P(split.axes), P(), P()), out_specs=cspec,
+                         check_vma=False)(cache, slot, conv, rec)
+
+
 def copy_slots(cache: dict, pairs: list[tuple[int, int]]) -> dict:
     """Copy GDN state slot src -> dst for each (src, dst) pair, all GDN layers; returns the new cache.
 
     Destinations must be distinct and disjoint from sources (a snapshot and a running slot never alias).
+    On a cache split over DP ranks both slots of a pair must be on the same rank (ValueError otherwise).
     """
     if not pairs:
         return cache
+    split = _rank_split(cache)
+    if split is not None:
+        src, dst = _per_rank(split, [[s for s, _ in pairs], [d for _, d in pairs]], split.per_rank)
+        src = np.where(src == split.per_rank, 0, src)  # padding reads slot 0 and writes nowhere
+        return _copy_slots_ranked(cache, jnp.asarray(src), jnp.asarray(dst), split=split)
     src, dst = _padded(pairs)
     return _copy_slots(cache, src, dst)
 
@@ -69,6 +170,10 @@ def fill_nan(cache: dict, slots: list[int]) -> dict:
     """Fill freed slots with NaN (--debug-nan-fill-freed-slots): a stale read then poisons the output."""
     if not slots:
         return cache
+    split = _rank_split(cache)
+    if split is not None:
+        (dst,) = _per_rank(split, [slots], split.per_rank)  # padding: out of range, dropped
+        return _fill_nan_ranked(cache, jnp.asarray(dst), split=split)
     # Pad by repeating the first slot, not with the trash slot 0, which padded batch rows read.
     arr = np.full(next_pow2(len(slots)), slots[0], np.int32)
     arr[: len(slots)] = slots
@@ -77,9 +182,26 @@ def fill_nan(cache: dict, slots: list[int]) -> dict:
 
 def read_slot(cache: dict, slot: int) -> tuple[np.ndarray, np.ndarray]:
     """Host copies of one slot's state: (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv])."""
+    if _rank_split(cache) is not None:  # read from the device holding the slot, no collective
+        return _read_local(cache["conv"], slot), _read_local(cache["rec"], slot)
     return np.asarray(cache["conv"][:, slot]), np.asarray(cache["rec"][:, slot])
+
+
+def _read_local(arr: jax.Array, slot: int) -> np.ndarray:
+    for shard in arr.addressable_shards:
+        block = shard.index[1]
+        start, stop = block.start or 0, arr.shape[1] if block.stop is None else block.stop
+        if start <= slot < stop:
+            return np.asarray(shard.data[:, slot - start])
+    raise ValueError(f"slot {slot} is not held by this process")
 
 
 def write_slot(cache: dict, slot: int, conv: np.ndarray, rec: np.ndarray) -> dict:
     """Upload a host copy (from read_slot) into a slot; returns the new cache."""
+    split = _rank_split(cache)
+    if split is not None:
+        rank, local = split.local(slot)
+        ids = np.full(split.ranks, split.per_rank, np.int32)  # other ranks: out of range, dropped
+        ids[rank] = local
+        return _write_slot_ranked(cache, jnp.asarray(ids), jnp.asarray(conv), jnp.asarray(rec), split=split)
     return _write_slot(cache, jnp.asarray(slot, jnp.int32), jnp.asarray(conv), jnp.asarray(rec))

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from sglang_tpu_qwen.disagg.request_fields import bootstrap_kwargs
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.server import engine_calls
 from sglang_tpu_qwen.server.engine_calls import SSE_DONE, ClientDisconnected, sse
@@ -83,16 +84,20 @@ def _generate_kwargs(obj: GenerateReqInput) -> tuple[dict[str, Any], int | None]
         logprob_start_len=_scalar(obj.logprob_start_len, "logprob_start_len"),
         top_logprobs_num=_scalar(obj.top_logprobs_num, "top_logprobs_num") or 0,
         return_text_in_logprobs=obj.return_text_in_logprobs,
+        **bootstrap_kwargs(obj),  # PD disaggregation: injected by the router into both legs
     )
     return kwargs, batch_size
 
 
-def create_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """Build the HTTP app over an Engine (contract: docs/internals.md, "Engine API used by the HTTP server").
 
     Args:
       engine: the in-process Engine.
       api_key: overrides `engine.server_args.api_key` when given (a test can serve one engine twice).
+      reasoning_parser / tool_call_parser: override `--reasoning-parser` / `--tool-call-parser` of
+        `engine.server_args` for the OpenAI chat route (same purpose).
     """
     app = FastAPI(title="sglang-tpu-qwen", openapi_url="/openapi.json")
     app.state.engine = engine
@@ -198,7 +203,8 @@ def create_app(engine: Any, *, api_key: str | None = None) -> FastAPI:
         return StreamingResponse(_generate_stream(engine, rids, first, rest), media_type="text/event-stream")
 
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
-    app.include_router(create_openai_router(engine))
+    app.include_router(create_openai_router(engine, reasoning_parser=reasoning_parser,
+                                            tool_call_parser=tool_call_parser))
     return app
 
 

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.server.protocol import ErrorResponse
 
@@ -101,6 +102,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if request.url.path.startswith("/v1/"):
             return openai_error(str(exc), 400)
         return native_error(str(exc), 400)
+
+    @app.exception_handler(TransferError)
+    async def _on_transfer(request: Request, exc: TransferError) -> JSONResponse:
+        # A PD transfer that failed (lost prefill server, timeout, layout mismatch): its own status.
+        if request.url.path.startswith("/v1/"):
+            return openai_error(exc.message, exc.status)
+        return native_error(exc.message, exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

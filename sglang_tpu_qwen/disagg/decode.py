@@ -1,0 +1,220 @@
+"""Decode role: receive a request's state instead of prefilling it, then decode it as a running request.
+
+A request carrying a bootstrap room waits in `transfers` (not in the scheduler's waiting queue) while its
+receiver collects the state in host memory; it holds no pages and no slot meanwhile. Each scheduler step
+polls: a failed transfer finishes the request with the error (status kept, so the client gets the prefill
+server's 4xx); an aborted one cancels its receiver, which tells the prefill server to drop the room; a
+complete one is admitted when a DP rank has a running slot and pages for the whole prompt: KV written into
+its own pages (its page size), GDN state into its slot, cached_len = prompt length, and the first token
+accepted as if sampled here (stop checks, streaming, logprobs). From then on it is an ordinary request:
+decode steps, retraction (which re-prefills it locally), the radix cache at finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_tpu_qwen.disagg import kv_io
+from sglang_tpu_qwen.disagg.errors import TransferError
+from sglang_tpu_qwen.disagg.layout import StateLayout
+from sglang_tpu_qwen.disagg.receiver import Receiver
+from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# (bootstrap host, bootstrap port, room, prompt ids) -> a started Receiver
+ReceiverFactory = Callable[[str, int, int, list[int]], Receiver]
+
+
+@dataclass
+class DecodeLeg:
+    """A request's decode-side transfer: where its state comes from, and the receiver fetching it."""
+
+    host: str
+    port: int
+    room: int
+    receiver: Receiver | None = None
+    admitted: bool = False
+
+
+class DecodeRole:
+    """Scheduler hooks of a `--disaggregation-mode decode` server (see the module docstring)."""
+
+    mode = "decode"
+
+    def __init__(self, scheduler: Any, layout: StateLayout, make_receiver: ReceiverFactory) -> None:
+        self.scheduler = scheduler
+        self.layout = layout
+        self.make_receiver = make_receiver
+        self.transfers: list[Request] = []
+        self.transfers_done = 0
+        self.transfers_failed = 0
+        self.bytes_received = 0
+        self.transfer_seconds = 0.0
+
+    # ---- HTTP thread ---------------------------------------------------------------------------
+    def attach(self, reqs: list[Request], targets: list[tuple[str | None, int | None, int | None]]) -> None:
+        """Mark each request with a complete bootstrap target as a decode leg (its receiver starts when the
+        scheduler takes it). A room without host or port is a 400."""
+        for r, (host, port, room) in zip(reqs, targets, strict=True):
+            if room is None:
+                continue
+            if not host or port is None:
+                raise InvalidRequestError("bootstrap_room needs bootstrap_host and bootstrap_port")
+            r.disagg = DecodeLeg(host, int(port), int(room))
+
+    def reject(self, targets: list[tuple[str | None, int | None, int | None]], status: int, message: str) -> None:
+        """Nothing to tell anyone: the decode side owns no room."""
+
+    # ---- scheduler thread ----------------------------------------------------------------------
+    def intercept(self, reqs: list[Request]) -> list[Request]:
+        """Take the decode legs out of the new requests (they wait for their state here); return the rest."""
+        keep = []
+        for r in reqs:
+            leg = r.disagg
+            if isinstance(leg, DecodeLeg) and leg.receiver is None and not leg.admitted:
+                leg.receiver = self.make_receiver(leg.host, leg.port, leg.room, r.prompt_ids)
+                self.transfers.append(r)
+            else:
+                keep.append(r)
+        return keep
+
+    def abort(self, rid: str | None) -> None:
+        """Abort waiting transfers of `rid` (all when None); their receivers cancel the rooms."""
+        for r in list(self.transfers):
+            if rid is None or r.rid == rid or r.rid.startswith(rid + "::"):
+                self._drop(r, {"type": "abort", "message": "aborted by the client"})
+
+    def poll(self) -> None:
+        """Finish failed / aborted transfers; admit complete ones while memory allows (arrival order)."""
+        blocked = False  # once one complete transfer waits for memory, later ones wait too (arrival order)
+        for r in list(self.transfers):
+            leg: DecodeLeg = r.disagg
+            rec = leg.receiver
+            assert rec is not None
+            if r.aborted:
+                self._drop(r, {"type": "abort", "message": "aborted by the client"})
+            elif rec.status == "failed":
+                err = rec.error or TransferError("transfer failed")
+                logger.warning("request %s: transfer of bootstrap_room %d failed: %s", r.rid, leg.room, err.message)
+                self.transfers_failed += 1
+                self._drop(r, {"type": "abort", "message": err.message, "status_code": err.status})
+            elif rec.status == "ready" and not blocked:
+                blocked = not self._admit(r)
+
+    def after_step(self, chosen: list[tuple[Request, int]]) -> None:
+        """Nothing: a decode leg is an ordinary request once admitted."""
+
+    def on_finish(self, r: Request, reason: dict) -> None:
+        """Nothing: the receiver of a finished waiting request was cancelled in `_drop`."""
+
+    def _drop(self, r: Request, reason: dict) -> None:
+        self.transfers.remove(r)
+        rec = r.disagg.receiver
+        if rec is not None and rec.status == "waiting":
+            rec.cancel()
+        self.scheduler._finish(r, reason)
+
+    def _admit(self, r: Request) -> bool:
+        """Pages + slot + state write + first token; False (nothing taken) when memory is short now."""
+        s = self.scheduler
+        if r.grammar is not None:
+            try:
+                if not r.grammar.ready():
+                    return False
+            except InvalidRequestError as e:
+                self.transfers.remove(r)
+                s._finish(r, {"type": "abort", "message": str(e), "status_code": 400})
+                return True
+        state = r.disagg.receiver.state
+        if state.first_token is None:  # max_new_tokens 0: the prompt's logprobs (prefill side) are the answer
+            self.transfers.remove(r)
+            self._account(r)
+            s._finish(r, {"type": "length", "length": 0})
+            return True
+        if len(s.running) >= s.args.max_running_requests:
+            return False
+        m = self._choose_rank(state.num_tokens + 1)
+        if m is None:
+            return False
+        need = math.ceil((state.num_tokens + 1) / s.page_size)
+        short = need - m.kv_pool.num_free
+        if short > 0 and m.prefix_cache is not None:
+            m.prefix_cache.evict_pages(short)
+        pages = m.kv_pool.alloc(need)
+        if pages is None:
+            return False
+        slot = m.slot_pool.alloc(1)
+        assert slot is not None  # _choose_rank checked
+        runner = s.runner
+        self.transfers.remove(r)
+        try:
+            runner.cache = kv_io.write_kv(runner.cache, pages, state.k, state.v)
+            runner.cache = kv_io.write_gdn(runner.cache, slot[0], state.conv, state.rec)
+        except Exception as e:  # never keep the memory of a request that cannot start
+            logger.exception("request %s: writing the transferred state failed", r.rid)
+            m.kv_pool.free(pages)
+            m.slot_pool.free(slot)
+            self.transfers_failed += 1
+            s._finish(r, {"type": "abort", "message": f"writing the transferred state failed: {e!r}",
+                          "status_code": 500})
+            return True
+        r.disagg.admitted = True
+        r.rank, r.slot, r.pages = m.rank, slot[0], pages
+        r.num_tree_pages = 0
+        r.cached_len = state.num_tokens
+        r.cached_tokens = state.cached_tokens
+        r.input_logprobs_done = True  # the prefill server's reply carries them; the router merges
+        s._admit_counter += 1
+        r.admit_order = s._admit_counter
+        s.running.append(r)
+        self._account(r)
+        lp = state.logprob if state.logprob is not None else 0.0
+        s._accept_token(r, state.first_token, lp, state.top_logprobs, state.top_ids, time.perf_counter())
+        r.disagg.receiver = None  # drop the host copy
+        return True
+
+    def _account(self, r: Request) -> None:
+        rec = r.disagg.receiver
+        self.transfers_done += 1
+        self.bytes_received += rec.received_bytes
+        self.transfer_seconds += time.monotonic() - rec.started
+
+    def _choose_rank(self, num_tokens: int) -> Any:
+        """A DP rank with a free running slot and pages (free or evictable) for num_tokens; the least loaded."""
+        s = self.scheduler
+        running = [0] * len(s.ranks)
+        for x in s.running:
+            running[x.rank] += 1
+        need = math.ceil(num_tokens / s.page_size)
+        best, best_key = None, None
+        for m in s.ranks:
+            cache = m.prefix_cache
+            available = m.kv_pool.num_free + (cache.evictable_pages if cache is not None else 0)
+            if running[m.rank] >= m.max_running or m.slot_pool.num_free == 0 or need > available:
+                continue
+            key = (-running[m.rank], m.kv_pool.num_free)
+            if best_key is None or key > best_key:
+                best, best_key = m, key
+        return best
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.transfers)
+
+    def stats(self) -> dict[str, Any]:
+        return {"mode": self.mode, "transfers_waiting": len(self.transfers), "transfers_done": self.transfers_done,
+                "transfers_failed": self.transfers_failed, "bytes_received": self.bytes_received,
+                "mean_transfer_s": self.transfer_seconds / self.transfers_done if self.transfers_done else 0.0}
+
+    def shutdown(self) -> None:
+        for r in list(self.transfers):
+            rec = r.disagg.receiver
+            if rec is not None:
+                rec.cancel()

@@ -1,0 +1,127 @@
+"""The HTTP server on 8 emulated devices with --dp-size 8 --ep-size 8 (the Ironwood host layout) gives the
+same greedy tokens as the single-device engine.
+
+The server runs in a child process (8 CPU devices need XLA_FLAGS before JAX starts); the reference is the
+session `engine` of this process (1 device, same embedded weights). Each DP rank owns its own KV pages,
+GDN slots and radix tree, so the test also checks that a request sharing a cached prefix goes to the rank
+holding it (cached_tokens > 0) and that every page and slot of every rank is free at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, record
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time, in a land far away, there lived a " * 6,
+    "The quick brown fox jumps over the lazy dog. " * 12,
+    "import numpy as np\nimport jax\n",
+    "Question: what is the boiling point of water at sea level?\nAnswer:",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3,
+    "Hello!",
+    "SGLang serves structured generation programs.",
+]
+MAX_NEW = 12
+SHARED = "You are a helpful assistant. Answer briefly and precisely, and cite sources. " * 3
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Same flags as tests/test_parallel_moe.py: collectives on XLA:CPU's small thread pool must not starve.
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + (
+        " --xla_force_host_platform_device_count=8 --xla_cpu_use_xnnpack=false"
+        " --xla_cpu_enable_concurrency_optimized_scheduler=false")
+    env["JAX_PLATFORMS"] = "cpu"
+    env["SGLANG_TPU_QWEN_CHECK_INVARIANTS"] = "1"  # page/slot ownership (per rank) checked every step
+    return env
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("dp_server") / "server.log"
+    log = open(log_path, "w")  # a file, not a pipe: nobody drains a pipe while the tests run
+    cmd = [sys.executable, "-m", "sglang_tpu_qwen.launch_server", "--port", str(port), "--dp-size", "8",
+           "--ep-size", "8", "--max-running-requests", "16", "--max-total-tokens", "1024", "--context-length",
+           "256", "--chunked-prefill-size", "256", "--skip-server-warmup", "--log-level", "warning",
+           "--grammar-backend", "none"]  # no constrained requests here: skip loading xgrammar (+ torch)
+    proc = subprocess.Popen(cmd, env=_child_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _greedy(max_new: int = MAX_NEW) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+
+
+def test_dp8_ep8_server_matches_single_device(dp_server, engine):
+    t0 = time.perf_counter()
+    reply = httpx.post(f"{dp_server}/generate", json={"text": PROMPTS, "sampling_params": _greedy()}, timeout=600)
+    assert reply.status_code == 200, reply.text
+    got = [r["output_ids"] for r in reply.json()]
+    record("engine dp8 ep8", f"{len(PROMPTS)} prompts x {MAX_NEW} greedy tokens on 8 emulated devices: "
+                             f"{time.perf_counter() - t0:.1f} s incl. compilation")
+    want = [r["output_ids"] for r in engine.generate(prompt=PROMPTS, sampling_params=_greedy())]
+    assert got == want
+
+    info = httpx.get(f"{dp_server}/get_server_info", timeout=30).json()
+    ranks = info["memory"]["dp_ranks"]
+    assert len(ranks) == 8
+    # 10 requests over 8 ranks of 2 running slots each: the least-loaded rule used every rank.
+    assert all(r["cache_query_tokens"] > 0 for r in ranks), ranks
+
+
+def test_shared_prefix_goes_to_the_rank_that_cached_it(dp_server, engine):
+    # A follow-up turn extends the first prompt: its prefix (up to the first prompt's last page boundary,
+    # where a GDN snapshot was taken) is cached on the rank that ran the first request only.
+    first_text = SHARED + "First question?"
+    second_text = first_text + " And a follow-up question about it?"
+    first = httpx.post(f"{dp_server}/generate", json={"text": first_text, "sampling_params": _greedy(4)},
+                       timeout=300).json()
+    second = httpx.post(f"{dp_server}/generate", json={"text": second_text, "sampling_params": _greedy(4)},
+                        timeout=300).json()
+    assert first["meta_info"]["cached_tokens"] == 0
+    boundary = 16 * ((len(engine.tokenizer.encode(first_text)) - 1) // 16)  # page size 16
+    assert boundary >= 32
+    assert second["meta_info"]["cached_tokens"] >= boundary, second["meta_info"]
+    want = engine.generate(prompt=second_text, sampling_params=_greedy(4))
+    assert second["output_ids"] == want["output_ids"]
+
+
+def test_every_rank_frees_its_pages_and_slots(dp_server):
+    # Runs after the generation tests (file order): flush the radix trees, then every id is back.
+    assert httpx.post(f"{dp_server}/flush_cache", timeout=60).status_code == 200
+    mem = httpx.get(f"{dp_server}/get_server_info", timeout=30).json()["memory"]
+    for r in mem["dp_ranks"]:
+        assert r["kv_pages_free"] == r["kv_pages_total"] and r["gdn_slots_free"] == r["gdn_slots_total"], r
+        assert r["snapshot_slots_free"] == r["snapshot_slots_total"], r

@@ -1,0 +1,70 @@
+"""Prefill/decode disaggregation in one process (`--disaggregation-mode colocated-split`) behind `smg`.
+
+One launch_server subprocess on 8 emulated CPU devices serves a prefill engine on devices 0-3 and a decode
+engine on devices 4-7 (each a dp 4 / ep 4 mesh), each on its own HTTP port; request state moves with
+`jax.device_put` (the in-process backend). Outputs must equal the colocated single-device engine of conftest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+from conftest import free_port, record
+from pd_harness import SMALL, RouterProc, ServerProc, assert_idle_and_free, mixed_prompts
+
+XLA_8_DEVICES = ("--xla_force_host_platform_device_count=8 --xla_cpu_use_xnnpack=false "
+                 "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """(prefill view, decode view, router) of one colocated-split server."""
+    logs = tmp_path_factory.mktemp("pd_inprocess")
+    bport, dport = free_port(), free_port()
+    # Each engine: data-parallel attention over its 4 devices, experts split 4 ways (DESIGN.md section 4).
+    server = ServerProc.start(logs, "split", [*SMALL, "--dp-size", "4", "--ep-size", "4",
+                                              "--disaggregation-mode", "colocated-split",
+                                              "--disaggregation-prefill-devices", "4",
+                                              "--disaggregation-decode-port", str(dport),
+                                              "--disaggregation-bootstrap-port", str(bport)],
+                              env={"XLA_FLAGS": XLA_8_DEVICES})
+    decode = ServerProc(f"http://127.0.0.1:{dport}", dport, server.log, server.proc)
+    router = None
+    try:
+        router = RouterProc.start(logs, server, bport, decode)
+        yield server, decode, router
+    finally:
+        if router is not None:
+            router.stop()
+        server.stop()
+
+
+def test_split_4_4_matches_colocated(split, engine):
+    prefill, decode, router = split
+    p_info, d_info = prefill.info()["disaggregation"], decode.info()["disaggregation"]
+    assert p_info["mode"] == "prefill" and d_info["mode"] == "decode"
+    assert p_info["transfer_backend"] == d_info["transfer_backend"] == "inprocess"
+    # Device ids: each engine's mesh spans its own group of the 8.
+    assert p_info["devices"] == [0, 1, 2, 3] and d_info["devices"] == [4, 5, 6, 7], (p_info, d_info)
+
+    prompts = mixed_prompts()
+    sp = [{"temperature": 0, "max_new_tokens": 8 + 4 * (i % 3)} for i in range(len(prompts))]
+    want = [engine.generate(input_ids=p, sampling_params=s)["output_ids"] for p, s in zip(prompts, sp, strict=True)]
+    before = d_info["transfers_done"]
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda a: httpx.post(router.url + "/generate", timeout=300,
+                                                     json={"input_ids": a[0], "sampling_params": a[1]}),
+                                zip(prompts, sp, strict=True)))
+    elapsed = time.perf_counter() - t0
+    for r in replies:
+        assert r.status_code == 200, r.text
+    assert [r.json()["output_ids"] for r in replies] == want
+    assert decode.info()["disaggregation"]["transfers_done"] - before == len(prompts)
+    record("pd", f"in-process PD (colocated-split, 8 emulated devices 4/4, dp4 ep4 meshes) via smg: 8 concurrent "
+                 f"prompts token-identical to colocated, {elapsed:.1f} s")
+    assert_idle_and_free(prefill)
+    assert_idle_and_free(decode)

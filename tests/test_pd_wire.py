@@ -1,0 +1,152 @@
+"""Transfer protocol pieces of disaggregation, without a model: framing, layout checks, rooms, the outbox.
+
+A real bootstrap server (TCP on loopback) serves a real Outbox to a real TcpReceiver; the state is built by
+hand, so a layout mismatch, a short transfer or a prefill-side rejection can be produced on purpose.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import free_port
+
+from sglang_tpu_qwen.disagg.bootstrap_server import BootstrapServer
+from sglang_tpu_qwen.disagg.errors import TransferError
+from sglang_tpu_qwen.disagg.layout import PROTOCOL_VERSION, StateLayout, prompt_digest
+from sglang_tpu_qwen.disagg.outbox import Outbox
+from sglang_tpu_qwen.disagg.receiver import TcpReceiver
+from sglang_tpu_qwen.disagg.roles import targets_for
+from sglang_tpu_qwen.disagg.wire import Message, recv_message, send_message
+from sglang_tpu_qwen.engine.sampling_params import SamplingParams
+
+LAYOUT = StateLayout(fingerprint="abc", kv_dtype="float32", state_dtype="float32", kv_token_shape=(2, 1, 4),
+                     conv_shape=(3, 8, 3), rec_shape=(3, 2, 4, 4))
+
+
+def test_frame_round_trip_keeps_dtypes_and_shapes():
+    a, b = socket.socketpair()
+    arrays = [np.arange(24, dtype=np.float32).reshape(2, 3, 4), np.ones((5,), ml_dtypes.bfloat16),
+              np.zeros((0, 3), np.int32)]
+    send_message(a, Message({"kind": "kv", "start": 0, "end": 3}, arrays))
+    got = recv_message(b)
+    assert got.meta == {"kind": "kv", "start": 0, "end": 3}
+    for x, y in zip(arrays, got.arrays, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+    a.sendall(b"HTTP/1.1 200 OK\r\n\r\n....")
+    with pytest.raises(TransferError, match="not a transfer frame"):
+        recv_message(b)
+
+
+def test_layout_mismatch_names_the_fields():
+    other = StateLayout(**{**LAYOUT.__dict__, "kv_dtype": "bfloat16", "rec_shape": (3, 2, 4, 8)})
+    with pytest.raises(TransferError) as e:
+        LAYOUT.check_matches(other)
+    assert "kv_dtype: prefill bfloat16 vs decode float32" in e.value.message
+    assert "rec_shape" in e.value.message and "fingerprint" not in e.value.message
+    assert StateLayout.from_json(LAYOUT.to_json()) == LAYOUT
+
+
+def _reqs(ns: list[int]) -> list:
+    class R:  # only .params.n is read
+        def __init__(self, n: int) -> None:
+            self.params = SamplingParams.from_dict({"n": n})
+
+    return [R(n) for n in ns for _ in range(n)]
+
+
+def test_rooms_per_sequence():
+    # One prompt, n = 3, scalar room: room + sample index (SGLang's rule for a scalar room).
+    assert [t[2] for t in targets_for(_reqs([3]), "h", 1, 100)] == [100, 101, 102]
+    # smg's chat n > 1: a list of n rooms, one per sample.
+    assert [t[2] for t in targets_for(_reqs([2]), ["h", "h"], [1, 1], [7, 9])] == [7, 9]
+    # A batch of two prompts with n = 2 and one room per prompt: rooms[p] + sample.
+    assert [t[2] for t in targets_for(_reqs([2, 2]), "h", 1, [10, 20])] == [10, 11, 20, 21]
+    assert targets_for(_reqs([1]), None, None, None) is None
+    with pytest.raises(ValueError, match="bootstrap_room has 3 entries"):
+        targets_for(_reqs([2, 2]), "h", 1, [1, 2, 3])
+
+
+def _serve(outbox: Outbox):
+    port = free_port()
+    return BootstrapServer(outbox, "127.0.0.1", port), port
+
+
+def _header(prompt: list[int], layout: StateLayout = LAYOUT) -> Message:
+    return Message({"kind": "header", "version": PROTOCOL_VERSION, "layout": layout.to_json(),
+                    "num_tokens": len(prompt), "prompt_digest": prompt_digest(prompt), "source_page_size": 16})
+
+
+def _receive(port: int, room: int, prompt: list[int], timeout: float = 10.0) -> TcpReceiver:
+    done = threading.Event()
+    rec = TcpReceiver("127.0.0.1", port, room, LAYOUT, prompt, timeout, done.set).start()
+    assert done.wait(timeout + 5)
+    return rec
+
+
+def test_streamed_transfer_over_tcp_and_failures():
+    outbox = Outbox(timeout_s=2.0, stage_to_host=True)
+    server, port = _serve(outbox)
+    try:
+        prompt = list(range(5))
+        k = np.random.default_rng(0).standard_normal((2, 5, 1, 4)).astype(np.float32)
+        conv, rec = np.ones((3, 8, 3), np.float32), np.full((3, 2, 4, 4), 2.0, np.float32)
+        assert outbox.open(1, _header(prompt))
+
+        def produce() -> None:  # chunks arrive while the receiver is already connected
+            time.sleep(0.3)
+            outbox.put(1, Message({"kind": "kv", "start": 0, "end": 3}, [k[:, :3], -k[:, :3]]))
+            time.sleep(0.3)
+            outbox.put(1, Message({"kind": "kv", "start": 3, "end": 5}, [k[:, 3:], -k[:, 3:]]))
+            outbox.put(1, Message({"kind": "gdn"}, [conv, rec]))
+            outbox.put(1, Message({"kind": "done", "first_token": 42, "logprob": -0.5, "cached_tokens": 2}))
+
+        threading.Thread(target=produce).start()
+        r = _receive(port, 1, prompt)
+        assert r.status == "ready", r.error
+        st = r.state
+        assert np.array_equal(st.k, k) and np.array_equal(st.v, -k)
+        assert np.array_equal(st.conv, conv) and np.array_equal(st.rec, rec)
+        assert (st.first_token, st.logprob, st.cached_tokens) == (42, -0.5, 2)
+        assert outbox.stats() == {"outbox_rooms": 0, "outbox_bytes": 0, "outbox_early_cancels": 0}
+
+        # The prefill server rejected the request: its status and message reach the decode side.
+        outbox.fail(2, 400, "The input (300 tokens) is longer than the model's context length")
+        r = _receive(port, 2, prompt)
+        assert r.status == "failed" and r.error.status == 400 and "context length" in r.error.message
+
+        # A prefill server with another dtype: rejected at the header, not misread.
+        outbox.open(3, _header(prompt, StateLayout(**{**LAYOUT.__dict__, "kv_dtype": "bfloat16"})))
+        r = _receive(port, 3, prompt)
+        assert r.status == "failed" and "kv_dtype: prefill bfloat16 vs decode float32" in r.error.message
+
+        # Another tokenization of the prompt on the two legs.
+        outbox.open(4, _header([9, 9, 9]))
+        r = _receive(port, 4, prompt)
+        assert r.status == "failed" and r.error.status == 400
+
+        # Nobody fetches: the room is dropped after the timeout; a fetch of a room that never opens fails.
+        outbox.open(5, _header(prompt))
+        time.sleep(3.5)
+        assert outbox.stats()["outbox_rooms"] == 0 and 5 in outbox.take_cancelled()
+        r = _receive(port, 6, prompt)
+        assert r.status == "failed" and "timed out" in r.error.message
+
+        # The decode side cancels before the prefill opens the room: the prefill leg is refused.
+        done = threading.Event()
+        r = TcpReceiver("127.0.0.1", port, 7, LAYOUT, prompt, 10.0, done.set).start()
+        time.sleep(0.3)
+        r.cancel()
+        assert done.wait(5) and r.status == "waiting"  # cancelled, not failed
+        deadline = time.monotonic() + 5
+        while 7 not in outbox.take_cancelled():
+            assert time.monotonic() < deadline, "the cancel did not reach the prefill side"
+            time.sleep(0.05)
+        assert not outbox.open(7, _header(prompt))
+    finally:
+        server.shutdown()
+        outbox.close()
