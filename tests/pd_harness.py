@@ -24,8 +24,9 @@ from conftest import free_port
 
 READY = "The server is fired up and ready to roll!"
 # Small pools and contexts (like conftest.ENGINE_KWARGS) keep compile and run times low on 2 cores.
+# No constrained requests in the PD tests: --grammar-backend none skips loading xgrammar (and torch) per server.
 SMALL = ["--max-running-requests", "4", "--context-length", "256", "--chunked-prefill-size", "64",
-         "--max-prefill-tokens", "512"]
+         "--max-prefill-tokens", "512", "--grammar-backend", "none"]
 
 
 def compile_cache_env() -> dict[str, str]:
