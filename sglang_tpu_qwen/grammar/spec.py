@@ -34,7 +34,8 @@ def spec_from_fields(fields: dict[str, Any]) -> GrammarSpec | None:
     """
     present = {k: fields[k] for k in CONSTRAINT_KEYS if fields.get(k) is not None}
     if len(present) > 1:
-        raise ValueError(f"only one constraint may be set per request, got {', '.join(present)}")
+        raise ValueError(f"only one constraint may be set per request, got {', '.join(present)} "
+                         "(an OpenAI response_format counts as json_schema or structural_tag)")
     if not present:
         return None
     kind, value = next(iter(present.items()))
