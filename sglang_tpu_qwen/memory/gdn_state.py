@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,27 +30,25 @@ from sglang_tpu_qwen.engine.model_runner import next_pow2
 GDN_KEYS = ("conv", "rec")
 
 
-@partial(jax.jit, donate_argnums=(0,))
-def _copy_slots(cache: dict, src: jax.Array, dst: jax.Array) -> dict:
+def _copy_body(cache: dict, src: jax.Array, dst: jax.Array) -> dict:
     out = dict(cache)
-    for key in GDN_KEYS:
-        out[key] = cache[key].at[:, dst].set(cache[key][:, src])
+    for key in GDN_KEYS:  # out-of-range destinations (per-rank padding) are dropped
+        out[key] = cache[key].at[:, dst].set(cache[key][:, src], mode="drop")
     return out
 
 
-@partial(jax.jit, donate_argnums=(0,))
-def _fill_nan(cache: dict, slots: jax.Array) -> dict:
+def _fill_nan_body(cache: dict, slots: jax.Array) -> dict:
     out = dict(cache)
     for key in GDN_KEYS:
-        out[key] = cache[key].at[:, slots].set(jnp.nan)
+        out[key] = cache[key].at[:, slots].set(jnp.nan, mode="drop")
     return out
 
 
-@partial(jax.jit, donate_argnums=(0,))
-def _write_slot(cache: dict, slot: jax.Array, conv: jax.Array, rec: jax.Array) -> dict:
+def _write_body(cache: dict, slot: jax.Array, conv: jax.Array, rec: jax.Array) -> dict:
+    slot = slot.reshape(())  # a scalar, or this rank's one-element block of ids under shard_map
     out = dict(cache)
-    out["conv"] = cache["conv"].at[:, slot].set(conv)
-    out["rec"] = cache["rec"].at[:, slot].set(rec)
+    out["conv"] = cache["conv"].at[:, slot].set(conv, mode="drop")
+    out["rec"] = cache["rec"].at[:, slot].set(rec, mode="drop")
     return out
 
 
@@ -110,43 +109,16 @@ def _per_rank(split: _RankSplit, columns: list[list[int]], fill: int) -> list[np
     return out
 
 
-@partial(jax.jit, static_argnames=("split",), donate_argnums=(0,))
-def _copy_slots_ranked(cache: dict, src: jax.Array, dst: jax.Array, *, split: _RankSplit) -> dict:
-    def body(c: dict, s: jax.Array, d: jax.Array) -> dict:
-        out = dict(c)
-        for key in GDN_KEYS:  # padding copies go to an out-of-range slot and are dropped
-            out[key] = c[key].at[:, d].set(c[key][:, s], mode="drop")
-        return out
-
+@partial(jax.jit, static_argnames=("body", "split", "num_ids"), donate_argnums=(0,))
+def _run(cache: dict, *args: jax.Array, body: Any, split: _RankSplit | None, num_ids: int) -> dict:
+    """`body(cache, *args)` on one device, or per DP rank under `shard_map` when `split` is set: then the
+    first `num_ids` args are rank-major arrays of local ids (each rank gets its block) and the rest are
+    replicated."""
+    if split is None:
+        return body(cache, *args)
     cspec = {k: P(None, split.axes) for k in cache}
-    return jax.shard_map(body, mesh=split.mesh, in_specs=(cspec, P(split.axes), P(split.axes)),
-                         out_specs=cspec, check_vma=False)(cache, src, dst)
-
-
-@partial(jax.jit, static_argnames=("split",), donate_argnums=(0,))
-def _fill_nan_ranked(cache: dict, slots: jax.Array, *, split: _RankSplit) -> dict:
-    def body(c: dict, s: jax.Array) -> dict:
-        out = dict(c)
-        for key in GDN_KEYS:
-            out[key] = c[key].at[:, s].set(jnp.nan, mode="drop")
-        return out
-
-    cspec = {k: P(None, split.axes) for k in cache}
-    return jax.shard_map(body, mesh=split.mesh, in_specs=(cspec, P(split.axes)), out_specs=cspec,
-                         check_vma=False)(cache, slots)
-
-
-@partial(jax.jit, static_argnames=("split",), donate_argnums=(0,))
-def _write_slot_ranked(cache: dict, slot: jax.Array, conv: jax.Array, rec: jax.Array, *, split: _RankSplit) -> dict:
-    def body(c: dict, s: jax.Array, cv: jax.Array, rc: jax.Array) -> dict:
-        out = dict(c)
-        out["conv"] = c["conv"].at[:, s].set(cv, mode="drop")
-        out["rec"] = c["rec"].at[:, s].set(rc, mode="drop")
-        return out
-
-    cspec = {k: P(None, split.axes) for k in cache}
-    return jax.shard_map(body, mesh=split.mesh, in_specs=(cspec, P(split.axes), P(), P()), out_specs=cspec,
-                         check_vma=False)(cache, slot, conv, rec)
+    specs = (cspec, *([P(split.axes)] * num_ids), *([P()] * (len(args) - num_ids)))
+    return jax.shard_map(body, mesh=split.mesh, in_specs=specs, out_specs=cspec, check_vma=False)(cache, *args)
 
 
 def copy_slots(cache: dict, pairs: list[tuple[int, int]]) -> dict:
@@ -161,9 +133,9 @@ def copy_slots(cache: dict, pairs: list[tuple[int, int]]) -> dict:
     if split is not None:
         src, dst = _per_rank(split, [[s for s, _ in pairs], [d for _, d in pairs]], split.per_rank)
         src = np.where(src == split.per_rank, 0, src)  # padding reads slot 0 and writes nowhere
-        return _copy_slots_ranked(cache, jnp.asarray(src), jnp.asarray(dst), split=split)
+        return _run(cache, jnp.asarray(src), jnp.asarray(dst), body=_copy_body, split=split, num_ids=2)
     src, dst = _padded(pairs)
-    return _copy_slots(cache, src, dst)
+    return _run(cache, src, dst, body=_copy_body, split=None, num_ids=2)
 
 
 def fill_nan(cache: dict, slots: list[int]) -> dict:
@@ -173,11 +145,11 @@ def fill_nan(cache: dict, slots: list[int]) -> dict:
     split = _rank_split(cache)
     if split is not None:
         (dst,) = _per_rank(split, [slots], split.per_rank)  # padding: out of range, dropped
-        return _fill_nan_ranked(cache, jnp.asarray(dst), split=split)
+        return _run(cache, jnp.asarray(dst), body=_fill_nan_body, split=split, num_ids=1)
     # Pad by repeating the first slot, not with the trash slot 0, which padded batch rows read.
     arr = np.full(next_pow2(len(slots)), slots[0], np.int32)
     arr[: len(slots)] = slots
-    return _fill_nan(cache, jnp.asarray(arr))
+    return _run(cache, jnp.asarray(arr), body=_fill_nan_body, split=None, num_ids=1)
 
 
 def read_slot(cache: dict, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -203,5 +175,7 @@ def write_slot(cache: dict, slot: int, conv: np.ndarray, rec: np.ndarray) -> dic
         rank, local = split.local(slot)
         ids = np.full(split.ranks, split.per_rank, np.int32)  # other ranks: out of range, dropped
         ids[rank] = local
-        return _write_slot_ranked(cache, jnp.asarray(ids), jnp.asarray(conv), jnp.asarray(rec), split=split)
-    return _write_slot(cache, jnp.asarray(slot, jnp.int32), jnp.asarray(conv), jnp.asarray(rec))
+        return _run(cache, jnp.asarray(ids), jnp.asarray(conv), jnp.asarray(rec), body=_write_body, split=split,
+                    num_ids=1)
+    return _run(cache, jnp.asarray(slot, jnp.int32), jnp.asarray(conv), jnp.asarray(rec), body=_write_body,
+                split=None, num_ids=1)
