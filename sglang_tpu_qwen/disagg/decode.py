@@ -140,10 +140,10 @@ class DecodeRole:
             return True
         if len(s.running) >= s.args.max_running_requests:
             return False
-        m = self._choose_rank(state.num_tokens + 1)
+        need = math.ceil((state.num_tokens + 1) / s.page_size)
+        m = s.choose_rank(need)
         if m is None:
             return False
-        need = math.ceil((state.num_tokens + 1) / s.page_size)
         short = need - m.kv_pool.num_free
         if short > 0 and m.prefix_cache is not None:
             m.prefix_cache.evict_pages(short)
@@ -151,7 +151,7 @@ class DecodeRole:
         if pages is None:
             return False
         slot = m.slot_pool.alloc(1)
-        assert slot is not None  # _choose_rank checked
+        assert slot is not None  # choose_rank checked
         runner = s.runner
         self.transfers.remove(r)
         try:
@@ -185,24 +185,6 @@ class DecodeRole:
         self.transfers_done += 1
         self.bytes_received += rec.received_bytes
         self.transfer_seconds += time.monotonic() - rec.started
-
-    def _choose_rank(self, num_tokens: int) -> Any:
-        """A DP rank with a free running slot and pages (free or evictable) for num_tokens; the least loaded."""
-        s = self.scheduler
-        running = [0] * len(s.ranks)
-        for x in s.running:
-            running[x.rank] += 1
-        need = math.ceil(num_tokens / s.page_size)
-        best, best_key = None, None
-        for m in s.ranks:
-            cache = m.prefix_cache
-            available = m.kv_pool.num_free + (cache.evictable_pages if cache is not None else 0)
-            if running[m.rank] >= m.max_running or m.slot_pool.num_free == 0 or need > available:
-                continue
-            key = (-running[m.rank], m.kv_pool.num_free)
-            if best_key is None or key > best_key:
-                best, best_key = m, key
-        return best
 
     @property
     def busy(self) -> bool:

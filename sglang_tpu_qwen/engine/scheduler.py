@@ -258,9 +258,14 @@ class Scheduler:
         return None
 
     def _choose_rank(self, r: Request) -> RankMemory | None:
-        """The rank to admit r to: among ranks with a free slot and pages for r's first chunk, the one with
-        the longest cached prefix of r, then the fewest running requests, then the most free pages."""
+        """The rank to admit r to (see choose_rank), needing pages for r's first prefill chunk."""
         first_chunk = min(r.pending, self.args.chunked_prefill_size)
+        return self.choose_rank(self._pages_needed(r, r.cached_len + first_chunk), r)
+
+    def choose_rank(self, pages_needed: int, prefix_of: Request | None = None) -> RankMemory | None:
+        """Among ranks with a free running slot and `pages_needed` pages (free or evictable), the one with the
+        longest cached prefix of `prefix_of` (if given), then the fewest running requests, then the most
+        free pages; None when no rank has room now. Also used by PD decode admission (disagg/decode.py)."""
         running = [0] * len(self.ranks)
         for x in self.running:
             running[x.rank] += 1
@@ -268,10 +273,9 @@ class Scheduler:
         for m in self.ranks:
             cache = m.prefix_cache
             available = m.kv_pool.num_free + (cache.evictable_pages if cache is not None else 0)
-            if (running[m.rank] >= m.max_running or m.slot_pool.num_free == 0
-                    or self._pages_needed(r, r.cached_len + first_chunk) > available):
+            if running[m.rank] >= m.max_running or m.slot_pool.num_free == 0 or pages_needed > available:
                 continue
-            hit = cache.peek(r) if cache is not None and len(self.ranks) > 1 else 0
+            hit = cache.peek(prefix_of) if prefix_of is not None and cache is not None and len(self.ranks) > 1 else 0
             key = (hit, -running[m.rank], m.kv_pool.num_free)
             if best_key is None or key > best_key:
                 best, best_key = m, key
