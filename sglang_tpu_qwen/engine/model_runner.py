@@ -7,7 +7,6 @@ compilations stays small, logs each new compilation, and returns host arrays.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.engine import sampler
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
+from sglang_tpu_qwen.memory import gdn_state, kv_io
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
 from sglang_tpu_qwen.model.weights import load_params
@@ -28,15 +28,11 @@ from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
 from sglang_tpu_qwen.parallel.sharding import batch_pspec, param_pspecs, shard_cache, shard_params
 from sglang_tpu_qwen.server_args import ServerArgs
+from sglang_tpu_qwen.utils import next_pow2
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_TOKENS = 65536
-
-
-def next_pow2(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
@@ -82,7 +78,7 @@ class ModelRunner:
         self.params = load_params(model_path, self.config, self.dtype)
         logger.info("loaded weights from %s in %.1f s (dtype %s)", model_path, time.perf_counter() - t0,
                     jnp.dtype(self.dtype).name)
-        # Data-parallel attention + expert-parallel MoE (DESIGN.md section 4): one mesh; each DP rank owns
+        # Data-parallel attention + expert-parallel MoE (docs/internals.md, "parallel/"): one mesh; each DP rank owns
         # a contiguous block of num_pages pages and num_slots slots of the global cache.
         self.dp = args.dp_size
         self.layout = make_layout(args.dp_size, args.ep_size, args.tp_size, devices=devices) \
@@ -197,6 +193,40 @@ class ModelRunner:
             raise ValueError("not enough device memory for the KV pool; lower the model size or raise "
                              "--mem-fraction-static")
         return budget // kv_per_token
+
+    # ---- cache state operations (the only code that replaces self.cache besides forward) -------------
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the GDN state of slot src into slot dst for each (src, dst) pair (global slot ids)."""
+        self.cache = gdn_state.copy_slots(self.cache, pairs)
+
+    def fill_nan_slots(self, slots: list[int]) -> None:
+        """Poison freed GDN slots with NaN (--debug-nan-fill-freed-slots)."""
+        self.cache = gdn_state.fill_nan(self.cache, slots)
+
+    def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copy of one slot's GDN state (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv])."""
+        return gdn_state.read_slot(self.cache, slot)
+
+    def write_slot(self, slot: int, conv: np.ndarray, rec: np.ndarray) -> None:
+        """Upload a host copy (from read_slot) into a slot."""
+        self.cache = gdn_state.write_slot(self.cache, slot, conv, rec)
+
+    def gather_kv(self, pages: list[int], start: int, end: int) -> tuple[jax.Array, jax.Array]:
+        """Token-major KV of positions [start, end) of a sequence with page table `pages` (kv_io.gather_kv)."""
+        return kv_io.gather_kv(self.cache, pages, self.page_size, start, end)
+
+    def read_gdn(self, slot: int) -> tuple[jax.Array, jax.Array]:
+        """Device copies of one slot's GDN state (kv_io.read_gdn)."""
+        return kv_io.read_gdn(self.cache, slot)
+
+    def write_state(self, pages: list[int], k: Any, v: Any, slot: int, conv: Any, rec: Any) -> None:
+        """Write a transferred request's token-major KV into `pages` and its GDN state into `slot`."""
+        self.cache = kv_io.write_kv(self.cache, pages, k, v)
+        self.cache = kv_io.write_gdn(self.cache, slot, conv, rec)
+
+    def input_placement(self) -> jax.sharding.Sharding:
+        """Where arrays given to write_state should live (replicated over the cache's devices)."""
+        return kv_io.input_placement(self.cache)
 
     def _note_shape(self, kind: str, shape: tuple) -> None:
         key = (kind, *shape)

@@ -100,7 +100,7 @@ class OutputProcessor:
         elif self.metrics and r.last_token_time is not None:
             self.metrics.on_decode_token(now - r.last_token_time)
         r.last_token_time = now
-        r.output_ids.append(tok)
+        r.append_token(tok)
         if r.return_logprob:
             r.output_token_logprobs.append([lp, tok, self._tok_text(r, tok)])
             if r.top_logprobs_num:

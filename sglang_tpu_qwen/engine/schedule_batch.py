@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.engine.model_runner import SamplingBatch, next_pow2
+from sglang_tpu_qwen.engine.model_runner import SamplingBatch
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.grammar.bitmask import token_bitmask
+from sglang_tpu_qwen.utils import next_pow2
 
 
 class ForwardMode(enum.Enum):

@@ -24,7 +24,6 @@ from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ForwardMode
-from sglang_tpu_qwen.memory import gdn_state
 from sglang_tpu_qwen.server_args import ServerArgs
 
 logger = logging.getLogger("sglang_tpu_qwen.engine.scheduler")  # one logger for the scheduler's decisions
@@ -116,6 +115,37 @@ class SchedulePolicy:
                 best, best_key = m, key
         return best
 
+    def admit_with_state(self, r: Request, num_tokens: int, write: Callable[[list[int], int], None]) -> bool:
+        """Admit r whose first num_tokens tokens were computed elsewhere (PD decode): pages for num_tokens + 1
+        tokens and a slot on the rank choose_rank picks, `write(pages, slot)` fills them, r joins running
+        with cached_len = num_tokens. False (nothing taken) when no rank has room now; if write raises, the
+        memory goes back and the exception propagates."""
+        if len(self.running) >= self.args.max_running_requests:
+            return False
+        need = math.ceil((num_tokens + 1) / self.page_size)
+        m = self.choose_rank(need)
+        if m is None:
+            return False
+        short = need - m.kv_pool.num_free
+        if short > 0 and m.prefix_cache is not None:
+            m.prefix_cache.evict_pages(short)
+        pages = m.kv_pool.alloc(need)
+        if pages is None:
+            return False
+        slot = m.slot_pool.alloc(1)
+        assert slot is not None  # choose_rank checked
+        try:
+            write(pages, slot[0])
+        except BaseException:  # never keep the memory of a request that cannot start
+            m.kv_pool.free(pages)
+            m.slot_pool.free(slot)
+            raise
+        r.rank, r.slot, r.pages = m.rank, slot[0], pages
+        r.num_tree_pages = 0
+        r.cached_len = num_tokens
+        self.add_running(r)
+        return True
+
     # ---- picking a step ------------------------------------------------------------------------
     def pick(self) -> tuple[ForwardMode, list[tuple[Request, int]]]:
         """The next step's mode and (request, new tokens) pairs, pages allocated; IDLE with [] if none."""
@@ -195,7 +225,7 @@ class SchedulePolicy:
         if r.slot is not None:
             m.slot_pool.free([r.slot])
             if self.args.debug_nan_fill_freed_slots:
-                self.runner.cache = gdn_state.fill_nan(self.runner.cache, [r.slot])
+                self.runner.fill_nan_slots([r.slot])
             r.slot = None
         r.cached_len = 0
 

@@ -1,10 +1,11 @@
 """Scheduler: the thread that runs continuous batching over the paged KV pool and the GDN slot pool.
 
-Each loop iteration drains the inbox (new requests, aborts, cache flushes), then runs one `step`:
-the policy (schedule_policy.py) admits waiting requests and picks an extend step (prefill chunks) or a
-decode step (one token per decoding request), `ScheduleBatch.build` (schedule_batch.py) lays out its host
-arrays, the model runner runs it, and the output processor (output_processor.py) applies the results:
-prompt logprobs, sampled tokens, stop checks, streaming. `finish` ends a request: final reply, memory back.
+Each loop iteration drains the inbox (inbox.py: new requests, aborts, cache flushes), then runs one
+`step`: the policy (schedule_policy.py) admits waiting requests and picks an extend step (prefill chunks)
+or a decode step (one token per decoding request), `ScheduleBatch.build` (schedule_batch.py) lays out its
+host arrays, the model runner runs it, and the output processor (output_processor.py) applies the
+results: prompt logprobs, sampled tokens, stop checks, streaming. `finish` ends a request: final reply,
+memory back. A serving role (scheduler_role.py; prefill/decode disaggregation) hooks into the step.
 
 With --dp-size N (data-parallel attention) each DP rank has its own pages, slots and radix tree
 (rank_memory.py); a step runs every rank at once, rank r's rows being rows [r*B/N, (r+1)*B/N).
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from sglang_tpu_qwen.engine.inbox import AbortRequest, AddRequests, FlushCache, Inbox
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.output_processor import OutputProcessor
@@ -27,6 +29,7 @@ from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ForwardMode, ScheduleBatch
 from sglang_tpu_qwen.engine.schedule_policy import SchedulePolicy
+from sglang_tpu_qwen.engine.scheduler_role import SchedulerRole
 from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
@@ -42,18 +45,15 @@ class Scheduler:
         metrics: Metrics | None = None,
     ) -> None:
         self.runner = runner
-        self.tokenizer = tokenizer
         self.args = args
-        self.context_length = context_length
         self.metrics = metrics
         self.page_size = runner.page_size
         self.policy = SchedulePolicy(runner, args)
         self.eos_ids = set(runner.config.eos_token_id) | set(tokenizer.eos_token_ids)
         self.output = OutputProcessor(runner, tokenizer, args, context_length, self.eos_ids, metrics, self.finish)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self.role = SchedulerRole()  # prefill/decode disaggregation replaces it (disagg/roles.py, set_role)
+        self._inbox = Inbox()
         self._stop = threading.Event()
-        self.disagg: Any = None  # prefill/decode disaggregation role (disagg/roles.py sets it), hooks below
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     @property
@@ -74,25 +74,31 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._wakeup.set()
+        self._inbox.wake()
         self._thread.join(timeout=30)
 
     def submit(self, reqs: list[Request]) -> None:
-        self._inbox.put(("add", reqs))
-        self._wakeup.set()
+        self._inbox.put(AddRequests(reqs))
 
     def abort(self, rid: str | None) -> None:
-        self._inbox.put(("abort", rid))
-        self._wakeup.set()
+        self._inbox.put(AbortRequest(rid))
 
     def flush_cache(self, timeout: float = 60.0) -> bool:
         """Empty the prefix cache if no request is waiting or running (done on the scheduler thread)."""
-        done = threading.Event()
-        result: list[bool] = []
-        self._inbox.put(("flush", (done, result)))
-        self._wakeup.set()
-        done.wait(timeout)
-        return bool(result and result[0])
+        msg = FlushCache()
+        self._inbox.put(msg)
+        try:
+            return msg.done.result(timeout)
+        except TimeoutError:
+            return False
+
+    def wake(self) -> None:
+        """Wake the loop (any thread): a role's transfer changed state."""
+        self._inbox.wake()
+
+    def set_role(self, role: SchedulerRole) -> None:
+        """Attach a serving role's hooks (before start)."""
+        self.role = role
 
     @property
     def kv_tokens_total(self) -> int:
@@ -102,7 +108,7 @@ class Scheduler:
     def memory_usage(self) -> dict[str, Any]:
         """Pool usage summed over DP ranks (and per rank under "dp_ranks" when dp > 1). KV pages held by the
         prefix cache are not free until evicted or flushed."""
-        per_rank = [self._rank_usage(m) for m in self.ranks]
+        per_rank = [m.usage() for m in self.ranks]
         if len(per_rank) == 1:
             return per_rank[0]
         usage: dict[str, Any] = {k: sum(u[k] for u in per_rank) for k, v in per_rank[0].items()
@@ -113,31 +119,16 @@ class Scheduler:
             usage["cache_hit_rate"] = usage["cache_hit_tokens"] / queries if queries else 0.0
         return usage
 
-    def _rank_usage(self, m: RankMemory) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "kv_pages_total": m.kv_pool.num_usable,
-            "kv_pages_free": m.kv_pool.num_free,
-            "gdn_slots_total": m.slot_pool.num_usable,
-            "gdn_slots_free": m.slot_pool.num_free,
-            "page_size": self.page_size,
-            "radix_cache": m.prefix_cache is not None,
-        }
-        if m.prefix_cache is not None:
-            usage.update(m.prefix_cache.stats())
-        return usage
-
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
-            if not self.waiting and not self.running and not (self.disagg is not None and self.disagg.busy):
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
+            if not self.waiting and not self.running and not self.role.busy:
+                self._inbox.wait(0.5)
                 continue
             try:
                 if not self.step():  # nothing runnable right now: do not spin
-                    self._wakeup.wait(timeout=0.01)
-                    self._wakeup.clear()
+                    self._inbox.wait(0.01)
             except Exception:  # a failed step must not take the server down with it
                 logger.exception("step failed; aborting the running requests")
                 for r in list(self.running):
@@ -145,36 +136,28 @@ class Scheduler:
             self._report_usage()
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self.waiting.extend(payload if self.disagg is None else self.disagg.intercept(payload))
-            elif kind == "abort":
-                self._abort(payload)
-            elif kind == "flush":
-                done, result = payload
+        for msg in self._inbox.drain():
+            if isinstance(msg, AddRequests):
+                self.waiting.extend(self.role.intercept(msg.reqs))
+            elif isinstance(msg, AbortRequest):
+                self._abort(msg.rid)
+            elif isinstance(msg, FlushCache):
                 idle = not self.waiting and not self.running
                 for m in self.ranks:
                     if idle and m.prefix_cache is not None:
                         m.prefix_cache.flush()
-                result.append(idle)
-                done.set()
+                msg.done.set_result(idle)
 
     def _abort(self, rid: str | None) -> None:
         """Abort the request `rid` (all its samples), or every request when rid is None."""
-        if self.disagg is not None:
-            self.disagg.abort(rid)
+        self.role.abort(rid)
         for r in [*self.waiting, *self.running]:
             if rid is None or r.rid == rid or r.rid.startswith(rid + "::"):
                 self.finish(r, {"type": "abort", "message": "aborted by the client"})
 
     def step(self) -> bool:
         """Admit, pick one batch, run it. Returns False when there was nothing runnable."""
-        if self.disagg is not None:
-            self.disagg.poll()  # PD: admit requests whose state arrived, fail broken transfers
+        self.role.poll()  # PD: admit requests whose state arrived, fail broken transfers
         for r in [r for r in self.running if r.aborted]:
             self.finish(r, {"type": "abort", "message": "aborted by the client"})
         self.policy.admit(self.finish)
@@ -182,13 +165,13 @@ class Scheduler:
         if mode is ForwardMode.IDLE:
             return False
         if _CHECK:
-            self.check_memory_invariants()
+            self.policy.check_memory_invariants()
         batch = ScheduleBatch.build(mode, chosen, len(self.ranks), self.eos_ids, self.runner.config.vocab_size)
         self.run_batch(batch)
         return True
 
     def run_batch(self, batch: ScheduleBatch) -> None:
-        """Forward, prompt logprobs, advance cached_len, sample, accept; then the PD and prefix-cache hooks."""
+        """Forward, prompt logprobs, advance cached_len, sample, accept; then the role and prefix-cache hooks."""
         hidden = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
                                      batch.slot_ids)
         self.output.input_logprobs(batch, hidden)
@@ -196,23 +179,27 @@ class Scheduler:
             r.cached_len += n
         sampled = None if batch.sampling is None else self.runner.sample(hidden, batch.last_index, batch.sampling)
         self.output.process_sampled(batch, sampled)
-        if self.disagg is not None:
-            self.disagg.after_step(batch.chosen)  # PD prefill: stream the KV computed in this step
+        self.role.after_step(batch.reqs)  # PD prefill: stream the KV computed in this step
         for m in self.ranks:
             if m.prefix_cache is not None:
                 m.prefix_cache.after_step([r for r in batch.reqs if r.rank == m.rank], batch.is_extend)
 
-    def check_memory_invariants(self) -> None:
-        """See SchedulePolicy.check_memory_invariants (AssertionError on a leak or a double owner)."""
-        self.policy.check_memory_invariants()
+    # ---- what roles call (scheduler thread) ----------------------------------------------------
+    def requests(self) -> Iterator[Request]:
+        """The waiting, then the running requests (a snapshot: finishing them while iterating is fine)."""
+        return iter([*self.waiting, *self.running])
 
-    def choose_rank(self, pages_needed: int, prefix_of: Request | None = None) -> RankMemory | None:
-        """See SchedulePolicy.choose_rank."""
-        return self.policy.choose_rank(pages_needed, prefix_of)
+    def admit_with_state(self, r: Request, num_tokens: int, write: Callable[[list[int], int], None]) -> bool:
+        """Admit r with its first num_tokens tokens computed elsewhere (PD decode): see
+        SchedulePolicy.admit_with_state. False when no rank has room now; write's exception propagates."""
+        return self.policy.admit_with_state(r, num_tokens, write)
 
-    # ---- finishing -----------------------------------------------------------------------------
+    def accept_token(self, r: Request, tok: int, lp: float, top_lp: Any, top_ids: Any) -> None:
+        """Accept a token sampled elsewhere (PD decode: the prefill server's first token), with stop checks."""
+        self.output.accept_token(r, tok, lp, top_lp, top_ids, time.perf_counter())
+
     def finish(self, r: Request, reason: dict, keep: bool = True) -> None:
-        """End r with `reason` (SGLang's finish_reason dict): final text, PD hook, memory back, final reply.
+        """End r with `reason` (SGLang's finish_reason dict): final text, role hook, memory back, final reply.
 
         keep=False: do not hand r's computed prefix to the radix cache (a failed step). No-op if finished.
         """
@@ -221,8 +208,7 @@ class Scheduler:
         r.finish_reason = reason
         if reason["type"] != "abort" and not r.detokenizer.stopped:
             r.text += r.detokenizer.flush()
-        if self.disagg is not None:
-            self.disagg.on_finish(r, reason)  # PD prefill: copy the state out before the memory is freed
+        self.role.on_finish(r, reason)  # PD prefill: copy the state out before the memory is freed
         self.policy.release(r, keep)
         if r.grammar is not None:
             r.grammar.release()
