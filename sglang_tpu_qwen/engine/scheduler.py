@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_tpu_qwen.engine.buckets import StepBucket
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner, SamplingBatch, next_pow2
@@ -287,27 +288,42 @@ class Scheduler:
         return has_extend and (not has_decode or not self._last_was_extend)
 
     def _pick_extend(self) -> list[tuple[Request, int]]:
+        """Prefill chunks for this step, shaped to fit a compiled bucket (engine/buckets.py): at most
+        max_extend_rows rows per rank, each chunk capped to the bucket's tokens (the rest runs next step)."""
+        buckets = self.runner.buckets
         budget = [self.args.chunked_prefill_size] * len(self.ranks)  # prefill tokens per rank per step
-        chosen: list[tuple[Request, int]] = []
+        rows = [0] * len(self.ranks)
+        candidates: list[tuple[Request, int]] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
-            if r.slot is None or budget[r.rank] <= 0:  # retracted earlier in this loop, or rank full
+            if budget[r.rank] <= 0 or rows[r.rank] >= buckets.max_extend_rows:
                 continue
             n = min(r.pending, budget[r.rank])
             cache = self.ranks[r.rank].prefix_cache
             target = cache.next_target(r) if cache is not None else None
             if target is not None:  # end the chunk where a snapshot is wanted
                 n = min(n, target - r.cached_len)
-            if not self._ensure_pages_or_retract(r, r.cached_len + n):
-                continue
-            chosen.append((r, n))
+            candidates.append((r, n))
             budget[r.rank] -= n
+            rows[r.rank] += 1
+        if not candidates:
+            return []
+        _, cap = buckets.extend_bucket(max(rows), max(n for _, n in candidates))
+        chosen: list[tuple[Request, int]] = []
+        for r, n in candidates:
+            n = min(n, cap)
+            if r.slot is None:  # retracted by an earlier candidate's page allocation
+                continue
+            if self._ensure_pages_or_retract(r, r.cached_len + n):
+                chosen.append((r, n))
         return chosen
 
     def _pick_decode(self) -> list[tuple[Request, int]]:
         chosen: list[tuple[Request, int]] = []
+        rows = [0] * len(self.ranks)
         for r in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.admit_order):
-            if r.slot is None:
+            if r.slot is None or rows[r.rank] >= self.runner.buckets.max_decode_rows:
                 continue
+            rows[r.rank] += 1
             if self._ensure_pages_or_retract(r, r.cached_len + 1):
                 chosen.append((r, 1))
         return chosen
@@ -361,25 +377,30 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     # ---- running a batch -----------------------------------------------------------------------
-    def _batch_rows(self, chosen: list[tuple[Request, int]]) -> tuple[list[int], int]:
-        """Batch row of each chosen request and the batch size B: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
+    def _batch_rows(self, chosen: list[tuple[Request, int]], is_extend: bool) -> tuple[list[int], StepBucket]:
+        """Batch row of each chosen request and the step's bucket: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
         dp = len(self.ranks)
         count = [0] * dp
         rows = []
         for r, _ in chosen:
             count[r.rank] += 1
-        per_rank = next_pow2(max(count))
+        buckets = self.runner.buckets
+        if is_extend:
+            longest = max(n for _, n in chosen)
+            bucket, cap = buckets.extend_bucket(max(count), longest)
+            assert cap == longest, "_pick_extend caps chunks to the bucket"
+        else:
+            bucket = buckets.decode_bucket(max(count))
+        per_rank = bucket.batch // dp
         count = [0] * dp
         for r, _ in chosen:
             rows.append(r.rank * per_rank + count[r.rank])
             count[r.rank] += 1
-        return rows, per_rank * dp
+        return rows, bucket
 
     def _run(self, chosen: list[tuple[Request, int]], is_extend: bool) -> None:
-        rows, b = self._batch_rows(chosen)
-        max_new = max(n for _, n in chosen)
-        t = next_pow2(max_new, 16) if is_extend else 1
-        p = next_pow2(max(len(r.pages) for r, _ in chosen), 4)
+        rows, bucket = self._batch_rows(chosen, is_extend)
+        b, t, p = bucket.batch, bucket.tokens, bucket.pages
         tokens = np.zeros((b, t), np.int32)
         prefix_lens = np.zeros(b, np.int32)
         new_lens = np.zeros(b, np.int32)
@@ -410,7 +431,7 @@ class Scheduler:
                 self._finish(chosen[i][0], {"type": "length", "length": 0})
             return
         batch = self._sampling_batch(chosen, rows, b)
-        toks, lps, top_lps, top_ids = self.runner.sample(hidden, np.maximum(new_lens - 1, 0), batch)
+        toks, lps, top_lps, top_ids = self.runner.sample(hidden, batch).get()
         now = time.perf_counter()
         for i in finishing:
             r, row = chosen[i][0], rows[i]
@@ -483,6 +504,15 @@ class Scheduler:
         banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
         for i, bans in enumerate(ban_lists):
             banned[i, : len(bans)] = bans
+        bias_ids = bias_vals = None
+        biases = [(i, r.params.logit_bias) for (r, _), i in zip(chosen, rows, strict=True) if r.params.logit_bias]
+        if biases:
+            width = max(len(lb) for _, lb in biases)
+            bias_ids = np.full((b, width), -1, np.int32)
+            bias_vals = np.zeros((b, width), np.float32)
+            for i, lb in biases:
+                bias_ids[i, : len(lb)] = list(lb)
+                bias_vals[i, : len(lb)] = list(lb.values())
         want_logprobs = any(r.return_logprob for r, _ in chosen)
         num_top = max((r.top_logprobs_num for r, _ in chosen if r.return_logprob), default=0)
         grammars: list[Any] = [None] * b
@@ -490,7 +520,7 @@ class Scheduler:
             grammars[i] = r.grammar
         return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
                              output_ids, banned, want_logprobs, num_top,
-                             token_bitmask(grammars, b, self.runner.config.vocab_size))
+                             token_bitmask(grammars, b, self.runner.config.vocab_size), bias_ids, bias_vals)
 
     # ---- outputs -------------------------------------------------------------------------------
     def _tok_text(self, r: Request, token_id: int) -> str | None:
