@@ -96,7 +96,8 @@ def default_cache_dir() -> str:
 def configure_persistent_cache(path: str | None) -> str | None:
     """Point JAX's persistent compilation cache at `path` (created if missing) and cache every program.
 
-    `path` None means default_cache_dir(); "" or "none" disables the persistent cache. Every program is
+    `path` None means JAX's own setting (JAX_COMPILATION_CACHE_DIR) if any, else default_cache_dir(); "" or
+    "none" disables the persistent cache. Every program is
     written (min compile time 0 s, no minimum size), so a restart with the same flags compiles nothing.
     Returns the directory in use, or None when disabled.
     """
@@ -107,7 +108,7 @@ def configure_persistent_cache(path: str | None) -> str | None:
             jax.config.update("jax_compilation_cache_dir", None)
             cc.reset_cache()
         return None
-    path = str(Path(path or default_cache_dir()).expanduser())
+    path = str(Path(path or jax.config.jax_compilation_cache_dir or default_cache_dir()).expanduser())
     Path(path).mkdir(parents=True, exist_ok=True)
     if jax.config.jax_compilation_cache_dir != path:
         jax.config.update("jax_compilation_cache_dir", path)

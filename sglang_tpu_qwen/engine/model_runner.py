@@ -12,6 +12,7 @@ hands host (numpy) arrays already padded to a bucket; a shape outside the set ra
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,8 +173,8 @@ class ModelRunner:
                                 self.dtype, jnp.float32)
         if self.layout is not None:
             self.cache = shard_cache(self.cache, self.layout)
-        elif self._device is not None:
-            self.cache = jax.device_put(self.cache, self._device)
+        else:  # committed, like the caches the compiled steps return: eager slot copies then see one signature
+            self.cache = jax.device_put(self.cache, self._device or jax.devices()[0])
         logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots%s", self.num_pages - 1,
                     self.page_size, self.num_running_slots - 1, self.num_snapshot_slots,
                     f" (each of {self.dp} DP ranks)" if self.dp > 1 else "")
@@ -188,6 +189,7 @@ class ModelRunner:
             token_paddings=args.precompile_token_paddings)
         self.debug_nan_fill = args.debug_nan_fill_freed_slots
         self.has_prefix_cache = self.num_snapshot_slots > 0
+        self.host_snapshot_tier = args.gdn_snapshot_host_gb > 0
         self.moe_combine = args.moe_combine
         self._build_programs()
 
@@ -333,13 +335,20 @@ class ModelRunner:
 
         Returns {"programs", "from_cache", "compiled", "seconds"}. Shows a tqdm bar when `progress`.
         """
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
         from tqdm import tqdm
 
         keys = [k for k in self.program_keys() if k not in self._programs]
         start = time.perf_counter()
         hits0, comps0 = compilation.cache_hits(), compilation.jit_compilations()
-        for key in tqdm(keys, desc="precompile", unit="program", disable=not progress, mininterval=1.0):
-            self._programs[key] = self._lower(key).compile()
+        # Lower here (tracing holds the GIL), compile on every core (XLA releases it).
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool, \
+                tqdm(total=len(keys), desc="precompile", unit="program", disable=not progress) as bar:
+            futures = {pool.submit(self._lower(key).compile): key for key in keys}
+            for fut in as_completed(futures):
+                self._programs[futures[fut]] = fut.result()
+                bar.update(1)
         for b in self.buckets.sample_batches():
             self._unused_inputs(b)
         self._precompile_slot_copies()
@@ -363,6 +372,8 @@ class ModelRunner:
             return
         for n in [1 << i for i in range(next_pow2(self.buckets.max_decode_rows).bit_length())]:
             self.cache = gdn_state.copy_slots(self.cache, [(0, 0)] * n)
+        if self.host_snapshot_tier:  # demotion to host memory and restore from it
+            self.cache = gdn_state.write_slot(self.cache, 0, *gdn_state.read_slot(self.cache, 0))
 
     def _unused_inputs(self, b: int) -> sampler.RowParams:
         """Device arrays meaning "unused" for the optional inputs of a B-row sampling program, kept resident
