@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.engine.metrics import Metrics
-from sglang_tpu_qwen.engine.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.model_runner import ModelRunner, StepOutput
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ScheduleBatch
 from sglang_tpu_qwen.server_args import ServerArgs
@@ -38,7 +38,7 @@ class OutputProcessor:
         self.finish = finish
 
     # ---- prompt logprobs -----------------------------------------------------------------------
-    def input_logprobs(self, batch: ScheduleBatch, hidden: Any) -> None:
+    def input_logprobs(self, batch: ScheduleBatch, step: StepOutput) -> None:
         """Prompt logprobs from logprob_start_len, gathered for the positions this step computed.
 
         Runs before the step advances cached_len (positions are relative to it).
@@ -65,7 +65,7 @@ class OutputProcessor:
                 r.input_logprobs_done = True
         if not rows:
             return
-        lp, top_lp, top_ids = self.runner.logprobs_at(hidden, np.array(rows), np.array(cols), np.array(targets),
+        lp, top_lp, top_ids = self.runner.logprobs_at(step, np.array(rows), np.array(cols), np.array(targets),
                                                       num_top)
         for k, r in enumerate(owners):
             r.input_token_logprobs.append([float(lp[k]), targets[k], self._tok_text(r, targets[k])])

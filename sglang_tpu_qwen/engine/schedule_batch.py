@@ -5,8 +5,8 @@ lays them out in batch rows and fills every host array of the step in one place:
 (tokens, prefix_lens, new_lens, page_table, slot_ids) and, when a row samples, the sampling batch. The
 runner runs it and the output processor (output_processor.py) reads the results back by row.
 
-Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B/N a power of two), so
-each DP rank's shard of the batch holds only its own requests.
+Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B: the batch of the step's
+compiled bucket, engine/buckets.py), so each DP rank's shard of the batch holds only its own requests.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.model_runner import SamplingBatch
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.grammar.bitmask import token_bitmask
@@ -46,10 +47,10 @@ class ScheduleBatch:
     extend_lens: list[int]
     rows: list[int]
     batch_size: int  # B
-    tokens: np.ndarray  # [B, T] int32 (T = 1 in DECODE, a power of two >= 16 in EXTEND)
+    tokens: np.ndarray  # [B, T] int32 (B, T, P: a bucket of engine/buckets.py; T = 1 in DECODE)
     prefix_lens: np.ndarray  # [B] int32: tokens already in the cache per row
     new_lens: np.ndarray  # [B] int32: tokens fed per row (0 on padding rows)
-    page_table: np.ndarray  # [B, P] int32 global page ids, P a power of two >= 4
+    page_table: np.ndarray  # [B, P] int32 global page ids (P: one width per server)
     slot_ids: np.ndarray  # [B] int32 global GDN slot ids
     finishing: list[int]
     sampling: SamplingBatch | None  # None when no row samples (mid-prompt chunks or scoring only)
@@ -63,23 +64,19 @@ class ScheduleBatch:
         """(request, new tokens) pairs, the shape the PD hooks take."""
         return list(zip(self.reqs, self.extend_lens, strict=True))
 
-    @property
-    def last_index(self) -> np.ndarray:
-        """[B] int32: column of each row's last new token (the one whose logits are sampled)."""
-        return np.maximum(self.new_lens - 1, 0)
-
     @classmethod
-    def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], num_ranks: int,
+    def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], buckets: BucketSet,
               eos_ids: Collection[int], vocab_size: int) -> ScheduleBatch:
-        """Lay out `chosen` (request, new tokens) in rows and fill the host arrays of the step.
+        """Lay out `chosen` (request, new tokens) in the rows of the step's compiled bucket and fill the host
+        arrays of the step.
 
-        Requests must hold the pages for cached_len + n tokens and a slot (the policy ensured it).
+        Requests must hold the pages for cached_len + n tokens and a slot, and the chunks must fit a bucket
+        (the policy ensured both).
         """
         reqs = [r for r, _ in chosen]
         lens = [n for _, n in chosen]
-        rows, b = batch_rows(reqs, num_ranks)
-        t = next_pow2(max(lens), 16) if mode is ForwardMode.EXTEND else 1
-        p = next_pow2(max(len(r.pages) for r in reqs), 4)
+        rows, bucket = batch_rows(reqs, lens, mode, buckets)
+        b, t, p = bucket.batch, bucket.tokens, bucket.pages
         tokens = np.zeros((b, t), np.int32)
         prefix_lens = np.zeros(b, np.int32)
         new_lens = np.zeros(b, np.int32)
@@ -96,18 +93,25 @@ class ScheduleBatch:
                    sampling)
 
 
-def batch_rows(reqs: list[Request], num_ranks: int) -> tuple[list[int], int]:
-    """Batch row of each request and the batch size B: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
-    count = [0] * num_ranks
+def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode,
+               buckets: BucketSet) -> tuple[list[int], StepBucket]:
+    """Batch row of each request and the step's bucket: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
+    dp = buckets.dp
+    count = [0] * dp
     rows = []
     for r in reqs:
         count[r.rank] += 1
-    per_rank = next_pow2(max(count))
-    count = [0] * num_ranks
+    if mode is ForwardMode.EXTEND:
+        bucket, cap = buckets.extend_bucket(max(count), max(lens))
+        assert cap == max(lens), "the policy caps chunks to the bucket"
+    else:
+        bucket = buckets.decode_bucket(max(count))
+    per_rank = bucket.batch // dp
+    count = [0] * dp
     for r in reqs:
         rows.append(r.rank * per_rank + count[r.rank])
         count[r.rank] += 1
-    return rows, per_rank * num_ranks
+    return rows, bucket
 
 
 def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collection[int],
@@ -145,10 +149,20 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
     banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
     for i, bans in enumerate(ban_lists):
         banned[i, : len(bans)] = bans
+    bias_ids = bias_vals = None
+    biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]
+    if biases:
+        width = max(len(lb) for _, lb in biases)
+        bias_ids = np.full((b, width), -1, np.int32)
+        bias_vals = np.zeros((b, width), np.float32)
+        for i, lb in biases:
+            bias_ids[i, : len(lb)] = list(lb)
+            bias_vals[i, : len(lb)] = list(lb.values())
     want_logprobs = any(r.return_logprob for r in reqs)
     num_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
     grammars: list[Any] = [None] * b
     for r, i in zip(reqs, rows, strict=True):
         grammars[i] = r.grammar
     return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
-                         output_ids, banned, want_logprobs, num_top, token_bitmask(grammars, b, vocab_size))
+                         output_ids, banned, want_logprobs, num_top, token_bitmask(grammars, b, vocab_size),
+                         bias_ids, bias_vals)

@@ -164,27 +164,43 @@ class SchedulePolicy:
         return has_extend and (not has_decode or not self.last_was_extend)
 
     def _pick_extend(self) -> list[tuple[Request, int]]:
+        """Prefill chunks for this step, shaped to fit a compiled bucket (engine/buckets.py): at most
+        max_extend_rows rows per rank, each chunk capped to the bucket's tokens (the rest runs next step)."""
+        buckets = self.runner.buckets
         budget = [self.args.chunked_prefill_size] * len(self.ranks)  # prefill tokens per rank per step
-        chosen: list[tuple[Request, int]] = []
+        rows = [0] * len(self.ranks)
+        candidates: list[tuple[Request, int]] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
-            if r.slot is None or budget[r.rank] <= 0:  # retracted earlier in this loop, or rank full
+            if budget[r.rank] <= 0 or rows[r.rank] >= buckets.max_extend_rows:
                 continue
             n = min(r.pending, budget[r.rank])
             cache = self.ranks[r.rank].prefix_cache
             target = cache.next_target(r) if cache is not None else None
             if target is not None:  # end the chunk where a snapshot is wanted
                 n = min(n, target - r.cached_len)
-            if not self._ensure_pages_or_retract(r, r.cached_len + n):
-                continue
-            chosen.append((r, n))
+            candidates.append((r, n))
             budget[r.rank] -= n
+            rows[r.rank] += 1
+        if not candidates:
+            return []
+        _, cap = buckets.extend_bucket(max(rows), max(n for _, n in candidates))
+        chosen: list[tuple[Request, int]] = []
+        for r, n in candidates:
+            n = min(n, cap)
+            if r.slot is None:  # retracted by an earlier candidate's page allocation
+                continue
+            if self._ensure_pages_or_retract(r, r.cached_len + n):
+                chosen.append((r, n))
         return chosen
 
     def _pick_decode(self) -> list[tuple[Request, int]]:
+        """One token for every decoding request, at most the largest decode bucket's rows per rank."""
         chosen: list[tuple[Request, int]] = []
+        rows = [0] * len(self.ranks)
         for r in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.admit_order):
-            if r.slot is None:
+            if r.slot is None or rows[r.rank] >= self.runner.buckets.max_decode_rows:
                 continue
+            rows[r.rank] += 1
             if self._ensure_pages_or_retract(r, r.cached_len + 1):
                 chosen.append((r, 1))
         return chosen

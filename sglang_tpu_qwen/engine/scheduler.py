@@ -166,18 +166,18 @@ class Scheduler:
             return False
         if _CHECK:
             self.policy.check_memory_invariants()
-        batch = ScheduleBatch.build(mode, chosen, len(self.ranks), self.eos_ids, self.runner.config.vocab_size)
+        batch = ScheduleBatch.build(mode, chosen, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size)
         self.run_batch(batch)
         return True
 
     def run_batch(self, batch: ScheduleBatch) -> None:
         """Forward, prompt logprobs, advance cached_len, sample, accept; then the role and prefix-cache hooks."""
-        hidden = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
-                                     batch.slot_ids)
-        self.output.input_logprobs(batch, hidden)
+        step = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
+                                   batch.slot_ids)
+        self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
             r.cached_len += n
-        sampled = None if batch.sampling is None else self.runner.sample(hidden, batch.last_index, batch.sampling)
+        sampled = None if batch.sampling is None else self.runner.sample(step, batch.sampling).get()
         self.output.process_sampled(batch, sampled)
         self.role.after_step(batch.reqs)  # PD prefill: stream the KV computed in this step
         for m in self.ranks:
