@@ -63,6 +63,9 @@ class ServerArgs:
     # Prefix cache (radix tree over KV pages + GDN state snapshots).
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn the prefix cache off."})
     schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match) or fcfs."})
+    disable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "Run each step synchronously: by default the host builds step N+1 while step N runs on the "
+                "device (finish checks and streaming then apply one step late)."})
     max_gdn_snapshots: int | None = field(
         default=None, metadata={"help": "GDN state snapshot slots on device (default: 2x max running requests)."}
     )

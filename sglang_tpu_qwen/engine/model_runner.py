@@ -207,7 +207,9 @@ class ModelRunner:
             last = jax.shard_map(_last_rows, mesh=self.layout.mesh, in_specs=(rows, rows), out_specs=rows,
                                  check_vma=False)
 
-        def forward_program(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids):
+        def forward_program(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids, prev_tokens,
+                            token_src):
+            tokens = _take_prev_tokens(tokens, prev_tokens, token_src)  # overlap: last step's ids stay on device
             hidden, cache = fwd(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids)
             return hidden, last(hidden, jnp.maximum(new_lens - 1, 0)), cache
 
@@ -222,6 +224,10 @@ class ModelRunner:
         self._pen_mark_jit = jax.jit(sampler.penalty_mark, donate_argnums=(0,))
         self._pen_count_jit = jax.jit(sampler.penalty_count, donate_argnums=(0,))
         self._prompt_lp_jit = jax.jit(partial(_prompt_logprobs, config=self.config))
+        # Overlap scheduling: the sampled ids of a step, padded to prev_rows, feed the next step's forward.
+        self.prev_rows = max(self.buckets.sample_batches())
+        self._keep_sampled_jit = jax.jit(partial(_pad_rows, rows=self.prev_rows), out_shardings=self._replicated())
+        self._prev_tokens: jax.Array | None = None  # made on first use (the planner builds programs abstractly)
         self._programs: dict[tuple, Any] = {}
         self._unused: dict[int, sampler.RowParams] = {}  # per B: device arrays of "feature unused" inputs
         self._ready = False
@@ -268,7 +274,8 @@ class ModelRunner:
         i32 = jnp.int32
         return self._forward_jit.lower(
             _abstract(self.params), _abstract(self.cache), self._spec((b, t), i32), self._spec((b,), i32),
-            self._spec((b,), i32), self._spec((b, p), i32), self._spec((b,), i32))
+            self._spec((b,), i32), self._spec((b, p), i32), self._spec((b,), i32),
+            self._spec((self.prev_rows,), i32, replicated=True), self._spec((b,), i32))
 
     def lower_sample(self, kind: SampleKind, batch: int) -> jax.stages.Lowered:
         """Sampling program `kind` for B = `batch` rows: (params, last [B, H], RowParams, Features) ->
@@ -297,6 +304,7 @@ class ModelRunner:
         for b in self.buckets.sample_batches():
             keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
             keys += [("penalty", which, b) for which in ("zeros", "mark", "count")]
+            keys.append(("keep_sampled", b))
         keys.append(("prompt_logprobs",))
         return keys
 
@@ -309,6 +317,8 @@ class ModelRunner:
             return self._lower_penalty(key[1], key[2])
         if key[0] == "prompt_logprobs":
             return self._lower_prompt_logprobs()
+        if key[0] == "keep_sampled":
+            return self._keep_sampled_jit.lower(self._spec((key[1],), jnp.int32))
         raise KeyError(key)
 
     def _program(self, key: tuple) -> Any:
@@ -503,13 +513,15 @@ class ModelRunner:
     # ---- steps ---------------------------------------------------------------------------------
     def forward(
         self, tokens: np.ndarray, prefix_lens: np.ndarray, new_lens: np.ndarray, page_table: np.ndarray,
-        slot_ids: np.ndarray,
+        slot_ids: np.ndarray, token_src: np.ndarray | None = None,
     ) -> StepOutput:
         """Run one step on host arrays padded to a bucket; returns device arrays (does not wait).
 
         tokens [B, T] int32; prefix_lens, new_lens, slot_ids [B] int32; page_table [B, P] int32 with
         (B, T, P) one of `self.buckets` (ValueError otherwise). Page and slot ids are global; with dp > 1
         rows [r*B/dp, (r+1)*B/dp) must use rank r's ids only (AssertionError otherwise).
+        token_src [B] int32 (overlap scheduling): where >= 0, row b's first token is row token_src[b] of the
+        ids the last `keep_sampled` call kept on the device (tokens[b, 0] is ignored); -1 or None: host tokens.
         """
         b, t = tokens.shape
         bucket = StepBucket("decode" if t == 1 else "extend", b, t, page_table.shape[1])
@@ -517,9 +529,17 @@ class ModelRunner:
         page_table = self._to_rank_local(page_table, self.num_pages)
         slot_ids = self._to_rank_local(slot_ids, self.num_slots)
         args = self._put([tokens.astype(np.int32), prefix_lens.astype(np.int32), new_lens.astype(np.int32),
-                          page_table.astype(np.int32), slot_ids.astype(np.int32)])
-        hidden, last, self.cache = prog(self.params, self.cache, *args)
+                          page_table.astype(np.int32), slot_ids.astype(np.int32),
+                          np.full(b, -1, np.int32) if token_src is None else token_src.astype(np.int32)])
+        if self._prev_tokens is None:
+            self._prev_tokens = jax.device_put(np.zeros(self.prev_rows, np.int32), self._replicated())
+        hidden, last, self.cache = prog(self.params, self.cache, *args[:5], self._prev_tokens, args[5])
         return StepOutput(hidden, last)
+
+    def keep_sampled(self, out: SampleOutput) -> None:
+        """Keep out.tokens [B] on the device as the ids the next forward's token_src rows read (overlap
+        scheduling: no host round trip between a step's sampling and the next step's input)."""
+        self._prev_tokens = self._program(("keep_sampled", out.tokens.shape[0]))(out.tokens)
 
     def sample(self, step: StepOutput, batch: SamplingBatch) -> SampleOutput:
         """Sample one token per row from step.last; returns device arrays without waiting (`.get()` reads).
@@ -624,6 +644,17 @@ def _bucket_summary(buckets: BucketSet) -> str:
 def _last_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
     """hidden [B, T, H], index [B] -> [B, H]: each row's hidden state at its last new token."""
     return hidden[jnp.arange(hidden.shape[0]), index]
+
+
+def _take_prev_tokens(tokens: jax.Array, prev: jax.Array, src: jax.Array) -> jax.Array:
+    """tokens [B, T] with column 0 of each row where src [B] >= 0 replaced by prev[src] (prev [R] int32)."""
+    first = jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], tokens[:, 0])
+    return tokens.at[:, 0].set(first)
+
+
+def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
+    """tokens [B] int32 -> [rows] (zeros after B)."""
+    return jnp.zeros(rows, jnp.int32).at[: tokens.shape[0]].set(tokens.astype(jnp.int32))
 
 
 def _sample_program(params, last, rp, f, *, config, kind):

@@ -77,11 +77,16 @@ class OutputProcessor:
         """Accept the sampled token of every finishing row; a scoring-only request (max_new_tokens 0) ends.
 
         sampled: host (tokens [B], logprob [B], top_logprobs [B, K], top_ids [B, K]) or None when the batch
-        sampled nothing (batch.sampling is None).
+        sampled nothing (batch.sampling is None). Clears the rows' tokens_in_flight; a request finished since
+        the step was launched (overlap scheduling computed one token past its end, or an abort) ignores it.
         """
         now = time.perf_counter()
+        for r in batch.sampling_reqs:
+            r.tokens_in_flight -= 1
         for i in batch.finishing:
             r, row = batch.reqs[i], batch.rows[i]
+            if r.finished:  # finished while this step ran (overlap: one step late; abort): token discarded
+                continue
             if r.max_new_tokens == 0 or sampled is None:  # scoring only: the prompt's logprobs are the answer
                 self.finish(r, {"type": "length", "length": 0})
                 continue

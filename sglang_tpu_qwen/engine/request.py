@@ -69,6 +69,8 @@ class Request:
     # Prefill/decode disaggregation: this sequence's transfer leg (disagg/prefill.py, disagg/decode.py) or None.
     disagg: Any = None
     fill_ids: list[int] = field(init=False)  # prompt_ids + output_ids, kept in step by append_token
+    # Overlap scheduling: sampled tokens still on the device (0 or 1); the next decode step reads it there.
+    tokens_in_flight: int = 0
 
     def __post_init__(self) -> None:
         self.fill_ids = self.prompt_ids + self.output_ids
@@ -80,8 +82,13 @@ class Request:
 
     @property
     def pending(self) -> int:
-        """Tokens still to feed before the next token can be sampled."""
-        return len(self.fill_ids) - self.cached_len
+        """Tokens still to feed before the next token can be sampled (a token in flight counts)."""
+        return len(self.fill_ids) + self.tokens_in_flight - self.cached_len
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens including the one in flight (sampling steps and length limits count it)."""
+        return len(self.output_ids) + self.tokens_in_flight
 
     @property
     def finished(self) -> bool:

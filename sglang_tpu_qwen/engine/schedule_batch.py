@@ -40,6 +40,8 @@ class ScheduleBatch:
     reqs[i] feeds extend_lens[i] new tokens from its cached_len and lives in batch row rows[i]. Padding rows
     are zero (page 0 / slot 0: the trash targets). `finishing` lists the indices i whose pending tokens are
     all fed by this step: those rows sample their next token (unless the request only scores its prompt).
+    Overlap scheduling: a decode row whose token is still on the device (r.tokens_in_flight, sampled by the
+    step in flight, `prev`) reads it there: token_src names its row in that step.
     """
 
     mode: ForwardMode
@@ -52,6 +54,7 @@ class ScheduleBatch:
     new_lens: np.ndarray  # [B] int32: tokens fed per row (0 on padding rows)
     page_table: np.ndarray  # [B, P] int32 global page ids (P: one width per server)
     slot_ids: np.ndarray  # [B] int32 global GDN slot ids
+    token_src: np.ndarray  # [B] int32: row of the previous step's sampled ids feeding this row, -1: tokens[b]
     finishing: list[int]
     sampling: SamplingBatch | None  # None when no row samples (mid-prompt chunks or scoring only)
 
@@ -66,7 +69,7 @@ class ScheduleBatch:
 
     @classmethod
     def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], buckets: BucketSet,
-              eos_ids: Collection[int], vocab_size: int) -> ScheduleBatch:
+              eos_ids: Collection[int], vocab_size: int, prev: ScheduleBatch | None = None) -> ScheduleBatch:
         """Lay out `chosen` (request, new tokens) in the rows of the step's compiled bucket and fill the host
         arrays of the step.
 
@@ -82,15 +85,28 @@ class ScheduleBatch:
         new_lens = np.zeros(b, np.int32)
         slot_ids = np.zeros(b, np.int32)
         page_table = np.zeros((b, p), np.int32)
+        token_src = np.full(b, -1, np.int32)
+        prev_rows = {} if prev is None else {id(r): i for r, i in zip(prev.reqs, prev.rows, strict=True)}
         for r, n, i in zip(reqs, lens, rows, strict=True):
-            tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
+            if r.tokens_in_flight:  # a decode row fed by the step in flight: its token never left the device
+                assert n == 1 and id(r) in prev_rows, f"{r.rid}: token in flight but not in the previous step"
+                token_src[i] = prev_rows[id(r)]
+            else:
+                tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
             prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
             page_table[i, : len(r.pages)] = r.pages
-        finishing = [i for i, (r, n) in enumerate(chosen) if r.cached_len + n == len(r.fill_ids)]
+        finishing = [i for i, (r, n) in enumerate(chosen) if n == r.pending]
         samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
         sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size) if samples else None
-        return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, finishing,
-                   sampling)
+        return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, token_src,
+                   finishing, sampling)
+
+    @property
+    def sampling_reqs(self) -> list[Request]:
+        """Requests that get a new token from this step (finishing rows that do not only score)."""
+        if self.sampling is None:
+            return []
+        return [r for r in (self.reqs[i] for i in self.finishing) if r.max_new_tokens != 0]
 
 
 def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode,
@@ -137,13 +153,14 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
         temperature[i] = 0.0 if sp.greedy else sp.temperature
         top_p[i], top_k[i], min_p[i] = sp.top_p, max(sp.top_k, 0), sp.min_p
         seeds[i] = np.uint32(r.seed & 0xFFFFFFFF)
-        steps[i] = len(r.output_ids)
+        steps[i] = r.num_output  # the token in flight counts: same random stream with and without overlap
         rep[i], freq[i], pres[i] = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
         if seen_ids is not None and output_ids is not None:
+            assert not r.tokens_in_flight, "penalty rows run synchronously (scheduler._can_overlap)"
             seen_ids[i, : len(r.fill_ids)] = r.fill_ids
             output_ids[i, : len(r.output_ids)] = r.output_ids
         bans: list[int] = []
-        if len(r.output_ids) < sp.min_new_tokens:
+        if r.num_output < sp.min_new_tokens:
             bans = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
         ban_lists[i] = bans
     banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
@@ -162,6 +179,7 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
     num_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
     grammars: list[Any] = [None] * b
     for r, i in zip(reqs, rows, strict=True):
+        assert r.grammar is None or not r.tokens_in_flight, "grammar rows run synchronously"
         grammars[i] = r.grammar
     return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
                          output_ids, banned, want_logprobs, num_top, token_bitmask(grammars, b, vocab_size),

@@ -34,9 +34,10 @@ Finish = Callable[[Request, dict], None]
 class SchedulePolicy:
     """Waiting queue, running list and the per-rank memory of one scheduler (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, args: ServerArgs) -> None:
+    def __init__(self, runner: ModelRunner, args: ServerArgs, context_length: int) -> None:
         self.runner = runner
         self.args = args
+        self.context_length = context_length
         self.page_size = runner.page_size
         self.ranks = [RankMemory.build(runner, args, rank) for rank in range(runner.dp)]
         self.waiting: deque[Request] = deque()
@@ -84,6 +85,8 @@ class SchedulePolicy:
         A request whose grammar failed to compile is finished with the compiler's message.
         """
         for r in list(self.waiting):
+            if r.tokens_in_flight:  # retracted while its token was on the device: wait until it is read
+                continue
             try:
                 if r.grammar is None or r.grammar.ready():
                     return r
@@ -200,6 +203,9 @@ class SchedulePolicy:
         for r in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.admit_order):
             if r.slot is None or rows[r.rank] >= self.runner.buckets.max_decode_rows:
                 continue
+            if r.tokens_in_flight and (r.num_output >= r.max_new_tokens
+                                       or len(r.fill_ids) + r.tokens_in_flight >= self.context_length):
+                continue  # its token in flight is its last: it finishes when that token is read
             rows[r.rank] += 1
             if self._ensure_pages_or_retract(r, r.cached_len + 1):
                 chosen.append((r, 1))
@@ -233,6 +239,7 @@ class SchedulePolicy:
     def release(self, r: Request, keep: bool = True) -> None:
         """Return r's memory; with the prefix cache, first hand what r computed to the tree (keep=True)."""
         m = self.ranks[r.rank]
+        keep = keep and r.cached_len <= len(r.fill_ids)  # state of a token not read yet is not cacheable
         if m.prefix_cache is not None:
             m.prefix_cache.finish(r, keep)
         if r.pages:

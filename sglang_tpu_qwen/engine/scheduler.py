@@ -7,6 +7,14 @@ host arrays, the model runner runs it, and the output processor (output_processo
 results: prompt logprobs, sampled tokens, stop checks, streaming. `finish` ends a request: final reply,
 memory back. A serving role (scheduler_role.py; prefill/decode disaggregation) hooks into the step.
 
+Overlap scheduling (SGLang's; off with --disable-overlap-schedule): a step launches its batch, then reads
+the previous step's sampled tokens while the device runs it. A decode row whose token is still on the
+device reads it there (ScheduleBatch.token_src, ModelRunner.keep_sampled), so the host builds step N+1 while
+step N runs. Finish checks, stop strings and streaming apply one step late: a request that finished at step
+N may have computed one more token in N+1, which is discarded (its memory is freed when N is read, and a
+later user of it runs after N+1 on the device). Steps whose next batch needs the host to know the tokens run
+synchronously: a grammar or penalty row with a token in flight, and every step under a PD role.
+
 With --dp-size N (data-parallel attention) each DP rank has its own pages, slots and radix tree
 (rank_memory.py); a step runs every rank at once, rank r's rows being rows [r*B/N, (r+1)*B/N).
 """
@@ -19,11 +27,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_tpu_qwen.engine.inbox import AbortRequest, AddRequests, FlushCache, Inbox
 from sglang_tpu_qwen.engine.metrics import Metrics
-from sglang_tpu_qwen.engine.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.model_runner import ModelRunner, SampleOutput
 from sglang_tpu_qwen.engine.output_processor import OutputProcessor
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
@@ -37,6 +46,14 @@ logger = logging.getLogger(__name__)
 _CHECK = os.environ.get("SGLANG_TPU_QWEN_CHECK_INVARIANTS") == "1"  # debug: verify memory ownership each step
 
 
+@dataclass
+class Launched:
+    """A step whose device work was dispatched: its batch and its sampled ids (device; None: none sampled)."""
+
+    batch: ScheduleBatch
+    sampled: SampleOutput | None
+
+
 class Scheduler:
     """Runs the batching loop in a background thread; other threads talk to it through `submit`/`abort`."""
 
@@ -48,7 +65,11 @@ class Scheduler:
         self.args = args
         self.metrics = metrics
         self.page_size = runner.page_size
-        self.policy = SchedulePolicy(runner, args)
+        self.policy = SchedulePolicy(runner, args, context_length)
+        self.overlap = not args.disable_overlap_schedule
+        self._in_flight: Launched | None = None  # overlap: the step the device may still be running
+        self.overlapped_steps = 0  # steps launched before the previous one was read
+        self.device_fed_rows = 0  # decode rows whose input token came from the device (token_src >= 0)
         self.eos_ids = set(runner.config.eos_token_id) | set(tokenizer.eos_token_ids)
         self.output = OutputProcessor(runner, tokenizer, args, context_length, self.eos_ids, metrics, self.finish)
         self.role = SchedulerRole()  # prefill/decode disaggregation replaces it (disagg/roles.py, set_role)
@@ -97,8 +118,11 @@ class Scheduler:
         self._inbox.wake()
 
     def set_role(self, role: SchedulerRole) -> None:
-        """Attach a serving role's hooks (before start)."""
+        """Attach a serving role's hooks (before start). PD roles read each step's results right after it
+        (KV export, first-token hand-over), so they run without overlap."""
         self.role = role
+        if role.mode != "null":
+            self.overlap = False
 
     @property
     def kv_tokens_total(self) -> int:
@@ -123,7 +147,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
-            if not self.waiting and not self.running and not self.role.busy:
+            if not self.waiting and not self.running and not self.role.busy and self._in_flight is None:
                 self._inbox.wait(0.5)
                 continue
             try:
@@ -131,6 +155,7 @@ class Scheduler:
                     self._inbox.wait(0.01)
             except Exception:  # a failed step must not take the server down with it
                 logger.exception("step failed; aborting the running requests")
+                self._in_flight = None
                 for r in list(self.running):
                     self.finish(r, {"type": "abort", "message": "internal error during the step"}, keep=False)
             self._report_usage()
@@ -156,33 +181,66 @@ class Scheduler:
                 self.finish(r, {"type": "abort", "message": "aborted by the client"})
 
     def step(self) -> bool:
-        """Admit, pick one batch, run it. Returns False when there was nothing runnable."""
+        """Admit, pick one batch, launch it, read the previous one. Returns False when nothing ran."""
         self.role.poll()  # PD: admit requests whose state arrived, fail broken transfers
         for r in [r for r in self.running if r.aborted]:
             self.finish(r, {"type": "abort", "message": "aborted by the client"})
+        if self._in_flight is not None and not self._can_overlap(self._in_flight):
+            self._resolve()
         self.policy.admit(self.finish)
         mode, chosen = self.policy.pick()
         if mode is ForwardMode.IDLE:
-            return False
+            return self._resolve()
         if _CHECK:
             self.policy.check_memory_invariants()
-        batch = ScheduleBatch.build(mode, chosen, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size)
-        self.run_batch(batch)
+        prev = None if self._in_flight is None else self._in_flight.batch
+        batch = ScheduleBatch.build(mode, chosen, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size,
+                                    prev)
+        launched = self.launch(batch)
+        if self._in_flight is not None:
+            self.overlapped_steps += 1
+            self.device_fed_rows += int((batch.token_src >= 0).sum())
+        self._resolve()  # the previous step's tokens, read while the device runs this one
+        self._in_flight = launched
+        if not self.overlap:
+            self._resolve()
         return True
 
-    def run_batch(self, batch: ScheduleBatch) -> None:
-        """Forward, prompt logprobs, advance cached_len, sample, accept; then the role and prefix-cache hooks."""
+    def _can_overlap(self, step: Launched) -> bool:
+        """Whether the next step may be built before `step`'s tokens are read: not when a grammar row (its
+        mask follows the token) or a penalty row (its counts do) is waiting for one."""
+        return self.overlap and not any(r.grammar is not None or r.params.has_penalty
+                                        for r in step.batch.sampling_reqs if not r.finished)
+
+    def launch(self, batch: ScheduleBatch) -> Launched:
+        """Dispatch forward (+ prompt logprobs, which wait for it) and sampling; advance cached_len; run the
+        prefix cache's snapshot copies, which must follow this step on the device. Does not wait otherwise."""
         step = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
-                                   batch.slot_ids)
+                                   batch.slot_ids, batch.token_src)
         self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
             r.cached_len += n
-        sampled = None if batch.sampling is None else self.runner.sample(step, batch.sampling).get()
-        self.output.process_sampled(batch, sampled)
-        self.role.after_step(batch.reqs)  # PD prefill: stream the KV computed in this step
+        sampled = None
+        if batch.sampling is not None:
+            sampled = self.runner.sample(step, batch.sampling)
+            if self.overlap:
+                self.runner.keep_sampled(sampled)
+            for r in batch.sampling_reqs:
+                r.tokens_in_flight += 1
         for m in self.ranks:
             if m.prefix_cache is not None:
                 m.prefix_cache.after_step([r for r in batch.reqs if r.rank == m.rank], batch.is_extend)
+        return Launched(batch, sampled)
+
+    def _resolve(self) -> bool:
+        """Read the step in flight (blocks until the device finished it): accept its tokens, stop checks,
+        streaming, the role's after_step. Returns False when nothing was in flight."""
+        done, self._in_flight = self._in_flight, None
+        if done is None:
+            return False
+        self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
+        self.role.after_step(done.batch.reqs)  # PD prefill: stream the KV computed in this step
+        return True
 
     # ---- what roles call (scheduler thread) ----------------------------------------------------
     def requests(self) -> Iterator[Request]:
