@@ -156,7 +156,9 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
         steps[i] = r.num_output  # the token in flight counts: same random stream with and without overlap
         rep[i], freq[i], pres[i] = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
         if seen_ids is not None and output_ids is not None:
-            assert not r.tokens_in_flight, "penalty rows run synchronously (scheduler._can_overlap)"
+            # A token in flight is missing here; only rows without a penalty may have one (their counts
+            # are not used), penalty rows run synchronously (Scheduler._can_overlap).
+            assert not (r.tokens_in_flight and sp.has_penalty), f"{r.rid}: penalty row with a token in flight"
             seen_ids[i, : len(r.fill_ids)] = r.fill_ids
             output_ids[i, : len(r.output_ids)] = r.output_ids
         bans: list[int] = []
