@@ -127,7 +127,7 @@ def _child() -> None:  # noqa: C901 - one linear script
     emit("reduce_scatter", np.asarray(hier), np.asarray(flat))
 
     # MoE block alone.
-    moe_p = params["layers"][0]["moe"]
+    moe_p = jax.tree.map(lambda a: a[0], params["layers"][0]["moe"])  # layer 0 (group 0 of stack 0)
     x = jax.random.normal(jax.random.key(2), (40, config.hidden_size), jnp.float32)
     one = dict(moe_p, router=jnp.zeros_like(moe_p["router"]).at[0, 11].set(10.0))
     x_one = x.at[:, 0].set(1.0)  # logit 10 for expert 11, 0 for the rest: every token's top-1 is expert 11
