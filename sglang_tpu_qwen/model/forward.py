@@ -25,7 +25,6 @@ from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_p
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import rope_cos_sin
-from sglang_tpu_qwen.parallel.fp8 import dequantize_tree
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -108,7 +107,6 @@ def forward_step(
     fresh = prefix_lens == 0  # [B]: rows whose GDN state starts at zero
     cos, sin = rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
     eps = config.rms_norm_eps
-    dtype = params["embed"].dtype
     backends = backends or KernelBackends()
     attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
     moe = moe_fn or moe_block
@@ -119,7 +117,6 @@ def forward_step(
         # Cache index of this group's first layer of each kind (traced: the kernels take it in SMEM).
         attn_i, gdn_i = g * n_attn, g * n_gdn
         for kind, lp in zip(kinds, lps, strict=True):
-            lp = dequantize_tree(lp, dtype)  # FP8 leaves (the planner's specs): dense before use
             x = rms_norm(h, lp["input_norm"], eps)
             if kind == "full_attention":
                 x, k_cache, v_cache = attention_layer(
