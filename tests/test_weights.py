@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.embedded import MODEL_DIRNAME, build_embedded_model, ensure_embedded_model
+from sglang_tpu_qwen.model.stacking import unstack_layers, unstack_params
 from sglang_tpu_qwen.model.weights import (
     CheckpointError,
     load_params,
@@ -104,7 +105,7 @@ def test_layout_matches_hf_names(tmp_path: Path) -> None:
     tensors["model.layers.2.mlp.experts.down_proj"] = down
     save_file(tensors, str(tmp_path / "model.safetensors"))
 
-    p = load_params(tmp_path, config, jnp.float32)
+    p = unstack_params(load_params(tmp_path, config, jnp.float32))
     np.testing.assert_array_equal(p["layers"][1]["attn"]["q_proj"], q.T)
     np.testing.assert_array_equal(p["layers"][0]["gdn"]["conv1d"], conv[:, 0, :])
     moe = p["layers"][2]["moe"]
@@ -260,7 +261,7 @@ def test_hf_loads_embedded_and_agrees(embedded_dir: Path) -> None:
     np.testing.assert_array_equal(ours["embed"], hf["model.embed_tokens.weight"])
     np.testing.assert_array_equal(ours["lm_head"], hf["lm_head.weight"])
     np.testing.assert_array_equal(ours["final_norm"], hf["model.norm.weight"])
-    for li, layer in enumerate(ours["layers"]):
+    for li, layer in enumerate(unstack_layers(ours["layers"])):
         pre = f"model.layers.{li}."
         np.testing.assert_array_equal(layer["input_norm"], hf[pre + "input_layernorm.weight"])
         moe = layer["moe"]
@@ -295,7 +296,7 @@ def test_fp8_block_quantised(tmp_path: Path) -> None:
     tensors[name + "_scale_inv"] = scale
     save_checkpoint(tensors, tmp_path)
     (tmp_path / "config.json").write_text('{"quantization_config": {"weight_block_size": [16, 16]}}')
-    got = load_params(tmp_path, config, jnp.float32)["layers"][1]["attn"]["q_proj"]
+    got = unstack_params(load_params(tmp_path, config, jnp.float32))["layers"][1]["attn"]["q_proj"]
     want = w8.astype(np.float32) * np.kron(scale, np.ones((16, 16), np.float32))
     np.testing.assert_array_equal(got, want.T)
 

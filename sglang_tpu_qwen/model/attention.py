@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import apply_rope
+from sglang_tpu_qwen.parallel.fp8 import linear
 
 
 def page_slots(
@@ -140,7 +141,8 @@ def attention_layer(
     """One gated attention block (token mixer only; norms and residual are the caller's).
 
     Args:
-        p: ``{"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}`` (see docs/internals.md).
+        p: ``{"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}`` (see docs/internals.md); the
+            projections dense or :class:`parallel.fp8.Fp8Weight`.
         x: ``[B, T, H]`` normalised hidden states.
         cos, sin: ``[B, T, rotary_dim]`` float32 RoPE tables for ``positions``.
         k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``.
@@ -160,11 +162,11 @@ def attention_layer(
     b, t, _ = x.shape
     nq, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     eps = config.rms_norm_eps
-    qg = (x @ p["q_proj"]).reshape(b, t, nq, 2 * hd)
+    qg = linear(x, p["q_proj"]).reshape(b, t, nq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nq * hd)
     q = rms_norm(q, p["q_norm"], eps)
-    k = rms_norm((x @ p["k_proj"]).reshape(b, t, nkv, hd), p["k_norm"], eps)
-    v = (x @ p["v_proj"]).reshape(b, t, nkv, hd)
+    k = rms_norm(linear(x, p["k_proj"]).reshape(b, t, nkv, hd), p["k_norm"], eps)
+    v = linear(x, p["v_proj"]).reshape(b, t, nkv, hd)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
 
@@ -177,4 +179,4 @@ def attention_layer(
         v_cache = write_kv(v_cache, layer, v, pages, offsets)
         attn = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens)
     out = attn.reshape(b, t, nq * hd) * jax.nn.sigmoid(gate)
-    return out @ p["o_proj"], k_cache, v_cache
+    return linear(out, p["o_proj"]), k_cache, v_cache

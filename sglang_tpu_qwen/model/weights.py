@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.stacking import stack_params, unstack_params
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,12 @@ class _Spec:
         return [self.path]
 
 
-def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16) -> dict[str, Any]:
+def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True) -> dict[str, Any]:
     """Shapes and dtypes of the parameter pytree (docs/internals.md) as ``jax.ShapeDtypeStruct`` leaves.
 
-    ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32.
-    Useful for ahead-of-time compilation without weights.
+    ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32. ``stacked``: the
+    layers in the scanned layout of model/stacking.py (what ``forward_step`` takes); False gives one
+    dict per layer (the loader's and the checkpoint table's view). Useful for ahead-of-time compilation.
     """
     c = config
     h, e, i, i_s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
@@ -107,7 +109,7 @@ def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16) -> dict[str,
     params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
     if not c.tie_word_embeddings:
         params["lm_head"] = s(c.vocab_size, h)
-    return params
+    return stack_params(params, config) if stacked else params
 
 
 def _leaf(tree: Any, path: Path_) -> Any:
@@ -151,7 +153,7 @@ def _hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset(
 
     Layers in ``fused_layers`` store their experts fused, the others per expert.
     """
-    shapes = param_specs(config)
+    shapes = param_specs(config, stacked=False)
     table: dict[str, _Spec] = {}
 
     def add(name: str, path: Path_, layout: str, expert: int | None = None) -> None:
@@ -442,7 +444,7 @@ def load_params(model_dir: str | os.PathLike[str], config: Qwen35MoeConfig, dtyp
     files = _checkpoint_files(model_dir)
     plan = _plan(files, config, _fp8_block(model_dir))
     table = plan.table
-    asm = _Assembler(param_specs(config, dtype), table)
+    asm = _Assembler(param_specs(config, dtype, stacked=False), table)
     by_file: dict[Path, list[str]] = {}
     for name in plan.to_canon:
         by_file.setdefault(files[name], []).append(name)
@@ -468,7 +470,8 @@ def load_params(model_dir: str | os.PathLike[str], config: Qwen35MoeConfig, dtyp
                     else:
                         asm.put(spec.path, value, spec.expert)
                     bar.update(1)
-    return asm.params
+    # The scanned layout (model/stacking.py); the per-layer arrays are freed as the stacks are built.
+    return stack_params(asm.params, config)
 
 
 def to_hf_state_dict(
@@ -479,12 +482,14 @@ def to_hf_state_dict(
     fused_experts: bool = False,
 ) -> dict[str, np.ndarray]:
     """The inverse of `load_params`: HF tensor name -> numpy array (each leaf keeps its dtype).
+    ``params`` has its layers stacked (model/stacking.py).
 
     ``prefix`` is ``model.language_model.`` (conditional-generation layout, like the release) or
     ``model.``; ``lm_head.weight`` is top level either way. ``fused_experts`` writes
     ``experts.gate_up_proj`` / ``experts.down_proj`` instead of one tensor per expert.
     """
     fused = frozenset(range(config.num_hidden_layers)) if fused_experts else frozenset()
+    params = unstack_params(params)
     out: dict[str, np.ndarray] = {}
     for canon, spec in _hf_table(config, fused).items():
         name = canon if canon == "lm_head.weight" else prefix + canon
