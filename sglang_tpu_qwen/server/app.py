@@ -11,12 +11,14 @@ Routes (as SGLang's `python/sglang/srt/entrypoints/http_server.py`):
   GET /metrics                          Prometheus text (only with --enable-metrics)
   /v1/models, /v1/completions, /v1/chat/completions   see openai_api.py
 `/version` is deliberately absent (404): SGLang routers take a worker answering it for vLLM.
-With an api key, every route but /health* and /metrics needs `Authorization: Bearer KEY` (else 401).
+With an api key, every route but /health, /health_generate and (with --enable-metrics) /metrics needs
+`Authorization: Bearer KEY` (else 401), compared in constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -105,12 +107,16 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
     key = api_key if api_key is not None else getattr(engine.server_args, "api_key", None)
 
     if key:
+        expected = f"Bearer {key}".encode()
+        # /metrics is open to scrapers only where it exists (--enable-metrics); elsewhere it is a 401 like any path.
+        open_paths = {"/health", "/health_generate"} | ({"/metrics"} if getattr(engine, "metrics", None) else set())
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
-            path = request.url.path
-            exempt = request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics")
-            if not exempt and request.headers.get("Authorization") != f"Bearer {key}":
+            exempt = request.method == "OPTIONS" or request.url.path in open_paths
+            # Constant-time comparison: the time taken says nothing about how much of a guess was right.
+            given = request.headers.get("Authorization", "").encode()
+            if not exempt and not hmac.compare_digest(given, expected):
                 return unauthorized()
             return await call_next(request)
 
