@@ -71,6 +71,8 @@ class Engine:
             any_whitespace=not args.constrained_json_disable_any_whitespace)
         self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
         self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
+        if self.metrics is not None:  # cache, snapshot and PD counters, read at each scrape
+            self.metrics.watch(self.scheduler.memory_usage, lambda: self.disagg.stats() if self.disagg else None)
         self.scheduler.start()
 
     # ---- request building ----------------------------------------------------------------------
@@ -244,6 +246,9 @@ class Engine:
         out: queue.Queue[dict] = queue.Queue()
         reqs, is_batch = self._build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
                                      top_logprobs_num, return_text_in_logprobs, stream, rid, out.put)
+        if self.metrics:
+            for _ in reqs:
+                self.metrics.on_request_start()
         self.scheduler.submit(reqs)
         if stream:
             return self._stream_sync(reqs, out)
