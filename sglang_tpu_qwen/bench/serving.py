@@ -80,6 +80,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)  # the token ids sent (multi-turn: history + new turn)
     error: str = ""
 
 
@@ -148,7 +149,7 @@ def _sse_payloads(line: str) -> dict | None:
 async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int],
                        output_len: int) -> RequestResult:
     """Send one streamed request and measure it; errors are recorded in the result, never raised."""
-    res = RequestResult(prompt_len=len(prompt))
+    res = RequestResult(prompt_len=len(prompt), prompt=list(prompt))
     oai = args.backend == "sglang-oai"
     schema = getattr(args, "schema", None)
     if oai:
