@@ -21,6 +21,7 @@ from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.profiler import ProfileConfig
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_qwen.engine.scheduler import Scheduler
@@ -288,6 +289,17 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are waiting or running."""
         return self.scheduler.flush_cache()
+
+    def start_profile(self, body: dict[str, Any] | None = None) -> Future:
+        """Start a jax.profiler trace of the scheduler's steps (SGLang's /start_profile fields; engine/profiler.py).
+
+        Returns a Future of the reply text, set by the scheduler thread between two steps. Raises ProfileError
+        (an InvalidRequestError) for a bad field or when a trace is already pending or running."""
+        return self.scheduler.profiler.request_start(ProfileConfig.from_body(body))
+
+    def stop_profile(self) -> Future:
+        """Stop the trace and write its files; a Future of the reply text. Raises ProfileError when none runs."""
+        return self.scheduler.profiler.request_stop()
 
     def get_server_info(self) -> dict[str, Any]:
         info = dataclasses.asdict(self.server_args)
