@@ -23,6 +23,7 @@ from typing import Any
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.output_processor import OutputProcessor
+from sglang_tpu_qwen.engine.profiler import StepProfiler, default_profile_dir
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ForwardMode, ScheduleBatch
@@ -55,6 +56,8 @@ class Scheduler:
         self._stop = threading.Event()
         self.disagg: Any = None  # prefill/decode disaggregation role (disagg/roles.py sets it), hooks below
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        # /start_profile, /stop_profile: carried out here between steps (profiler.py).
+        self.profiler = StepProfiler(default_profile_dir(args.profile_dir), self._wakeup.set)
 
     @property
     def ranks(self) -> list[RankMemory]:
@@ -76,6 +79,7 @@ class Scheduler:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
+        self.profiler.close()  # a trace still running is written out
 
     def submit(self, reqs: list[Request]) -> None:
         self._inbox.put(("add", reqs))
@@ -130,6 +134,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            self.profiler.poll()
             if not self.waiting and not self.running and not (self.disagg is not None and self.disagg.busy):
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
@@ -184,7 +189,8 @@ class Scheduler:
         if _CHECK:
             self.check_memory_invariants()
         batch = ScheduleBatch.build(mode, chosen, len(self.ranks), self.eos_ids, self.runner.config.vocab_size)
-        self.run_batch(batch)
+        with self.profiler.step(batch.mode.name, len(batch.reqs), sum(batch.extend_lens)):
+            self.run_batch(batch)
         return True
 
     def run_batch(self, batch: ScheduleBatch) -> None:
