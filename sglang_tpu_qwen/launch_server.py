@@ -86,7 +86,7 @@ def launch_server(args: ServerArgs) -> None:
     if args.disaggregation_mode == "colocated-split":  # two engines, two ports (disagg/colocated.py)
         from sglang_tpu_qwen.disagg.colocated import launch_colocated_split
 
-        launch_colocated_split(args)
+        launch_colocated_split(args, _warm_up_and_announce)
         return
     if args.disaggregation_transfer_backend == "inprocess":
         raise SystemExit("--disaggregation-transfer-backend inprocess needs --disaggregation-mode colocated-split "

@@ -39,8 +39,8 @@ from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.parallel.scan_forward import scan_forward_step, stack_params
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
 
-# Qwen3.5-397B-A17B text model, from DESIGN.md section 2 (public config / HF reference). The shared
-# expert width (1024) is not in DESIGN.md; it is the released config's value.
+# Qwen3.5-397B-A17B text model, from its public config (HF reference). The shared
+# expert width (1024) is the released config's value.
 QWEN35_397B_A17B: dict[str, Any] = {
     "model_type": "qwen3_5_moe_text",
     "vocab_size": 248320, "hidden_size": 4096, "num_hidden_layers": 60, "full_attention_interval": 4,

@@ -44,9 +44,11 @@ def test_greedy_is_deterministic_and_batch_invariant(engine):
 
 
 def test_chunked_prefill_matches_one_shot():
-    """A prompt prefilled in 16-token chunks yields the same greedy continuation as in one chunk."""
+    """A prompt prefilled in 16-token chunks yields the same greedy continuation as in one chunk (the chunked
+    engine runs synchronously, the one-shot one with overlap scheduling)."""
     ids = list(range(1000, 1090))
-    small = Engine(max_total_tokens=1024, page_size=4, max_running_requests=4, chunked_prefill_size=16)
+    small = Engine(max_total_tokens=1024, page_size=4, max_running_requests=4, chunked_prefill_size=16,
+                   disable_overlap_schedule=True)
     try:
         chunked = small.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 8})
     finally:
@@ -57,6 +59,38 @@ def test_chunked_prefill_matches_one_shot():
     finally:
         big.shutdown()
     assert chunked["output_ids"] == one_shot["output_ids"]
+
+
+def test_overlap_matches_synchronous(engine):
+    """Overlap scheduling (the module engine) gives the tokens and logprobs of synchronous steps: greedy rows
+    of different lengths and stops, prompt and top logprobs, seeded sampling, a penalty row (synchronous
+    fallback); and decode rows really took their input token from the device."""
+    sync = Engine(max_total_tokens=2048, page_size=4, max_running_requests=8, chunked_prefill_size=64,
+                  disable_overlap_schedule=True)
+    prompts = ["The quick brown fox", "a much longer prompt than the others, to pad the batch", "x", "Hi"]
+    params = [{**GREEDY, "max_new_tokens": 14, "ignore_eos": True}, {**GREEDY, "max_new_tokens": 5},
+              {"temperature": 0.8, "top_k": 20, "seed": 7, "max_new_tokens": 9},
+              {**GREEDY, "max_new_tokens": 7, "frequency_penalty": 1.0}]
+    fed_before = engine.scheduler.device_fed_rows
+    try:
+        outs = {}
+        for name, eng in (("overlap", engine), ("sync", sync)):
+            outs[name] = eng.generate(prompts, params, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+            base = eng.generate("stop here", {**GREEDY, "max_new_tokens": 8})
+            third = base["output_ids"][2]
+            outs[name].append(eng.generate("stop here", {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [third]}))
+        for a, b in zip(outs["overlap"], outs["sync"], strict=True):
+            assert a["output_ids"] == b["output_ids"]
+            assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+            for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs"):
+                assert a["meta_info"].get(key) == b["meta_info"].get(key), key
+        assert outs["overlap"][-1]["meta_info"]["finish_reason"]["type"] == "stop"
+        assert engine.scheduler.device_fed_rows > fed_before
+        assert sync.scheduler.device_fed_rows == 0
+        _assert_idle_and_free(sync)
+    finally:
+        sync.shutdown()
+    _assert_idle_and_free(engine)
 
 
 def test_seeded_sampling_reproducible_and_n(engine):

@@ -24,7 +24,7 @@ def split(tmp_path_factory):
     """(prefill view, decode view, router) of one colocated-split server."""
     logs = tmp_path_factory.mktemp("pd_inprocess")
     bport, dport = free_port(), free_port()
-    # Each engine: data-parallel attention over its 4 devices, experts split 4 ways (DESIGN.md section 4).
+    # Each engine: data-parallel attention over its 4 devices, experts split 4 ways (docs/internals.md, "parallel/").
     server = ServerProc.start(logs, "split", [*SMALL, "--dp-size", "4", "--ep-size", "4",
                                               "--disaggregation-mode", "colocated-split",
                                               "--disaggregation-prefill-devices", "4",

@@ -6,6 +6,9 @@ equality then holds unless the run meets an exact tie: a top-k router choice bet
 probabilities agree to ~1e-7 can flip with batch composition alone, cache or not (seen with prefix seed 1
 in the concurrent test: experts 1 and 6 at 0.2116432 in layer 2). The prompts below avoid such ties; a
 cache bug shows up as O(1) logit errors on every prompt, not as one flipped tie.
+
+The cache-off engine runs synchronous steps (--disable-overlap-schedule), the cached ones overlap scheduling,
+so every comparison also checks that overlap changes no token.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ ROOMY = dict(COMMON, max_gdn_snapshots=64)  # no snapshot eviction pressure in t
 
 @pytest.fixture(scope="module")
 def cold():
-    eng = Engine(disable_radix_cache=True, **ROOMY)
+    eng = Engine(disable_radix_cache=True, disable_overlap_schedule=True, **ROOMY)
     yield eng
     eng.shutdown()
 

@@ -4,7 +4,7 @@ For Qwen3.5 a request's state is the KV of its prompt in the attention layers' p
 and recurrent state of every Gated DeltaNet layer (the request's GDN slot). Moving only the KV decodes
 garbage; this package moves both, so a disaggregated deployment gives the same tokens as one server.
 
-Protocol (SGLang's shape, DESIGN.md section 6): the router sends the same request body to a prefill
+Protocol (SGLang's shape; docs/internals.md, "disagg/"): the router sends the same request body to a prefill
 server and a decode server, with `bootstrap_host`, `bootstrap_port` and `bootstrap_room` injected.
 
 - The prefill server (`--disaggregation-mode prefill`) runs the prompt with its own radix cache, samples

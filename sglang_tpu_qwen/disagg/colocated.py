@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -50,12 +51,15 @@ def device_groups(num_prefill: int | None, devices: list[Any] | None = None) -> 
     return devs[:k], devs[k:]
 
 
-def launch_colocated_split(args: ServerArgs) -> None:
-    """Build both engines, serve both over HTTP until interrupted (KeyboardInterrupt stops both)."""
+def launch_colocated_split(args: ServerArgs, warm_up_and_announce: Callable[..., None]) -> None:
+    """Build both engines, serve both over HTTP until interrupted (KeyboardInterrupt stops both).
+
+    warm_up_and_announce(server, args, announce=True): launch_server's warm-up, passed in so this module
+    does not import its caller.
+    """
     import uvicorn
 
     from sglang_tpu_qwen.engine.engine import Engine
-    from sglang_tpu_qwen.launch_server import _warm_up_and_announce
     from sglang_tpu_qwen.server.app import create_app
 
     prefill_args, decode_args = split_args(args)
@@ -75,8 +79,8 @@ def launch_colocated_split(args: ServerArgs) -> None:
             servers.append(server)
 
         def warm_up() -> None:
-            _warm_up_and_announce(servers[0], prefill_args, announce=False)
-            _warm_up_and_announce(servers[1], decode_args)
+            warm_up_and_announce(servers[0], prefill_args, announce=False)
+            warm_up_and_announce(servers[1], decode_args)
 
         threading.Thread(target=warm_up, daemon=True).start()
         try:

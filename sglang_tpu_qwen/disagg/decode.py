@@ -13,18 +13,18 @@ decode steps, retraction (which re-prefills it locally), the radix cache at fini
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_tpu_qwen.disagg import kv_io
 from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.disagg.layout import StateLayout
 from sglang_tpu_qwen.disagg.receiver import Receiver
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.engine.scheduler import Scheduler
+from sglang_tpu_qwen.engine.scheduler_role import SchedulerRole
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,12 @@ class DecodeLeg:
     admitted: bool = False
 
 
-class DecodeRole:
+class DecodeRole(SchedulerRole):
     """Scheduler hooks of a `--disaggregation-mode decode` server (see the module docstring)."""
 
     mode = "decode"
 
-    def __init__(self, scheduler: Any, layout: StateLayout, make_receiver: ReceiverFactory) -> None:
+    def __init__(self, scheduler: Scheduler, layout: StateLayout, make_receiver: ReceiverFactory) -> None:
         self.scheduler = scheduler
         self.layout = layout
         self.make_receiver = make_receiver
@@ -108,12 +108,6 @@ class DecodeRole:
             elif rec.status == "ready" and not blocked:
                 blocked = not self._admit(r)
 
-    def after_step(self, chosen: list[tuple[Request, int]]) -> None:
-        """Nothing: a decode leg is an ordinary request once admitted."""
-
-    def on_finish(self, r: Request, reason: dict) -> None:
-        """Nothing: the receiver of a finished waiting request was cancelled in `_drop`."""
-
     def _drop(self, r: Request, reason: dict) -> None:
         self.transfers.remove(r)
         rec = r.disagg.receiver
@@ -138,43 +132,27 @@ class DecodeRole:
             self._account(r)
             s.finish(r, {"type": "length", "length": 0})
             return True
-        if len(s.running) >= s.args.max_running_requests:
-            return False
-        need = math.ceil((state.num_tokens + 1) / s.page_size)
-        m = s.choose_rank(need)
-        if m is None:
-            return False
-        short = need - m.kv_pool.num_free
-        if short > 0 and m.prefix_cache is not None:
-            m.prefix_cache.evict_pages(short)
-        pages = m.kv_pool.alloc(need)
-        if pages is None:
-            return False
-        slot = m.slot_pool.alloc(1)
-        assert slot is not None  # choose_rank checked
-        runner = s.runner
-        self.transfers.remove(r)
+
+        def write(pages: list[int], slot: int) -> None:
+            s.runner.write_state(pages, state.k, state.v, slot, state.conv, state.rec)
+
         try:
-            runner.cache = kv_io.write_kv(runner.cache, pages, state.k, state.v)
-            runner.cache = kv_io.write_gdn(runner.cache, slot[0], state.conv, state.rec)
-        except Exception as e:  # never keep the memory of a request that cannot start
+            if not s.admit_with_state(r, state.num_tokens, write):
+                return False
+        except Exception as e:  # the scheduler took the memory back
             logger.exception("request %s: writing the transferred state failed", r.rid)
-            m.kv_pool.free(pages)
-            m.slot_pool.free(slot)
+            self.transfers.remove(r)
             self.transfers_failed += 1
             s.finish(r, {"type": "abort", "message": f"writing the transferred state failed: {e!r}",
-                          "status_code": 500})
+                         "status_code": 500})
             return True
+        self.transfers.remove(r)
         r.disagg.admitted = True
-        r.rank, r.slot, r.pages = m.rank, slot[0], pages
-        r.num_tree_pages = 0
-        r.cached_len = state.num_tokens
         r.cached_tokens = state.cached_tokens
         r.input_logprobs_done = True  # the prefill server's reply carries them; the router merges
-        s.policy.add_running(r)
         self._account(r)
         lp = state.logprob if state.logprob is not None else 0.0
-        s.output.accept_token(r, state.first_token, lp, state.top_logprobs, state.top_ids, time.perf_counter())
+        s.accept_token(r, state.first_token, lp, state.top_logprobs, state.top_ids)
         r.disagg.receiver = None  # drop the host copy
         return True
 

@@ -14,15 +14,17 @@ All hooks run on the scheduler thread, before the memory they read is released.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_tpu_qwen.disagg import kv_io
 from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.disagg.layout import PROTOCOL_VERSION, StateLayout, prompt_digest
 from sglang_tpu_qwen.disagg.outbox import Outbox
 from sglang_tpu_qwen.disagg.wire import Message
 from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.engine.scheduler import Scheduler
+from sglang_tpu_qwen.engine.scheduler_role import SchedulerRole
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +39,12 @@ class PrefillLeg:
     closed: bool = False
 
 
-class PrefillRole:
+class PrefillRole(SchedulerRole):
     """Scheduler hooks of a `--disaggregation-mode prefill` server (see the module docstring)."""
 
     mode = "prefill"
 
-    def __init__(self, scheduler: Any, outbox: Outbox, layout: StateLayout) -> None:
+    def __init__(self, scheduler: Scheduler, outbox: Outbox, layout: StateLayout) -> None:
         self.scheduler = scheduler
         self.outbox = outbox
         self.layout = layout
@@ -99,18 +101,15 @@ class PrefillRole:
         rooms = self.outbox.take_cancelled()
         if not rooms:
             return
-        for r in [*self.scheduler.waiting, *self.scheduler.running]:
+        for r in self.scheduler.requests():
             leg = r.disagg
             if isinstance(leg, PrefillLeg) and leg.room in rooms and not r.finished:
                 leg.closed = True
                 self.scheduler.finish(r, {"type": "abort", "message": "cancelled by the decode server"})
 
-    def abort(self, rid: str | None) -> None:
-        """Nothing to do: prefill legs live in the scheduler's own lists."""
-
-    def after_step(self, chosen: list[tuple[Request, int]]) -> None:
+    def after_step(self, reqs: Sequence[Request]) -> None:
         """Stream the KV each prefill leg computed in this step (prompt tokens only)."""
-        for r, _ in chosen:
+        for r in reqs:
             leg = r.disagg
             if isinstance(leg, PrefillLeg) and not leg.closed and not r.finished:
                 self._export_kv(r, leg, min(r.cached_len, len(r.prompt_ids)))
@@ -126,8 +125,7 @@ class PrefillRole:
             self.outbox.fail(leg.room, status, str(reason.get("message") or "the prefill server aborted the request"))
             return
         self._export_kv(r, leg, len(r.prompt_ids))
-        runner = self.scheduler.runner
-        conv, rec = kv_io.read_gdn(runner.cache, r.slot)
+        conv, rec = self.scheduler.runner.read_gdn(r.slot)
         if not self.outbox.put(leg.room, Message({"kind": "gdn"}, [conv, rec])):
             return
         first = r.output_ids[0] if r.output_ids else None
@@ -145,15 +143,11 @@ class PrefillRole:
     def _export_kv(self, r: Request, leg: PrefillLeg, upto: int) -> None:
         if upto <= leg.exported:
             return
-        k, v = kv_io.gather_kv(self.scheduler.runner.cache, r.pages, self.scheduler.page_size, leg.exported, upto)
+        k, v = self.scheduler.runner.gather_kv(r.pages, leg.exported, upto)
         if self.outbox.put(leg.room, Message({"kind": "kv", "start": leg.exported, "end": upto}, [k, v])):
             leg.exported = upto
         else:  # cancelled or timed out meanwhile: poll() aborts the request
             leg.closed = True
-
-    @property
-    def busy(self) -> bool:
-        return False
 
     def stats(self) -> dict[str, Any]:
         return {"mode": self.mode, "transfers_started": self.transfers_started,

@@ -15,7 +15,6 @@ from sglang_tpu_qwen.disagg import inprocess
 from sglang_tpu_qwen.disagg.bootstrap_server import BootstrapServer
 from sglang_tpu_qwen.disagg.decode import DecodeRole
 from sglang_tpu_qwen.disagg.errors import TransferError
-from sglang_tpu_qwen.disagg.kv_io import input_placement
 from sglang_tpu_qwen.disagg.layout import StateLayout
 from sglang_tpu_qwen.disagg.outbox import Outbox
 from sglang_tpu_qwen.disagg.prefill import PrefillRole
@@ -75,18 +74,18 @@ def setup(engine: Any) -> _Roles | None:
         if backend == "inprocess":
             inprocess.register(port, role)
     elif mode == "decode":
-        wake = scheduler._wakeup.set
+        wake = scheduler.wake
 
         def make_receiver(host: str, bport: int, room: int, prompt_ids: list[int]) -> Receiver:
             if backend == "inprocess":
-                return InProcessReceiver(bport, input_placement(engine.runner.cache), room, layout, prompt_ids,
+                return InProcessReceiver(bport, engine.runner.input_placement(), room, layout, prompt_ids,
                                          timeout, wake).start()
             return TcpReceiver(host, bport, room, layout, prompt_ids, timeout, wake).start()
 
         role = DecodeRole(scheduler, layout, make_receiver)
     else:
         raise ValueError(f"--disaggregation-mode {mode!r} is handled by launch_server, not by one Engine")
-    scheduler.disagg = role
+    scheduler.set_role(role)
     logger.info("disaggregation: %s role, %s transfers, bootstrap port %d, timeout %g s", mode, backend, port,
                 timeout)
     devices = sorted(d.id for d in engine.runner.cache["k"].sharding.device_set)

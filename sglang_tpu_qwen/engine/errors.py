@@ -1,8 +1,5 @@
-"""Errors the engine raises for requests it refuses."""
+"""Errors the engine raises for requests it refuses (defined in sglang_tpu_qwen/errors.py, below grammar/)."""
 
+from sglang_tpu_qwen.errors import InvalidRequestError
 
-class InvalidRequestError(ValueError):
-    """A request the engine cannot serve as sent (bad ids, bad sampling values, too long).
-
-    The message is meant for the client: the HTTP server answers it as a 400.
-    """
+__all__ = ["InvalidRequestError"]

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sglang_tpu_qwen.engine import compilation
+
 # Bucket edges in seconds; wide enough for a CPU test model and a TPU pod alike.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -30,7 +32,9 @@ class Metrics:
       sglang:time_to_first_token_seconds, sglang:inter_token_latency_seconds,
       sglang:e2e_request_latency_seconds (histograms, seconds),
       sglang:num_running_reqs, sglang:num_queue_reqs, sglang:kv_pages_used, sglang:kv_pages_total,
-      sglang:gdn_slots_used, sglang:gdn_slots_total (gauges);
+      sglang:gdn_slots_used, sglang:gdn_slots_total (gauges),
+      sglang:jit_compilations_total (XLA programs built in this process, persistent-cache loads included;
+      engine/compilation.py);
     and, once `watch` is called, the scrape-time figures of `EngineStateCollector`.
 
     Args:
@@ -71,6 +75,7 @@ class Metrics:
         self.kv_total = Gauge("sglang:kv_pages_total", "KV pages in the pool.", registry=r)
         self.slots_used = Gauge("sglang:gdn_slots_used", "GDN state slots in use.", registry=r)
         self.slots_total = Gauge("sglang:gdn_slots_total", "GDN state slots in the pool.", registry=r)
+        r.register(_JitCompilations())
 
     def on_request_start(self) -> None:
         """Count one admitted request."""
@@ -114,6 +119,15 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _JitCompilations:
+    """Collector of sglang:jit_compilations, read from the process-wide counter at scrape time."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("sglang:jit_compilations",
+                                  "XLA compilations in this process (persistent-cache loads included).",
+                                  value=compilation.jit_compilations())
 
 
 class EngineStateCollector:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.engine.metrics import Metrics
-from sglang_tpu_qwen.engine.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.model_runner import ModelRunner, StepOutput
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ScheduleBatch
 from sglang_tpu_qwen.server_args import ServerArgs
@@ -38,7 +38,7 @@ class OutputProcessor:
         self.finish = finish
 
     # ---- prompt logprobs -----------------------------------------------------------------------
-    def input_logprobs(self, batch: ScheduleBatch, hidden: Any) -> None:
+    def input_logprobs(self, batch: ScheduleBatch, step: StepOutput) -> None:
         """Prompt logprobs from logprob_start_len, gathered for the positions this step computed.
 
         Runs before the step advances cached_len (positions are relative to it).
@@ -65,7 +65,7 @@ class OutputProcessor:
                 r.input_logprobs_done = True
         if not rows:
             return
-        lp, top_lp, top_ids = self.runner.logprobs_at(hidden, np.array(rows), np.array(cols), np.array(targets),
+        lp, top_lp, top_ids = self.runner.logprobs_at(step, np.array(rows), np.array(cols), np.array(targets),
                                                       num_top)
         for k, r in enumerate(owners):
             r.input_token_logprobs.append([float(lp[k]), targets[k], self._tok_text(r, targets[k])])
@@ -77,11 +77,16 @@ class OutputProcessor:
         """Accept the sampled token of every finishing row; a scoring-only request (max_new_tokens 0) ends.
 
         sampled: host (tokens [B], logprob [B], top_logprobs [B, K], top_ids [B, K]) or None when the batch
-        sampled nothing (batch.sampling is None).
+        sampled nothing (batch.sampling is None). Clears the rows' tokens_in_flight; a request finished since
+        the step was launched (overlap scheduling computed one token past its end, or an abort) ignores it.
         """
         now = time.perf_counter()
+        for r in batch.sampling_reqs:
+            r.tokens_in_flight -= 1
         for i in batch.finishing:
             r, row = batch.reqs[i], batch.rows[i]
+            if r.finished:  # finished while this step ran (overlap: one step late; abort): token discarded
+                continue
             if r.max_new_tokens == 0 or sampled is None:  # scoring only: the prompt's logprobs are the answer
                 self.finish(r, {"type": "length", "length": 0})
                 continue
@@ -100,7 +105,7 @@ class OutputProcessor:
         elif self.metrics and r.last_token_time is not None:
             self.metrics.on_decode_token(now - r.last_token_time)
         r.last_token_time = now
-        r.output_ids.append(tok)
+        r.append_token(tok)
         if r.return_logprob:
             r.output_token_logprobs.append([lp, tok, self._tok_text(r, tok)])
             if r.top_logprobs_num:

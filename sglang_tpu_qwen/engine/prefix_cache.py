@@ -25,7 +25,6 @@ from typing import Any
 
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.request import Request
-from sglang_tpu_qwen.memory import gdn_state
 from sglang_tpu_qwen.memory.host_snapshots import HostSnapshotStore, is_host_id
 from sglang_tpu_qwen.memory.id_pool import IdPool
 from sglang_tpu_qwen.radix_cache import RadixCache
@@ -101,9 +100,9 @@ class PrefixCache:
         self.snapshot_hits["host" if is_host_id(snapshot) else "device"] += 1
         if is_host_id(snapshot):
             conv, rec = self.host.get(snapshot)
-            self.runner.cache = gdn_state.write_slot(self.runner.cache, slot, conv, rec)
+            self.runner.write_slot(slot, conv, rec)
         else:
-            self.runner.cache = gdn_state.copy_slots(self.runner.cache, [(snapshot, slot)])
+            self.runner.copy_slots([(snapshot, slot)])
 
     # ---- after each step -----------------------------------------------------------------------
     def after_step(self, rows: list[Request], is_extend: bool) -> None:
@@ -121,7 +120,7 @@ class PrefixCache:
                     if snap is None:
                         break
                     # Copy before attaching: a later allocation may evict (and demote) what we attach.
-                    self.runner.cache = gdn_state.copy_slots(self.runner.cache, [(r.slot, snap)])
+                    self.runner.copy_slots([(r.slot, snap)])
                     self._attach(r.fill_ids[: r.cached_len], snap)
         elif self.has_gdn:
             pairs = []
@@ -134,7 +133,7 @@ class PrefixCache:
                 snap = r.private_snapshot[0]
                 r.private_snapshot = (snap, r.cached_len)
                 pairs.append((r.slot, snap))
-            self.runner.cache = gdn_state.copy_slots(self.runner.cache, pairs)
+            self.runner.copy_slots(pairs)
 
     def _insert(self, r: Request, upto: int) -> None:
         """Give the tree r's pages for fill_ids[:upto] (page-aligned); r keeps reading them, locked."""
@@ -224,13 +223,14 @@ class PrefixCache:
             assert self.snap_pool is not None
             self.snap_pool.free(device)
             if self.nan_fill:
-                self.runner.cache = gdn_state.fill_nan(self.runner.cache, device)
+                self.runner.fill_nan_slots(device)
 
     def _demote(self, sid: int, key: tuple[int, ...]) -> None:
-        conv, rec = gdn_state.read_slot(self.runner.cache, sid)
-        nbytes = conv.nbytes + rec.nbytes
-        if not self.host.fits(nbytes):
+        cache = self.runner.cache
+        nbytes = sum(cache[k].nbytes // cache[k].shape[1] for k in ("conv", "rec"))  # one slot, all GDN layers
+        if not self.host.fits(nbytes):  # decided before reading: no device copy for a snapshot the host cannot hold
             return
+        conv, rec = self.runner.read_slot(sid)
         for old in self.host.over_budget_ids(nbytes):
             old_key = self._where.get(old)
             if old_key is not None and self.tree.drop_snapshot(old_key, old):

@@ -9,6 +9,7 @@ single rank owning everything.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.prefix_cache import PrefixCache
@@ -25,6 +26,7 @@ class RankMemory:
     slot_pool: IdPool
     prefix_cache: PrefixCache | None
     max_running: int
+    page_size: int
 
     @classmethod
     def build(cls, runner: ModelRunner, args: ServerArgs, rank: int) -> RankMemory:
@@ -36,4 +38,18 @@ class RankMemory:
         prefix_cache = None if args.disable_radix_cache else PrefixCache(
             runner, kv_pool, runner.page_size, int(args.gdn_snapshot_host_gb * 2**30) // runner.dp,
             args.debug_nan_fill_freed_slots, slot_base=slot_base)
-        return cls(rank, kv_pool, slot_pool, prefix_cache, runner.max_running_per_rank)
+        return cls(rank, kv_pool, slot_pool, prefix_cache, runner.max_running_per_rank, runner.page_size)
+
+    def usage(self) -> dict[str, Any]:
+        """Pool usage of this rank (KV pages held by the prefix cache are not free until evicted)."""
+        out: dict[str, Any] = {
+            "kv_pages_total": self.kv_pool.num_usable,
+            "kv_pages_free": self.kv_pool.num_free,
+            "gdn_slots_total": self.slot_pool.num_usable,
+            "gdn_slots_free": self.slot_pool.num_free,
+            "page_size": self.page_size,
+            "radix_cache": self.prefix_cache is not None,
+        }
+        if self.prefix_cache is not None:
+            out.update(self.prefix_cache.stats())
+        return out

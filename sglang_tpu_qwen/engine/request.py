@@ -20,10 +20,11 @@ Logprob = list[Any]  # [logprob | None, token_id, text | None], SGLang's triple
 class Request:
     """One sequence from arrival to finish.
 
-    `fill_ids` (prompt + output so far) is what the model must have seen; `cached_len` of them are in
-    the request's KV pages and GDN slot. A step feeds fill_ids[cached_len:] (a prefill chunk, or the one
-    last sampled token in decode). Retraction frees the memory and sets cached_len to 0; the request
-    later re-prefills prompt + output and goes on where it stopped.
+    `fill_ids` (prompt + output so far, one list that `append_token` extends) is what the model must have
+    seen; `cached_len` of them are in the request's KV pages and GDN slot. A step feeds
+    fill_ids[cached_len:] (a prefill chunk, or the one last sampled token in decode). Retraction frees the
+    memory and sets cached_len to 0; the request later re-prefills prompt + output and goes on where it
+    stopped.
     """
 
     rid: str
@@ -67,15 +68,27 @@ class Request:
     grammar: RequestGrammar | None = None
     # Prefill/decode disaggregation: this sequence's transfer leg (disagg/prefill.py, disagg/decode.py) or None.
     disagg: Any = None
+    fill_ids: list[int] = field(init=False)  # prompt_ids + output_ids, kept in step by append_token
+    # Overlap scheduling: sampled tokens still on the device (0 or 1); the next decode step reads it there.
+    tokens_in_flight: int = 0
 
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        self.fill_ids = self.prompt_ids + self.output_ids
+
+    def append_token(self, token: int) -> None:
+        """Add one generated token (to output_ids and fill_ids; never append to either directly)."""
+        self.output_ids.append(token)
+        self.fill_ids.append(token)
 
     @property
     def pending(self) -> int:
-        """Tokens still to feed before the next token can be sampled."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.cached_len
+        """Tokens still to feed before the next token can be sampled (a token in flight counts)."""
+        return len(self.fill_ids) + self.tokens_in_flight - self.cached_len
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens including the one in flight (sampling steps and length limits count it)."""
+        return len(self.output_ids) + self.tokens_in_flight
 
     @property
     def finished(self) -> bool:

@@ -5,8 +5,8 @@ lays them out in batch rows and fills every host array of the step in one place:
 (tokens, prefix_lens, new_lens, page_table, slot_ids) and, when a row samples, the sampling batch. The
 runner runs it and the output processor (output_processor.py) reads the results back by row.
 
-Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B/N a power of two), so
-each DP rank's shard of the batch holds only its own requests.
+Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B: the batch of the step's
+compiled bucket, engine/buckets.py), so each DP rank's shard of the batch holds only its own requests.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.engine.model_runner import SamplingBatch, next_pow2
+from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket
+from sglang_tpu_qwen.engine.model_runner import SamplingBatch
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.grammar.bitmask import token_bitmask
+from sglang_tpu_qwen.utils import next_pow2
 
 
 class ForwardMode(enum.Enum):
@@ -38,6 +40,8 @@ class ScheduleBatch:
     reqs[i] feeds extend_lens[i] new tokens from its cached_len and lives in batch row rows[i]. Padding rows
     are zero (page 0 / slot 0: the trash targets). `finishing` lists the indices i whose pending tokens are
     all fed by this step: those rows sample their next token (unless the request only scores its prompt).
+    Overlap scheduling: a decode row whose token is still on the device (r.tokens_in_flight, sampled by the
+    step in flight, `prev`) reads it there: token_src names its row in that step.
     """
 
     mode: ForwardMode
@@ -45,11 +49,12 @@ class ScheduleBatch:
     extend_lens: list[int]
     rows: list[int]
     batch_size: int  # B
-    tokens: np.ndarray  # [B, T] int32 (T = 1 in DECODE, a power of two >= 16 in EXTEND)
+    tokens: np.ndarray  # [B, T] int32 (B, T, P: a bucket of engine/buckets.py; T = 1 in DECODE)
     prefix_lens: np.ndarray  # [B] int32: tokens already in the cache per row
     new_lens: np.ndarray  # [B] int32: tokens fed per row (0 on padding rows)
-    page_table: np.ndarray  # [B, P] int32 global page ids, P a power of two >= 4
+    page_table: np.ndarray  # [B, P] int32 global page ids (P: one width per server)
     slot_ids: np.ndarray  # [B] int32 global GDN slot ids
+    token_src: np.ndarray  # [B] int32: row of the previous step's sampled ids feeding this row, -1: tokens[b]
     finishing: list[int]
     sampling: SamplingBatch | None  # None when no row samples (mid-prompt chunks or scoring only)
 
@@ -62,51 +67,67 @@ class ScheduleBatch:
         """(request, new tokens) pairs, the shape the PD hooks take."""
         return list(zip(self.reqs, self.extend_lens, strict=True))
 
-    @property
-    def last_index(self) -> np.ndarray:
-        """[B] int32: column of each row's last new token (the one whose logits are sampled)."""
-        return np.maximum(self.new_lens - 1, 0)
-
     @classmethod
-    def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], num_ranks: int,
-              eos_ids: Collection[int], vocab_size: int) -> ScheduleBatch:
-        """Lay out `chosen` (request, new tokens) in rows and fill the host arrays of the step.
+    def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], buckets: BucketSet,
+              eos_ids: Collection[int], vocab_size: int, prev: ScheduleBatch | None = None) -> ScheduleBatch:
+        """Lay out `chosen` (request, new tokens) in the rows of the step's compiled bucket and fill the host
+        arrays of the step.
 
-        Requests must hold the pages for cached_len + n tokens and a slot (the policy ensured it).
+        Requests must hold the pages for cached_len + n tokens and a slot, and the chunks must fit a bucket
+        (the policy ensured both).
         """
         reqs = [r for r, _ in chosen]
         lens = [n for _, n in chosen]
-        rows, b = batch_rows(reqs, num_ranks)
-        t = next_pow2(max(lens), 16) if mode is ForwardMode.EXTEND else 1
-        p = next_pow2(max(len(r.pages) for r in reqs), 4)
+        rows, bucket = batch_rows(reqs, lens, mode, buckets)
+        b, t, p = bucket.batch, bucket.tokens, bucket.pages
         tokens = np.zeros((b, t), np.int32)
         prefix_lens = np.zeros(b, np.int32)
         new_lens = np.zeros(b, np.int32)
         slot_ids = np.zeros(b, np.int32)
         page_table = np.zeros((b, p), np.int32)
+        token_src = np.full(b, -1, np.int32)
+        prev_rows = {} if prev is None else {id(r): i for r, i in zip(prev.reqs, prev.rows, strict=True)}
         for r, n, i in zip(reqs, lens, rows, strict=True):
-            tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
+            if r.tokens_in_flight:  # a decode row fed by the step in flight: its token never left the device
+                assert n == 1 and id(r) in prev_rows, f"{r.rid}: token in flight but not in the previous step"
+                token_src[i] = prev_rows[id(r)]
+            else:
+                tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
             prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
             page_table[i, : len(r.pages)] = r.pages
-        finishing = [i for i, (r, n) in enumerate(chosen) if r.cached_len + n == len(r.fill_ids)]
+        finishing = [i for i, (r, n) in enumerate(chosen) if n == r.pending]
         samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
         sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size) if samples else None
-        return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, finishing,
-                   sampling)
+        return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, token_src,
+                   finishing, sampling)
+
+    @property
+    def sampling_reqs(self) -> list[Request]:
+        """Requests that get a new token from this step (finishing rows that do not only score)."""
+        if self.sampling is None:
+            return []
+        return [r for r in (self.reqs[i] for i in self.finishing) if r.max_new_tokens != 0]
 
 
-def batch_rows(reqs: list[Request], num_ranks: int) -> tuple[list[int], int]:
-    """Batch row of each request and the batch size B: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
-    count = [0] * num_ranks
+def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode,
+               buckets: BucketSet) -> tuple[list[int], StepBucket]:
+    """Batch row of each request and the step's bucket: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
+    dp = buckets.dp
+    count = [0] * dp
     rows = []
     for r in reqs:
         count[r.rank] += 1
-    per_rank = next_pow2(max(count))
-    count = [0] * num_ranks
+    if mode is ForwardMode.EXTEND:
+        bucket, cap = buckets.extend_bucket(max(count), max(lens))
+        assert cap == max(lens), "the policy caps chunks to the bucket"
+    else:
+        bucket = buckets.decode_bucket(max(count))
+    per_rank = bucket.batch // dp
+    count = [0] * dp
     for r in reqs:
         rows.append(r.rank * per_rank + count[r.rank])
         count[r.rank] += 1
-    return rows, per_rank * num_ranks
+    return rows, bucket
 
 
 def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collection[int],
@@ -132,22 +153,36 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
         temperature[i] = 0.0 if sp.greedy else sp.temperature
         top_p[i], top_k[i], min_p[i] = sp.top_p, max(sp.top_k, 0), sp.min_p
         seeds[i] = np.uint32(r.seed & 0xFFFFFFFF)
-        steps[i] = len(r.output_ids)
+        steps[i] = r.num_output  # the token in flight counts: same random stream with and without overlap
         rep[i], freq[i], pres[i] = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
         if seen_ids is not None and output_ids is not None:
+            # A token in flight is missing here; only rows without a penalty may have one (their counts
+            # are not used), penalty rows run synchronously (Scheduler._can_overlap).
+            assert not (r.tokens_in_flight and sp.has_penalty), f"{r.rid}: penalty row with a token in flight"
             seen_ids[i, : len(r.fill_ids)] = r.fill_ids
             output_ids[i, : len(r.output_ids)] = r.output_ids
         bans: list[int] = []
-        if len(r.output_ids) < sp.min_new_tokens:
+        if r.num_output < sp.min_new_tokens:
             bans = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
         ban_lists[i] = bans
     banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
     for i, bans in enumerate(ban_lists):
         banned[i, : len(bans)] = bans
+    bias_ids = bias_vals = None
+    biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]
+    if biases:
+        width = max(len(lb) for _, lb in biases)
+        bias_ids = np.full((b, width), -1, np.int32)
+        bias_vals = np.zeros((b, width), np.float32)
+        for i, lb in biases:
+            bias_ids[i, : len(lb)] = list(lb)
+            bias_vals[i, : len(lb)] = list(lb.values())
     want_logprobs = any(r.return_logprob for r in reqs)
     num_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
     grammars: list[Any] = [None] * b
     for r, i in zip(reqs, rows, strict=True):
+        assert r.grammar is None or not r.tokens_in_flight, "grammar rows run synchronously"
         grammars[i] = r.grammar
     return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
-                         output_ids, banned, want_logprobs, num_top, token_bitmask(grammars, b, vocab_size))
+                         output_ids, banned, want_logprobs, num_top, token_bitmask(grammars, b, vocab_size),
+                         bias_ids, bias_vals)

@@ -24,7 +24,6 @@ from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ForwardMode
-from sglang_tpu_qwen.memory import gdn_state
 from sglang_tpu_qwen.server_args import ServerArgs
 
 logger = logging.getLogger("sglang_tpu_qwen.engine.scheduler")  # one logger for the scheduler's decisions
@@ -35,9 +34,10 @@ Finish = Callable[[Request, dict], None]
 class SchedulePolicy:
     """Waiting queue, running list and the per-rank memory of one scheduler (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, args: ServerArgs) -> None:
+    def __init__(self, runner: ModelRunner, args: ServerArgs, context_length: int) -> None:
         self.runner = runner
         self.args = args
+        self.context_length = context_length
         self.page_size = runner.page_size
         self.ranks = [RankMemory.build(runner, args, rank) for rank in range(runner.dp)]
         self.waiting: deque[Request] = deque()
@@ -85,6 +85,8 @@ class SchedulePolicy:
         A request whose grammar failed to compile is finished with the compiler's message.
         """
         for r in list(self.waiting):
+            if r.tokens_in_flight:  # retracted while its token was on the device: wait until it is read
+                continue
             try:
                 if r.grammar is None or r.grammar.ready():
                     return r
@@ -116,6 +118,37 @@ class SchedulePolicy:
                 best, best_key = m, key
         return best
 
+    def admit_with_state(self, r: Request, num_tokens: int, write: Callable[[list[int], int], None]) -> bool:
+        """Admit r whose first num_tokens tokens were computed elsewhere (PD decode): pages for num_tokens + 1
+        tokens and a slot on the rank choose_rank picks, `write(pages, slot)` fills them, r joins running
+        with cached_len = num_tokens. False (nothing taken) when no rank has room now; if write raises, the
+        memory goes back and the exception propagates."""
+        if len(self.running) >= self.args.max_running_requests:
+            return False
+        need = math.ceil((num_tokens + 1) / self.page_size)
+        m = self.choose_rank(need)
+        if m is None:
+            return False
+        short = need - m.kv_pool.num_free
+        if short > 0 and m.prefix_cache is not None:
+            m.prefix_cache.evict_pages(short)
+        pages = m.kv_pool.alloc(need)
+        if pages is None:
+            return False
+        slot = m.slot_pool.alloc(1)
+        assert slot is not None  # choose_rank checked
+        try:
+            write(pages, slot[0])
+        except BaseException:  # never keep the memory of a request that cannot start
+            m.kv_pool.free(pages)
+            m.slot_pool.free(slot)
+            raise
+        r.rank, r.slot, r.pages = m.rank, slot[0], pages
+        r.num_tree_pages = 0
+        r.cached_len = num_tokens
+        self.add_running(r)
+        return True
+
     # ---- picking a step ------------------------------------------------------------------------
     def pick(self) -> tuple[ForwardMode, list[tuple[Request, int]]]:
         """The next step's mode and (request, new tokens) pairs, pages allocated; IDLE with [] if none."""
@@ -134,27 +167,46 @@ class SchedulePolicy:
         return has_extend and (not has_decode or not self.last_was_extend)
 
     def _pick_extend(self) -> list[tuple[Request, int]]:
+        """Prefill chunks for this step, shaped to fit a compiled bucket (engine/buckets.py): at most
+        max_extend_rows rows per rank, each chunk capped to the bucket's tokens (the rest runs next step)."""
+        buckets = self.runner.buckets
         budget = [self.args.chunked_prefill_size] * len(self.ranks)  # prefill tokens per rank per step
-        chosen: list[tuple[Request, int]] = []
+        rows = [0] * len(self.ranks)
+        candidates: list[tuple[Request, int]] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
-            if r.slot is None or budget[r.rank] <= 0:  # retracted earlier in this loop, or rank full
+            if budget[r.rank] <= 0 or rows[r.rank] >= buckets.max_extend_rows:
                 continue
             n = min(r.pending, budget[r.rank])
             cache = self.ranks[r.rank].prefix_cache
             target = cache.next_target(r) if cache is not None else None
             if target is not None:  # end the chunk where a snapshot is wanted
                 n = min(n, target - r.cached_len)
-            if not self._ensure_pages_or_retract(r, r.cached_len + n):
-                continue
-            chosen.append((r, n))
+            candidates.append((r, n))
             budget[r.rank] -= n
+            rows[r.rank] += 1
+        if not candidates:
+            return []
+        _, cap = buckets.extend_bucket(max(rows), max(n for _, n in candidates))
+        chosen: list[tuple[Request, int]] = []
+        for r, n in candidates:
+            n = min(n, cap)
+            if r.slot is None:  # retracted by an earlier candidate's page allocation
+                continue
+            if self._ensure_pages_or_retract(r, r.cached_len + n):
+                chosen.append((r, n))
         return chosen
 
     def _pick_decode(self) -> list[tuple[Request, int]]:
+        """One token for every decoding request, at most the largest decode bucket's rows per rank."""
         chosen: list[tuple[Request, int]] = []
+        rows = [0] * len(self.ranks)
         for r in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.admit_order):
-            if r.slot is None:
+            if r.slot is None or rows[r.rank] >= self.runner.buckets.max_decode_rows:
                 continue
+            if r.tokens_in_flight and (r.num_output >= r.max_new_tokens
+                                       or len(r.fill_ids) + r.tokens_in_flight >= self.context_length):
+                continue  # its token in flight is its last: it finishes when that token is read
+            rows[r.rank] += 1
             if self._ensure_pages_or_retract(r, r.cached_len + 1):
                 chosen.append((r, 1))
         return chosen
@@ -187,6 +239,7 @@ class SchedulePolicy:
     def release(self, r: Request, keep: bool = True) -> None:
         """Return r's memory; with the prefix cache, first hand what r computed to the tree (keep=True)."""
         m = self.ranks[r.rank]
+        keep = keep and r.cached_len <= len(r.fill_ids)  # state of a token not read yet is not cacheable
         if m.prefix_cache is not None:
             m.prefix_cache.finish(r, keep)
         if r.pages:
@@ -195,7 +248,7 @@ class SchedulePolicy:
         if r.slot is not None:
             m.slot_pool.free([r.slot])
             if self.args.debug_nan_fill_freed_slots:
-                self.runner.cache = gdn_state.fill_nan(self.runner.cache, [r.slot])
+                self.runner.fill_nan_slots([r.slot])
             r.slot = None
         r.cached_len = 0
 

@@ -1,10 +1,19 @@
 """Scheduler: the thread that runs continuous batching over the paged KV pool and the GDN slot pool.
 
-Each loop iteration drains the inbox (new requests, aborts, cache flushes), then runs one `step`:
-the policy (schedule_policy.py) admits waiting requests and picks an extend step (prefill chunks) or a
-decode step (one token per decoding request), `ScheduleBatch.build` (schedule_batch.py) lays out its host
-arrays, the model runner runs it, and the output processor (output_processor.py) applies the results:
-prompt logprobs, sampled tokens, stop checks, streaming. `finish` ends a request: final reply, memory back.
+Each loop iteration drains the inbox (inbox.py: new requests, aborts, cache flushes), then runs one
+`step`: the policy (schedule_policy.py) admits waiting requests and picks an extend step (prefill chunks)
+or a decode step (one token per decoding request), `ScheduleBatch.build` (schedule_batch.py) lays out its
+host arrays, the model runner runs it, and the output processor (output_processor.py) applies the
+results: prompt logprobs, sampled tokens, stop checks, streaming. `finish` ends a request: final reply,
+memory back. A serving role (scheduler_role.py; prefill/decode disaggregation) hooks into the step.
+
+Overlap scheduling (SGLang's; off with --disable-overlap-schedule): a step launches its batch, then reads
+the previous step's sampled tokens while the device runs it. A decode row whose token is still on the
+device reads it there (ScheduleBatch.token_src, ModelRunner.keep_sampled), so the host builds step N+1 while
+step N runs. Finish checks, stop strings and streaming apply one step late: a request that finished at step
+N may have computed one more token in N+1, which is discarded (its memory is freed when N is read, and a
+later user of it runs after N+1 on the device). Steps whose next batch needs the host to know the tokens run
+synchronously: a grammar or penalty row with a token in flight, and every step under a PD role.
 
 With --dp-size N (data-parallel attention) each DP rank has its own pages, slots and radix tree
 (rank_memory.py); a step runs every rank at once, rank r's rows being rows [r*B/N, (r+1)*B/N).
@@ -14,25 +23,36 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from sglang_tpu_qwen.engine.inbox import AbortRequest, AddRequests, FlushCache, Inbox
 from sglang_tpu_qwen.engine.metrics import Metrics
-from sglang_tpu_qwen.engine.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.model_runner import ModelRunner, SampleOutput
 from sglang_tpu_qwen.engine.output_processor import OutputProcessor
 from sglang_tpu_qwen.engine.profiler import StepProfiler, default_profile_dir
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ForwardMode, ScheduleBatch
 from sglang_tpu_qwen.engine.schedule_policy import SchedulePolicy
+from sglang_tpu_qwen.engine.scheduler_role import SchedulerRole
 from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 _CHECK = os.environ.get("SGLANG_TPU_QWEN_CHECK_INVARIANTS") == "1"  # debug: verify memory ownership each step
+
+
+@dataclass
+class Launched:
+    """A step whose device work was dispatched: its batch and its sampled ids (device; None: none sampled)."""
+
+    batch: ScheduleBatch
+    sampled: SampleOutput | None
 
 
 class Scheduler:
@@ -43,21 +63,22 @@ class Scheduler:
         metrics: Metrics | None = None,
     ) -> None:
         self.runner = runner
-        self.tokenizer = tokenizer
         self.args = args
-        self.context_length = context_length
         self.metrics = metrics
         self.page_size = runner.page_size
-        self.policy = SchedulePolicy(runner, args)
+        self.policy = SchedulePolicy(runner, args, context_length)
+        self.overlap = not args.disable_overlap_schedule
+        self._in_flight: Launched | None = None  # overlap: the step the device may still be running
+        self.overlapped_steps = 0  # steps launched before the previous one was read
+        self.device_fed_rows = 0  # decode rows whose input token came from the device (token_src >= 0)
         self.eos_ids = set(runner.config.eos_token_id) | set(tokenizer.eos_token_ids)
         self.output = OutputProcessor(runner, tokenizer, args, context_length, self.eos_ids, metrics, self.finish)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self.role = SchedulerRole()  # prefill/decode disaggregation replaces it (disagg/roles.py, set_role)
+        self._inbox = Inbox()
         self._stop = threading.Event()
-        self.disagg: Any = None  # prefill/decode disaggregation role (disagg/roles.py sets it), hooks below
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         # /start_profile, /stop_profile: carried out here between steps (profiler.py).
-        self.profiler = StepProfiler(default_profile_dir(args.profile_dir), self._wakeup.set)
+        self.profiler = StepProfiler(default_profile_dir(args.profile_dir), self._inbox.wake)
 
     @property
     def ranks(self) -> list[RankMemory]:
@@ -77,26 +98,35 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._wakeup.set()
+        self._inbox.wake()
         self._thread.join(timeout=30)
         self.profiler.close()  # a trace still running is written out
 
     def submit(self, reqs: list[Request]) -> None:
-        self._inbox.put(("add", reqs))
-        self._wakeup.set()
+        self._inbox.put(AddRequests(reqs))
 
     def abort(self, rid: str | None) -> None:
-        self._inbox.put(("abort", rid))
-        self._wakeup.set()
+        self._inbox.put(AbortRequest(rid))
 
     def flush_cache(self, timeout: float = 60.0) -> bool:
         """Empty the prefix cache if no request is waiting or running (done on the scheduler thread)."""
-        done = threading.Event()
-        result: list[bool] = []
-        self._inbox.put(("flush", (done, result)))
-        self._wakeup.set()
-        done.wait(timeout)
-        return bool(result and result[0])
+        msg = FlushCache()
+        self._inbox.put(msg)
+        try:
+            return msg.done.result(timeout)
+        except TimeoutError:
+            return False
+
+    def wake(self) -> None:
+        """Wake the loop (any thread): a role's transfer changed state."""
+        self._inbox.wake()
+
+    def set_role(self, role: SchedulerRole) -> None:
+        """Attach a serving role's hooks (before start). PD roles read each step's results right after it
+        (KV export, first-token hand-over), so they run without overlap."""
+        self.role = role
+        if role.mode != "null":
+            self.overlap = False
 
     @property
     def kv_tokens_total(self) -> int:
@@ -106,7 +136,7 @@ class Scheduler:
     def memory_usage(self) -> dict[str, Any]:
         """Pool usage summed over DP ranks (and per rank under "dp_ranks" when dp > 1). KV pages held by the
         prefix cache are not free until evicted or flushed."""
-        per_rank = [self._rank_usage(m) for m in self.ranks]
+        per_rank = [m.usage() for m in self.ranks]
         if len(per_rank) == 1:
             return per_rank[0]
         usage: dict[str, Any] = {k: sum(u[k] for u in per_rank) for k, v in per_rank[0].items()
@@ -117,108 +147,124 @@ class Scheduler:
             usage["cache_hit_rate"] = usage["cache_hit_tokens"] / queries if queries else 0.0
         return usage
 
-    def _rank_usage(self, m: RankMemory) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "kv_pages_total": m.kv_pool.num_usable,
-            "kv_pages_free": m.kv_pool.num_free,
-            "gdn_slots_total": m.slot_pool.num_usable,
-            "gdn_slots_free": m.slot_pool.num_free,
-            "page_size": self.page_size,
-            "radix_cache": m.prefix_cache is not None,
-        }
-        if m.prefix_cache is not None:
-            usage.update(m.prefix_cache.stats())
-        return usage
-
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
             self.profiler.poll()
-            if not self.waiting and not self.running and not (self.disagg is not None and self.disagg.busy):
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
+            if not self.waiting and not self.running and not self.role.busy and self._in_flight is None:
+                self._inbox.wait(0.5)
                 continue
             try:
                 if not self.step():  # nothing runnable right now: do not spin
-                    self._wakeup.wait(timeout=0.01)
-                    self._wakeup.clear()
+                    self._inbox.wait(0.01)
             except Exception:  # a failed step must not take the server down with it
                 logger.exception("step failed; aborting the running requests")
+                self._in_flight = None
                 for r in list(self.running):
                     self.finish(r, {"type": "abort", "message": "internal error during the step"}, keep=False)
             self._report_usage()
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self.waiting.extend(payload if self.disagg is None else self.disagg.intercept(payload))
-            elif kind == "abort":
-                self._abort(payload)
-            elif kind == "flush":
-                done, result = payload
+        for msg in self._inbox.drain():
+            if isinstance(msg, AddRequests):
+                self.waiting.extend(self.role.intercept(msg.reqs))
+            elif isinstance(msg, AbortRequest):
+                self._abort(msg.rid)
+            elif isinstance(msg, FlushCache):
                 idle = not self.waiting and not self.running
                 for m in self.ranks:
                     if idle and m.prefix_cache is not None:
                         m.prefix_cache.flush()
-                result.append(idle)
-                done.set()
+                msg.done.set_result(idle)
 
     def _abort(self, rid: str | None) -> None:
         """Abort the request `rid` (all its samples), or every request when rid is None."""
-        if self.disagg is not None:
-            self.disagg.abort(rid)
+        self.role.abort(rid)
         for r in [*self.waiting, *self.running]:
             if rid is None or r.rid == rid or r.rid.startswith(rid + "::"):
                 self.finish(r, {"type": "abort", "message": "aborted by the client"})
 
     def step(self) -> bool:
-        """Admit, pick one batch, run it. Returns False when there was nothing runnable."""
-        if self.disagg is not None:
-            self.disagg.poll()  # PD: admit requests whose state arrived, fail broken transfers
+        """Admit, pick one batch, launch it, read the previous one. Returns False when nothing ran."""
+        self.role.poll()  # PD: admit requests whose state arrived, fail broken transfers
         for r in [r for r in self.running if r.aborted]:
             self.finish(r, {"type": "abort", "message": "aborted by the client"})
+        if self._in_flight is not None and not self._can_overlap(self._in_flight):
+            self._resolve()
         self.policy.admit(self.finish)
         mode, chosen = self.policy.pick()
         if mode is ForwardMode.IDLE:
-            return False
+            return self._resolve()
         if _CHECK:
-            self.check_memory_invariants()
-        batch = ScheduleBatch.build(mode, chosen, len(self.ranks), self.eos_ids, self.runner.config.vocab_size)
+            self.policy.check_memory_invariants()
+        prev = None if self._in_flight is None else self._in_flight.batch
+        batch = ScheduleBatch.build(mode, chosen, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size,
+                                    prev)
+        # Profiling: the annotation covers this step's launch and the host work done while it runs.
         with self.profiler.step(batch.mode.name, len(batch.reqs), sum(batch.extend_lens)):
-            self.run_batch(batch)
+            launched = self.launch(batch)
+            if self._in_flight is not None:
+                self.overlapped_steps += 1
+                self.device_fed_rows += int((batch.token_src >= 0).sum())
+            self._resolve()  # the previous step's tokens, read while the device runs this one
+            self._in_flight = launched
+            if not self.overlap:
+                self._resolve()
         return True
 
-    def run_batch(self, batch: ScheduleBatch) -> None:
-        """Forward, prompt logprobs, advance cached_len, sample, accept; then the PD and prefix-cache hooks."""
-        hidden = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
-                                     batch.slot_ids)
-        self.output.input_logprobs(batch, hidden)
+    def _can_overlap(self, step: Launched) -> bool:
+        """Whether the next step may be built before `step`'s tokens are read: not when a grammar row (its
+        mask follows the token) or a penalty row (its counts do) is waiting for one."""
+        return self.overlap and not any(r.grammar is not None or r.params.has_penalty
+                                        for r in step.batch.sampling_reqs if not r.finished)
+
+    def launch(self, batch: ScheduleBatch) -> Launched:
+        """Dispatch forward (+ prompt logprobs, which wait for it) and sampling; advance cached_len; run the
+        prefix cache's snapshot copies, which must follow this step on the device. Does not wait otherwise."""
+        step = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
+                                   batch.slot_ids, batch.token_src)
+        self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
             r.cached_len += n
-        sampled = None if batch.sampling is None else self.runner.sample(hidden, batch.last_index, batch.sampling)
-        self.output.process_sampled(batch, sampled)
-        if self.disagg is not None:
-            self.disagg.after_step(batch.chosen)  # PD prefill: stream the KV computed in this step
+        sampled = None
+        if batch.sampling is not None:
+            sampled = self.runner.sample(step, batch.sampling)
+            if self.overlap:
+                self.runner.keep_sampled(sampled)
+            for r in batch.sampling_reqs:
+                r.tokens_in_flight += 1
         for m in self.ranks:
             if m.prefix_cache is not None:
                 m.prefix_cache.after_step([r for r in batch.reqs if r.rank == m.rank], batch.is_extend)
+        return Launched(batch, sampled)
 
-    def check_memory_invariants(self) -> None:
-        """See SchedulePolicy.check_memory_invariants (AssertionError on a leak or a double owner)."""
-        self.policy.check_memory_invariants()
+    def _resolve(self) -> bool:
+        """Read the step in flight (blocks until the device finished it): accept its tokens, stop checks,
+        streaming, the role's after_step. Returns False when nothing was in flight."""
+        done, self._in_flight = self._in_flight, None
+        if done is None:
+            return False
+        self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
+        self.role.after_step(done.batch.reqs)  # PD prefill: stream the KV computed in this step
+        return True
 
-    def choose_rank(self, pages_needed: int, prefix_of: Request | None = None) -> RankMemory | None:
-        """See SchedulePolicy.choose_rank."""
-        return self.policy.choose_rank(pages_needed, prefix_of)
+    # ---- what roles call (scheduler thread) ----------------------------------------------------
+    def requests(self) -> Iterator[Request]:
+        """The waiting, then the running requests (a snapshot: finishing them while iterating is fine)."""
+        return iter([*self.waiting, *self.running])
 
-    # ---- finishing -----------------------------------------------------------------------------
+    def admit_with_state(self, r: Request, num_tokens: int, write: Callable[[list[int], int], None]) -> bool:
+        """Admit r with its first num_tokens tokens computed elsewhere (PD decode): see
+        SchedulePolicy.admit_with_state. False when no rank has room now; write's exception propagates."""
+        return self.policy.admit_with_state(r, num_tokens, write)
+
+    def accept_token(self, r: Request, tok: int, lp: float, top_lp: Any, top_ids: Any) -> None:
+        """Accept a token sampled elsewhere (PD decode: the prefill server's first token), with stop checks."""
+        self.output.accept_token(r, tok, lp, top_lp, top_ids, time.perf_counter())
+
     def finish(self, r: Request, reason: dict, keep: bool = True) -> None:
-        """End r with `reason` (SGLang's finish_reason dict): final text, PD hook, memory back, final reply.
+        """End r with `reason` (SGLang's finish_reason dict): final text, role hook, memory back, final reply.
 
         keep=False: do not hand r's computed prefix to the radix cache (a failed step). No-op if finished.
         """
@@ -227,8 +273,7 @@ class Scheduler:
         r.finish_reason = reason
         if reason["type"] != "abort" and not r.detokenizer.stopped:
             r.text += r.detokenizer.flush()
-        if self.disagg is not None:
-            self.disagg.on_finish(r, reason)  # PD prefill: copy the state out before the memory is freed
+        self.role.on_finish(r, reason)  # PD prefill: copy the state out before the memory is freed
         self.policy.release(r, keep)
         if r.grammar is not None:
             r.grammar.release()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.errors import InvalidRequestError
 from sglang_tpu_qwen.grammar.spec import GrammarSpec
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; the client needs only the rest.

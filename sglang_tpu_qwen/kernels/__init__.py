@@ -1,4 +1,4 @@
-"""Pallas TPU kernels, each beside its pure-jnp reference (DESIGN.md section 5).
+"""Pallas TPU kernels, each beside its pure-jnp reference (docs/internals.md, "kernels/").
 
 ``ragged_paged_attention``: one call runs the attention of every sequence of a step over the paged KV cache
 and writes the step's new K/V into their pages. ``gdn``: causal conv1d + q/k L2 norm + gated delta rule,

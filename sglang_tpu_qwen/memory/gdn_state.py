@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sglang_tpu_qwen.engine.model_runner import next_pow2
+from sglang_tpu_qwen.utils import next_pow2
 
 GDN_KEYS = ("conv", "rec")
 

@@ -1,4 +1,4 @@
-"""Expert-parallel MoE inside ``jax.shard_map`` (DESIGN.md section 4).
+"""Expert-parallel MoE inside ``jax.shard_map`` (docs/internals.md, "parallel/").
 
 Per device, for its ``N`` tokens (one micro-batch at a time):
 

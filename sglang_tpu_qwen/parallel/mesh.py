@@ -1,6 +1,6 @@
 """The device mesh: named axes ``data`` x ``expert`` x ``tensor`` and which of them each part of the model uses.
 
-Layouts (DESIGN.md section 4):
+Layouts (docs/internals.md, "parallel/"):
 
 - ``dp % ep == 0`` (e.g. the Ironwood host, dp8 and ep8 over 8 devices): mesh ``(dp // ep, ep, tp)``;
   attention is data-parallel over ``data`` *and* ``expert`` (each device its own requests, KV pages and

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_qwen.engine.model_runner import next_pow2
+from sglang_tpu_qwen.utils import next_pow2
 
 
 @jax.jit
