@@ -31,7 +31,9 @@ WORKLOAD = ["--dataset-name", "multi-turn", "--mt-num-sessions", "3", "--mt-num-
 def replicas(tmp_path_factory):
     logs = tmp_path_factory.mktemp("replicas")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(ServerProc.start, logs, f"replica{i}", [*SMALL, "--enable-metrics"]) for i in range(2)]
+        # --disable-precompile: the workload needs a few step shapes; compiling all of them would dominate the test.
+        args = [*SMALL, "--enable-metrics", "--disable-precompile"]
+        futures = [pool.submit(ServerProc.start, logs, f"replica{i}", args) for i in range(2)]
         servers = [f.result() for f in futures]
     try:
         yield logs, servers
