@@ -7,6 +7,7 @@ request through HTTP (unless --skip-server-warmup, as SGLang's `_execute_server_
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -59,8 +60,29 @@ def _warm_up_and_announce(server: uvicorn.Server, args: ServerArgs, announce: bo
         logger.info(READY_MESSAGE)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve to any interface
+        return False
+
+
+def exposure_warning(args: ServerArgs) -> str | None:
+    """The warning to print when the server listens beyond loopback without --api-key (else None)."""
+    if args.api_key or is_loopback(args.host):
+        return None
+    return (f"--host {args.host} serves beyond this machine and no --api-key is set: anyone who can reach the "
+            f"port can generate, read /get_server_info and flush the cache. Pass --api-key KEY (or bind 127.0.0.1).")
+
+
 def launch_server(args: ServerArgs) -> None:
     """Build the Engine and serve it over HTTP until interrupted."""
+    warning = exposure_warning(args)
+    if warning:
+        logger.warning(warning)
     if args.disaggregation_mode == "colocated-split":  # two engines, two ports (disagg/colocated.py)
         from sglang_tpu_qwen.disagg.colocated import launch_colocated_split
 

@@ -28,7 +28,17 @@ class ServerArgs:
     port: int = field(default=30000, metadata={"help": "HTTP port."})
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY'."})
     log_level: str = field(default="info", metadata={"help": "Python log level."})
-    enable_metrics: bool = field(default=False, metadata={"help": "Expose Prometheus /metrics."})
+    enable_metrics: bool = field(
+        default=False, metadata={"help": "Expose Prometheus /metrics (unauthenticated, also with --api-key)."})
+    log_requests: bool = field(default=False, metadata={
+        "help": "Log metadata, inputs, outputs of all requests (verbosity: --log-requests-level). Off: the "
+                "server logs no prompt or output text."})
+    log_requests_level: int = field(default=2, metadata={
+        "help": "0: metadata (no sampling parameters). 1: metadata and sampling parameters. 2: metadata, "
+                "sampling parameters and partial input/output. 3: every input/output."})
+    profile_dir: str | None = field(default=None, metadata={
+        "help": "Where /start_profile writes jax.profiler traces (default: $SGLANG_TORCH_PROFILER_DIR, else a "
+                "fresh temp dir)."})
     dtype: str = field(
         default="auto",
         metadata={"help": "Compute dtype: auto (float32 on CPU, bfloat16 on TPU/GPU), float32, bfloat16."},
@@ -123,6 +133,8 @@ class ServerArgs:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError(f"--log-requests-level must be one of 0, 1, 2, 3, got {self.log_requests_level}")
         for name in ("precompile_bs_paddings", "precompile_token_paddings"):
             values = getattr(self, name)
             if values is not None and (not values or any(not isinstance(v, int) or v <= 0 for v in values)):

@@ -24,6 +24,9 @@ unconstrained ones do and the two output throughputs compare grammar overhead al
 Report: completed/failed requests, duration (s), request / input / output / total throughput (per s), TTFT
 and ITL mean/p50/p90/p99 (ms), prompt tokens, cached tokens, hit rate = cached / prompt tokens, and prefill
 tokens computed = prompt - cached; printed as text and written as JSON with ``--output-file``.
+
+``--profile`` (SGLang's flag and ``--profile-*`` options) asks the server for a jax.profiler trace of its steps
+around the run (``/start_profile`` before, ``/stop_profile`` after).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -80,6 +84,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)  # the token ids sent (multi-turn: history + new turn)
     error: str = ""
 
 
@@ -148,7 +153,7 @@ def _sse_payloads(line: str) -> dict | None:
 async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int],
                        output_len: int) -> RequestResult:
     """Send one streamed request and measure it; errors are recorded in the result, never raised."""
-    res = RequestResult(prompt_len=len(prompt))
+    res = RequestResult(prompt_len=len(prompt), prompt=list(prompt))
     oai = args.backend == "sglang-oai"
     schema = getattr(args, "schema", None)
     if oai:
@@ -321,18 +326,60 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-schema", nargs="?", const="records", default=None,
                    help="constrain every request to a JSON Schema: JSON text, @file, or bare for a built-in schema")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout (s)")
+    p.add_argument("--profile", action="store_true",
+                   help="trace the server's steps during the run (/start_profile before, /stop_profile after)")
+    p.add_argument("--profile-output-dir", default=None,
+                   help="server-side trace directory (a timestamped subdirectory per run; default: "
+                        "$SGLANG_TORCH_PROFILER_DIR, else the server's --profile-dir)")
+    p.add_argument("--profile-activities", nargs="+", default=["CPU", "GPU"], choices=["CPU", "GPU", "TPU", "MEM"])
+    p.add_argument("--profile-start-step", type=int, default=None, help="start tracing at this server step")
+    p.add_argument("--profile-steps", "--profile-num-steps", dest="profile_steps", type=int, default=None,
+                   help="trace this many steps, then the server stops by itself")
+    p.add_argument("--profile-prefix", default=None, help="subdirectory of the output directory")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     args.schema = json_schema_of(args)  # resolved once; None without --json-schema
     return args
 
 
+def profile_call(args: argparse.Namespace, what: str) -> str:
+    """POST /start_profile (SGLang's body from the --profile-* flags) or /stop_profile; returns the reply text.
+
+    The output directory is a fresh timestamped subdirectory of --profile-output-dir (or of
+    $SGLANG_TORCH_PROFILER_DIR), as SGLang's bench makes it; without either the server's default is used.
+    Raises RuntimeError with the server's message on a non-200 reply."""
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    body: dict[str, Any] = {}
+    if what == "start":
+        body = {"activities": args.profile_activities, "num_steps": args.profile_steps,
+                "start_step": args.profile_start_step, "profile_prefix": args.profile_prefix}
+        root = args.profile_output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR")
+        if root:
+            body["output_dir"] = os.path.join(os.path.abspath(root), f"{time.time():.6f}")
+    r = httpx.post(f"{base}/{what}_profile", json={k: v for k, v in body.items() if v is not None}, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"/{what}_profile: HTTP {r.status_code}: {r.text}")
+    print(r.text.strip(), file=sys.stderr)
+    return r.text
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; prints the report, writes ``--output-file`` if given, returns the metrics dict."""
+    """Run the benchmark; prints the report, writes ``--output-file`` if given, returns the metrics dict.
+
+    With ``--profile`` the server traces its steps during the run; ``metrics["profile"]["trace"]`` is the trace
+    directory the server reported (None when --profile-steps ended it before the run did)."""
     args = parse_args(argv)
     sessions = build_sessions(args)
+    if args.profile:
+        profile_call(args, "start")
     results, duration = asyncio.run(run(args, sessions))
     metrics = summarize(results, duration, sum(len(s) for s in sessions))
+    if args.profile:
+        trace = None
+        if args.profile_steps is None:  # with a step count the server stops by itself, as in SGLang's bench
+            reply = profile_call(args, "stop")
+            trace = reply.split("Trace: ", 1)[1].strip() if "Trace: " in reply else None
+        metrics["profile"] = {"trace": trace}
     metrics.update(backend=args.backend, dataset_name=args.dataset_name, num_requests=sum(len(s) for s in sessions),
                    json_schema=args.json_schema is not None,
                    max_concurrency=args.max_concurrency, seed=args.seed,

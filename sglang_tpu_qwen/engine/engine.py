@@ -22,6 +22,7 @@ from sglang_tpu_qwen.engine import compilation
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.profiler import ProfileConfig
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.sampler import TOP_LOGPROBS_MAX
 from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
@@ -75,6 +76,8 @@ class Engine:
         self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
         # Every step shape and sampling program, before the server can report ready (engine/buckets.py).
         self.precompile_stats = None if args.disable_precompile else self.runner.precompile()
+        if self.metrics is not None:  # cache, snapshot and PD counters, read at each scrape
+            self.metrics.watch(self.scheduler.memory_usage, lambda: self.disagg.stats() if self.disagg else None)
         self.scheduler.start()
 
     # ---- request building ----------------------------------------------------------------------
@@ -249,6 +252,9 @@ class Engine:
         out: queue.Queue[dict] = queue.Queue()
         reqs, is_batch = self._build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
                                      top_logprobs_num, return_text_in_logprobs, stream, rid, out.put)
+        if self.metrics:
+            for _ in reqs:
+                self.metrics.on_request_start()
         self.scheduler.submit(reqs)
         if stream:
             return self._stream_sync(reqs, out)
@@ -288,6 +294,17 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are waiting or running."""
         return self.scheduler.flush_cache()
+
+    def start_profile(self, body: dict[str, Any] | None = None) -> Future:
+        """Start a jax.profiler trace of the scheduler's steps (SGLang's /start_profile fields; engine/profiler.py).
+
+        Returns a Future of the reply text, set by the scheduler thread between two steps. Raises ProfileError
+        (an InvalidRequestError) for a bad field or when a trace is already pending or running."""
+        return self.scheduler.profiler.request_start(ProfileConfig.from_body(body))
+
+    def stop_profile(self) -> Future:
+        """Stop the trace and write its files; a Future of the reply text. Raises ProfileError when none runs."""
+        return self.scheduler.profiler.request_stop()
 
     def get_server_info(self) -> dict[str, Any]:
         info = dataclasses.asdict(self.server_args)

@@ -1,15 +1,19 @@
 """Prometheus metrics of the serving engine, named like SGLang's (`sglang:` prefix).
 
 Each `Metrics` owns its own `CollectorRegistry`, so several engines (or tests) in one process never
-collide on metric names. The engine feeds it; the HTTP server exposes `render()` on `/metrics`.
+collide on metric names. The scheduler feeds the request counters, histograms and usage gauges as it runs;
+the prefix-cache, snapshot and PD transfer figures are read at scrape time from the counters their owners
+keep anyway (`watch`), so those modules need no metrics code. The HTTP server exposes `render()` on
+`/metrics`; launch/grafana/ holds a dashboard over these names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sglang_tpu_qwen.engine import compilation
@@ -30,7 +34,8 @@ class Metrics:
       sglang:num_running_reqs, sglang:num_queue_reqs, sglang:kv_pages_used, sglang:kv_pages_total,
       sglang:gdn_slots_used, sglang:gdn_slots_total (gauges),
       sglang:jit_compilations_total (XLA programs built in this process, persistent-cache loads included;
-      engine/compilation.py).
+      engine/compilation.py);
+    and, once `watch` is called, the scrape-time figures of `EngineStateCollector`.
 
     Args:
       registry: where to register; default a fresh `CollectorRegistry` owned by this instance.
@@ -101,6 +106,16 @@ class Metrics:
         self.slots_used.set(slots_used)
         self.slots_total.set(slots_total)
 
+    def watch(self, memory_usage: Callable[[], dict[str, Any]],
+              disagg_stats: Callable[[], dict[str, Any] | None]) -> None:
+        """Export the prefix-cache, snapshot and PD transfer counters, read at each scrape.
+
+        Args:
+          memory_usage: `Scheduler.memory_usage` (pool sizes and prefix-cache stats summed over DP ranks).
+          disagg_stats: the PD role's `stats()`, or None when the server is not disaggregated.
+        """
+        self.registry.register(EngineStateCollector(memory_usage, disagg_stats))
+
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -113,3 +128,88 @@ class _JitCompilations:
         yield CounterMetricFamily("sglang:jit_compilations",
                                   "XLA compilations in this process (persistent-cache loads included).",
                                   value=compilation.jit_compilations())
+
+
+class EngineStateCollector:
+    """Scrape-time metrics from the engine's own counters (a prometheus_client custom collector).
+
+    SGLang's names where SGLang has the figure:
+      sglang:token_usage              gauge, KV pages in use / KV pages (0-1)
+      sglang:mamba_usage              gauge, GDN state slots in use / slots (0-1; SGLang's name for SSM state)
+      sglang:cache_hit_rate           gauge, prefix-cache hit tokens / looked-up tokens since start (0-1)
+      sglang:cached_tokens_total      counter{cache_source="device"}, prompt tokens served from the prefix cache
+      sglang:evicted_tokens_total     counter, KV token slots freed by prefix-cache eviction
+      sglang:hicache_host_mamba_used_states  gauge, GDN snapshots held in the host tier
+      sglang:num_transfer_failed_reqs_total  counter, PD transfers that failed (decode side)
+    ours, where SGLang has none:
+      sglang:gdn_snapshot_hits_total{tier="device"|"host"}  counter, admissions restoring a GDN snapshot
+      sglang:gdn_snapshot_evictions_total   counter, snapshots the tree gave up (device ones may move to host)
+      sglang:gdn_snapshots_cached           gauge, snapshots the prefix cache holds (device and host)
+      sglang:gdn_snapshot_slots_total       gauge, device slots reserved for snapshots
+      sglang:gdn_snapshot_host_bytes        gauge, bytes of the host tier in use
+      sglang:gdn_snapshot_host_budget_bytes gauge, --gdn-snapshot-host-gb in bytes
+      sglang:num_transfer_done_reqs_total{role="prefill"|"decode"}  counter, PD transfers completed
+      sglang:kv_transfer_bytes_total        counter, KV + GDN state bytes received by a PD decode server
+    Every name is always exported (0 without a prefix cache or PD), so a dashboard never shows "no data" for
+    a feature that is merely off.
+    """
+
+    def __init__(self, memory_usage: Callable[[], dict[str, Any]],
+                 disagg_stats: Callable[[], dict[str, Any] | None]) -> None:
+        self._memory_usage = memory_usage
+        self._disagg_stats = disagg_stats
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration: the engine may not be fully built yet
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._memory_usage()
+        pd = self._disagg_stats() or {}
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        def ratio(used: float, total: float) -> float:
+            return used / total if total else 0.0
+
+        kv_total, slots_total = m.get("kv_pages_total", 0), m.get("gdn_slots_total", 0)
+        yield gauge("sglang:token_usage", "KV pages in use / KV pages.",
+                    ratio(kv_total - m.get("kv_pages_free", 0), kv_total))
+        yield gauge("sglang:mamba_usage", "GDN state slots in use / slots.",
+                    ratio(slots_total - m.get("gdn_slots_free", 0), slots_total))
+        yield gauge("sglang:cache_hit_rate", "Prefix-cache hit tokens / looked-up tokens since start.",
+                    ratio(m.get("cache_hit_tokens", 0), m.get("cache_query_tokens", 0)))
+        cached = CounterMetricFamily("sglang:cached_tokens", "Prompt tokens served from the prefix cache.",
+                                     labels=["cache_source"])
+        cached.add_metric(["device"], m.get("cache_hit_tokens", 0))
+        yield cached
+        yield counter("sglang:evicted_tokens", "KV token slots freed by prefix-cache eviction.",
+                      m.get("evicted_pages", 0) * m.get("page_size", 0))
+        hits = CounterMetricFamily("sglang:gdn_snapshot_hits", "Admissions whose GDN state came from a snapshot.",
+                                   labels=["tier"])
+        hits.add_metric(["device"], m.get("snapshot_hits_device", 0))
+        hits.add_metric(["host"], m.get("snapshot_hits_host", 0))
+        yield hits
+        yield counter("sglang:gdn_snapshot_evictions", "GDN snapshots evicted from the prefix cache.",
+                      m.get("evicted_snapshots", 0))
+        yield gauge("sglang:gdn_snapshots_cached", "GDN snapshots held by the prefix cache (device + host).",
+                    m.get("cached_snapshots", 0))
+        yield gauge("sglang:gdn_snapshot_slots_total", "Device GDN slots reserved for snapshots.",
+                    m.get("snapshot_slots_total", 0))
+        yield gauge("sglang:hicache_host_mamba_used_states", "GDN snapshots held in the host tier.",
+                    m.get("host_snapshots", 0))
+        yield gauge("sglang:gdn_snapshot_host_bytes", "Host-tier bytes in use by GDN snapshots.",
+                    m.get("host_snapshot_bytes", 0))
+        yield gauge("sglang:gdn_snapshot_host_budget_bytes", "Host-tier budget for GDN snapshots (bytes).",
+                    m.get("host_snapshot_budget_bytes", 0))
+        done = CounterMetricFamily("sglang:num_transfer_done_reqs", "PD transfers completed.", labels=["role"])
+        for role in ("prefill", "decode"):
+            done.add_metric([role], pd.get("transfers_done", 0) if pd.get("mode") == role else 0)
+        yield done
+        yield counter("sglang:num_transfer_failed_reqs", "PD transfers that failed (decode side).",
+                      pd.get("transfers_failed", 0))
+        yield counter("sglang:kv_transfer_bytes", "KV + GDN state bytes received over PD transfers.",
+                      pd.get("bytes_received", 0))

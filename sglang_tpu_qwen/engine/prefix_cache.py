@@ -60,6 +60,7 @@ class PrefixCache:
         self.host = HostSnapshotStore(host_bytes)
         self.nan_fill = nan_fill
         self._where: dict[int, tuple[int, ...]] = {}  # snapshot id in the tree -> its token prefix
+        self.snapshot_hits = {"device": 0, "host": 0}  # admissions whose GDN state came from a snapshot
 
     # ---- admission -----------------------------------------------------------------------------
     def peek(self, r: Request) -> int:
@@ -96,6 +97,7 @@ class PrefixCache:
 
     def _restore(self, snapshot: int, slot: int | None) -> None:
         assert slot is not None
+        self.snapshot_hits["host" if is_host_id(snapshot) else "device"] += 1
         if is_host_id(snapshot):
             conv, rec = self.host.get(snapshot)
             self.runner.write_slot(slot, conv, rec)
@@ -252,11 +254,15 @@ class PrefixCache:
     def stats(self) -> dict[str, Any]:
         """Usage figures; O(1) reads only, since /get_server_info calls this from the HTTP thread while the
         scheduler thread changes the tree (tree.stats() walks it)."""
-        hits, queries = self.tree.hit_counts()
+        c = self.tree.counters()
+        hits, queries = c["hit_tokens"], c["query_tokens"]
         out = {"cached_pages": self.tree.num_pages, "cached_snapshots": self.tree.num_snapshots,
                "cache_hit_rate": hits / queries if queries else 0.0,
                "cache_hit_tokens": hits, "cache_query_tokens": queries,
-               "host_snapshots": len(self.host), "host_snapshot_bytes": self.host.used_bytes}
+               "evicted_pages": c["evicted_pages"], "evicted_snapshots": c["evicted_snapshots"],
+               "snapshot_hits_device": self.snapshot_hits["device"], "snapshot_hits_host": self.snapshot_hits["host"],
+               "host_snapshots": len(self.host), "host_snapshot_bytes": self.host.used_bytes,
+               "host_snapshot_budget_bytes": self.host.budget_bytes}
         if self.snap_pool is not None:
             out.update(snapshot_slots_total=self.snap_pool.num_usable, snapshot_slots_free=self.snap_pool.num_free)
         return out

@@ -34,6 +34,7 @@ from sglang_tpu_qwen.engine.inbox import AbortRequest, AddRequests, FlushCache, 
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner, SampleOutput
 from sglang_tpu_qwen.engine.output_processor import OutputProcessor
+from sglang_tpu_qwen.engine.profiler import StepProfiler, default_profile_dir
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ForwardMode, ScheduleBatch
@@ -76,6 +77,8 @@ class Scheduler:
         self._inbox = Inbox()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        # /start_profile, /stop_profile: carried out here between steps (profiler.py).
+        self.profiler = StepProfiler(default_profile_dir(args.profile_dir), self._inbox.wake)
 
     @property
     def ranks(self) -> list[RankMemory]:
@@ -97,6 +100,7 @@ class Scheduler:
         self._stop.set()
         self._inbox.wake()
         self._thread.join(timeout=30)
+        self.profiler.close()  # a trace still running is written out
 
     def submit(self, reqs: list[Request]) -> None:
         self._inbox.put(AddRequests(reqs))
@@ -147,6 +151,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            self.profiler.poll()
             if not self.waiting and not self.running and not self.role.busy and self._in_flight is None:
                 self._inbox.wait(0.5)
                 continue
@@ -196,14 +201,16 @@ class Scheduler:
         prev = None if self._in_flight is None else self._in_flight.batch
         batch = ScheduleBatch.build(mode, chosen, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size,
                                     prev)
-        launched = self.launch(batch)
-        if self._in_flight is not None:
-            self.overlapped_steps += 1
-            self.device_fed_rows += int((batch.token_src >= 0).sum())
-        self._resolve()  # the previous step's tokens, read while the device runs this one
-        self._in_flight = launched
-        if not self.overlap:
-            self._resolve()
+        # Profiling: the annotation covers this step's launch and the host work done while it runs.
+        with self.profiler.step(batch.mode.name, len(batch.reqs), sum(batch.extend_lens)):
+            launched = self.launch(batch)
+            if self._in_flight is not None:
+                self.overlapped_steps += 1
+                self.device_fed_rows += int((batch.token_src >= 0).sum())
+            self._resolve()  # the previous step's tokens, read while the device runs this one
+            self._in_flight = launched
+            if not self.overlap:
+                self._resolve()
         return True
 
     def _can_overlap(self, step: Launched) -> bool:

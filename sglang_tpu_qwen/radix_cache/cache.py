@@ -138,6 +138,11 @@ class RadixCache:
         """(hit_tokens, query_tokens) over touching matches, O(1): safe to read while another thread matches."""
         return self._counters["hit_tokens"], self._counters["query_tokens"]
 
+    def counters(self) -> dict[str, int]:
+        """A copy of the event counters (match_queries, query_tokens, hit_tokens, kv_hit_tokens, inserted_pages,
+        duplicate_pages, evicted_pages, evicted_snapshots), O(1): safe to read from another thread."""
+        return dict(self._counters)
+
     def stats(self) -> CacheStats:
         """Current counters (walks the tree for the node count: O(nodes))."""
         c = self._counters

@@ -8,15 +8,21 @@ Routes (as SGLang's `python/sglang/srt/entrypoints/http_server.py`):
   GET /health_generate                  200 once a 1-token generation returns; 503 otherwise
   GET/POST /flush_cache                 200 "Cache flushed..." or 400 when requests are running
   POST /abort_request                   {"rid"}: abort that request
+  GET/POST /start_profile, /stop_profile  jax.profiler trace of the scheduler's steps (engine/profiler.py);
+                                        plain-text reply naming the trace directory, 400 when one already runs
   GET /metrics                          Prometheus text (only with --enable-metrics)
   /v1/models, /v1/completions, /v1/chat/completions   see openai_api.py
 `/version` is deliberately absent (404): SGLang routers take a worker answering it for vLLM.
-With an api key, every route but /health* and /metrics needs `Authorization: Bearer KEY` (else 401).
+With an api key, every route but /health, /health_generate and (with --enable-metrics) /metrics needs
+`Authorization: Bearer KEY` (else 401), compared in constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hmac
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +41,7 @@ from sglang_tpu_qwen.server.protocol import AbortReq, GenerateReqInput
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
+PROFILE_WAIT_S = 120.0
 
 
 def _version() -> str:
@@ -105,12 +112,16 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
     key = api_key if api_key is not None else getattr(engine.server_args, "api_key", None)
 
     if key:
+        expected = f"Bearer {key}".encode()
+        # /metrics is open to scrapers only where it exists (--enable-metrics); elsewhere it is a 401 like any path.
+        open_paths = {"/health", "/health_generate"} | ({"/metrics"} if getattr(engine, "metrics", None) else set())
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
-            path = request.url.path
-            exempt = request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics")
-            if not exempt and request.headers.get("Authorization") != f"Bearer {key}":
+            exempt = request.method == "OPTIONS" or request.url.path in open_paths
+            # Constant-time comparison: the time taken says nothing about how much of a guess was right.
+            given = request.headers.get("Authorization", "").encode()
+            if not exempt and not hmac.compare_digest(given, expected):
                 return unauthorized()
             return await call_next(request)
 
@@ -188,6 +199,21 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
             body, content_type = engine.metrics.render()
             return Response(content=body, media_type=content_type)
 
+    async def start_profile(request: Request) -> Response:
+        """SGLang's /start_profile: a jax.profiler trace of the scheduler's steps (engine/profiler.py)."""
+        raw = await request.body()
+        body = json.loads(raw) if raw.strip() else None  # a JSONDecodeError is a 400 (errors.py)
+        if body is not None and not isinstance(body, dict):
+            raise InvalidRequestError("the /start_profile body must be a JSON object")
+        return await _profile_reply(engine.start_profile(body))
+
+    async def stop_profile() -> Response:
+        """SGLang's /stop_profile: end the trace and write its files."""
+        return await _profile_reply(engine.stop_profile())
+
+    app.add_api_route("/start_profile", start_profile, methods=["GET", "POST"])
+    app.add_api_route("/stop_profile", stop_profile, methods=["GET", "POST"])
+
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
         kwargs, batch_size = _generate_kwargs(obj)
         try:
@@ -206,6 +232,18 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
     app.include_router(create_openai_router(engine, reasoning_parser=reasoning_parser,
                                             tool_call_parser=tool_call_parser))
     return app
+
+
+async def _profile_reply(fut: concurrent.futures.Future) -> Response:
+    """The scheduler thread's answer to a profile request, as SGLang's plain-text reply; it acts between two
+    steps, so a long step (a compilation) delays it. A request not acted on within PROFILE_WAIT_S is withdrawn."""
+    try:
+        text = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), PROFILE_WAIT_S)
+    except TimeoutError:
+        if fut.cancel():
+            return native_error(f"the scheduler did not take the profile request within {PROFILE_WAIT_S:g} s", 503)
+        text = await asyncio.wrap_future(fut)  # it started meanwhile: wait for its answer
+    return Response(content=text, status_code=200, media_type="text/plain")
 
 
 async def _generate_stream(

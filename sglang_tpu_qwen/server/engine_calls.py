@@ -15,6 +15,8 @@ from typing import Any
 
 from fastapi import Request
 
+from sglang_tpu_qwen.server import request_log
+
 # How often a non-streamed request checks whether its client is still connected (seconds).
 _DISCONNECT_POLL_S = 0.25
 
@@ -55,6 +57,7 @@ def abort_all(engine: Any, rids: str | list[str]) -> None:
 
 
 async def _start(engine: Any, kwargs: dict[str, Any]) -> Any:
+    request_log.log_received(engine, kwargs)  # a no-op unless --log-requests
     result = engine.async_generate(**kwargs)
     if inspect.isawaitable(result):
         result = await result
@@ -71,6 +74,7 @@ async def generate_once(engine: Any, request: Request, rids: str | list[str], **
         while True:
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if done:
+                request_log.log_finished(engine, task.result())
                 return task.result()
             if await request.is_disconnected():
                 raise ClientDisconnected()
@@ -90,7 +94,8 @@ async def open_stream(engine: Any, rids: str | list[str], **kwargs: Any) -> tupl
     Returns (first chunk or None when the stream is empty, iterator over the remaining chunks).
     """
     stream = await _start(engine, {**kwargs, "rid": rids, "stream": True})
-    it = aiter(stream)
+    it = aiter(request_log.logged_stream(engine, aiter(stream)) if request_log.enabled(engine) is not None
+                else stream)
     try:
         first = await anext(it)
     except StopAsyncIteration:

@@ -1,0 +1,83 @@
+"""Request logging behind `--log-requests` (SGLang's flag): off by default, so the server logs no prompt
+or output text unless an operator asks for it.
+
+`--log-requests-level` as SGLang defines it (`srt/utils/request_logger.py`):
+  0: metadata only (rid, prompt / output token counts, finish reason), no sampling parameters;
+  1: metadata and sampling parameters;
+  2: metadata, sampling parameters and the input / output, each cut to 2048 characters;
+  3: everything, uncut.
+Lines go to the `sglang_tpu_qwen.request` logger at INFO: "Receive: ..." when a call reaches the engine,
+"Finish: ..." for each finished reply (also for every sample of a batch or stream).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+logger = logging.getLogger("sglang_tpu_qwen.request")
+
+PARTIAL_CHARS = 2048  # level 2 cut, SGLang's max_length
+
+
+def enabled(engine: Any) -> int | None:
+    """The logging level of this engine's server, or None when --log-requests is off."""
+    args = getattr(engine, "server_args", None)
+    if args is None or not getattr(args, "log_requests", False):
+        return None
+    return int(getattr(args, "log_requests_level", 2))
+
+
+def _cut(value: Any, level: int) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    if level < 3 and len(text) > PARTIAL_CHARS:
+        return text[:PARTIAL_CHARS] + f"...({len(text) - PARTIAL_CHARS} more chars)"
+    return text
+
+
+def _count(prompt: Any) -> int | str:
+    if isinstance(prompt, str):
+        return f"{len(prompt)} chars"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        return f"batch of {len(prompt)}"
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
+def log_received(engine: Any, kwargs: dict[str, Any]) -> None:
+    """Log one engine call (the keyword arguments of `Engine.async_generate`) if --log-requests is on."""
+    level = enabled(engine)
+    if level is None:
+        return
+    prompt = kwargs.get("text") if kwargs.get("text") is not None else kwargs.get("input_ids")
+    parts = [f"rid={kwargs.get('rid')!r}", f"stream={bool(kwargs.get('stream'))}", f"prompt={_count(prompt)}"]
+    if level >= 1:
+        parts.append(f"sampling_params={_cut(kwargs.get('sampling_params'), level)}")
+    if level >= 2:
+        parts.append(f"input={_cut(prompt, level)}")
+    logger.info("Receive: %s", ", ".join(parts))
+
+
+def log_finished(engine: Any, reply: Any) -> None:
+    """Log every finished reply dict in `reply` (a dict, a list of them, or a stream chunk)."""
+    level = enabled(engine)
+    if level is None:
+        return
+    for out in reply if isinstance(reply, list) else [reply]:
+        meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
+        if meta.get("finish_reason") is None:
+            continue
+        parts = [f"rid={meta.get('id')!r}", f"finish_reason={json.dumps(meta.get('finish_reason'))}",
+                 f"prompt_tokens={meta.get('prompt_tokens')}", f"completion_tokens={meta.get('completion_tokens')}",
+                 f"cached_tokens={meta.get('cached_tokens')}"]
+        if level >= 2:
+            parts.append(f"output={_cut(out.get('text', ''), level)}")
+        logger.info("Finish: %s", ", ".join(parts))
+
+
+async def logged_stream(engine: Any, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """Pass a stream's chunks through, logging each finished one (only when --log-requests is on)."""
+    async for chunk in chunks:
+        log_finished(engine, chunk)
+        yield chunk
