@@ -11,6 +11,7 @@ hands host (numpy) arrays already padded to a bucket; a shape outside the set ra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -89,12 +90,27 @@ class SamplingBatch:
 
 
 @dataclass
+class StepStats:
+    """Decode-loop timing for benchmarks: `decode_steps` intervals between consecutive decode forwards
+    (`decode_wall_s`, seconds) and the time the host spent blocked on the device reading their sampled ids
+    (`decode_wait_s`). Host time of a step = wall - wait."""
+
+    decode_steps: int = 0
+    decode_wall_s: float = 0.0
+    decode_wait_s: float = 0.0
+
+    def reset(self) -> None:
+        self.decode_steps, self.decode_wall_s, self.decode_wait_s = 0, 0.0, 0.0
+
+
+@dataclass
 class StepOutput:
     """Device result of one forward step: hidden [B, T, H] (prompt logprobs) and last [B, H], each row's
     hidden state at its last new token (sampling)."""
 
     hidden: jax.Array
     last: jax.Array
+    decode: bool = False
 
 
 @dataclass
@@ -111,10 +127,14 @@ class SampleOutput:
     top_logprobs: jax.Array
     top_ids: jax.Array
     num_top: int
+    stats: StepStats | None = None  # decode steps: the blocked time is added here
 
     def get(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Host copies (tokens, logprob, top_logprobs [B, num_top], top_ids [B, num_top])."""
+        start = time.perf_counter()
         toks, lp, top_lp, top_ids = jax.device_get((self.tokens, self.logprob, self.top_logprobs, self.top_ids))
+        if self.stats is not None:
+            self.stats.decode_wait_s += time.perf_counter() - start
         return (np.asarray(toks), np.asarray(lp), np.asarray(top_lp)[:, : self.num_top],
                 np.asarray(top_ids)[:, : self.num_top])
 
@@ -231,6 +251,8 @@ class ModelRunner:
         self._programs: dict[tuple, Any] = {}
         self._unused: dict[int, sampler.RowParams] = {}  # per B: device arrays of "feature unused" inputs
         self._ready = False
+        self.stats = StepStats()
+        self._last_decode_start: float | None = None
 
     def _batch_sharding(self, ndim: int = 1) -> Any:
         """Where a host array of per-row values goes: split by rows over the DP ranks, or the one device."""
@@ -526,6 +548,11 @@ class ModelRunner:
         b, t = tokens.shape
         bucket = StepBucket("decode" if t == 1 else "extend", b, t, page_table.shape[1])
         prog = self._program(("forward", bucket))
+        now = time.perf_counter()
+        if t == 1 and self._last_decode_start is not None:
+            self.stats.decode_steps += 1
+            self.stats.decode_wall_s += now - self._last_decode_start
+        self._last_decode_start = now if t == 1 else None
         page_table = self._to_rank_local(page_table, self.num_pages)
         slot_ids = self._to_rank_local(slot_ids, self.num_slots)
         args = self._put([tokens.astype(np.int32), prefix_lens.astype(np.int32), new_lens.astype(np.int32),
@@ -534,7 +561,7 @@ class ModelRunner:
         if self._prev_tokens is None:
             self._prev_tokens = jax.device_put(np.zeros(self.prev_rows, np.int32), self._replicated())
         hidden, last, self.cache = prog(self.params, self.cache, *args[:5], self._prev_tokens, args[5])
-        return StepOutput(hidden, last)
+        return StepOutput(hidden, last, decode=t == 1)
 
     def keep_sampled(self, out: SampleOutput) -> None:
         """Keep out.tokens [B] on the device as the ids the next forward's token_src rows read (overlap
@@ -584,7 +611,40 @@ class ModelRunner:
             fields.setdefault(name, getattr(unused, name))
         fields["penalty_table"] = self._penalty_table(b, batch) if use_penalty else unused.penalty_table
         out = self._program(("sample", kind, b))(self.params, step.last, sampler.RowParams(**fields), feats)
-        return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0)
+        return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
+                            stats=self.stats if step.decode else None)
+
+    def time_decode_step(self, rows: int, context: int, iters: int = 20) -> float:
+        """Device seconds per greedy decode step (forward + sampling programs) of `rows` rows at `context`
+        tokens each: `iters` steps dispatched back to back, one wait at the end, so host dispatch overlaps
+        the device. For benchmarks on an IDLE engine only: rows read arbitrary pages and write position
+        context - 1 into the trash page and trash slot."""
+        bucket = self.buckets.decode_bucket(-(-rows // self.dp))
+        b, pages = bucket.batch, bucket.pages
+        ps = self.page_size
+        usable = self.num_pages - 1
+        page_table = (1 + (np.arange(b * pages).reshape(b, pages) % usable)).astype(np.int32)
+        page_table[:, (context - 1) // ps] = 0
+        if self.dp > 1:
+            page_table += (np.arange(b) // (b // self.dp))[:, None] * self.num_pages
+            page_table[:, (context - 1) // ps] = (np.arange(b) // (b // self.dp)) * self.num_pages
+        slots = ((np.arange(b) // (b // self.dp)) * self.num_slots).astype(np.int32)
+        zeros_f = np.zeros(b, np.float32)
+        batch = SamplingBatch(zeros_f, np.ones(b, np.float32), np.zeros(b, np.int32), zeros_f,
+                              np.zeros(b, np.uint32), np.zeros(b, np.int32), np.ones(b, np.float32), zeros_f,
+                              zeros_f, None, None, np.full((b, 4), -1, np.int32), False, 0)
+        args = (np.zeros((b, 1), np.int32), np.full(b, context - 1, np.int32), np.ones(b, np.int32), page_table,
+                slots)
+        saved = self._last_decode_start, dataclasses.replace(self.stats)
+        for _ in range(2):
+            self.sample(self.forward(*args), batch).tokens.block_until_ready()
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = self.sample(self.forward(*args), batch)
+        out.tokens.block_until_ready()
+        elapsed = (time.perf_counter() - start) / iters
+        self._last_decode_start, self.stats = saved
+        return elapsed
 
     def _penalty_table(self, b: int, batch: SamplingBatch) -> jax.Array:
         """[B, V] int32 penalty table from the host's id lists, PENALTY_CHUNK ids per program call."""
