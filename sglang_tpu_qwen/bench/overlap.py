@@ -1,12 +1,12 @@
 """Decode steady state with and without overlap scheduling: how much host time the device waits for.
 
-For each mode (overlap on, `--disable-overlap-schedule`) an Engine on the same checkpoint decodes
-`--batch` seeded random prompts of `--input-len` tokens for `--output-len` greedy tokens (ignore_eos, so
-every request runs the whole length and the decode steps all have `--batch` rows). The scheduler's steps
+One Engine decodes `--batch` seeded random prompts of `--input-len` tokens for `--output-len` greedy tokens
+(ignore_eos, so every request runs the whole length and the decode steps all have `--batch` rows), in
+alternating runs with overlap scheduling off (as `--disable-overlap-schedule`) and on. The scheduler's steps
 are timed from the scheduler thread; the steady state is the middle half of the full-batch decode steps.
-Then the same decode program (forward + greedy sampling, one bucket) is replayed back to back without the
-scheduler, which gives the device time of one step. Host time not hidden = step time - device time, shown
-as a share of the step.
+After each run the same decode program (forward + greedy sampling, one bucket) is replayed back to back
+without the scheduler, which gives the device time of one step. Host time not hidden = step time - device
+time, shown as a share of the step. On a CPU backend "device" work runs on the same cores as the host.
 
 Usage: `python -m sglang_tpu_qwen.bench.overlap --batch 32 --output-len 64` (embedded model by default).
 Prints one table row per mode and one JSON line.
@@ -78,15 +78,16 @@ def _device_step_s(engine: Any, rows: int, repeats: int) -> float:
     return best
 
 
-def run_mode(overlap: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """One Engine, one timed decode run; returns the step / device / exposed-host figures (ms, %)."""
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One Engine; timed decode runs alternating synchronous and overlapped steps (`--rounds` of each, the
+    scheduler's `overlap` switch flipped between runs, so both modes see the same machine load), each
+    followed by a device-only replay. Returns per-mode medians (ms, %)."""
     from sglang_tpu_qwen.engine.engine import Engine
 
     sargs = ServerArgs.from_kwargs(model_path=args.model_path, max_running_requests=args.batch,
                                    chunked_prefill_size=max(args.batch * args.input_len, 256),
                                    max_total_tokens=args.batch * (args.input_len + args.output_len + 64),
-                                   disable_radix_cache=True, disable_overlap_schedule=not overlap,
-                                   disable_precompile=args.disable_precompile)
+                                   disable_radix_cache=True, disable_precompile=args.disable_precompile)
     engine = Engine(sargs)
     try:
         rng = np.random.default_rng(args.seed)
@@ -94,22 +95,34 @@ def run_mode(overlap: bool, args: argparse.Namespace) -> dict[str, Any]:
         warm = rng.integers(100, 200000, size=(args.batch, args.input_len)).tolist()
         engine.generate(input_ids=warm, sampling_params=sp)  # compile whatever precompile skipped
         log = _timed_steps(engine)
-        prompts = rng.integers(100, 200000, size=(args.batch, args.input_len)).tolist()
-        t0 = time.perf_counter()
-        engine.generate(input_ids=prompts, sampling_params=sp)
-        wall = time.perf_counter() - t0
-        full = [(s, e) for s, e, rows, mode in log if mode == "decode" and rows == args.batch]
-        mid = full[len(full) // 4 : len(full) - len(full) // 4]
-        starts = [s for s, _ in mid]
-        step_s = float(np.median(np.diff(starts))) if len(starts) > 2 else float("nan")
-        host_s = float(np.median([e - s for s, e in mid])) if mid else float("nan")
-        device_s = _device_step_s(engine, args.batch, args.repeats)
-        exposed = max(0.0, step_s - device_s)
-        return {"overlap": overlap, "decode_steps": len(full), "step_ms": 1e3 * step_s,
-                "device_ms": 1e3 * device_s, "host_call_ms": 1e3 * host_s, "exposed_host_ms": 1e3 * exposed,
-                "exposed_host_pct": 100.0 * exposed / step_s, "output_tok_s": args.batch * args.output_len / wall}
+        runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for overlap in (False, True):
+                engine.scheduler.overlap = overlap  # read at every step; the engine is idle here
+                log.clear()
+                prompts = rng.integers(100, 200000, size=(args.batch, args.input_len)).tolist()
+                t0 = time.perf_counter()
+                engine.generate(input_ids=prompts, sampling_params=sp)
+                wall = time.perf_counter() - t0
+                full = [s for s, _, rows, mode in log if mode == "decode" and rows == args.batch]
+                mid = full[len(full) // 4 : len(full) - len(full) // 4]
+                step_s = float(np.median(np.diff(mid))) if len(mid) > 2 else float("nan")
+                device_s = _device_step_s(engine, args.batch, args.repeats)
+                runs[overlap].append({"step_s": step_s, "device_s": device_s, "steps": len(full),
+                                      "tok_s": args.batch * args.output_len / wall})
     finally:
         engine.shutdown()
+    rows = []
+    for overlap, rs in runs.items():
+        step_s = float(np.median([r["step_s"] for r in rs]))
+        device_s = float(np.median([r["device_s"] for r in rs]))
+        exposed = max(0.0, step_s - device_s)
+        rows.append({"overlap": overlap, "decode_steps": rs[0]["steps"], "step_ms": 1e3 * step_s,
+                     "device_ms": 1e3 * device_s, "exposed_host_ms": 1e3 * exposed,
+                     "exposed_host_pct": 100.0 * exposed / step_s,
+                     "output_tok_s": float(np.median([r["tok_s"] for r in rs])),
+                     "runs": rs})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,9 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10, help="device-only replays per timing window")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs per mode (alternating)")
     parser.add_argument("--disable-precompile", action="store_true")
     args = parser.parse_args(argv)
-    rows = [run_mode(overlap, args) for overlap in (False, True)]
+    rows = run(args)
     print(f"{'mode':<10}{'step ms':>10}{'device ms':>11}{'exposed host ms':>17}{'exposed %':>11}{'tok/s':>9}")
     for r in rows:
         print(f"{'overlap' if r['overlap'] else 'sync':<10}{r['step_ms']:>10.2f}{r['device_ms']:>11.2f}"

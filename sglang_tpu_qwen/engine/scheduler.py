@@ -160,7 +160,9 @@ class Scheduler:
                     self._inbox.wait(0.01)
             except Exception:  # a failed step must not take the server down with it
                 logger.exception("step failed; aborting the running requests")
-                self._in_flight = None
+                self._in_flight = None  # its tokens are lost: a retracted request re-prefills without them
+                for r in self.waiting:
+                    r.tokens_in_flight = 0
                 for r in list(self.running):
                     self.finish(r, {"type": "abort", "message": "internal error during the step"}, keep=False)
             self._report_usage()
