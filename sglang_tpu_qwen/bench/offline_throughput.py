@@ -120,7 +120,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
     wall_ms = 1e3 * stats.decode_wall_s / steps
     extra = {"compilations_during_timed_run": compiles, "precompile": precompile,
              "decode_steps": stats.decode_steps, "decode_step_ms": wall_ms,
-             "decode_blocked_ms": 1e3 * stats.decode_wait_s / steps, "decode_device_ms": device_ms,
+             "decode_blocked_ms": 1e3 * stats.decode_wait_s / max(stats.decode_waits, 1), "decode_device_ms": device_ms,
              "decode_host_ms": max(0.0, wall_ms - device_ms), "decode_rows": rows, "decode_context": context}
     return RunResult(
         elapsed_s=elapsed,

@@ -98,9 +98,10 @@ class StepStats:
     decode_steps: int = 0
     decode_wall_s: float = 0.0
     decode_wait_s: float = 0.0
+    decode_waits: int = 0  # decode steps whose sampled ids were read (decode_wait_s is over these)
 
     def reset(self) -> None:
-        self.decode_steps, self.decode_wall_s, self.decode_wait_s = 0, 0.0, 0.0
+        self.decode_steps, self.decode_wall_s, self.decode_wait_s, self.decode_waits = 0, 0.0, 0.0, 0
 
 
 @dataclass
@@ -135,6 +136,7 @@ class SampleOutput:
         toks, lp, top_lp, top_ids = jax.device_get((self.tokens, self.logprob, self.top_logprobs, self.top_ids))
         if self.stats is not None:
             self.stats.decode_wait_s += time.perf_counter() - start
+            self.stats.decode_waits += 1
         return (np.asarray(toks), np.asarray(lp), np.asarray(top_lp)[:, : self.num_top],
                 np.asarray(top_ids)[:, : self.num_top])
 
