@@ -213,6 +213,12 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
                 b = next(v for k, v in custom_call_bytes.items() if k in op_name)
             elif ins.opcode == "custom-call" and (est := re.search(r'"bytes_accessed":"?(\d+)', ins.attrs)):
                 b = float(est.group(1))  # a Pallas kernel's declared traffic (pl.CostEstimate)
+            elif ins.opcode in ("slice", "dynamic-slice", "gather"):
+                b = 2 * shape_bytes(ins.result)  # reads the slice, writes it
+            elif ins.opcode in ("slice-start", "copy-start"):
+                # Result (destination, source, context): the destination is read from the source once.
+                first = _SHAPE.search(ins.result)
+                b = 2 * shape_bytes(first.group(0)) if first else 0.0
             else:
                 b = sum(shape_bytes(op.split("%")[0]) for op in ins.operands) + shape_bytes(ins.result)
             out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c]))
