@@ -2,7 +2,8 @@
 
 XLA's cost analysis gives one total ("bytes accessed"); to name what moves more bytes than it must, this
 module walks the scheduled computations (the entry, while bodies times their known trip counts,
-conditional branches) and charges each top-level instruction (a fusion, a custom call, a copy, a
+the cheapest branch of each conditional: the expected path, e.g. the expert-parallel fast path or
+sampling with its optional features off) and charges each top-level instruction (a fusion, a custom call, a copy, a
 collective ...) the bytes of its operands and its result, with the same two corrections XLA's own
 analysis makes: an operand that a fusion only slices (``dynamic-slice``, ``slice``, ``gather``) costs the
 slices, and a fusion whose root updates a buffer in place (``dynamic-update-slice``, ``scatter``) costs the
@@ -160,6 +161,38 @@ def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int:
     return max([c for c in consts if c > 0], default=1)
 
 
+def _instr_bytes(ins: _Instr, comps: dict[str, list[_Instr]]) -> float:
+    if ins.opcode in _FREE:
+        return 0.0
+    if ins.opcode == "fusion":
+        return _fusion_bytes(ins, comps.get(_attr(ins.attrs, "calls") or "", []))
+    if ins.opcode == "custom-call" and (est := re.search(r'"bytes_accessed":"?(\d+)', ins.attrs)):
+        return float(est.group(1))
+    if ins.opcode in ("slice", "dynamic-slice", "gather"):
+        return 2 * shape_bytes(ins.result)
+    if ins.opcode in ("slice-start", "copy-start"):
+        first = _SHAPE.search(ins.result)
+        return 2 * shape_bytes(first.group(0)) if first else 0.0
+    return sum(shape_bytes(op.split("%")[0]) for op in ins.operands) + shape_bytes(ins.result)
+
+
+def _local_bytes(name: str, comps: dict[str, list[_Instr]]) -> float:
+    """Bytes of one computation's own top-level instructions plus those of its loops (times their trip
+    counts) and the cheapest branch of its conditionals."""
+    total = 0.0
+    for ins in comps.get(name, []):
+        total += _instr_bytes(ins, comps)
+        if ins.opcode == "while":
+            body = _attr(ins.attrs, "body")
+            total += _trip_count(ins, comps) * (_local_bytes(body, comps) if body else 0.0)
+        elif ins.opcode == "conditional":
+            names = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0]) \
+                if "branch_computations=" in ins.attrs else []
+            if names:
+                total += min(_local_bytes(n, comps) for n in names)
+    return total
+
+
 def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None) -> list[OpTraffic]:
     """Every top-level instruction of the compiled HLO ``text`` with its bytes and execution count.
 
@@ -184,12 +217,11 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
                     if name:
                         called.append((name, trips))
             elif ins.opcode == "conditional":
-                for name in re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0]):
-                    called.append((name, 1))
-                for key in ("true_computation", "false_computation"):
-                    name = _attr(ins.attrs, key)
-                    if name:
-                        called.append((name, 1))
+                names = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0]) \
+                    if "branch_computations=" in ins.attrs else []
+                names += [n for key in ("true_computation", "false_computation") if (n := _attr(ins.attrs, key))]
+                if names:  # the cheapest branch: the expected path (fast paths, optional work skipped)
+                    called.append((min(names, key=lambda n: _local_bytes(n, comps)), 1))
             elif ins.opcode == "call":
                 name = _attr(ins.attrs, "to_apply")
                 if name:
@@ -206,20 +238,9 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
                 continue
             m = re.search(r'op_name="([^"]*)"', ins.attrs)
             op_name = m.group(1) if m else ""
-            if ins.opcode == "fusion":
-                fused = comps.get(_attr(ins.attrs, "calls") or "", [])
-                b = _fusion_bytes(ins, fused)
-            elif ins.opcode == "custom-call" and custom_call_bytes and any(k in op_name for k in custom_call_bytes):
+            if ins.opcode == "custom-call" and custom_call_bytes and any(k in op_name for k in custom_call_bytes):
                 b = next(v for k, v in custom_call_bytes.items() if k in op_name)
-            elif ins.opcode == "custom-call" and (est := re.search(r'"bytes_accessed":"?(\d+)', ins.attrs)):
-                b = float(est.group(1))  # a Pallas kernel's declared traffic (pl.CostEstimate)
-            elif ins.opcode in ("slice", "dynamic-slice", "gather"):
-                b = 2 * shape_bytes(ins.result)  # reads the slice, writes it
-            elif ins.opcode in ("slice-start", "copy-start"):
-                # Result (destination, source, context): the destination is read from the source once.
-                first = _SHAPE.search(ins.result)
-                b = 2 * shape_bytes(first.group(0)) if first else 0.0
             else:
-                b = sum(shape_bytes(op.split("%")[0]) for op in ins.operands) + shape_bytes(ins.result)
+                b = _instr_bytes(ins, comps)
             out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c]))
     return out
