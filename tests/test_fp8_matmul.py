@@ -61,6 +61,20 @@ def test_kernel_matches_dequantised_ragged_dot(m, k, n, sizes, tiles):
         assert err < TOL
 
 
+def test_kernel_reads_one_layer_of_a_stack():
+    """A stacked ``q [L, G, K, N]`` with a traced layer index reads that layer (the forward's scan)."""
+    rng = np.random.default_rng(7)
+    ws = [_weights(rng, 2, 300, 136, (128, 128)) for _ in range(3)]
+    stack = jnp.stack([w.q for w in ws])
+    x = jnp.asarray(rng.standard_normal((20, 300)), jnp.float32)
+    gs = jnp.asarray([12, 8], jnp.int32)
+    run = jax.jit(functools.partial(fp8_grouped_matmul, block=(128, 128), interpret=True))
+    for layer in (0, 2):
+        got = run(x, stack, ws[layer].scale, gs, jnp.int32(layer))
+        want = fp8_grouped_matmul_reference(x, ws[layer].q, ws[layer].scale, gs, (128, 128))
+        assert _rel(got, want) < TOL
+
+
 def test_xla_path_and_linear():
     """Off TPU, ``grouped``/``linear`` dequantise in XLA: equal to the dense matmul of the dequantised
     weight; ``linear`` through the kernel (interpret) too, with leading batch dims."""

@@ -25,6 +25,7 @@ from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_p
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import rope_cos_sin
+from sglang_tpu_qwen.parallel.fp8 import join_layer_fp8, split_stacked_fp8
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -111,9 +112,13 @@ def forward_step(
     attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
     moe = moe_fn or moe_block
 
+    # FP8 weights stay whole stacks outside the scan: the kernel reads layer g in place (parallel/fp8.py).
+    scanned, fp8_stacks = split_stacked_fp8(params["layers"])
+
     def group(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, list[Params]]) -> tuple[tuple[jax.Array, ...], None]:
         h, k_cache, v_cache, conv, rec = carry
         g, lps = xs
+        lps = join_layer_fp8(lps, fp8_stacks, g)
         # Cache index of this group's first layer of each kind (traced: the kernels take it in SMEM).
         attn_i, gdn_i = g * n_attn, g * n_gdn
         for kind, lp in zip(kinds, lps, strict=True):
@@ -141,7 +146,7 @@ def forward_step(
     n_groups = config.num_hidden_layers // period
     carry = (params["embed"][tokens], cache["k"], cache["v"], cache["conv"], cache["rec"])
     (h, k_cache, v_cache, conv, rec), _ = jax.lax.scan(
-        group, carry, (jnp.arange(n_groups, dtype=jnp.int32), params["layers"])
+        group, carry, (jnp.arange(n_groups, dtype=jnp.int32), scanned)
     )
     h = rms_norm(h, params["final_norm"], eps)
     return h, {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}

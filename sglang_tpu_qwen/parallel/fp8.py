@@ -66,6 +66,49 @@ class Fp8Weight:
 jax.tree_util.register_dataclass(Fp8Weight, data_fields=["q", "scale"], meta_fields=["block"])
 
 
+@dataclasses.dataclass
+class LayerSlice:
+    """Layer ``index`` of a stacked ``[L, ...]`` array, not yet sliced: the forward puts one in
+    ``Fp8Weight.q`` inside its layer scan so the FP8 kernel reads the layer in place (XLA copies a
+    dynamically sliced operand of a custom call before the call: the whole layer's weight bytes twice)."""
+
+    stack: Any
+    index: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self.stack.dtype
+
+    def get(self) -> jax.Array:
+        """The sliced layer (a copy where XLA cannot fuse the slice into the consumer)."""
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+
+
+jax.tree_util.register_dataclass(LayerSlice, data_fields=["stack", "index"], meta_fields=[])
+
+
+def split_stacked_fp8(layers: Any) -> tuple[Any, list[Any]]:
+    """Stacked layer params -> (the tree to scan over, with each :class:`Fp8Weight`'s ``q`` removed; the
+    removed ``q`` stacks in flattening order, None for other leaves). See :func:`join_layer_fp8`."""
+    flat, treedef = jax.tree.flatten(layers, is_leaf=lambda x: isinstance(x, Fp8Weight))
+    stacks = [x.q if isinstance(x, Fp8Weight) else None for x in flat]
+    scanned = [Fp8Weight(None, x.scale, x.block) if isinstance(x, Fp8Weight) else x for x in flat]
+    return jax.tree.unflatten(treedef, scanned), stacks
+
+
+def join_layer_fp8(layer: Any, stacks: list[Any], index: Any) -> Any:
+    """Inside the scan: one layer's sliced tree + the ``q`` stacks -> the layer's params with each FP8
+    ``q`` a :class:`LayerSlice` of its stack at ``index``."""
+    flat, treedef = jax.tree.flatten(layer, is_leaf=lambda x: isinstance(x, Fp8Weight))
+    out = [Fp8Weight(LayerSlice(q, index), x.scale, x.block) if q is not None else x
+           for x, q in zip(flat, stacks, strict=True)]
+    return jax.tree.unflatten(treedef, out)
+
+
 def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     *lead, r, c = shape
     return (*lead, -(-r // block[0]), -(-c // block[1]))
@@ -149,18 +192,23 @@ def _fp8_grouped(
 ) -> jax.Array:
     interpret = interpret or _INTERPRET[-1]
 
-    def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array) -> jax.Array:
-        return fp8_grouped_matmul(x, q, scale, gs, block=w.block, interpret=interpret,
+    sliced = isinstance(w.q, LayerSlice)
+    q, layer = (w.q.stack, w.q.index) if sliced else (w.q, None)
+
+    def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, layer: Any) -> jax.Array:
+        return fp8_grouped_matmul(x, q, scale, gs, layer, block=w.block, interpret=interpret,
                                   expected_rows=expected_rows).astype(out_dtype)
 
-    def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array) -> jax.Array:
+    def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, layer: Any) -> jax.Array:
+        if layer is not None:
+            q = jax.lax.dynamic_index_in_dim(q, layer, keepdims=False)
         dense = dequantize_blocks(q, scale, w.block, x.dtype)
         return jax.lax.ragged_dot(x, dense, gs, preferred_element_type=out_dtype).astype(out_dtype)
 
     if interpret:
-        return tpu(x, w.q, w.scale, group_sizes)
+        return tpu(x, q, w.scale, group_sizes, layer)
     # Chosen when lowering, by the platform compiled for (the deviceless planner compiles for TPU).
-    return jax.lax.platform_dependent(x, w.q, w.scale, group_sizes, tpu=tpu, default=other)
+    return jax.lax.platform_dependent(x, q, w.scale, group_sizes, layer, tpu=tpu, default=other)
 
 
 def grouped(
@@ -196,6 +244,7 @@ def linear(x: jax.Array, w: Any, *, interpret: bool = False) -> jax.Array:
         return x @ w
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    one = Fp8Weight(q=w.q[None], scale=w.scale[None], block=w.block)
+    q = LayerSlice(w.q.stack[:, None], w.q.index) if isinstance(w.q, LayerSlice) else w.q[None]
+    one = Fp8Weight(q=q, scale=w.scale[None], block=w.block)
     out = _fp8_grouped(flat, one, jnp.full((1,), flat.shape[0], jnp.int32), x.dtype, interpret, None)
     return out.reshape(*lead, w.shape[-1])

@@ -49,7 +49,7 @@ def _visits(group_sizes: jax.Array, tm: int, tiles_m: int, num_visits: int) -> t
 
 
 def _kernel(
-    group_ref, tile_ref, start_ref, end_ref, total_ref,  # scalar prefetch (SMEM)
+    _layer_ref, group_ref, tile_ref, start_ref, end_ref, total_ref,  # scalar prefetch (SMEM)
     x_ref, q_ref, s_ref, o_ref, acc_ref,
     *, tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int],
 ):
@@ -72,7 +72,7 @@ def _kernel(
             xs = jnp.where(jnp.logical_and(in_group, kcol < k_dim), xs, 0).astype(x_ref.dtype)
             krow = k * tk + i * b0 + jax.lax.broadcasted_iota(jnp.int32, (b0, tn), 0)
             # Padding past K may hold any bits (NaN included): zero it, not just the matching x columns.
-            ws = jnp.where(krow < k_dim, q_ref[0, i * b0 : (i + 1) * b0, :].astype(x_ref.dtype), 0)
+            ws = jnp.where(krow < k_dim, q_ref[i * b0 : (i + 1) * b0, :].astype(x_ref.dtype), 0)
             part = jnp.dot(xs, ws, preferred_element_type=jnp.float32)  # [tm, tn]
             srow = s_ref[0, 0, pl.ds(k * (tk // b0) + i, 1), :]  # [1, tn // b1] float32
             s = jnp.concatenate([jnp.broadcast_to(srow[:, j : j + 1], (1, b1)) for j in range(tn // b1)], axis=1)
@@ -106,6 +106,7 @@ def fp8_grouped_matmul(
     q: jax.Array,
     scale: jax.Array,
     group_sizes: jax.Array,
+    layer: jax.Array | int | None = None,
     *,
     block: tuple[int, int] = (128, 128),
     tm: int = 128,
@@ -118,9 +119,11 @@ def fp8_grouped_matmul(
 
     Args:
         x: ``[M, K]`` rows sorted by group.
-        q: ``[G, K, N]`` float8_e4m3fn.
-        scale: ``[G, ceil(K / b0), ceil(N / b1)]`` float32.
+        q: ``[G, K, N]`` float8_e4m3fn, or ``[L, G, K, N]`` (a stack of layers) with ``layer`` given: the
+            kernel reads layer ``layer`` in place (a sliced operand would be copied by XLA first).
+        scale: ``[G, ceil(K / b0), ceil(N / b1)]`` float32 (that layer's).
         group_sizes: ``[G]`` int32.
+        layer: int32 scalar (may be traced) for a 4-D ``q``; None for a 3-D one.
         block: ``(b0, b1)`` quantisation block; each must divide 128 or be a multiple of it.
         tm, tk, tn: tile targets (rounded to the block and to the operand dims).
         interpret: Pallas TPU interpret mode (CPU tests).
@@ -133,8 +136,13 @@ def fp8_grouped_matmul(
     Raises:
         ValueError: a shape mismatch or a block size the tiling cannot honour.
     """
+    if q.ndim == 3:
+        q, layer = q[None], 0
+    elif layer is None:
+        raise ValueError("a stacked q [L, G, K, N] needs its layer index")
+    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     m, k_dim = x.shape
-    g, kq, n = q.shape
+    _, g, kq, n = q.shape
     b0, b1 = block
     if kq != k_dim or scale.shape != (g, -(-k_dim // b0), -(-n // b1)):
         raise ValueError(f"x {x.shape}, q {q.shape}, scale {scale.shape} do not match (block {block})")
@@ -158,14 +166,14 @@ def fp8_grouped_matmul(
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(tiles_n, num_visits, tiles_k),
             in_specs=[
-                pl.BlockSpec((tm, tk), lambda j, t, kk, gr, ti, *_: (ti[t], kk)),
-                pl.BlockSpec((1, tk, tn), lambda j, t, kk, gr, ti, *_: (gr[t], kk, j)),
-                pl.BlockSpec((1, 1, kb_pad, tn // b1), lambda j, t, kk, gr, ti, *_: (gr[t], j, 0, 0)),
+                pl.BlockSpec((tm, tk), lambda j, t, kk, lay, gr, ti, *_: (ti[t], kk)),
+                pl.BlockSpec((None, None, tk, tn), lambda j, t, kk, lay, gr, ti, *_: (lay[0], gr[t], kk, j)),
+                pl.BlockSpec((1, 1, kb_pad, tn // b1), lambda j, t, kk, lay, gr, ti, *_: (gr[t], j, 0, 0)),
             ],
-            out_specs=pl.BlockSpec((tm, tn), lambda j, t, kk, gr, ti, *_: (ti[t], j)),
+            out_specs=pl.BlockSpec((tm, tn), lambda j, t, kk, lay, gr, ti, *_: (ti[t], j)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
@@ -175,7 +183,7 @@ def fp8_grouped_matmul(
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, expected_rows),
-    )(group, tile, starts, ends, total, x, q, sp)
+    )(layer_arr, group, tile, starts, ends, total, x, q, sp)
     # Row tiles no group visits are never written.
     return jnp.where(jnp.arange(m)[:, None] < total_rows(group_sizes), out, 0).astype(x.dtype)
 

@@ -16,9 +16,12 @@ def dequantize_blocks(q: jax.Array, scale: jax.Array, block: tuple[int, int], dt
 
 
 def fp8_grouped_matmul_reference(
-    x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array, block: tuple[int, int]
+    x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array, block: tuple[int, int],
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Same contract as ``kernel.fp8_grouped_matmul``, computed in float32 on the dequantised weights."""
+    if q.ndim == 4:
+        q = q[layer]
     w = dequantize_blocks(q, scale, block, jnp.float32)
     out = jax.lax.ragged_dot(x.astype(jnp.float32), w, group_sizes, precision=jax.lax.Precision.HIGHEST)
     total = jnp.sum(group_sizes)

@@ -274,6 +274,13 @@ def fused_gdn(
         input_output_aliases={15: 4},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
+        # XLA cannot see in: the traffic is the rows' inputs and outputs and each row's recurrent state
+        # read and written once (not the whole pool operand).
+        cost_estimate=pl.CostEstimate(
+            flops=int(bsz * tp * hv * dk * dv * 6), transcendentals=int(bsz * tp * hv * 2),
+            bytes_accessed=int(bsz * tp * (conv_dim * mixed.dtype.itemsize + 4 * hv * (dv + 2))
+                               + 3 * bsz * km1 * conv_dim * conv_pool.dtype.itemsize
+                               + 2 * bsz * hv * dk * dv * rec_pool.dtype.itemsize)),
     )(
         layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
         conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,

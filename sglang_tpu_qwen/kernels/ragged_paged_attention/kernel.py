@@ -253,6 +253,13 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=bs.vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
+        # XLA cannot see in: the traffic is q, the new K/V and the output, plus each row's pages of this
+        # layer (all P columns: an upper bound, exact for full-context rows), not the whole caches.
+        cost_estimate=pl.CostEstimate(
+            flops=int(4 * bp * tp * nq * hd * pages_per_seq * page_size), transcendentals=int(
+                bp * tp * nq * pages_per_seq * page_size),
+            bytes_accessed=int(2 * qt.size * q.dtype.itemsize + 2 * k_new.size * k_new.dtype.itemsize
+                               + 2 * bp * pages_per_seq * page_size * nkv * hd * k_cache.dtype.itemsize)),
     )(
         jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
         page_table.astype(jnp.int32).reshape(-1), qt, k_new, v_new, k_cache, v_cache,

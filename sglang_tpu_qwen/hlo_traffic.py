@@ -1,0 +1,246 @@
+"""Per-instruction HBM traffic of a compiled XLA program, from its HLO text (the planner's excess list).
+
+XLA's cost analysis gives one total ("bytes accessed"); to name what moves more bytes than it must, this
+module walks the scheduled computations (the entry, while bodies times their known trip counts,
+the cheapest branch of each conditional: the expected path, e.g. the expert-parallel fast path or
+sampling with its optional features off) and charges each top-level instruction (a fusion, a custom call, a copy, a
+collective ...) the bytes of its operands and its result, with the same two corrections XLA's own
+analysis makes: an operand that a fusion only slices (``dynamic-slice``, ``slice``, ``gather``) costs the
+slices, and a fusion whose root updates a buffer in place (``dynamic-update-slice``, ``scatter``) costs the
+update, not the buffer. Custom calls (Pallas kernels) are charged the traffic they declare
+(``pl.CostEstimate``, as XLA does), else the caller's figure, else their operand and result bytes. The
+figures are an estimate for ranking, not a replacement for the total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2,
+    "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "s4": 0.5, "u4": 0.5,
+}  # fmt: skip
+_SHAPE = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_FREE = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "iota", "copy-done", "all-gather-done", "all-reduce-done",
+    "collective-permute-done", "async-done", "send-done", "recv-done", "opt-barrier",
+})  # fmt: skip
+_SLICING = ("dynamic-slice", "slice", "gather")
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+
+
+def shape_bytes(text: str) -> float:
+    """Bytes of every ``dtype[dims]`` in ``text`` (a shape or a tuple of shapes)."""
+    return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _SHAPE.findall(text))
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    opcode: str
+    result: str
+    operands: list[str]  # operand texts, "dtype[dims]{layout} %name"
+    attrs: str
+    root: bool
+
+
+@dataclasses.dataclass
+class OpTraffic:
+    """One top-level instruction: ``bytes`` per execution, ``count`` executions per program run."""
+
+    name: str
+    opcode: str
+    op_name: str
+    bytes: float
+    count: int
+
+    @property
+    def total(self) -> float:
+        return self.bytes * self.count
+
+
+def _split_operands(s: str) -> tuple[list[str], str]:
+    """``"a, b(c, d), e), attrs"`` -> (["a", "b(c, d)", "e"], "attrs"): operands up to the closing paren."""
+    depth, cur, out = 0, [], []
+    for i, ch in enumerate(s):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                if "".join(cur).strip():
+                    out.append("".join(cur).strip())
+                return out, s[i + 1 :]
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    return out, ""
+
+
+def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
+    comps: dict[str, list[_Instr]] = {}
+    entry, cur = "", None
+    for line in text.splitlines():
+        if cur is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith((" ", "\t")):
+                cur = m.group(2)
+                comps[cur] = []
+                if m.group(1):
+                    entry = cur
+            continue
+        if line.strip() == "}":
+            cur = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            operands, attrs = _split_operands(m.group(5))
+            comps[cur].append(_Instr(m.group(2), m.group(4), m.group(3), operands, attrs, bool(m.group(1))))
+    return comps, entry
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    m = re.search(key + r"=%?([\w.\-]+)", attrs)
+    return m.group(1) if m else None
+
+
+def _fusion_bytes(ins: _Instr, fused: list[_Instr]) -> float:
+    """Bytes of a fusion: operands (sliced ones: their slices) + result (in-place: the update)."""
+    params: dict[int, str] = {}
+    for f in fused:
+        if f.opcode == "parameter":
+            m = re.match(r"\s*(\d+)", f.operands[0] if f.operands else "")
+            if m:
+                params[int(m.group(1))] = f.name
+    users: dict[str, list[_Instr]] = defaultdict(list)
+    for f in fused:
+        for op in f.operands:
+            ref = op.split("%")[-1].strip() if "%" in op else op.strip()
+            users[ref].append(f)
+    root = next((f for f in fused if f.root), None)
+    in_place_buf = None
+    if root is not None and root.opcode in _IN_PLACE and root.operands:
+        in_place_buf = root.operands[0].split("%")[-1].strip()
+    total = 0.0
+    for i, op in enumerate(ins.operands):
+        pname = params.get(i)
+        us = users.get(pname or "", [])
+        if pname is not None and pname == in_place_buf:
+            continue  # the buffer updated in place: only the update moves
+        if us and all(u.opcode in _SLICING and u.operands and u.operands[0].split("%")[-1].strip() == pname
+                      for u in us):
+            total += sum(shape_bytes(u.result) for u in us)
+        else:
+            total += shape_bytes(op.split("%")[0])
+    if in_place_buf is not None and root is not None and len(root.operands) > 1:
+        upd = root.operands[1] if root.opcode == "dynamic-update-slice" else root.operands[-1]
+        name = upd.split("%")[-1].strip()
+        src = next((f for f in fused if f.name == name), None)
+        total += shape_bytes(src.result) if src is not None else shape_bytes(upd.split("%")[0])
+    else:
+        total += shape_bytes(ins.result)
+    return total
+
+
+def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int:
+    """``known_trip_count`` of a while, else the largest integer constant its condition compares with
+    (``jax.lax.scan`` / ``fori_loop`` count from 0 to N), else 1."""
+    m = re.search(r'known_trip_count[^0-9]*"n":"?(\d+)', ins.attrs)
+    if m:
+        return int(m.group(1))
+    consts = [int(c) for f in comps.get(_attr(ins.attrs, "condition") or "", []) if f.opcode == "constant"
+              for c in re.findall(r"^\s*(-?\d+)\s*$", f.operands[0] if f.operands else "")]
+    return max([c for c in consts if c > 0], default=1)
+
+
+def _instr_bytes(ins: _Instr, comps: dict[str, list[_Instr]]) -> float:
+    if ins.opcode in _FREE:
+        return 0.0
+    if ins.opcode == "fusion":
+        return _fusion_bytes(ins, comps.get(_attr(ins.attrs, "calls") or "", []))
+    if ins.opcode == "custom-call" and (est := re.search(r'"bytes_accessed":"?(\d+)', ins.attrs)):
+        return float(est.group(1))
+    if ins.opcode in ("slice", "dynamic-slice", "gather"):
+        return 2 * shape_bytes(ins.result)
+    if ins.opcode in ("slice-start", "copy-start"):
+        first = _SHAPE.search(ins.result)
+        return 2 * shape_bytes(first.group(0)) if first else 0.0
+    return sum(shape_bytes(op.split("%")[0]) for op in ins.operands) + shape_bytes(ins.result)
+
+
+def _local_bytes(name: str, comps: dict[str, list[_Instr]]) -> float:
+    """Bytes of one computation's own top-level instructions plus those of its loops (times their trip
+    counts) and the cheapest branch of its conditionals."""
+    total = 0.0
+    for ins in comps.get(name, []):
+        total += _instr_bytes(ins, comps)
+        if ins.opcode == "while":
+            body = _attr(ins.attrs, "body")
+            total += _trip_count(ins, comps) * (_local_bytes(body, comps) if body else 0.0)
+        elif ins.opcode == "conditional":
+            names = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0]) \
+                if "branch_computations=" in ins.attrs else []
+            if names:
+                total += min(_local_bytes(n, comps) for n in names)
+    return total
+
+
+def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None) -> list[OpTraffic]:
+    """Every top-level instruction of the compiled HLO ``text`` with its bytes and execution count.
+
+    ``custom_call_bytes``: bytes per execution of custom calls whose ``op_name`` metadata contains the key
+    (their operand sizes would count whole buffers a kernel only indexes, e.g. the KV cache).
+    """
+    comps, entry = _parse(text)
+    counts: dict[str, int] = defaultdict(int)
+    counts[entry] = 1
+    order = [entry]
+    seen = {entry}
+    i = 0
+    while i < len(order):
+        c = order[i]
+        i += 1
+        for ins in comps.get(c, []):
+            called: list[tuple[str, int]] = []
+            if ins.opcode == "while":
+                trips = _trip_count(ins, comps)
+                for key in ("body", "condition"):
+                    name = _attr(ins.attrs, key)
+                    if name:
+                        called.append((name, trips))
+            elif ins.opcode == "conditional":
+                names = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0]) \
+                    if "branch_computations=" in ins.attrs else []
+                names += [n for key in ("true_computation", "false_computation") if (n := _attr(ins.attrs, key))]
+                if names:  # the cheapest branch: the expected path (fast paths, optional work skipped)
+                    called.append((min(names, key=lambda n: _local_bytes(n, comps)), 1))
+            elif ins.opcode == "call":
+                name = _attr(ins.attrs, "to_apply")
+                if name:
+                    called.append((name, 1))
+            for name, mult in called:
+                counts[name] += counts[c] * mult
+                if name not in seen and name in comps:
+                    seen.add(name)
+                    order.append(name)
+    out: list[OpTraffic] = []
+    for c in order:
+        for ins in comps.get(c, []):
+            if ins.opcode in _FREE:
+                continue
+            m = re.search(r'op_name="([^"]*)"', ins.attrs)
+            op_name = m.group(1) if m else ""
+            if ins.opcode == "custom-call" and custom_call_bytes and any(k in op_name for k in custom_call_bytes):
+                b = next(v for k, v in custom_call_bytes.items() if k in op_name)
+            else:
+                b = _instr_bytes(ins, comps)
+            out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c]))
+    return out
