@@ -48,6 +48,10 @@ class ServerArgs:
     random_seed: int = field(default=0, metadata={"help": "Seed for sampling without a per-request seed."})
     stream_interval: int = field(default=1, metadata={"help": "Decode steps between streamed chunks."})
     skip_server_warmup: bool = field(default=False, metadata={"help": "Skip the warm-up request at start."})
+    watchdog_timeout: float = field(default=300.0, metadata={
+        "help": "Seconds a step may run before /health reports the server unhealthy (SGLang's flag; <= 0: off)."})
+    incremental_streaming_output: bool = field(default=False, metadata={
+        "help": "Streamed /generate chunks carry only the new text, ids and logprobs (SGLang's flag)."})
     # Prefix cache (radix tree over KV pages + GDN state snapshots).
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn the prefix cache off."})
     schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match) or fcfs."})
@@ -68,6 +72,9 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = field(
         default=False, metadata={"help": "JSON Schema output without free whitespace between tokens."}
     )
+    constrained_json_whitespace_pattern: str | None = field(default=None, metadata={
+        "help": "Regex of the whitespace JSON Schema output may hold between tokens (SGLang's flag; default "
+                "grammar/whitespace.py DEFAULT_JSON_WHITESPACE: at most one newline and a few spaces)."})
     # OpenAI chat output parsers (sglang_tpu_qwen/parsers).
     reasoning_parser: str | None = field(
         default=None, metadata={"help": "Split reasoning into reasoning_content: qwen3 (Qwen3 / Qwen3.5)."}

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.faults import FaultInjector
+from sglang_tpu_qwen.engine.health import HealthSnapshot, HealthState
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner, SamplingBatch, next_pow2
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
@@ -64,6 +66,8 @@ class Scheduler:
         self._admit_counter = 0
         self.disagg: Any = None  # prefill/decode disaggregation role (disagg/roles.py sets it), hooks below
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.health_state = HealthState()  # engine/health.py: what /health reports
+        self.faults = FaultInjector.from_env()  # engine/faults.py: test-only fault points
 
     # ---- other threads -------------------------------------------------------------------------
     def start(self) -> None:
@@ -73,6 +77,10 @@ class Scheduler:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
+
+    def health(self) -> HealthSnapshot:
+        """A consistent snapshot of the scheduler's health (engine/health.py)."""
+        return self.health_state.snapshot(alive=self._thread.is_alive())
 
     def submit(self, reqs: list[Request]) -> None:
         self._inbox.put(("add", reqs))
