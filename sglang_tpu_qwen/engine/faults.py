@@ -42,6 +42,7 @@ class Fault:
         at: the counter value of `point` (forward and sampler count steps, loop counts iterations) at which
             it fires; None: any.
         rid: fires only when a request of the step has an rid starting with this; None: any step.
+        skip: matching passes to let through before it fires (e.g. 1: not the request's first step).
         times: firings left; None: unlimited.
         consume_cache: forward only: delete the device cache before raising (what a failure after the
             donated buffers were consumed leaves behind).
@@ -52,6 +53,7 @@ class Fault:
     point: str
     at: int | None = None
     rid: str | None = None
+    skip: int = 0
     times: int | None = 1
     consume_cache: bool = False
     kill_thread: bool = False
@@ -73,15 +75,17 @@ class FaultInjector:
     def from_env(cls) -> FaultInjector:
         return cls(os.environ.get(ENV))
 
-    def arm(self, point: str, *, after: int | None = None, rid: str | None = None, times: int | None = 1,
-            consume_cache: bool = False, kill_thread: bool = False, block: threading.Event | None = None) -> Fault:
+    def arm(self, point: str, *, after: int | None = None, rid: str | None = None, skip: int = 0,
+            times: int | None = 1, consume_cache: bool = False, kill_thread: bool = False,
+            block: threading.Event | None = None) -> Fault:
         """Arm a fault at `point`, firing at the `after`-th next check of it (0: the next one; None: any) for
-        steps holding an rid starting with `rid` (None: any). Returns it (`disarm` takes it back)."""
+        steps holding an rid starting with `rid` (None: any), after letting `skip` matching passes through.
+        Returns it (`disarm` takes it back)."""
         if point not in POINTS:
             raise ValueError(f"fault point must be one of {', '.join(POINTS)}, got {point!r}")
         with self._lock:
             at = None if after is None else self._counts[point] + after
-            fault = Fault(point, at, rid, times, consume_cache, kill_thread, block)
+            fault = Fault(point, at, rid, skip, times, consume_cache, kill_thread, block)
             self._faults.append(fault)
         return fault
 
@@ -105,6 +109,9 @@ class FaultInjector:
             fault = next((f for f in self._faults if f.point == point and (f.at is None or f.at == count)
                           and (f.rid is None or any(r.startswith(f.rid) for r in rid_list))), None)
             if fault is None:
+                return
+            if fault.skip > 0:
+                fault.skip -= 1
                 return
             if fault.times is not None:
                 fault.times -= 1

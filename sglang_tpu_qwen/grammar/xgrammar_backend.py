@@ -64,7 +64,11 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "regex":
                 return g.from_regex(spec.text)
             if spec.kind == "json_schema":
-                problem = unenforced_keyword(json.loads(spec.text), self.name)
+                try:
+                    schema = json.loads(spec.text)
+                except json.JSONDecodeError as e:
+                    raise GrammarError(f"invalid json_schema: not valid JSON: {e}") from None
+                problem = unenforced_keyword(schema, self.name)
                 if problem is not None:
                     raise GrammarError(f"invalid json_schema: {problem}")
                 return g.from_json_schema(spec.text, any_whitespace=not self._ws.compact,
