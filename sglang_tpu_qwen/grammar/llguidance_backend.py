@@ -8,11 +8,13 @@ only by their token (the text `<think>` in a regex allows the special token `<th
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from sglang_tpu_qwen.grammar.backend import GrammarBackend, GrammarError, TokenMatcher, VocabInfo, compiler_message
+from sglang_tpu_qwen.grammar.schema_check import unenforced_keyword
 from sglang_tpu_qwen.grammar.spec import GrammarSpec, structural_tag_object
 from sglang_tpu_qwen.grammar.whitespace import JsonWhitespace, as_json_whitespace
 
@@ -69,6 +71,9 @@ class LLGuidanceBackend(GrammarBackend):
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.text)
         if spec.kind == "json_schema":
+            problem = unenforced_keyword(json.loads(spec.text), self.name)
+            if problem is not None:
+                raise ValueError(problem)
             return llg.LLMatcher.grammar_from_json_schema(spec.text, defaults=self._json_options)
         if spec.kind == "ebnf":
             return llg.grammar_from("ebnf", spec.text)

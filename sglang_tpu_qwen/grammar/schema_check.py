@@ -3,7 +3,8 @@
 Measured on the compiled grammars (tests/test_grammar_keywords.py feeds a satisfying and a violating
 instance of every keyword through each backend's matcher). xgrammar 0.2.x silently drops the keywords and
 combinations below and would emit output that violates the schema; llguidance refuses everything it does
-not implement itself ("Unimplemented keys"), so it needs no list. Keywords of the content vocabulary
+not implement itself ("Unimplemented keys"), so it needs no list. Both get a clear refusal of a `$ref`
+outside the schema (nothing is fetched). Keywords of the content vocabulary
 (contentEncoding, contentMediaType, contentSchema) and annotations are not assertions in JSON Schema
 2020-12 and pass.
 """
@@ -41,6 +42,13 @@ def _children(schema: dict[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
+def _common_problem(schema: dict[str, Any]) -> str | None:
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"keyword '$ref' to {ref!r}: only references inside the schema ('#/...') are supported"
+    return None
+
+
 def _xgrammar_problem(schema: dict[str, Any]) -> str | None:
     for key in XGRAMMAR_IGNORED:
         if key in schema:
@@ -59,9 +67,6 @@ def _xgrammar_problem(schema: dict[str, Any]) -> str | None:
                         "backend")
     if "multipleOf" in schema and schema.get("type") != "integer":
         return "keyword 'multipleOf' is enforced by the xgrammar grammar backend only with \"type\": \"integer\""
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f"keyword '$ref' to {ref!r}: only references inside the schema ('#/...') are supported"
     return None
 
 
@@ -72,14 +77,12 @@ def unenforced_keyword(schema: Any, backend: str) -> str | None:
         schema: the parsed JSON Schema (a dict; a boolean schema has no keywords).
         backend: "xgrammar" or "llguidance".
     """
-    if backend != "xgrammar":
-        return None
     stack: list[tuple[str, Any]] = [("", schema)]
     while stack:
         path, node = stack.pop()
         if not isinstance(node, dict):
             continue
-        problem = _xgrammar_problem(node)
+        problem = _common_problem(node) or (_xgrammar_problem(node) if backend == "xgrammar" else None)
         if problem is not None:
             return f"{problem} (at {path or 'the root'})"
         stack += [(f"{path}.{p}" if path else p, sub) for p, sub in reversed(_children(node))]
