@@ -33,6 +33,7 @@ from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner, SamplingBatch, next_pow2
 from sglang_tpu_qwen.engine.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.engine.step_failures import StepFailures
 from sglang_tpu_qwen.grammar.bitmask import token_bitmask
 from sglang_tpu_qwen.memory import gdn_state
 from sglang_tpu_qwen.server_args import ServerArgs
@@ -68,6 +69,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.health_state = HealthState()  # engine/health.py: what /health reports
         self.faults = FaultInjector.from_env()  # engine/faults.py: test-only fault points
+        self.failures = StepFailures(self, self.health_state)  # engine/step_failures.py
 
     # ---- other threads -------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,21 +135,43 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox()
-            if not self.waiting and not self.running and not (self.disagg is not None and self.disagg.busy):
-                self._wakeup.wait(timeout=0.5)
+        """Run until shutdown. Every failure is handled by StepFailures (engine/step_failures.py): a step's
+        own, one outside the step, and the thread's end (which fails whatever it still holds)."""
+        died: BaseException | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._loop_once()
+                except Exception as e:  # outside a step: inbox, usage report, fault hook
+                    self.failures.loop_failed(e)
+        except BaseException as e:
+            died = e
+            raise
+        finally:
+            self.failures.thread_died(died)
+
+    def _loop_once(self) -> None:
+        self._drain_inbox()
+        self.faults.check("loop", [r.rid for r in self.waiting])
+        if self.health_state.fatal_error is not None:
+            self.failures.fail_all(f"Internal server error: {self.health_state.fatal_error}")
+        if not self.waiting and not self.running and not (self.disagg is not None and self.disagg.busy):
+            self._wakeup.wait(timeout=0.5)
+            self._wakeup.clear()
+            return
+        self._batch: list[tuple[Request, int]] = []
+        try:
+            if not self.step():  # nothing runnable right now: do not spin
+                self._wakeup.wait(timeout=0.01)
                 self._wakeup.clear()
-                continue
-            try:
-                if not self.step():  # nothing runnable right now: do not spin
-                    self._wakeup.wait(timeout=0.01)
-                    self._wakeup.clear()
-            except Exception:  # a failed step must not take the server down with it
-                logger.exception("step failed; aborting the running requests")
-                for r in list(self.running):
-                    self._finish(r, {"type": "abort", "message": "internal error during the step"}, keep=False)
-            self._report_usage()
+            else:
+                self.failures.step_passed(self._batch)
+        except Exception as e:  # a failed step must not take the server down with it
+            self.failures.step_failed(self._batch, e)
+        finally:
+            self.health_state.step_ends()
+        self._report_usage()
+        self.failures.loop_passed()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -188,6 +212,9 @@ class Scheduler:
             chosen = self._pick_decode()
         if not chosen:
             return False
+        chosen = self.failures.isolate(chosen)  # a suspect of a failed step runs alone
+        self._batch = chosen
+        self.health_state.step_begins()
         self._last_was_extend = is_extend
         if _CHECK:
             self.check_memory_invariants()
@@ -397,6 +424,7 @@ class Scheduler:
             tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
             prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
             page_table[i, : len(r.pages)] = r.pages
+        self.faults.check("forward", [r.rid for r, _ in chosen], self.runner)
         hidden = self.runner.forward(tokens, prefix_lens, new_lens, page_table, slot_ids)
         self._input_logprobs(chosen, rows, hidden)
 
@@ -418,6 +446,7 @@ class Scheduler:
                 self._finish(chosen[i][0], {"type": "length", "length": 0})
             return
         batch = self._sampling_batch(chosen, rows, b)
+        self.faults.check("sampler", [r.rid for r, _ in chosen])
         toks, lps, top_lps, top_ids = self.runner.sample(hidden, np.maximum(new_lens - 1, 0), batch)
         now = time.perf_counter()
         for i in finishing:
@@ -527,8 +556,7 @@ class Scheduler:
         if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
             self._finish(r, r.grammar.end_reason(tok))  # a stop token where the grammar may end
             return
-        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
-        if tok in stop_ids and len(r.output_ids) >= sp.min_new_tokens:
+        if tok in sp.stop_ids(self.eos_ids) and len(r.output_ids) >= sp.min_new_tokens:
             self._finish(r, {"type": "stop", "matched": tok})
         elif r.detokenizer.stopped:
             self._finish(r, {"type": "stop", "matched": r.detokenizer.matched_stop})
@@ -556,6 +584,10 @@ class Scheduler:
         if self.metrics:
             self.metrics.on_request_finish(len(r.prompt_ids), len(r.output_ids), time.perf_counter() - r.created)
         r.sink(r.reply())
+
+    # The names engine/step_failures.py uses (the split scheduler's public ones).
+    finish = _finish
+    release = _release
 
     def _report_usage(self) -> None:
         if self.metrics:

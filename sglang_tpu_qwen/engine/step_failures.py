@@ -52,8 +52,8 @@ class StepFailures:
     """The scheduler's failure handling (see module docstring).
 
     Args:
-        scheduler: the Scheduler; uses its `running` / `waiting` lists, `_finish(r, reason, keep)`,
-            `_release(r, keep)` and `runner.cache`.
+        scheduler: the Scheduler; uses its `running` / `waiting` lists, `finish(r, reason, keep)`,
+            `release(r, keep)` and `runner.cache`.
         health: the scheduler's HealthState.
     """
 
@@ -93,7 +93,7 @@ class StepFailures:
         if len(chosen) == 1:
             for r in reqs:
                 self._suspects.pop(id(r), None)
-                self.s._finish(r, failure_reason(f"Internal server error during the step: {error}"), keep=False)
+                self.s.finish(r, failure_reason(f"Internal server error during the step: {error}"), keep=False)
             return
         for r in reqs:  # which one broke the step is not known: each runs alone next
             self._suspects[id(r)] = r
@@ -101,7 +101,7 @@ class StepFailures:
 
     def _rewind(self, r: Request) -> None:
         """Release r's memory (not to the prefix cache) and queue it to re-prefill prompt + output."""
-        self.s._release(r, keep=False)
+        self.s.release(r, keep=False)
         if not r.input_logprobs_done:
             r.input_token_logprobs.clear()
             r.input_top_logprobs.clear()
@@ -140,7 +140,7 @@ class StepFailures:
         self._suspects.clear()
         for r in [*self.s.running, *self.s.waiting]:
             try:
-                self.s._finish(r, failure_reason(message, status, err_type), keep=False)
+                self.s.finish(r, failure_reason(message, status, err_type), keep=False)
             except Exception:  # one broken request must not keep the others waiting
                 logger.exception("could not fail request %s", r.rid)
                 for queue in (self.s.running, self.s.waiting):
