@@ -41,7 +41,8 @@ class ServerArgs:
     chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step."})
     max_running_requests: int = field(default=32, metadata={"help": "Max requests decoding at once."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
-    max_prefill_tokens: int = field(default=2048, metadata={"help": "Max prompt tokens admitted per step."})
+    max_prefill_tokens: int = field(default=2048, metadata={
+        "help": "Max prompt tokens per prefill step (with --chunked-prefill-size, the smaller bounds the step)."})
     mem_fraction_static: float = field(
         default=0.8, metadata={"help": "Fraction of device memory for weights + KV pool (accelerators)."}
     )
@@ -106,7 +107,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"--page-size must be positive, got {self.page_size}")
-        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "chunked_prefill_size"):
+        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "chunked_prefill_size",
+                     "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),

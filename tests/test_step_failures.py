@@ -218,3 +218,31 @@ def test_dead_scheduler_thread_is_unhealthy_and_refuses(server):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
         assert r.status_code == 503 and r.json()["code"] == 503
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # the real one is untouched
+
+
+def test_max_prefill_tokens_bounds_each_step(server):
+    """--max-prefill-tokens limits the prompt tokens of every prefill step (the smaller of it and
+    --chunked-prefill-size); a longer prompt is chunked, with the same output."""
+    eng = server.engine
+    body = {"input_ids": list(range(100, 140)), "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    httpx.post(server.url + "/flush_cache", timeout=60)
+    want = httpx.post(server.url + "/generate", json=body, timeout=300).json()["output_ids"]
+    httpx.post(server.url + "/flush_cache", timeout=60)
+    sizes: list[int] = []
+    forward = eng.runner.forward
+
+    def recording_forward(*args, **kwargs):
+        sizes.append(int(sum(args[2])))  # new_lens: the tokens this step feeds
+        return forward(*args, **kwargs)
+
+    saved = eng.server_args.max_prefill_tokens
+    eng.server_args.max_prefill_tokens = 16
+    eng.runner.forward = recording_forward
+    try:
+        got = httpx.post(server.url + "/generate", json=body, timeout=300).json()["output_ids"]
+    finally:
+        eng.runner.forward = forward
+        eng.server_args.max_prefill_tokens = saved
+    assert got == want
+    assert sizes[:3] == [16, 16, 8] and max(sizes) <= 16
+    _idle_and_free(server)

@@ -322,7 +322,9 @@ class Scheduler:
         return has_extend and (not has_decode or not self._last_was_extend)
 
     def _pick_extend(self) -> list[tuple[Request, int]]:
-        budget = [self.args.chunked_prefill_size] * len(self.ranks)  # prefill tokens per rank per step
+        # Prompt tokens per rank per step: --chunked-prefill-size and --max-prefill-tokens both bound the step's
+        # total, as SGLang's PrefillAdder (rem_chunk_tokens, rem_input_tokens).
+        budget = [min(self.args.chunked_prefill_size, self.args.max_prefill_tokens)] * len(self.ranks)
         chosen: list[tuple[Request, int]] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
             if r.slot is None or budget[r.rank] <= 0:  # retracted earlier in this loop, or rank full
