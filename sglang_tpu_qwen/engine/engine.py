@@ -357,6 +357,7 @@ class Engine:
         })
         if self.disagg is not None:
             info["disaggregation"] = self.disagg.stats()
+        info["health"] = dataclasses.asdict(self.health())
         return info
 
     def shutdown(self) -> None:

@@ -147,4 +147,7 @@ class StepFailures:
                     if r in queue:
                         queue.remove(r)
                 r.finish_reason = failure_reason(message, status, err_type)
-                r.sink(r.reply())
+                try:
+                    r.sink(r.reply())
+                except Exception:  # its caller is gone (an event loop closed at shutdown)
+                    logger.debug("reply of failed request %s not delivered", r.rid)
