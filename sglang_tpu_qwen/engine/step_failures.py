@@ -53,7 +53,7 @@ class StepFailures:
 
     Args:
         scheduler: the Scheduler; uses its `running` / `waiting` lists, `finish(r, reason, keep)`,
-            `release(r, keep)` and `runner.cache`.
+            `policy.release(r, keep)` and `runner.cache`.
         health: the scheduler's HealthState.
     """
 
@@ -101,7 +101,7 @@ class StepFailures:
 
     def _rewind(self, r: Request) -> None:
         """Release r's memory (not to the prefix cache) and queue it to re-prefill prompt + output."""
-        self.s.release(r, keep=False)
+        self.s.policy.release(r, keep=False)
         if not r.input_logprobs_done:
             r.input_token_logprobs.clear()
             r.input_top_logprobs.clear()
