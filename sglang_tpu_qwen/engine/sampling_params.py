@@ -25,7 +25,9 @@ class SamplingParams:
     """Per-request sampling settings, with SGLang's names and defaults.
 
     temperature 0 means greedy. top_k -1 (or 0) means no top-k cut. `seed` (SGLang: sampling_seed)
-    makes a sampled request reproducible whatever else is in its batch.
+    makes a sampled request reproducible whatever else is in its batch. `spaces_between_special_tokens`
+    is honoured as HF transformers honours it for this model's (byte-level BPE) tokenizer: special tokens
+    decode without added spaces either way (tests/test_bad_input.py checks the text against HF's decode).
     """
 
     max_new_tokens: int | None = None
