@@ -2,7 +2,9 @@
 
 Builds the Engine, serves `create_app(engine)` with uvicorn on --host/--port, sends one warm-up
 request through HTTP (unless --skip-server-warmup, as SGLang's `_execute_server_warmup`), then logs
-"The server is fired up and ready to roll!".
+"The server is fired up and ready to roll!". `/health` answers 503 until then; a warm-up that fails (an
+error reply, or a generation that did not finish normally) stops the server, which exits with status 1
+and the cause.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import os
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
+from typing import Any
 
 import uvicorn
 
@@ -25,37 +29,56 @@ logger = logging.getLogger("sglang_tpu_qwen.launch_server")
 READY_MESSAGE = "The server is fired up and ready to roll!"
 
 
-def _warm_up_and_announce(server: uvicorn.Server, args: ServerArgs, announce: bool = True) -> None:
-    """Wait for uvicorn to listen, POST one short /generate, then log the ready line (if `announce`).
+class WarmUpError(RuntimeError):
+    """The warm-up request did not produce a normal generation; the message says why."""
 
-    A failed warm-up is logged and stops the server (it would not serve requests either).
+
+def _warm_up_request(args: ServerArgs) -> None:
+    """POST the warm-up /generate; raise WarmUpError unless it answers 200 with a finished generation."""
+    body = {
+        "text": "The capital city of France is",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+    }
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    req = urllib.request.Request(
+        f"http://{host}:{args.port}/generate", data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=1800) as resp:
+            reply = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise WarmUpError(f"HTTP {e.code}: {e.read().decode(errors='replace').strip()}") from None
+    except Exception as e:
+        raise WarmUpError(f"{type(e).__name__}: {e}") from None
+    reason = (reply.get("meta_info") or {}).get("finish_reason") or {}
+    if reason.get("type") not in ("length", "stop"):
+        raise WarmUpError(f"the generation did not finish normally: finish_reason {reason}")
+
+
+def _warm_up_and_announce(server: uvicorn.Server, args: ServerArgs, engine: Any = None,
+                          failures: list[str] | None = None, announce: bool = True) -> None:
+    """Wait for uvicorn to listen, POST one short /generate, then mark `engine` warmed up and log the ready line.
+
+    A failed warm-up is logged, appended to `failures` and stops the server: launch_server then exits
+    non-zero with the cause (the server would not serve requests either).
     """
     while not server.started:
         if server.should_exit:
             return
         time.sleep(0.05)
     if not args.skip_server_warmup:
-        body = {
-            "text": "The capital city of France is",
-            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
-        }
-        headers = {"Content-Type": "application/json"}
-        if args.api_key:
-            headers["Authorization"] = f"Bearer {args.api_key}"
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        req = urllib.request.Request(
-            f"http://{host}:{args.port}/generate",
-            data=json.dumps(body).encode(),
-            headers=headers,
-            method="POST",
-        )
         try:
-            with urllib.request.urlopen(req, timeout=1800) as resp:
-                resp.read()
-        except Exception:
-            logger.exception("Warm-up request failed; shutting down.")
+            _warm_up_request(args)
+        except WarmUpError as e:
+            logger.error("Warm-up request failed: %s; shutting down.", e)
+            if failures is not None:
+                failures.append(str(e))
             server.should_exit = True
             return
+    if engine is not None:
+        engine.set_warmed_up(True)
     if announce:
         logger.info(READY_MESSAGE)
 
@@ -79,7 +102,10 @@ def exposure_warning(args: ServerArgs) -> str | None:
 
 
 def launch_server(args: ServerArgs) -> None:
-    """Build the Engine and serve it over HTTP until interrupted."""
+    """Build the Engine and serve it over HTTP until interrupted.
+
+    Raises SystemExit (status 1, the cause as message) when the warm-up request fails.
+    """
     warning = exposure_warning(args)
     if warning:
         logger.warning(warning)
@@ -95,16 +121,20 @@ def launch_server(args: ServerArgs) -> None:
     from sglang_tpu_qwen.server.app import create_app
 
     engine = Engine(args)
+    failures: list[str] = []
     try:
+        engine.set_warmed_up(False)  # /health is 503 until the warm-up request passed
         app = create_app(engine)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=5
         )
         server = uvicorn.Server(config)
-        threading.Thread(target=_warm_up_and_announce, args=(server, args), daemon=True).start()
+        threading.Thread(target=_warm_up_and_announce, args=(server, args, engine, failures), daemon=True).start()
         server.run()
     finally:
         engine.shutdown()
+    if failures:
+        raise SystemExit(f"Warm-up failed: {failures[0]}")
 
 
 def size_cpu_thread_pool() -> None:

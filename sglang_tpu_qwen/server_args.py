@@ -51,7 +51,8 @@ class ServerArgs:
     chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step."})
     max_running_requests: int = field(default=32, metadata={"help": "Max requests decoding at once."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
-    max_prefill_tokens: int = field(default=2048, metadata={"help": "Max prompt tokens admitted per step."})
+    max_prefill_tokens: int = field(default=2048, metadata={
+        "help": "Max prompt tokens per prefill step (with --chunked-prefill-size, the smaller bounds the step)."})
     mem_fraction_static: float = field(
         default=0.8, metadata={"help": "Fraction of device memory for weights + KV pool (accelerators)."}
     )
@@ -70,6 +71,10 @@ class ServerArgs:
     compilation_cache_dir: str | None = field(default=None, metadata={
         "help": "JAX persistent compilation cache directory (default ~/.cache/sglang_tpu_qwen/jax_cache; "
                 "'none' turns it off)."})
+    watchdog_timeout: float = field(default=300.0, metadata={
+        "help": "Seconds a step may run before /health reports the server unhealthy (SGLang's flag; <= 0: off)."})
+    incremental_streaming_output: bool = field(default=False, metadata={
+        "help": "Streamed /generate chunks carry only the new text, ids and logprobs (SGLang's flag)."})
     # Prefix cache (radix tree over KV pages + GDN state snapshots).
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn the prefix cache off."})
     schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match) or fcfs."})
@@ -93,6 +98,9 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = field(
         default=False, metadata={"help": "JSON Schema output without free whitespace between tokens."}
     )
+    constrained_json_whitespace_pattern: str | None = field(default=None, metadata={
+        "help": "Regex of the whitespace JSON Schema output may hold between tokens (SGLang's flag; default "
+                "grammar/whitespace.py DEFAULT_JSON_WHITESPACE: at most one newline and a few spaces)."})
     # OpenAI chat output parsers (sglang_tpu_qwen/parsers).
     reasoning_parser: str | None = field(
         default=None, metadata={"help": "Split reasoning into reasoning_content: qwen3 (Qwen3 / Qwen3.5)."}
@@ -124,7 +132,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"--page-size must be positive, got {self.page_size}")
-        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "chunked_prefill_size"):
+        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "chunked_prefill_size",
+                     "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),

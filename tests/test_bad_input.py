@@ -35,6 +35,62 @@ def _cases(vocab: int, ctx: int) -> list[tuple[str, object, int, str]]:
          "image_url"),
         ("/v1/completions", {"prompt": "", "max_tokens": 1}, 400, "empty"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+    ] + _limit_cases(vocab, ctx)
+
+
+def _limit_cases(vocab: int, ctx: int) -> list[tuple[str, object, int, str]]:
+    """Every sampling value checked against the type it ends in, every count bounded (issue 13)."""
+    gen = "/generate"
+
+    def sp(**kw: object) -> dict:
+        return {"text": "hi", "sampling_params": kw}
+
+    return [
+        # integers against int32, floats against float32, the seed against int64
+        (gen, sp(max_new_tokens=2, top_k=2**31), 400, "top_k"),
+        (gen, sp(top_k=0), 400, "top_k"),
+        (gen, sp(top_k=True), 400, "top_k"),
+        (gen, sp(max_new_tokens=2**31), 400, "max_new_tokens"),
+        (gen, sp(max_new_tokens=1.5), 400, "max_new_tokens"),
+        (gen, sp(min_new_tokens=-1), 400, "min_new_tokens"),
+        (gen, sp(temperature=1e39), 400, "temperature"),
+        (gen, b'{"text": "hi", "sampling_params": {"top_p": NaN}}', 400, "top_p"),  # Python's json reads NaN
+        (gen, sp(min_p=1.5), 400, "min_p"),
+        (gen, sp(min_p="0.1"), 400, "min_p"),
+        (gen, sp(repetition_penalty=0), 400, "repetition_penalty"),
+        (gen, sp(repetition_penalty=2.5), 400, "repetition_penalty"),
+        (gen, sp(frequency_penalty=-3), 400, "frequency_penalty"),
+        (gen, sp(presence_penalty=1e300), 400, "presence_penalty"),
+        (gen, sp(sampling_seed=2**63), 400, "sampling_seed"),
+        (gen, sp(seed=1.5), 400, "sampling_seed"),
+        (gen, sp(stop_token_ids=[vocab]), 400, "stop_token_ids"),
+        (gen, sp(stop_token_ids=[True]), 400, "stop_token_ids"),
+        (gen, sp(stop=["a"] * 65), 400, "stop"),
+        (gen, sp(ignore_eos="yes"), 400, "ignore_eos"),
+        (gen, sp(spaces_between_special_tokens=1), 400, "spaces_between_special_tokens"),
+        # counts bounded by server limits, SGLang's messages
+        (gen, sp(max_new_tokens=1, n=300000), 400, "n must be in [1, 128]"),
+        (gen, sp(n=0), 400, "n must be"),
+        (gen, {"text": ["a", "b"] * 8, "sampling_params": {"n": 128}}, 400, "sequences"),
+        (gen, {"text": "hi", "top_logprobs_num": 257, "return_logprob": True}, 400, "top_logprobs_num"),
+        (gen, {"text": "hi", "top_logprobs_num": True, "return_logprob": True}, 400, "top_logprobs_num"),
+        (gen, {"text": "hi", "logprob_start_len": True, "return_logprob": True}, 400, "logprob_start_len"),
+        (gen, sp(min_new_tokens=200), 400, "min_new_tokens must be in [0, max_new_tokens(128)]"),
+        (gen, sp(min_new_tokens=5, max_new_tokens=2), 400, "min_new_tokens must be in [0, max_new_tokens(2)]"),
+        # booleans are not token ids
+        (gen, {"input_ids": [True]}, 400, "input_ids"),
+        (gen, {"input_ids": [[1, 2], [False]]}, 400, "input_ids"),
+        # OpenAI routes: ids checked before anything decodes them; unimplemented fields refused
+        ("/v1/completions", {"model": "default", "prompt": [-1], "max_tokens": 2}, 400, "out of range"),
+        ("/v1/completions", {"prompt": [[1, 2], [vocab]], "max_tokens": 2}, 400, "out of range"),
+        ("/v1/completions", {"prompt": [True], "max_tokens": 2}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+        (CHAT, {"messages": MSG, "n": 1000}, 400, "n must be"),
+        (CHAT, {"messages": MSG, "top_k": 2**31}, 400, "top_k"),
+        (CHAT, {"messages": MSG, "max_tokens": 1, "min_tokens": 5}, 400, "min_new_tokens"),
+        (CHAT, {"messages": MSG, "top_logprobs": True, "logprobs": True}, 400, "top_logprobs"),
     ]
 
 
@@ -56,6 +112,35 @@ def test_bad_inputs_then_normal_request(server):
     ok = httpx.post(server.url + "/generate", timeout=300,
                     json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 1
+    usage = eng.scheduler.memory_usage()  # refused requests never held a slot
+    assert usage["gdn_slots_free"] == usage["gdn_slots_total"]
+
+
+def test_top_k_beyond_vocab_is_no_cut(server):
+    """top_k up to int32's maximum is valid and means "no cut" (the sampler never sees a k above the vocab)."""
+    body = {"text": "One two", "sampling_params": {"max_new_tokens": 4, "sampling_seed": 7, "temperature": 0.8}}
+    want = httpx.post(server.url + "/generate", json=body, timeout=300).json()
+    body["sampling_params"]["top_k"] = 2**31 - 1
+    got = httpx.post(server.url + "/generate", json=body, timeout=300)
+    assert got.status_code == 200, got.text
+    assert got.json()["output_ids"] == want["output_ids"]
+
+
+def test_spaces_between_special_tokens_matches_hf(server):
+    """Honoured as HF transformers does for this (fast, byte-level BPE) tokenizer: the text equals HF's decode
+    with the same flag, which for this tokenizer is the same text either way."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(server.engine.tokenizer_path)
+    for flag in (True, False):
+        body = {"input_ids": hf.encode("Hello<|im_end|><|im_start|>user"), "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False,
+            "spaces_between_special_tokens": flag}}
+        r = httpx.post(server.url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["text"] == hf.decode(out["output_ids"], skip_special_tokens=False,
+                                        spaces_between_special_tokens=flag)
 
 
 def test_unknown_top_level_field_is_ignored_like_sglang(server):

@@ -30,13 +30,17 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict) -> dict:
         r = await client.post(url + "/generate", json=body)
         assert r.status_code == 200, r.text
         return r.json()
-    last = None
+    last, logprobs = None, []
     async with client.stream("POST", url + "/generate", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 last = json.loads(line[len("data: "):])
+                logprobs += last["meta_info"].get("output_token_logprobs", [])  # per-chunk lists (SGLang)
     assert last is not None
+    if "output_token_logprobs" in last["meta_info"]:
+        assert last["meta_info"]["output_token_logprobs_length"] == len(logprobs)
+        last["meta_info"]["output_token_logprobs"] = logprobs
     return last
 
 

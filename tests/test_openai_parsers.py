@@ -84,9 +84,16 @@ def collect(chunks) -> dict:
     return out
 
 
+# With thinking on, a constraint applies only after </think> (SGLang's require_reasoning), which the random
+# model never writes; with thinking off it applies from the first token, and a `<think>` the output opens
+# itself starts the reasoning, so these tests force both sides that way.
+FORCED_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def test_reasoning_split_forced_by_regex(client):
     # "a <b" makes the parser hold "<" back (it may start </think>): its token's logprob must still come.
-    resp, streamed = whole_and_streamed(client, logprobs=True, top_logprobs=1, extra_body={"regex": "a <b</think>cd"})
+    resp, streamed = whole_and_streamed(client, logprobs=True, top_logprobs=1,
+                                        extra_body={"regex": "<think>a <b</think>cd", **FORCED_THINK})
     msg, choice = resp.choices[0].message, resp.choices[0]
     assert (msg.reasoning_content, msg.content) == ("a <b", "cd")
     assert choice.finish_reason == "stop"
@@ -171,7 +178,8 @@ def test_stream_agrees_with_non_stream(client):
 def test_logprobs_once_when_a_stop_string_holds_text(client, parsed_url):
     # The stop string "yy q" never completes, but its prefix "yy" is held back for a while.
     body = {"regex": "xx yy zz"}
-    resp, streamed = whole_and_streamed(client, stop=["yy q"], logprobs=True, extra_body=body)
+    resp, streamed = whole_and_streamed(client, stop=["yy q"], logprobs=True,
+                                        extra_body={"regex": "<think>xx yy zz", **FORCED_THINK})
     assert streamed["reasoning"] == resp.choices[0].message.reasoning_content == "xx yy zz"
     assert streamed["tokens"] == [t.token for t in resp.choices[0].logprobs.content]
     assert len(streamed["tokens"]) == resp.usage.completion_tokens

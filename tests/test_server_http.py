@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -154,22 +155,51 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> dict:
         time.sleep(0.2)
 
 
+def _request(engine, rid: str):
+    return next((r for r in [*engine.scheduler.running, *engine.scheduler.waiting] if r.rid == rid), None)
+
+
+def _wait_for(pred, what: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := pred()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return value
+
+
 def test_disconnect_aborts_and_frees_memory(server):
-    body = {"text": PROMPTS[1], "stream": True, "sampling_params": {"max_new_tokens": 200, "temperature": 0,
-                                                                    "ignore_eos": True}}
-    with httpx.stream("POST", server.url + "/generate", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break  # one chunk, then hang up mid-generation
-    info = _wait_idle(server.url)
-    assert info["num_running"] == 0
-    assert info["memory"]["kv_pages_free"] == info["memory"]["kv_pages_total"]
-    # A non-streamed request whose client gives up is aborted too.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/generate", json={**body, "stream": False}, timeout=2.0)
-    info = _wait_idle(server.url)
-    assert info["num_running"] == 0
-    assert info["memory"]["gdn_slots_free"] == info["memory"]["gdn_slots_total"]
+    """A client that goes away aborts its request (memory freed). The request cannot finish on its own first:
+    it runs to the end of the context with ignore_eos, and its step is held on an event (the fault hook's
+    block) until the server has seen the disconnect, so no machine is too fast or too slow for this test."""
+    eng = server.engine
+    to_context_end = eng.context_length - len(eng.tokenizer.encode(PROMPTS[1]))
+    body = {"text": PROMPTS[1], "stream": True, "sampling_params": {"max_new_tokens": to_context_end,
+                                                                    "temperature": 0, "ignore_eos": True}}
+    for stream in (True, False):
+        rid = f"disconnect-{stream}"
+        gate = threading.Event()
+        fault = eng.scheduler.faults.arm("forward", rid=rid, skip=1, block=gate)  # hold its first decode step
+        try:
+            if stream:
+                with httpx.stream("POST", server.url + "/generate", json={**body, "rid": rid}, timeout=300) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            break  # one chunk, then hang up mid-generation
+            else:
+                with pytest.raises(httpx.ReadTimeout):  # the step is held: no reply can come in time
+                    httpx.post(server.url + "/generate", json={**body, "rid": rid, "stream": False}, timeout=1.0)
+            req = _wait_for(lambda: _request(eng, rid), "the request")  # noqa: B023
+            _wait_for(lambda: req.aborted, "the server to see the disconnect")  # noqa: B023
+        finally:
+            gate.set()
+            eng.scheduler.faults.disarm(fault)
+        _wait_for(lambda: req.finished, "the abort")  # noqa: B023
+        assert req.finish_reason["type"] == "abort" and "status_code" not in req.finish_reason
+        assert len(req.output_ids) < to_context_end
+        info = _wait_idle(server.url)
+        assert info["num_running"] == 0
+        assert info["memory"]["kv_pages_free"] == info["memory"]["kv_pages_total"]
+        assert info["memory"]["gdn_slots_free"] == info["memory"]["gdn_slots_total"]
 
 
 def test_api_key(server):

@@ -177,6 +177,49 @@ def test_streaming_gen(frontend):
     assert whole.get_meta_info("story")["completion_tokens"] == 12
 
 
+def test_stream_logprobs_program(frontend):
+    """sglang 0.5.23's own `test_programs.test_stream_logprobs`: every streamed chunk carries the logprobs of
+    its new tokens only and `output_token_logprobs_length` (= completion_tokens)."""
+    from sglang.test import test_programs
+
+    backend, _, _ = frontend
+    from sglang.lang.api import global_config
+
+    previous = global_config.default_backend
+    sgl.set_default_backend(backend)
+    try:
+        test_programs.test_stream_logprobs()
+    finally:
+        global_config.default_backend = previous
+
+
+def test_incremental_streaming_output(server):
+    """--incremental-streaming-output: text, output_ids and logprob lists are deltas; joined they equal the
+    non-streamed reply."""
+    import httpx
+
+    body = {"text": "One two three", "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+            "return_logprob": True}
+    whole = httpx.post(server.url + "/generate", json=body, timeout=300).json()
+    args = server.engine.server_args
+    args.incremental_streaming_output = True
+    try:
+        chunks = []
+        with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+    finally:
+        args.incremental_streaming_output = False
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+    lps = sum((c["meta_info"]["output_token_logprobs"] for c in chunks), [])
+    assert [t[1] for t in lps] == whole["output_ids"]
+    assert [c["meta_info"]["output_token_logprobs_length"] for c in chunks][-1] == 6
+    assert whole["meta_info"]["output_token_logprobs_length"] == 6
+
+
 def test_stop_string(frontend, engine):
     backend, _, _ = frontend
     prompt = "Once upon a time"

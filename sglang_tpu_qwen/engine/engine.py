@@ -19,7 +19,8 @@ from typing import Any
 from sglang_tpu_qwen.disagg import roles as disagg_roles
 from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.engine import compilation
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.errors import InvalidRequestError, RequestFailedError, failed_status
+from sglang_tpu_qwen.engine.health import HealthSnapshot
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.profiler import ProfileConfig
@@ -29,12 +30,17 @@ from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, Sampl
 from sglang_tpu_qwen.engine.scheduler import Scheduler
 from sglang_tpu_qwen.grammar.manager import create_grammar_manager
 from sglang_tpu_qwen.grammar.spec import GrammarSpec
+from sglang_tpu_qwen.grammar.whitespace import resolve_json_whitespace
 from sglang_tpu_qwen.model.embedded import ensure_embedded_model
+from sglang_tpu_qwen.parsers.markers import THINK_END
 from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.detokenizer import IncrementalDetokenizer
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Sequences (prompts x n) one call may create: each holds host state until it finishes.
+MAX_SEQUENCES_PER_CALL = 1024
 
 
 class Engine:
@@ -71,7 +77,8 @@ class Engine:
         self.grammar = create_grammar_manager(
             args.grammar_backend, self.tokenizer, self.model_config.vocab_size,
             set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids),
-            any_whitespace=not args.constrained_json_disable_any_whitespace)
+            any_whitespace=resolve_json_whitespace(args.constrained_json_whitespace_pattern,
+                                                   args.constrained_json_disable_any_whitespace, args.grammar_backend))
         self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
         self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
         # Every step shape and sampling program, before the server can report ready (engine/buckets.py).
@@ -84,7 +91,7 @@ class Engine:
     def _build(
         self, text: Any, input_ids: Any, sampling_params: Any, return_logprob: Any, logprob_start_len: Any,
         top_logprobs_num: Any, return_text_in_logprobs: bool, stream: bool, rid: Any,
-        sink: Callable[[dict], None],
+        sink: Callable[[dict], None], require_reasoning: bool = False,
     ) -> tuple[list[Request], bool]:
         """Validate a GenerateReqInput and make one Request per (prompt, sample); returns (requests, is_batch)."""
         if (text is None) == (input_ids is None):
@@ -124,12 +131,19 @@ class Engine:
         if len(rids) != n_prompts:
             raise InvalidRequestError(f"rid has {len(rids)} entries for {n_prompts} prompts")
 
+        # SGLang's require_reasoning: the output starts inside the reasoning; a grammar waits for its end.
+        think_end = self.tokenizer.token_to_id(THINK_END) if require_reasoning else None
         reqs: list[Request] = []
+        all_params = [SamplingParams.from_dict(sps[i]) for i in range(n_prompts)]
+        total = sum(p.n for p in all_params)
+        if total > MAX_SEQUENCES_PER_CALL:
+            raise InvalidRequestError(f"The request makes {total} sequences (prompts x n); at most "
+                                      f"{MAX_SEQUENCES_PER_CALL} are allowed per request.")
         for i, ids in enumerate(prompts):
-            params = SamplingParams.from_dict(sps[i])
+            params = self._bound_params(all_params[i])
             spec = params.grammar_spec
             compiled = None if spec is None else self._check_grammar(spec)
-            self._check_ids(ids)
+            self.check_input_ids(ids)
             max_new = self._max_new_tokens(len(ids), params)
             start = starts[i]
             if start is None or start == -1 or not lps[i]:
@@ -151,7 +165,7 @@ class Engine:
                     detokenizer=IncrementalDetokenizer(self.tokenizer, stop=params.stop,
                                                        skip_special_tokens=params.skip_special_tokens,
                                                        trim_stop=not params.no_stop_trim),
-                    grammar=None if compiled is None else self.grammar.request_grammar(spec, compiled)))
+                    grammar=None if compiled is None else self.grammar.request_grammar(spec, compiled, think_end)))
         return reqs, is_batch or len(reqs) > 1
 
     def _check_grammar(self, spec: GrammarSpec) -> Future:
@@ -162,9 +176,11 @@ class Engine:
                                       "(--grammar-backend none)")
         return self.grammar.submit(spec)
 
-    def _check_ids(self, ids: Any) -> None:
+    def check_input_ids(self, ids: Any) -> None:
+        """Raise InvalidRequestError unless ids is a non-empty list of token ids (ints, not booleans, in
+        [0, vocab_size)) that leaves room for at least one new token in the context and the KV pool."""
         vocab = self.model_config.vocab_size
-        if not ids:
+        if not isinstance(ids, list) or not ids:
             raise InvalidRequestError("The input is empty (no tokens).")
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
@@ -173,6 +189,21 @@ class Engine:
             raise InvalidRequestError(
                 f"The input ({len(ids)} tokens) is longer than the model's context length "
                 f"({self.context_length} tokens).")
+        if len(ids) >= self.scheduler.kv_tokens_total:  # it could never be admitted: it would wait forever
+            raise InvalidRequestError(
+                f"The input ({len(ids)} tokens) is longer than the KV cache of this server "
+                f"({self.scheduler.kv_tokens_total} tokens, --max-total-tokens).")
+
+    def _bound_params(self, params: SamplingParams) -> SamplingParams:
+        """Check the limits that need the model; returns params with top_k >= vocab_size as -1 (no cut: the
+        same distribution, and the sampler's static top-k width stays within the vocabulary)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}")
+        if params.top_k >= vocab:
+            params = dataclasses.replace(params, top_k=-1)
+        return params
 
     def room_for(self, prompt_len: int) -> int:
         """Most new tokens a prompt of prompt_len tokens may ask for (context length and KV pool bound)."""
@@ -181,7 +212,12 @@ class Engine:
     def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.room_for(prompt_len)
         if params.max_new_tokens is None:
-            return max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
+            max_new = max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
+            if params.min_new_tokens > max_new:  # never capped silently: the caller asked for more
+                raise InvalidRequestError(
+                    f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {params.min_new_tokens}. "
+                    "Set max_new_tokens to allow more tokens.")
+            return max_new
         if params.max_new_tokens > room:
             raise InvalidRequestError(
                 f"Requested token count exceeds the model's maximum context length of "
@@ -196,18 +232,24 @@ class Engine:
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
         bootstrap_host: Any = None, bootstrap_port: Any = None, bootstrap_room: Any = None,
+        require_reasoning: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input.
+
+        require_reasoning (SGLang's field): the output starts inside the model's reasoning, so a constraint
+        (regex, json_schema...) applies only after the reasoning's end token.
 
         bootstrap_*: prefill/decode disaggregation (SGLang's fields, injected by the PD router; disagg/).
         A request that ends aborted with a status code (a failed transfer) raises that error instead.
         """
+        self._check_serving()
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[dict] = asyncio.Queue()
         try:
             reqs, is_batch = self._build(text, input_ids, sampling_params, return_logprob, logprob_start_len,
                                          top_logprobs_num, return_text_in_logprobs, stream, rid,
-                                         lambda d: loop.call_soon_threadsafe(out.put_nowait, d))
+                                         lambda d: loop.call_soon_threadsafe(out.put_nowait, d),
+                                         require_reasoning=bool(require_reasoning))
             disagg_roles.attach(self.disagg, reqs, bootstrap_host, bootstrap_port, bootstrap_room)
         except InvalidRequestError as e:  # a prefill server tells the decode legs waiting on these rooms
             disagg_roles.reject_call(self.disagg, text, input_ids, sampling_params, bootstrap_room, str(e))
@@ -249,6 +291,7 @@ class Engine:
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Synchronous twin of async_generate (`prompt` is SGLang Engine's name for text)."""
+        self._check_serving()
         out: queue.Queue[dict] = queue.Queue()
         reqs, is_batch = self._build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
                                      top_logprobs_num, return_text_in_logprobs, stream, rid, out.put)
@@ -277,6 +320,22 @@ class Engine:
         finally:
             if remaining:
                 self._abort_all(reqs)
+
+    def health(self) -> HealthSnapshot:
+        """The scheduler's health (engine/health.py); `/health` reports its `problem(--watchdog-timeout)`."""
+        return self.scheduler.health()
+
+    def set_warmed_up(self, value: bool) -> None:
+        """launch_server clears this before its warm-up request and sets it once the request passed."""
+        self.scheduler.health_state.warmed_up = value
+
+    def _check_serving(self) -> None:
+        """Refuse new requests (503) when the scheduler cannot run them: they would wait forever."""
+        snap = self.health()
+        if not snap.alive or snap.fatal_error is not None:
+            raise RequestFailedError(f"The server cannot serve requests: "
+                                     f"{snap.fatal_error or 'the scheduler is not running'}", 503,
+                                     "ServiceUnavailable")
 
     def _abort_all(self, reqs: list[Request]) -> None:
         for r in reqs:
@@ -321,6 +380,7 @@ class Engine:
         })
         if self.disagg is not None:
             info["disaggregation"] = self.disagg.stats()
+        info["health"] = dataclasses.asdict(self.health())
         return info
 
     def shutdown(self) -> None:
@@ -333,17 +393,20 @@ class Engine:
 
 
 def _raise_on_status(reply: dict) -> None:
-    """SGLang's rule: a reply aborted with a status_code (a failed PD transfer) is that HTTP error.
+    """SGLang's rule: a reply aborted with a status_code is that HTTP error (a failed step or PD transfer).
 
-    Raises InvalidRequestError for 400, TransferError (its status) for another code; returns otherwise.
+    Raises InvalidRequestError for 400, TransferError for a PD transfer failure (no err_type), otherwise
+    RequestFailedError with the status and err_type; returns for any other reply (a client abort included).
     """
     reason = reply["meta_info"]["finish_reason"] or {}
-    status = reason.get("status_code") if reason.get("type") == "abort" else None
+    status = failed_status(reason)
     if status is None:
         return
     if status == 400:
         raise InvalidRequestError(str(reason.get("message")))
-    raise TransferError(str(reason.get("message")), int(status))
+    if "err_type" not in reason:
+        raise TransferError(str(reason.get("message")), status)
+    raise RequestFailedError(str(reason.get("message")), status, str(reason["err_type"]))
 
 
 async def _collect(out: asyncio.Queue[dict], count: int) -> list[dict]:

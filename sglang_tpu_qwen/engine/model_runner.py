@@ -200,7 +200,7 @@ class ModelRunner:
         logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots%s", self.num_pages - 1,
                     self.page_size, self.num_running_slots - 1, self.num_snapshot_slots,
                     f" (each of {self.dp} DP ranks)" if self.dp > 1 else "")
-        self.backends = resolve_backends(args.attention_backend, args.gdn_backend)
+        self.backends = resolve_backends(args.attention_backend, args.gdn_backend, config=self.config)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
         self.context_length = args.context_length or self.config.max_position_embeddings

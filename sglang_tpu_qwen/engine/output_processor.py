@@ -116,7 +116,7 @@ class OutputProcessor:
         if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
             self.finish(r, r.grammar.end_reason(tok))  # a stop token where the grammar may end
             return
-        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
+        stop_ids = sp.stop_ids(self.eos_ids)  # ignore_eos disables stop_token_ids too (SGLang)
         if tok in stop_ids and len(r.output_ids) >= sp.min_new_tokens:
             self.finish(r, {"type": "stop", "matched": tok})
         elif r.detokenizer.stopped:

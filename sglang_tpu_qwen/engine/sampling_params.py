@@ -13,6 +13,14 @@ from sglang_tpu_qwen.grammar.spec import CONSTRAINT_KEYS, GrammarSpec, spec_from
 DEFAULT_MAX_NEW_TOKENS = 128
 # With the EOS ids (a few), stop_token_ids must fit sampler.BAN_WIDTH: all are banned before min_new_tokens.
 MAX_STOP_TOKEN_IDS = BAN_WIDTH - 16
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# Samples per prompt: OpenAI's own limit for `n`. Each sample is a sequence with its own GDN slot, so an
+# unbounded n would let one request queue millions of sequences (and their host state).
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+# SGLang's _SAMPLING_EPS: a temperature below it samples greedily (dividing by it would overflow).
+SAMPLING_EPS = 1e-6
 
 
 @dataclass
@@ -20,7 +28,9 @@ class SamplingParams:
     """Per-request sampling settings, with SGLang's names and defaults.
 
     temperature 0 means greedy. top_k -1 (or 0) means no top-k cut. `seed` (SGLang: sampling_seed)
-    makes a sampled request reproducible whatever else is in its batch.
+    makes a sampled request reproducible whatever else is in its batch. `spaces_between_special_tokens`
+    is honoured as HF transformers honours it for this model's (byte-level BPE) tokenizer: special tokens
+    decode without added spaces either way (tests/test_bad_input.py checks the text against HF's decode).
     """
 
     max_new_tokens: int | None = None
@@ -83,54 +93,71 @@ class SamplingParams:
         return params
 
     def validate(self) -> None:
-        """Raise InvalidRequestError naming the first bad value."""
+        """Raise InvalidRequestError naming the first bad value (SGLang's message where SGLang has one).
+
+        Every value is checked against the type it ends in on device: integers against int32
+        (top_k, min/max_new_tokens, stop_token_ids), floats against float32 (a finite float64 such as 1e39
+        would become inf), the seed against int64 (SGLang's range). Limits that need the model or the
+        server (vocabulary, context length, top_k above the vocabulary) are checked by the engine.
+        """
 
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
-        def is_num(x: Any) -> bool:  # finite: NaN or inf would silently turn the logits into junk
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: Any) -> bool:  # finite in float32: NaN or inf would silently turn the logits into junk
+            return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                    and abs(x) <= FLOAT32_MAX)
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             if not is_num(getattr(self, name)):
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}")
         for name in ("min_new_tokens", "top_k", "n"):
-            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+            if not is_int(getattr(self, name)):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}")
-        if self.max_new_tokens is not None and (
-            not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool)
-            or self.max_new_tokens < 0
-        ):
-            bad(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.max_new_tokens is not None and (not is_int(self.max_new_tokens) or self.max_new_tokens < 0):
+            bad(f"max_new_tokens must be at least 0, got {self.max_new_tokens!r}.")
+        if self.max_new_tokens is not None and self.max_new_tokens > INT32_MAX:
+            bad(f"max_new_tokens must be at most {INT32_MAX}, got {self.max_new_tokens}.")
         if self.temperature < 0:
-            bad(f"temperature must be non-negative, got {self.temperature}")
+            bad(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:  # SGLang's rule
-            bad(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+            bad(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1 or self.top_k == 0 or self.top_k > INT32_MAX:  # SGLang's rule, in int32
+            bad(f"top_k must be -1 (disable) or at least 1 (at most {INT32_MAX}), got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if self.min_new_tokens < 0:
-            bad(f"min_new_tokens must be non-negative, got {self.min_new_tokens}")
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0 <= self.min_new_tokens <= INT32_MAX:
+            bad(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}.")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            bad(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
-        if self.n < 1:
-            bad(f"n must be at least 1, got {self.n}")
+            bad(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got "
+                f"{self.min_new_tokens}.")
+        if not 1 <= self.n <= MAX_N:
+            bad(f"n must be in [1, {MAX_N}], got {self.n}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+            is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
         ):
             bad("stop_token_ids must be a list of non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not is_int(self.seed):
+            bad(f"sampling_seed must be an integer, got {type(self.seed).__name__}.")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - 1:
+            bad(f"sampling_seed must be in [-2**63, 2**63 - 1], got {self.seed}.")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         self.logit_bias = self._checked_logit_bias(bad, is_num)
@@ -172,7 +199,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def stop_ids(self, eos_ids: set[int]) -> set[int]:
+        """Token ids that end this request: stop_token_ids plus EOS; none with ignore_eos (SGLang's rule:
+        ignore_eos disables stop_token_ids too)."""
+        return set() if self.ignore_eos else set(self.stop_token_ids) | set(eos_ids)
 
     @property
     def has_penalty(self) -> bool:

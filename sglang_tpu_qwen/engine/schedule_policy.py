@@ -170,7 +170,9 @@ class SchedulePolicy:
         """Prefill chunks for this step, shaped to fit a compiled bucket (engine/buckets.py): at most
         max_extend_rows rows per rank, each chunk capped to the bucket's tokens (the rest runs next step)."""
         buckets = self.runner.buckets
-        budget = [self.args.chunked_prefill_size] * len(self.ranks)  # prefill tokens per rank per step
+        # Prompt tokens per rank per step: --chunked-prefill-size and --max-prefill-tokens both bound the step's
+        # total, as SGLang's PrefillAdder (rem_chunk_tokens, rem_input_tokens).
+        budget = [min(self.args.chunked_prefill_size, self.args.max_prefill_tokens)] * len(self.ranks)
         rows = [0] * len(self.ranks)
         candidates: list[tuple[Request, int]] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):

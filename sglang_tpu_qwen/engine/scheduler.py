@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_tpu_qwen.engine.faults import FaultInjector
+from sglang_tpu_qwen.engine.health import HealthSnapshot, HealthState
 from sglang_tpu_qwen.engine.inbox import AbortRequest, AddRequests, FlushCache, Inbox
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner, SampleOutput
@@ -40,6 +42,7 @@ from sglang_tpu_qwen.engine.request import Request
 from sglang_tpu_qwen.engine.schedule_batch import ForwardMode, ScheduleBatch
 from sglang_tpu_qwen.engine.schedule_policy import SchedulePolicy
 from sglang_tpu_qwen.engine.scheduler_role import SchedulerRole
+from sglang_tpu_qwen.engine.step_failures import StepFailures
 from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
@@ -79,6 +82,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         # /start_profile, /stop_profile: carried out here between steps (profiler.py).
         self.profiler = StepProfiler(default_profile_dir(args.profile_dir), self._inbox.wake)
+        self.health_state = HealthState()  # engine/health.py: what /health reports
+        self.faults = FaultInjector.from_env()  # engine/faults.py: test-only fault points
+        self.failures = StepFailures(self, self.health_state)  # engine/step_failures.py
+        self._batch: list[tuple[Request, int]] = []  # the step being launched, for StepFailures
 
     @property
     def ranks(self) -> list[RankMemory]:
@@ -101,6 +108,10 @@ class Scheduler:
         self._inbox.wake()
         self._thread.join(timeout=30)
         self.profiler.close()  # a trace still running is written out
+
+    def health(self) -> HealthSnapshot:
+        """A consistent snapshot of the scheduler's health (engine/health.py)."""
+        return self.health_state.snapshot(alive=self._thread.is_alive())
 
     def submit(self, reqs: list[Request]) -> None:
         self._inbox.put(AddRequests(reqs))
@@ -149,23 +160,55 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox()
-            self.profiler.poll()
-            if not self.waiting and not self.running and not self.role.busy and self._in_flight is None:
-                self._inbox.wait(0.5)
-                continue
-            try:
-                if not self.step():  # nothing runnable right now: do not spin
-                    self._inbox.wait(0.01)
-            except Exception:  # a failed step must not take the server down with it
-                logger.exception("step failed; aborting the running requests")
-                self._in_flight = None  # its tokens are lost: a retracted request re-prefills without them
-                for r in self.waiting:
-                    r.tokens_in_flight = 0
-                for r in list(self.running):
-                    self.finish(r, {"type": "abort", "message": "internal error during the step"}, keep=False)
-            self._report_usage()
+        """Run until shutdown. Every failure is handled by StepFailures (engine/step_failures.py): a step's
+        own, one outside the step, and the thread's end (which fails whatever it still holds)."""
+        died: BaseException | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._loop_once()
+                except Exception as e:  # outside a step: inbox, usage report, fault hook
+                    self.failures.loop_failed(e)
+        except BaseException as e:
+            died = e
+            raise
+        finally:
+            self.failures.thread_died(died)
+
+    def _loop_once(self) -> None:
+        self._drain_inbox()
+        self.profiler.poll()
+        self.faults.check("loop", [r.rid for r in self.waiting])
+        if self.health_state.fatal_error is not None:
+            self.failures.fail_all(f"Internal server error: {self.health_state.fatal_error}")
+        if not self.waiting and not self.running and not self.role.busy and self._in_flight is None:
+            self._inbox.wait(0.5)
+            return
+        self._batch = []
+        try:
+            if not self.step():  # nothing runnable right now: do not spin
+                self._inbox.wait(0.01)
+            else:
+                self.failures.step_passed(self._batch)
+        except Exception as e:  # a failed step must not take the server down with it
+            self._step_failed(e)
+        finally:
+            self.health_state.step_ends()
+        self._report_usage()
+        self.failures.loop_passed()
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Hand the failed step's requests to StepFailures: those being launched and, under overlap, those of
+        the step in flight (its tokens are lost; the rewound requests re-prefill prompt + output)."""
+        failed = list(self._batch)
+        if self._in_flight is not None:
+            seen = {id(r) for r, _ in failed}
+            prev = self._in_flight.batch
+            failed += [(r, n) for r, n in zip(prev.reqs, prev.extend_lens, strict=True) if id(r) not in seen]
+            self._in_flight = None
+        self.failures.step_failed(failed, exc)
+        for r in [*self.waiting, *self.running]:
+            r.tokens_in_flight = 0
 
     def _drain_inbox(self) -> None:
         for msg in self._inbox.drain():
@@ -198,6 +241,9 @@ class Scheduler:
         mode, chosen = self.policy.pick()
         if mode is ForwardMode.IDLE:
             return self._resolve()
+        chosen = self.failures.isolate(chosen)  # a suspect of a failed step runs alone
+        self._batch = chosen
+        self.health_state.step_begins()
         if _CHECK:
             self.policy.check_memory_invariants()
         prev = None if self._in_flight is None else self._in_flight.batch
@@ -224,6 +270,8 @@ class Scheduler:
     def launch(self, batch: ScheduleBatch) -> Launched:
         """Dispatch forward (+ prompt logprobs, which wait for it) and sampling; advance cached_len; run the
         prefix cache's snapshot copies, which must follow this step on the device. Does not wait otherwise."""
+        rids = [r.rid for r in batch.reqs]
+        self.faults.check("forward", rids, self.runner)
         step = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
                                    batch.slot_ids, batch.token_src)
         self.output.input_logprobs(batch, step)
@@ -231,6 +279,7 @@ class Scheduler:
             r.cached_len += n
         sampled = None
         if batch.sampling is not None:
+            self.faults.check("sampler", rids)
             sampled = self.runner.sample(step, batch.sampling)
             if self.overlap:
                 self.runner.keep_sampled(sampled)
@@ -244,10 +293,12 @@ class Scheduler:
     def _resolve(self) -> bool:
         """Read the step in flight (blocks until the device finished it): accept its tokens, stop checks,
         streaming, the role's after_step. Returns False when nothing was in flight."""
-        done, self._in_flight = self._in_flight, None
+        done = self._in_flight
         if done is None:
             return False
+        # Cleared only once read: a failure while reading leaves it for _step_failed to rewind.
         self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
+        self._in_flight = None
         self.role.after_step(done.batch.reqs)  # PD prefill: stream the KV computed in this step
         return True
 

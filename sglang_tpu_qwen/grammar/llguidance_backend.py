@@ -8,12 +8,15 @@ only by their token (the text `<think>` in a regex allows the special token `<th
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from sglang_tpu_qwen.grammar.backend import GrammarBackend, GrammarError, TokenMatcher, VocabInfo, compiler_message
+from sglang_tpu_qwen.grammar.schema_check import unenforced_keyword
 from sglang_tpu_qwen.grammar.spec import GrammarSpec, structural_tag_object
+from sglang_tpu_qwen.grammar.whitespace import JsonWhitespace, as_json_whitespace
 
 
 class LLGuidanceMatcher(TokenMatcher):
@@ -45,25 +48,32 @@ class LLGuidanceBackend(GrammarBackend):
 
     Args:
       vocab: the vocabulary (see VocabInfo).
-      any_whitespace: JSON may hold any whitespace between tokens; False emits compact JSON.
+      any_whitespace: the whitespace rule of JSON Schema output (grammar/whitespace.py); True: the default
+        bounded runs, False: compact JSON.
     """
 
     name = "llguidance"
 
-    def __init__(self, vocab: VocabInfo, any_whitespace: bool = True) -> None:
+    def __init__(self, vocab: VocabInfo, any_whitespace: bool | JsonWhitespace = True) -> None:
         import llguidance
 
         self._llg = llguidance
         self._tokenizer = llguidance.LLTokenizer(vocab.tokenizer_file, n_vocab=vocab.vocab_size,
                                                  eos_token=list(vocab.stop_ids))
         self._stop_ids = frozenset(vocab.stop_ids)
-        self._json_options = {"whitespace_flexible": any_whitespace}
+        ws = as_json_whitespace(any_whitespace, "llguidance")
+        self._json_options: dict[str, Any] = {"whitespace_flexible": not ws.compact}
+        if ws.pattern is not None:
+            self._json_options["whitespace_pattern"] = ws.pattern
 
     def _grammar(self, spec: GrammarSpec) -> str:
         llg = self._llg
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.text)
         if spec.kind == "json_schema":
+            problem = unenforced_keyword(json.loads(spec.text), self.name)
+            if problem is not None:
+                raise ValueError(problem)
             return llg.LLMatcher.grammar_from_json_schema(spec.text, defaults=self._json_options)
         if spec.kind == "ebnf":
             return llg.grammar_from("ebnf", spec.text)

@@ -19,13 +19,14 @@ from typing import Any
 from sglang_tpu_qwen.grammar.backend import GrammarBackend, TokenMatcher, VocabInfo
 from sglang_tpu_qwen.grammar.request_grammar import RequestGrammar
 from sglang_tpu_qwen.grammar.spec import GrammarSpec
+from sglang_tpu_qwen.grammar.whitespace import JsonWhitespace
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
 
-def load_backend(name: str, vocab: VocabInfo, any_whitespace: bool = True) -> GrammarBackend:
+def load_backend(name: str, vocab: VocabInfo, any_whitespace: bool | JsonWhitespace = True) -> GrammarBackend:
     """Build the backend `name` (xgrammar or llguidance) for vocab. Raises ValueError for another name."""
     t0 = time.perf_counter()
     if name == "xgrammar":
@@ -61,12 +62,13 @@ class GrammarManager:
     Args:
       backend: "xgrammar" or "llguidance" (a name, loaded in the background now) or a GrammarBackend.
       vocab: the vocabulary; vocab.vocab_size is the bitmask's token count.
-      any_whitespace: passed to the backend for JSON Schema.
+      any_whitespace: the JSON whitespace rule (grammar/whitespace.py; a bool is the older form), passed to
+        the backend.
       workers: compile threads.
       cache_size: compiled grammars kept (least recently used dropped first).
     """
 
-    def __init__(self, backend: str | GrammarBackend, vocab: VocabInfo, any_whitespace: bool = True,
+    def __init__(self, backend: str | GrammarBackend, vocab: VocabInfo, any_whitespace: bool | JsonWhitespace = True,
                  workers: int = 2, cache_size: int = 512) -> None:
         self.vocab_size = vocab.vocab_size
         self.vocab_limit = len(vocab.tokens)  # ids at or above this are padding rows of the logits
@@ -117,9 +119,14 @@ class GrammarManager:
         logger.debug("compiled %s grammar (%d chars) in %.3f s", spec.kind, len(spec.text), time.perf_counter() - t0)
         return compiled
 
-    def request_grammar(self, spec: GrammarSpec, compiled: Future | None = None) -> RequestGrammar:
-        """A fresh per-request state for spec over `compiled` (a `submit(spec)` future; submitted now if None)."""
-        return RequestGrammar(spec, self.submit(spec) if compiled is None else compiled, self)
+    def request_grammar(self, spec: GrammarSpec, compiled: Future | None = None,
+                        think_end_id: int | None = None) -> RequestGrammar:
+        """A fresh per-request state for spec over `compiled` (a `submit(spec)` future; submitted now if None).
+
+        think_end_id: the output starts inside the model's reasoning; the grammar applies after this token
+        (SGLang's ReasonerGrammarObject, for `require_reasoning` requests).
+        """
+        return RequestGrammar(spec, self.submit(spec) if compiled is None else compiled, self, think_end_id)
 
     def new_matcher(self, compiled: Any) -> TokenMatcher:
         """A matcher for a compiled grammar; counted until `matcher_released`."""
@@ -146,7 +153,7 @@ class GrammarManager:
 
 
 def create_grammar_manager(backend: str, tokenizer: Any, vocab_size: int, stop_ids: set[int],
-                           any_whitespace: bool = True) -> GrammarManager | None:
+                           any_whitespace: bool | JsonWhitespace = True) -> GrammarManager | None:
     """The engine's manager for `--grammar-backend` (None for "none"); the backend loads in the background.
 
     tokenizer: a `tokenizer.tokenizer.Tokenizer`; vocab_size: the model's logit rows; stop_ids: EOS ids.

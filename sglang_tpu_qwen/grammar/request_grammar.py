@@ -5,6 +5,10 @@ there (the scheduler does not admit the request before); `fill(bitmask, row)` ea
 `advance(token, position)` for each token it accepts; `release()` when it finishes or is aborted.
 Retraction keeps the state: the request re-prefills prompt + output without accepting those tokens
 again, and `advance` ignores a position it has already consumed, so the matcher never sees a token twice.
+
+With a `think_end_id` (a request whose output starts inside the model's reasoning, SGLang's
+`require_reasoning`), every token is allowed until that token; the grammar constrains what follows it, so
+schema-constrained output lands in the reply's `content`, after the reasoning, as in SGLang.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ class RequestGrammar:
       spec: the constraint (for messages).
       compiled: future of the backend's compiled grammar (from GrammarManager.submit).
       manager: the owner; makes the matcher and counts live ones.
+      think_end_id: constrain only the tokens after this one (None: from the first output token).
     """
 
-    def __init__(self, spec: GrammarSpec, compiled: Future, manager: GrammarManager) -> None:
+    def __init__(self, spec: GrammarSpec, compiled: Future, manager: GrammarManager,
+                 think_end_id: int | None = None) -> None:
         self.spec = spec
         self._compiled = compiled
         self._manager = manager
@@ -42,6 +48,8 @@ class RequestGrammar:
         self.num_accepted = 0  # output tokens the matcher has consumed
         self.rejected_token: int | None = None
         self.released = False
+        self.think_end_id = think_end_id
+        self.in_reasoning = think_end_id is not None
 
     def ready(self) -> bool:
         """True once the matcher exists (making it when the compile just finished); False while compiling.
@@ -59,7 +67,8 @@ class RequestGrammar:
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the tokens allowed next into bitmask[row] ([B, ceil(V/32)] int32); padded ids never allowed."""
         assert self._matcher is not None, "fill before ready()"
-        self._matcher.fill_bitmask(bitmask, row)
+        if not self.in_reasoning:  # inside the reasoning the row stays as it is: every token allowed
+            self._matcher.fill_bitmask(bitmask, row)
         clear_from(bitmask, row, self._manager.vocab_limit)
 
     def advance(self, token: int, position: int) -> bool:
@@ -72,6 +81,10 @@ class RequestGrammar:
         if self._matcher is None or self.rejected_token is not None:
             return self.rejected_token is not None
         if position < self.num_accepted:
+            return False
+        if self.in_reasoning:
+            self.num_accepted = position + 1
+            self.in_reasoning = token != self.think_end_id
             return False
         if not self._matcher.accept(token):
             logger.warning("grammar (%s) rejected token %d at output position %d", self.spec.kind, token, position)

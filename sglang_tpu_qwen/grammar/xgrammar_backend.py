@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.grammar.backend import GrammarBackend, GrammarError, TokenMatcher, VocabInfo, compiler_message
+from sglang_tpu_qwen.grammar.schema_check import unenforced_keyword
 from sglang_tpu_qwen.grammar.spec import GrammarSpec, structural_tag_object
+from sglang_tpu_qwen.grammar.whitespace import JsonWhitespace, as_json_whitespace
 
 
 class XGrammarMatcher(TokenMatcher):
@@ -37,18 +39,18 @@ class XGrammarBackend(GrammarBackend):
 
     Args:
       vocab: the vocabulary (see VocabInfo).
-      any_whitespace: JSON may hold any whitespace between tokens (SGLang's default); False emits compact
-        JSON (`--constrained-json-disable-any-whitespace`).
+      any_whitespace: the whitespace rule of JSON Schema output (grammar/whitespace.py); True: the default
+        bounded runs, False: compact JSON (`--constrained-json-disable-any-whitespace`).
       max_threads: xgrammar's own compile threads per grammar.
     """
 
     name = "xgrammar"
 
-    def __init__(self, vocab: VocabInfo, any_whitespace: bool = True, max_threads: int = 2) -> None:
+    def __init__(self, vocab: VocabInfo, any_whitespace: bool | JsonWhitespace = True, max_threads: int = 2) -> None:
         import xgrammar as xgr  # imports torch: deferred so a server without grammars never pays for it
 
         self._xgr = xgr
-        self._any_whitespace = any_whitespace
+        self._ws = as_json_whitespace(any_whitespace, "xgrammar")
         info = xgr.TokenizerInfo(vocab.tokens, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab.vocab_size,
                                  stop_token_ids=list(vocab.stop_ids))
         # The manager caches compiled grammars by spec; xgrammar's own cache would hold a second copy.
@@ -62,16 +64,37 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "regex":
                 return g.from_regex(spec.text)
             if spec.kind == "json_schema":
-                return g.from_json_schema(spec.text, any_whitespace=self._any_whitespace)
+                try:
+                    schema = json.loads(spec.text)
+                except json.JSONDecodeError as e:
+                    raise GrammarError(f"invalid json_schema: not valid JSON: {e}") from None
+                problem = unenforced_keyword(schema, self.name)
+                if problem is not None:
+                    raise GrammarError(f"invalid json_schema: {problem}")
+                return g.from_json_schema(spec.text, any_whitespace=not self._ws.compact,
+                                          max_whitespace_cnt=self._ws.max_count)
             if spec.kind == "ebnf":
                 return g.from_ebnf(spec.text)
             if spec.kind == "structural_tag":
+                self._check_tag_schemas(spec)
                 # Token formats ({"type": "token", "token": "<tool_call>"}) resolve against the vocabulary,
                 # which only the compiler has: a structural tag is compiled here, while it is validated.
                 return self._compiler.compile_structural_tag(json.dumps(structural_tag_object(spec.text)))
+        except GrammarError:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError / its own error types with the parser's message
             raise GrammarError(compiler_message(spec, e)) from None
         raise GrammarError(f"unknown constraint kind {spec.kind!r}")
+
+    def _check_tag_schemas(self, spec: GrammarSpec) -> None:
+        """Refuse a structural tag whose tags hold a JSON schema with keywords xgrammar does not enforce."""
+        fmt = structural_tag_object(spec.text).get("format", {})
+        for tag in fmt.get("tags", []) if isinstance(fmt, dict) else []:
+            content = tag.get("content") if isinstance(tag, dict) else None
+            if isinstance(content, dict) and content.get("type") == "json_schema":
+                problem = unenforced_keyword(content.get("json_schema"), self.name)
+                if problem is not None:
+                    raise GrammarError(f"invalid structural_tag: {problem}")
 
     def compile(self, prepared: Any) -> Any:
         if isinstance(prepared, self._xgr.CompiledGrammar):  # a structural tag (see prepare)

@@ -2,19 +2,26 @@
 
 ``--attention-backend`` / ``--gdn-backend`` take ``auto | pallas | reference``. ``auto`` is ``pallas`` on a
 TPU backend and ``reference`` elsewhere. ``pallas`` on a non-TPU backend runs the kernels in Pallas TPU
-interpret mode (``pltpu.InterpretParams()``): exact but slow, for tests on CPU.
+interpret mode (``pltpu.InterpretParams()``): exact but slow, for tests on CPU. Given the model config,
+``resolve_backends`` checks it against what the kernels support before anything is compiled: an explicit
+``pallas`` for an unsupported layout is a startup error naming the config fields, ``auto`` falls back to
+the reference with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
+
+logger = logging.getLogger(__name__)
 
 CHOICES = ("auto", "pallas", "reference")
 
@@ -34,18 +41,42 @@ class KernelBackends:
     interpret: bool = False
 
 
-def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str | None = None) -> KernelBackends:
-    """Resolve the two flags for a JAX platform.
+def gdn_pallas_unsupported(config: Any) -> str | None:
+    """Why the fused Pallas GDN kernel cannot run this model's Gated DeltaNet head layout, or None when it can.
+
+    The kernel reads each key-head group's v channels as whole (r * dv)-wide blocks of the conv output, so
+    linear_num_value_heads must be a multiple of linear_num_key_heads (r = Hv / Hk) and the q/k channels
+    (2 * Hk * dk) a multiple of r * dv (``kernels/gdn/kernel.py``). The message names the config fields.
+    """
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    if not config.num_gdn_layers:
+        return None
+    if hv % hk:
+        return (f"linear_num_value_heads ({hv}) is not a multiple of linear_num_key_heads ({hk})")
+    r = hv // hk
+    if (2 * hk * dk) % (r * dv):
+        return (f"2 * linear_num_key_heads * linear_key_head_dim (2 * {hk} * {dk} = {2 * hk * dk}) is not a multiple "
+                f"of (linear_num_value_heads / linear_num_key_heads) * linear_value_head_dim ({r} * {dv} = {r * dv})")
+    return None
+
+
+def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str | None = None,
+                     config: Any = None) -> KernelBackends:
+    """Resolve the two flags for a JAX platform and, when given, a model config.
 
     Args:
         attention, gdn: ``auto``, ``pallas`` or ``reference``.
         platform: ``jax.default_backend()`` when None.
+        config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support. ``auto`` falls
+            back to the reference with a warning; an explicit ``pallas`` is refused.
 
     Returns:
         The resolved :class:`KernelBackends`.
 
     Raises:
-        ValueError: for a value outside :data:`CHOICES`.
+        ValueError: for a value outside :data:`CHOICES`, or ``pallas`` chosen for a model config the kernel
+            cannot run (the message names the config fields and values).
     """
     platform = platform or jax.default_backend()
     on_tpu = platform == "tpu"
@@ -58,6 +89,13 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         return flag
 
     resolved = KernelBackends(attention=one("attention", attention), gdn=one("gdn", gdn))
+    why = gdn_pallas_unsupported(config) if config is not None and resolved.gdn == "pallas" else None
+    if why is not None:
+        if gdn == "pallas":
+            raise ValueError(f"--gdn-backend pallas cannot run this model: {why}. Use --gdn-backend reference "
+                             "(or auto, which falls back to it).")
+        logger.warning("fused GDN kernel cannot run this model (%s); using the reference GDN", why)
+        resolved = KernelBackends(resolved.attention, "reference")
     uses_pallas = "pallas" in (resolved.attention, resolved.gdn)
     return KernelBackends(resolved.attention, resolved.gdn, interpret=uses_pallas and not on_tpu)
 

@@ -1,11 +1,14 @@
 """The FastAPI application: SGLang's native routes plus the OpenAI routes, over one in-process Engine.
 
 Routes (as SGLang's `python/sglang/srt/entrypoints/http_server.py`):
-  POST/PUT /generate        text | input_ids, single or batch; SSE with cumulative text when stream
+  POST/PUT /generate        text | input_ids, single or batch; SSE when stream: cumulative text (deltas with
+                            --incremental-streaming-output), per-chunk logprob lists (see _StreamSlicer)
   GET /get_model_info, /model_info      model_path, tokenizer_path, is_generation, served_model_name
   GET /get_server_info, /server_info    server args + engine state + version
-  GET /health                           200, empty body
-  GET /health_generate                  200 once a 1-token generation returns; 503 otherwise
+  GET /health                           200, empty body; 503 (reason as text) before warm-up has passed, when the
+                                        scheduler thread is dead or failed fatally, or a step has run longer
+                                        than --watchdog-timeout (engine/health.py)
+  GET /health_generate                  as /health, then 200 once a 1-token generation returns; 503 otherwise
   GET/POST /flush_cache                 200 "Cache flushed..." or 400 when requests are running
   POST /abort_request                   {"rid"}: abort that request
   GET/POST /start_profile, /stop_profile  jax.profiler trace of the scheduler's steps (engine/profiler.py);
@@ -31,10 +34,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from sglang_tpu_qwen.disagg.request_fields import bootstrap_kwargs
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.errors import InvalidRequestError, failed_status
 from sglang_tpu_qwen.server import engine_calls
 from sglang_tpu_qwen.server.engine_calls import SSE_DONE, ClientDisconnected, sse
-from sglang_tpu_qwen.server.errors import install_error_handlers, native_error, unauthorized
+from sglang_tpu_qwen.server.errors import install_error_handlers, native_error, stream_error_event, unauthorized
 from sglang_tpu_qwen.server.openai_api import create_openai_router
 from sglang_tpu_qwen.server.protocol import AbortReq, GenerateReqInput
 
@@ -91,6 +94,7 @@ def _generate_kwargs(obj: GenerateReqInput) -> tuple[dict[str, Any], int | None]
         logprob_start_len=_scalar(obj.logprob_start_len, "logprob_start_len"),
         top_logprobs_num=_scalar(obj.top_logprobs_num, "top_logprobs_num") or 0,
         return_text_in_logprobs=obj.return_text_in_logprobs,
+        **({"require_reasoning": True} if obj.require_reasoning else {}),
         **bootstrap_kwargs(obj),  # PD disaggregation: injected by the router into both legs
     )
     return kwargs, batch_size
@@ -125,12 +129,21 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
                 return unauthorized()
             return await call_next(request)
 
+    def problem() -> str | None:
+        return engine.health().problem(getattr(engine.server_args, "watchdog_timeout", None))
+
     @app.get("/health")
     async def health() -> Response:
+        reason = problem()
+        if reason is not None:
+            return Response(content=f"unhealthy: {reason}\n", status_code=503, media_type="text/plain")
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
+        reason = problem()
+        if reason is not None:
+            return Response(content=f"unhealthy: {reason}\n", status_code=503, media_type="text/plain")
         rid = f"HEALTH_CHECK_{engine_calls.new_rid()}"
         try:
             await asyncio.wait_for(
@@ -222,16 +235,27 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
             return native_error(str(e))
         if not obj.stream:
             try:
-                return await engine_calls.generate_once(engine, request, rids, **kwargs)
+                out = await engine_calls.generate_once(engine, request, rids, **kwargs)
+                for reply in out if isinstance(out, list) else [out]:
+                    _add_logprob_length(reply["meta_info"])
+                return out
             except ClientDisconnected:
                 return native_error("client disconnected", 499)
         first, rest = await engine_calls.open_stream(engine, rids, **kwargs)
-        return StreamingResponse(_generate_stream(engine, rids, first, rest), media_type="text/event-stream")
+        incremental = bool(getattr(engine.server_args, "incremental_streaming_output", False))
+        return StreamingResponse(_generate_stream(engine, rids, first, rest, incremental),
+                                 media_type="text/event-stream")
 
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.include_router(create_openai_router(engine, reasoning_parser=reasoning_parser,
                                             tool_call_parser=tool_call_parser))
     return app
+
+
+def _add_logprob_length(meta: dict) -> None:
+    """SGLang's `output_token_logprobs_length`: output tokens with a logprob so far (when logprobs are on)."""
+    if "output_token_logprobs" in meta:
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
 
 
 async def _profile_reply(fut: concurrent.futures.Future) -> Response:
@@ -246,23 +270,60 @@ async def _profile_reply(fut: concurrent.futures.Future) -> Response:
     return Response(content=text, status_code=200, media_type="text/plain")
 
 
-async def _generate_stream(
-    engine: Any, rids: Any, first: dict | None, rest: AsyncIterator
-) -> AsyncIterator[bytes]:
-    """SSE body of a streamed /generate: one event per cumulative chunk, then `data: [DONE]`.
+class _StreamSlicer:
+    """Turns the engine's cumulative replies into SGLang 0.5.23's streamed /generate chunks.
 
-    A client that disconnects cancels this generator; the `finally` then aborts its requests.
+    Every chunk's `output_token_logprobs` / `output_top_logprobs` hold only the tokens new since the
+    previous chunk of the same index, and `output_token_logprobs_length` counts all of them so far (what
+    sglang.test.test_programs.test_stream_logprobs and the frontend's meta-info merging expect). With
+    --incremental-streaming-output `text` and `output_ids` are deltas too; otherwise they are cumulative.
+    """
+
+    def __init__(self, incremental: bool) -> None:
+        self.incremental = incremental
+        self._sent: dict[int, tuple[int, int, int]] = {}  # index -> (logprobs, chars, ids) already sent
+
+    def __call__(self, chunk: dict) -> dict:
+        index = chunk.get("index", 0)
+        lp0, text0, ids0 = self._sent.get(index, (0, 0, 0))
+        meta = chunk["meta_info"]
+        _add_logprob_length(meta)
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in meta:
+                meta[key] = meta[key][lp0:]
+        self._sent[index] = (meta.get("output_token_logprobs_length", 0), len(chunk["text"]),
+                             len(chunk["output_ids"]))
+        if self.incremental:
+            chunk["text"] = chunk["text"][text0:]
+            chunk["output_ids"] = chunk["output_ids"][ids0:]
+        return chunk
+
+
+async def _generate_stream(
+    engine: Any, rids: Any, first: dict | None, rest: AsyncIterator, incremental: bool = False
+) -> AsyncIterator[bytes]:
+    """SSE body of a streamed /generate: one event per chunk (`_StreamSlicer`), then `data: [DONE]`.
+
+    A request the server failed ends the stream with an error event (`stream_error_event`) instead of its
+    last chunk, and the call's other requests are aborted. A client that disconnects cancels this
+    generator; the `finally` then aborts its requests.
     """
     finished = False
+    shape = _StreamSlicer(incremental)
     try:
         chunk = first
         while chunk is not None:
-            yield sse(chunk)
+            reason = chunk["meta_info"]["finish_reason"]
+            if failed_status(reason) is not None:
+                yield sse(stream_error_event(reason, openai=False))
+                break
+            yield sse(shape(chunk))
             chunk = await anext(rest, None)
-        finished = True
+        else:
+            finished = True
     except Exception as e:  # engine failure mid-stream: reported inside the stream, as SGLang does
-        yield sse({"error": {"message": str(e)}})
-        finished = True
+        logger.exception("stream failed")
+        yield sse(stream_error_event({"message": str(e), "status_code": 500}, openai=False))
     finally:
         if not finished:
             engine_calls.abort_all(engine, rids)

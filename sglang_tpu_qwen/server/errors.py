@@ -5,6 +5,10 @@
 - Native routes (`/generate`): `{"error": {"message": ...}}` with status 400, as SGLang's
   `_create_error_response`.
 - Bad or missing api key: 401 `{"error": "Unauthorized"}`, as SGLang's api-key middleware.
+- A request the server failed (engine.errors.RequestFailedError, status 500 / 503): the OpenAI routes answer
+  an ErrorResponse with `type` the err_type; `/generate` answers `{"error": {"message", "type", "code"}}`.
+  Inside an already started stream the same objects come as one `data: {"error": ...}` event, then
+  `data: [DONE]` (`stream_error_event`), as SGLang's serving_chat / http_server do.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang_tpu_qwen.disagg.errors import TransferError
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.errors import InvalidRequestError, RequestFailedError
 from sglang_tpu_qwen.server.protocol import ErrorResponse
 
 
@@ -56,6 +60,23 @@ def openai_error(
 def native_error(message: str, status: int = 400) -> JSONResponse:
     """A native-route error reply (`{"error": {"message": ...}}`)."""
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def failure_body(message: str, status: int, err_type: str, openai: bool) -> dict:
+    """The error object of a failed request: OpenAI's ErrorResponse, or the native `{"error": {...}}`."""
+    if openai:
+        return ErrorResponse(message=message, type=err_type, code=status).model_dump()
+    return {"error": {"message": message, "type": err_type, "code": status}}
+
+
+def stream_error_event(reason: dict, openai: bool) -> dict:
+    """The `data:` payload that ends a stream whose request the server failed (finish_reason `reason`, an
+    abort with a status_code): `{"error": <ErrorResponse>}` on the OpenAI routes, `{"error": {...}}` natively."""
+    message = str(reason.get("message") or "request failed")
+    status = int(reason.get("status_code") or 500)
+    err_type = str(reason.get("err_type") or _default_type(status))
+    body = failure_body(message, status, err_type, openai)
+    return {"error": body} if openai else body
 
 
 def unauthorized() -> JSONResponse:
@@ -109,6 +130,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if request.url.path.startswith("/v1/"):
             return openai_error(exc.message, exc.status)
         return native_error(exc.message, exc.status)
+
+    @app.exception_handler(RequestFailedError)
+    async def _on_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        body = failure_body(exc.message, exc.status, exc.err_type, request.url.path.startswith("/v1/"))
+        return JSONResponse(body, status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

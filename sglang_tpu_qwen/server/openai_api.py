@@ -19,6 +19,7 @@ token arrived (text held back by a stop string or a parser delays its logprobs, 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from sglang_tpu_qwen.disagg.request_fields import bootstrap_kwargs
+from sglang_tpu_qwen.engine.errors import failed_status
 from sglang_tpu_qwen.grammar.spec import response_format_constraint
 from sglang_tpu_qwen.parsers import ChatOutputParser
 from sglang_tpu_qwen.parsers.chat_output import ChatDelta
@@ -36,7 +38,7 @@ from sglang_tpu_qwen.parsers.tool_calls import merge_call_deltas
 from sglang_tpu_qwen.parsers.tool_grammar import tool_call_ebnf
 from sglang_tpu_qwen.server import engine_calls
 from sglang_tpu_qwen.server.engine_calls import SSE_DONE, ClientDisconnected, sse
-from sglang_tpu_qwen.server.errors import OpenAIError, model_not_found
+from sglang_tpu_qwen.server.errors import OpenAIError, model_not_found, stream_error_event
 from sglang_tpu_qwen.server.protocol import (
     DEFAULT_MODEL_NAME,
     ChatCompletionMessage,
@@ -60,6 +62,8 @@ from sglang_tpu_qwen.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+
+logger = logging.getLogger(__name__)
 
 Triple = list  # [logprob | None, token_id, text | None], as the engine returns it
 
@@ -147,6 +151,8 @@ def create_openai_router(
             return_logprob=req.logprobs,
             top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             return_text_in_logprobs=True,
+            # As SGLang with a reasoning parser: a constraint applies once the reasoning block ends.
+            **({"require_reasoning": True} if plan.grammar_after_reasoning else {}),
             **bootstrap_kwargs(req),  # PD disaggregation: injected by the router into both legs
         )
         rids = engine_calls.make_rids(req.rid, None)
@@ -187,9 +193,13 @@ def _completion_inputs(engine: Any, prompt: Any) -> tuple[dict[str, Any], int | 
         raise OpenAIError("prompt must not be empty", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return {"text": list(prompt)}, len(prompt), list(prompt)
+    # Token ids are checked before they are decoded for `echo` (the tokenizer raises on a negative id).
     if all(isinstance(p, int) for p in prompt):
+        engine.check_input_ids(prompt)
         return {"input_ids": list(prompt)}, None, [engine.tokenizer.decode(prompt, skip_special_tokens=False)]
     if all(isinstance(p, list) for p in prompt):
+        for p in prompt:
+            engine.check_input_ids(p)
         texts = [engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompt]
         return {"input_ids": [list(p) for p in prompt]}, len(prompt), texts
     raise OpenAIError("prompt must be a string, a list of strings, or token ids", param="prompt")
@@ -211,6 +221,7 @@ def _sampling_params(req: Any, max_new_tokens: int | None) -> dict[str, Any]:
         "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "no_stop_trim": req.no_stop_trim,
         "n": req.n,
         "seed": req.seed,
@@ -286,6 +297,9 @@ class ChatPlan:
     tool_call_parser: str | None
     thinking: bool
     tools: list[Any] | None  # tools whose calls are parsed (None: tool-call parsing off)
+    # The client's constraint applies after the reasoning block (SGLang's require_reasoning with a reasoning
+    # parser), so its output lands in `content`; a forced tool call's grammar covers the reasoning itself.
+    grammar_after_reasoning: bool = False
 
     def parser(self) -> ChatOutputParser:
         """A fresh parser for one choice."""
@@ -325,6 +339,7 @@ def _plan_chat(engine: Any, req: ChatCompletionRequest, reasoning: str | None, t
         max_new = max(0, engine.room_for(len(engine.tokenizer.encode(prompt))))
     sampling = {**_sampling_params(req, max_new), **_constraint_fields(req)}
     forced = bool(tool_dicts) and (choice == "required" or named is not None)
+    user_constrained = any(k in sampling for k in ("regex", "ebnf", "json_schema", "structural_tag"))
     if forced:
         if any(k in sampling for k in ("regex", "ebnf", "json_schema", "structural_tag")):
             raise OpenAIError("tool_choice 'required' or a named function cannot be combined with regex, ebnf "
@@ -338,6 +353,7 @@ def _plan_chat(engine: Any, req: ChatCompletionRequest, reasoning: str | None, t
         tool_call_parser=tool_parser or ("qwen3_coder" if forced else None),
         thinking=thinking,
         tools=tools,
+        grammar_after_reasoning=bool(reasoning) and thinking and user_constrained and not forced,
     )
 
 
@@ -496,6 +512,10 @@ def _stream_response(engine: Any, rids: Any, first: dict | None, rest: AsyncIter
         try:
             chunk = first
             while chunk is not None:
+                reason = chunk["meta_info"]["finish_reason"]
+                if failed_status(reason) is not None:  # the server failed it: an error event, no usage
+                    yield sse(stream_error_event(reason, openai=True))
+                    break
                 i = chunk.get("index", 0)
                 state = states.setdefault(i, _ChoiceStream())
                 new_text = chunk["text"][state.text_sent :]
@@ -503,13 +523,14 @@ def _stream_response(engine: Any, rids: Any, first: dict | None, rest: AsyncIter
                 for payload in render(i, state, chunk, new_text):
                     yield sse(payload)
                 chunk = await anext(rest, None)
-            usage = usage_payload([states[k].last for k in sorted(states)])
-            if usage is not None:
-                yield sse(usage)
-            finished = True
+            else:
+                usage = usage_payload([states[k].last for k in sorted(states)])
+                if usage is not None:
+                    yield sse(usage)
+                finished = True
         except Exception as e:  # an engine failure mid-stream: tell the client inside the stream
-            yield sse({"error": {"message": str(e)}})
-            finished = True
+            logger.exception("stream failed")
+            yield sse(stream_error_event({"message": str(e), "status_code": 500}, openai=True))
         finally:
             if not finished:
                 engine_calls.abort_all(engine, rids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # ---------------------------------------------------------------- SGLang native
 
@@ -24,14 +24,17 @@ class GenerateReqInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    # StrictInt: JSON true/false are not token ids (pydantic's lax mode would read true as 1).
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
+    logprob_start_len: StrictInt | list[StrictInt] | None = None
+    top_logprobs_num: StrictInt | list[StrictInt] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # The output starts inside the model's reasoning: a constraint applies after the reasoning ends.
+    require_reasoning: bool = False
 
     # Accepted and ignored: routing / bookkeeping hints that do not change the output.
     log_metrics: bool = True
@@ -161,8 +164,8 @@ class _SamplingFields(BaseModel):
     model: str = DEFAULT_MODEL_NAME
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    n: int = 1
-    seed: int | None = None
+    n: StrictInt = 1
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -170,14 +173,15 @@ class _SamplingFields(BaseModel):
     top_p: float | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     min_p: float | None = None
-    min_tokens: int = 0
+    min_tokens: StrictInt = 0
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     no_stop_trim: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     rid: str | list[str] | None = None
     # Routing hints, ignored (see module docstring).
     bootstrap_host: str | list[str] | None = None
@@ -204,14 +208,24 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """Body of `POST /v1/completions`."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
-    logprobs: int | None = None
-    max_tokens: int = 16
+    logprobs: StrictInt | None = None
+    max_tokens: StrictInt = 16
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     temperature: float | None = 1.0
     top_p: float | None = 1.0
+
+    def unsupported_fields(self) -> list[str]:
+        """As the base class, plus `suffix` (insertion is not implemented) and `best_of` other than n
+        (ranking samples by logprob is not implemented; best_of == n is plain sampling)."""
+        bad = super().unsupported_fields()
+        if self.suffix:
+            bad.append("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of")
+        return bad
 
 
 class LogProbs(BaseModel):
@@ -322,9 +336,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: StrictInt | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool = True
