@@ -59,6 +59,10 @@ class Inbox:
         self._wakeup.wait(timeout)
         self._wakeup.clear()
 
+    def qsize(self) -> int:
+        """Messages queued and not drained yet (approximate while other threads put)."""
+        return self._queue.qsize()
+
     def drain(self) -> Iterator[Message]:
         """The messages queued now, oldest first."""
         while True:

@@ -235,7 +235,7 @@ class Scheduler:
         self.role.poll()  # PD: admit requests whose state arrived, fail broken transfers
         for r in [r for r in self.running if r.aborted]:
             self.finish(r, {"type": "abort", "message": "aborted by the client"})
-        if self._in_flight is not None and not self._can_overlap(self._in_flight):
+        if self._in_flight is not None and (self.failures.has_suspects or not self._can_overlap(self._in_flight)):
             self._resolve()
         self.policy.admit(self.finish)
         mode, chosen = self.policy.pick()
@@ -257,7 +257,7 @@ class Scheduler:
                 self.device_fed_rows += int((batch.token_src >= 0).sum())
             self._resolve()  # the previous step's tokens, read while the device runs this one
             self._in_flight = launched
-            if not self.overlap:
+            if not self.overlap or self.failures.has_suspects:
                 self._resolve()
         return True
 

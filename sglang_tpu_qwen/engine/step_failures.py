@@ -64,6 +64,12 @@ class StepFailures:
         self._loop_failures = 0
 
     # ---- steps -----------------------------------------------------------------------------------
+    @property
+    def has_suspects(self) -> bool:
+        """Requests of a failed step are waiting to run alone: steps then run synchronously (no overlap), so
+        a failure belongs to the one step that raised."""
+        return bool(self._suspects)
+
     def isolate(self, chosen: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """The batch to run: a suspect runs alone (the first one in the batch), anything else unchanged."""
         for item in chosen:
