@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.numpy import save_file
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.embedded import MODEL_DIRNAME, build_embedded_model, ensure_embedded_model
+from sglang_tpu_qwen.model.safetensors_file import SafetensorsFile
 from sglang_tpu_qwen.model.weights import (
     CheckpointError,
     load_params,
@@ -185,11 +187,8 @@ def test_wrong_shape(tmp_path: Path) -> None:
     assert "expected shape (16, 32)" in msg and "found (32, 16)" in msg
 
 
-def test_raw_reader_matches_safetensors(tmp_path: Path) -> None:
-    """The memory-mapped fallback (for safetensors versions without bf16/fp8 numpy support) reads
-    the same values as safetensors."""
-    from sglang_tpu_qwen.model.weights import _Shard
-
+def test_reader_matches_safetensors(tmp_path: Path) -> None:
+    """Our memory-mapped reader returns what safetensors wrote (bf16 and fp8 through ml_dtypes)."""
     rng = np.random.default_rng(4)
     tensors = {
         "a": rng.standard_normal((3, 5), np.float32).astype(ml_dtypes.bfloat16),
@@ -197,12 +196,11 @@ def test_raw_reader_matches_safetensors(tmp_path: Path) -> None:
         "c": rng.standard_normal((2, 4), np.float32).astype(ml_dtypes.float8_e4m3fn),
     }
     save_file(tensors, str(tmp_path / "x.safetensors"))
-    with _Shard(tmp_path / "x.safetensors") as shard:
+    with SafetensorsFile(tmp_path / "x.safetensors") as shard:
         for name, want in tensors.items():
-            got = shard._raw(name)
+            got = shard.get(name)
             assert got.dtype == want.dtype and got.shape == want.shape
             np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
-            np.testing.assert_array_equal(shard.get(name).astype(np.float32), want.astype(np.float32))
 
 
 def test_no_checkpoint(tmp_path: Path) -> None:
@@ -304,3 +302,230 @@ def test_fp8_block_quantised(tmp_path: Path) -> None:
     bad_scale = r"q_proj.weight_scale_inv: expected shape \(4, 2\).*found \(3, 2\)"
     with pytest.raises(CheckpointError, match=bad_scale):
         load_params(tmp_path, config, jnp.float32)
+
+
+# ---- safetensors header validation (#14 point 3) ----
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Apply ``edit(header_dict)`` to a safetensors file's JSON header, keeping the data bytes."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+
+
+def _one_file_checkpoint(tmp_path: Path) -> tuple[Qwen35MoeConfig, Path]:
+    config = small_config()
+    save_checkpoint(to_hf_state_dict(random_params(config), config), tmp_path)
+    return config, tmp_path / "model.safetensors"
+
+
+_EMBED = "model.language_model.embed_tokens.weight"
+_NORM = "model.language_model.norm.weight"
+
+
+@pytest.mark.parametrize(
+    "corruption, message",
+    [
+        ("truncate", r"model.safetensors: tensor \S+: data_offsets \[\d+, \d+\] point past the end"),
+        ("past_end", rf"model.safetensors: tensor {_EMBED}: data_offsets \[\d+, \d+\] point past the end"),
+        ("overlap", r"model.safetensors: tensors \S+ and \S+ overlap"),
+        ("dtype", rf"model.safetensors: tensor {_EMBED}: unknown dtype 'F7'"),
+        ("length", rf"model.safetensors: tensor {_NORM}: 64 data bytes, but shape \(8,\) of BF16 needs 16"),
+        ("header_json", r"model.safetensors: header is not valid JSON"),
+        ("header_len", r"model.safetensors: header length \d+ does not fit the file's \d+ bytes"),
+    ],
+)
+def test_corrupted_file_is_a_checkpoint_error(tmp_path: Path, corruption: str, message: str) -> None:
+    """A truncated or corrupted safetensors file fails before any tensor reaches numpy or JAX, naming
+    the file and the tensor."""
+    config, path = _one_file_checkpoint(tmp_path)
+    if corruption == "truncate":
+        path.write_bytes(path.read_bytes()[:-100])
+    elif corruption == "past_end":
+        def edit(h):
+            b, e = h[_EMBED]["data_offsets"]
+            h[_EMBED]["data_offsets"] = [b + 10**9, e + 10**9]
+        _rewrite_header(path, edit)
+    elif corruption == "overlap":
+        def edit(h):
+            b, e = h[_NORM]["data_offsets"]
+            h[_NORM]["data_offsets"] = [b - 2, e - 2]
+        _rewrite_header(path, edit)
+    elif corruption == "dtype":
+        _rewrite_header(path, lambda h: h[_EMBED].update(dtype="F7"))
+    elif corruption == "length":
+        _rewrite_header(path, lambda h: h[_NORM].update(shape=[8]))
+    elif corruption == "header_json":
+        raw = bytearray(path.read_bytes())
+        raw[9] = ord("}")  # inside the JSON header
+        path.write_bytes(bytes(raw))
+    elif corruption == "header_len":
+        raw = path.read_bytes()
+        path.write_bytes((len(raw) * 2).to_bytes(8, "little") + raw[8:])
+    with pytest.raises(CheckpointError, match=message):
+        load_params(tmp_path, config, jnp.float32)
+
+
+# ---- block FP8: all or nothing (#13 item 7), FP8 leaves (#11 point 2) ----
+
+# HF names (suffixes) of the linear weights FP8 releases quantise, written independently of the loader.
+_QUANTISED_SUFFIXES = (
+    "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "in_proj_qkv.weight",
+    "in_proj_z.weight", "out_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+    "experts.gate_up_proj", "experts.down_proj",
+)  # fmt: skip
+_BLOCK = (16, 12)  # [rows, cols] of the HF [out, in] tensors: partial edge blocks in most matrices
+
+
+def _fp8_checkpoint(config: Qwen35MoeConfig, fused: bool, seed: int = 5) -> dict[str, np.ndarray]:
+    """HF tensors with every quantised linear weight in block FP8 (scale beside it)."""
+    from sglang_tpu_qwen.model.fp8_blocks import quantize
+
+    tensors = to_hf_state_dict(random_params(config, seed), config, fused_experts=fused)
+    for name in list(tensors):
+        if name.endswith(_QUANTISED_SUFFIXES):
+            q, s = quantize(tensors[name].astype(np.float32), _BLOCK)
+            tensors[name] = q
+            tensors[name + "_scale_inv"] = s
+    return tensors
+
+
+def _save_fp8(tmp_path: Path, tensors: dict[str, np.ndarray]) -> None:
+    save_checkpoint(tensors, tmp_path, max_shard_bytes=20_000)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(_BLOCK)}}))
+
+
+_KINDS = {  # quantised tensor kind -> (checkpoint name, fused experts)
+    "attention": ("model.language_model.layers.1.self_attn.o_proj.weight", False),
+    "gdn": ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", False),
+    "routed_expert": ("model.language_model.layers.2.mlp.experts.3.down_proj.weight", False),
+    "shared_expert": ("model.language_model.layers.0.mlp.shared_expert.up_proj.weight", False),
+    "fused_gate_up": ("model.language_model.layers.2.mlp.experts.gate_up_proj", True),
+    "fused_down": ("model.language_model.layers.1.mlp.experts.down_proj", True),
+}
+
+
+@pytest.mark.parametrize("kind", list(_KINDS))
+@pytest.mark.parametrize("fault", ["scale_missing", "weight_missing", "weight_not_fp8", "scale_shape"])
+def test_fp8_scales_all_or_nothing(tmp_path: Path, kind: str, fault: str) -> None:
+    config = small_config()
+    name, fused = _KINDS[kind]
+    scale = name + "_scale_inv"
+    tensors = _fp8_checkpoint(config, fused)
+    if fault == "scale_missing":
+        del tensors[scale]
+        pattern = rf"{re.escape(name)} is stored as F8_E4M3 but its block scale {re.escape(scale)} is absent"
+    elif fault == "weight_missing":
+        del tensors[name]
+        pattern = rf"{re.escape(scale)} is a block scale, but its weight {re.escape(name)} is absent"
+    elif fault == "weight_not_fp8":
+        tensors[name] = tensors[name].astype(ml_dtypes.bfloat16)
+        pattern = rf"{re.escape(scale)} is a block scale, but its weight {re.escape(name)} is stored as BF16"
+    else:
+        tensors[scale] = tensors[scale][..., :-1]
+        pattern = rf"{re.escape(scale)}: expected shape .* of {re.escape(name)} .*, found"
+    _save_fp8(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_params(tmp_path, config, jnp.float32, keep_fp8=True)
+
+
+def test_fp8_expert_stack_not_half_quantised(tmp_path: Path) -> None:
+    config = small_config()
+    tensors = _fp8_checkpoint(config, fused=False)
+    name = "model.language_model.layers.1.mlp.experts.2.up_proj.weight"
+    tensors[name] = tensors[name].astype(ml_dtypes.bfloat16)
+    del tensors[name + "_scale_inv"]
+    _save_fp8(tmp_path, tensors)
+    mixed = rf"mixes block-FP8 and unquantised tensors: .* {re.escape(name)} is BF16"
+    with pytest.raises(CheckpointError, match=mixed):
+        load_params(tmp_path, config, jnp.float32, keep_fp8=True)
+
+
+def _hf_to_leaf(x: np.ndarray) -> np.ndarray:
+    """[out, in] -> [in, out] on the last two dims (our layout), written independently of the loader."""
+    return np.swapaxes(x, -1, -2)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_stays_fp8(tmp_path: Path, fused: bool) -> None:
+    """keep_fp8: every quantised weight is an Fp8Weight leaf holding the checkpoint's own q and scales,
+    transposed into [in, out] with the block transposed (16 x 12 -> 12 x 16, partial edge blocks);
+    without keep_fp8 the same checkpoint loads as its offline-dequantised twin."""
+    from sglang_tpu_qwen.model.fp8_blocks import dequantize
+    from sglang_tpu_qwen.parallel.fp8 import Fp8Weight
+    from sglang_tpu_qwen.parallel.fp8 import dequantize as device_dequantize
+
+    config = small_config()
+    tensors = _fp8_checkpoint(config, fused)
+    _save_fp8(tmp_path, tensors)
+    kept = load_params(tmp_path, config, jnp.float32, keep_fp8=True)
+    dense = load_params(tmp_path, config, jnp.float32)
+    pre = "model.language_model.layers."
+    i = config.moe_intermediate_size
+    checks = []
+    for li, layer in enumerate(kept["layers"]):
+        kind = ("self_attn", "attn", ("q_proj", "k_proj", "v_proj", "o_proj")) if "attn" in layer else \
+            ("linear_attn", "gdn", ("in_proj_qkv", "in_proj_z", "out_proj"))
+        for leaf in kind[2]:
+            name = f"{pre}{li}.{kind[0]}.{leaf}.weight"
+            checks.append((layer[kind[1]][leaf], dense["layers"][li][kind[1]][leaf], name, None, None))
+        moe = layer["moe"]
+        for leaf, hf in (("shared_gate", "gate_proj"), ("shared_up", "up_proj"), ("shared_down", "down_proj")):
+            checks.append((moe[leaf], dense["layers"][li]["moe"][leaf], f"{pre}{li}.mlp.shared_expert.{hf}.weight",
+                           None, None))
+        for leaf, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            for e in range(config.num_experts):
+                if fused:
+                    name = f"{pre}{li}.mlp.experts." + ("down_proj" if leaf == "w_down" else "gate_up_proj")
+                    rows = slice(None) if leaf == "w_down" else (slice(0, i) if leaf == "w_gate" else slice(i, 2 * i))
+                    srows = slice(None) if leaf == "w_down" else (slice(0, i // 16) if leaf == "w_gate"
+                                                                  else slice(i // 16, None))
+                    q_hf, s_hf = tensors[name][e][rows], tensors[name + "_scale_inv"][e][srows]
+                else:
+                    name = f"{pre}{li}.mlp.experts.{e}.{hf}.weight"
+                    q_hf, s_hf = tensors[name], tensors[name + "_scale_inv"]
+                checks.append((moe[leaf], dense["layers"][li]["moe"][leaf], name, e, (q_hf, s_hf)))
+        assert not isinstance(moe["router"], Fp8Weight) and moe["router"].dtype == jnp.float32
+    for got, got_dense, name, e, qs in checks:
+        assert isinstance(got, Fp8Weight), name
+        assert got.q.dtype == jnp.float8_e4m3fn and got.scale.dtype == jnp.float32 and got.block == (12, 16)
+        q_hf, s_hf = qs if qs is not None else (tensors[name], tensors[name + "_scale_inv"])
+        q, s = (got.q, got.scale) if e is None else (got.q[e], got.scale[e])
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), _hf_to_leaf(q_hf).view(np.uint8), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(s), _hf_to_leaf(s_hf), err_msg=name)
+        want = _hf_to_leaf(dequantize(q_hf, s_hf, _BLOCK))
+        np.testing.assert_array_equal(np.asarray(got_dense if e is None else got_dense[e]), want, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(device_dequantize(got, jnp.float32))[() if e is None else e], want,
+                                      err_msg=name)
+    assert len(checks) == 1 * 4 + 2 * 3 + 3 * 3 + 3 * 3 * config.num_experts  # attn, gdn, shared, experts
+
+
+def test_quantization_fp8_on_load(tmp_path: Path) -> None:
+    """quantization='fp8' turns a bf16 checkpoint's linear weights into 128 x 128-block Fp8Weight leaves
+    (one partial block here) whose dequantised values are within e4m3's rounding of the originals."""
+    from sglang_tpu_qwen.parallel.fp8 import QUANTISED_LEAVES, Fp8Weight, dequantize
+
+    config = small_config()
+    params = random_params(config)
+    save_checkpoint(to_hf_state_dict(params, config), tmp_path)
+    got = load_params(tmp_path, config, jnp.bfloat16, quantization="fp8")
+    n = 0
+    for (path, leaf), want in zip(jax.tree.leaves_with_path(got, is_leaf=lambda x: isinstance(x, Fp8Weight)),
+                                  jax.tree.leaves(params), strict=True):
+        name = str(getattr(path[-1], "key", ""))
+        if name not in QUANTISED_LEAVES:
+            assert not isinstance(leaf, Fp8Weight), name
+            continue
+        n += 1
+        assert isinstance(leaf, Fp8Weight) and leaf.block == (128, 128) and leaf.q.dtype == jnp.float8_e4m3fn
+        assert leaf.scale.shape == (*want.shape[:-2], 1, 1)
+        w = np.asarray(want, np.float32)
+        amax = np.abs(w).max(axis=(-2, -1), keepdims=True)
+        err = np.abs(np.asarray(dequantize(leaf, jnp.float32)) - w)
+        assert np.all(err <= amax / 448 * 16 + 1e-6), name  # e4m3: 3 mantissa bits, half-ulp <= 2^-4 * |x|
+    assert n == 1 * 4 + 2 * 3 + 3 * 3 + 3 * 3  # attention, GDN, shared expert, expert stacks

@@ -29,11 +29,15 @@ class Fp8Weight:
 
     Attributes:
         q: ``[..., R, C]`` float8_e4m3fn.
-        scale: ``[..., ceil(R / 128), ceil(C / 128)]`` float32; ``w = q * scale`` blockwise.
+        scale: ``[..., ceil(R / block[0]), ceil(C / block[1])]`` float32; ``w = q * scale`` blockwise (the
+            last block of a row or column may be partial).
+        block: static (not a pytree child): the block size ``[rows, cols]`` in this ``[in, out]`` layout,
+            the checkpoint's ``weight_block_size`` transposed (128 x 128 for the Qwen releases).
     """
 
     q: Any
     scale: Any
+    block: tuple[int, int] = dataclasses.field(default=BLOCK, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,14 +55,17 @@ def quantize(w: jax.Array, block: tuple[int, int] = BLOCK) -> Fp8Weight:
     amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
     scale = jnp.where(amax > 0, amax / 448.0, 1.0)
     q = (blocks / scale[..., :, None, :, None]).reshape(w.shape).astype(jnp.float8_e4m3fn)
-    return Fp8Weight(q=q, scale=scale)
+    return Fp8Weight(q=q, scale=scale, block=block)
 
 
-def dequantize(w: Fp8Weight, dtype: Any, block: tuple[int, int] = BLOCK) -> jax.Array:
-    """``[..., R, C]`` in ``dtype``: each block of ``w.q`` times its scale."""
-    *lead, r, c = w.q.shape
-    qb = w.q.astype(jnp.float32).reshape(*lead, r // block[0], block[0], c // block[1], block[1])
-    return (qb * w.scale[..., :, None, :, None]).reshape(w.q.shape).astype(dtype)
+def dequantize(w: Fp8Weight, dtype: Any, block: tuple[int, int] | None = None) -> jax.Array:
+    """``[..., R, C]`` in ``dtype``: each block of ``w.q`` times its scale (partial edge blocks included).
+
+    ``block`` defaults to ``w.block``."""
+    b0, b1 = w.block if block is None else block
+    s = jnp.repeat(jnp.repeat(w.scale.astype(jnp.float32), b0, axis=-2), b1, axis=-1)
+    r, c = w.q.shape[-2:]
+    return (w.q.astype(jnp.float32) * s[..., :r, :c]).astype(dtype)
 
 
 def _eligible(name: str, shape: tuple[int, ...], block: tuple[int, int]) -> bool:
@@ -89,6 +96,7 @@ def fp8_specs(specs: Any, block: tuple[int, int] = BLOCK) -> Any:
         return Fp8Weight(
             q=jax.ShapeDtypeStruct(s.shape, jnp.float8_e4m3fn),
             scale=jax.ShapeDtypeStruct((*lead, -(-r // block[0]), -(-c // block[1])), jnp.float32),
+            block=block,
         )
 
     return jax.tree_util.tree_map_with_path(f, specs)
