@@ -33,6 +33,12 @@ class ServerArgs:
         default="auto",
         metadata={"help": "Compute dtype: auto (float32 on CPU, bfloat16 on TPU/GPU), float32, bfloat16."},
     )
+    quantization: str | None = field(default=None, metadata={
+        "help": "fp8: quantise a bf16 checkpoint's linear weights to 128x128-block FP8 on load (block-FP8 "
+                "checkpoints stay FP8 without it)."})
+    weights_manifest: str | None = field(default=None, metadata={
+        "help": "JSON file name -> sha256 (tools.weights_manifest writes one): refuse to start on a missing, "
+                "extra or mismatching weight file, checked while loading."})
     context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens."})
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size."})
     dp_size: int = field(default=1, metadata={"help": "Data-parallel (attention) size."})
@@ -108,6 +114,8 @@ class ServerArgs:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization must be fp8 (or absent), got {self.quantization!r}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         from sglang_tpu_qwen.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS

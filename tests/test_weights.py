@@ -529,3 +529,92 @@ def test_quantization_fp8_on_load(tmp_path: Path) -> None:
         err = np.abs(np.asarray(dequantize(leaf, jnp.float32)) - w)
         assert np.all(err <= amax / 448 * 16 + 1e-6), name  # e4m3: 3 mantissa bits, half-ulp <= 2^-4 * |x|
     assert n == 1 * 4 + 2 * 3 + 3 * 3 + 3 * 3  # attention, GDN, shared expert, expert stacks
+
+
+# ---- weight integrity: --weights-manifest (#14 point 3) ----
+
+
+def _manifest_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Qwen35MoeConfig, dict]:
+    """A sharded fused-expert FP8 checkpoint (reads out of file order) and the manifest the tool writes."""
+    from sglang_tpu_qwen.tools.weights_manifest import main
+
+    config = small_config()
+    _save_fp8(tmp_path, _fp8_checkpoint(config, fused=True))
+    main([str(tmp_path)])
+    manifest = json.loads(capsys.readouterr().out)
+    assert set(manifest) == {p.name for p in tmp_path.iterdir()} and len(manifest) > 4
+    assert manifest["config.json"] == hashlib.sha256((tmp_path / "config.json").read_bytes()).hexdigest()
+    return config, manifest
+
+
+def test_weights_manifest_passes_and_tool_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, manifest = _manifest_checkpoint(tmp_path, capsys)
+    got = load_params(tmp_path, config, jnp.float32, keep_fp8=True, manifest=manifest)
+    want = load_params(tmp_path, config, jnp.float32, keep_fp8=True)
+    assert_trees_equal(got, want)
+
+
+def _last_shard(tmp_path: Path) -> Path:
+    return sorted(tmp_path.glob("model-*.safetensors"))[-1]
+
+
+@pytest.mark.parametrize("fault", ["flipped_byte", "truncated", "past_end", "extra_file", "missing_file"])
+def test_weights_manifest_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str) -> None:
+    config, manifest = _manifest_checkpoint(tmp_path, capsys)
+    shard = _last_shard(tmp_path)
+    if fault == "flipped_byte":  # inside tensor data: the header stays valid, only the digest can tell
+        raw = bytearray(shard.read_bytes())
+        raw[-3] ^= 0x01
+        shard.write_bytes(bytes(raw))
+        pattern = rf"sha256 of {shard.name} is [0-9a-f]{{64}}, the manifest says {manifest[shard.name]}"
+    elif fault == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-10])
+        pattern = rf"{shard.name}: tensor \S+: data_offsets .* point past the end"
+    elif fault == "past_end":
+        def edit(h):
+            name = next(k for k in h if k != "__metadata__")
+            h[name]["data_offsets"] = [v + (1 << 20) for v in h[name]["data_offsets"]]
+        _rewrite_header(shard, edit)
+        manifest[shard.name] = hashlib.sha256(shard.read_bytes()).hexdigest()  # a manifest of the bad file
+        pattern = rf"{shard.name}: tensor \S+: data_offsets .* point past the end"
+    elif fault == "extra_file":
+        (tmp_path / "model-extra.safetensors").write_bytes(shard.read_bytes())
+        pattern = r"file model-extra.safetensors in .* is not in the manifest \(extra file\)"
+    else:
+        (tmp_path / "config.json").rename(tmp_path / "config.json.bak")
+        manifest["config.json.bak"] = manifest["config.json"]
+        pattern = r"file config.json is missing from"
+    with pytest.raises(CheckpointError, match=pattern):
+        load_params(tmp_path, config, jnp.float32, keep_fp8=True, manifest=manifest)
+
+
+def test_file_digest_out_of_order_reads(tmp_path: Path) -> None:
+    """The loader's one-pass digest equals sha256 of the file whatever order tensors are read in."""
+    rng = np.random.default_rng(0)
+    tensors = {f"t{i}": rng.standard_normal((i + 3, 7), np.float32) for i in range(6)}
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    want = hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+    with SafetensorsFile(tmp_path / "x.safetensors", hash_bytes=True) as f:
+        for name in ("t4", "t1", "t5", "t0", "t2"):  # t3 never read: hashed at the end
+            info = f.tensors[name]
+            f.get(name)
+            f.digest.consumed(info.begin, info.end)
+        assert f.sha256() == want
+
+
+def test_server_refuses_to_start_on_manifest_mismatch(embedded_dir: Path, tmp_path: Path) -> None:
+    """--weights-manifest reaches the loader: the model runner (what the server builds at start) raises,
+    naming the file; with the right manifest it loads."""
+    from sglang_tpu_qwen.engine.model_runner import ModelRunner
+    from sglang_tpu_qwen.server_args import ServerArgs
+    from sglang_tpu_qwen.tools.weights_manifest import build_manifest
+
+    manifest = build_manifest(embedded_dir)
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(manifest))
+    bad.write_text(json.dumps({**manifest, "model.safetensors": "0" * 64}))
+    args = dict(max_total_tokens=256, max_running_requests=2, dtype="float32")
+    with pytest.raises(CheckpointError, match="sha256 of model.safetensors is [0-9a-f]{64}, the manifest says 0000"):
+        ModelRunner(str(embedded_dir), ServerArgs(weights_manifest=str(bad), **args))
+    runner = ModelRunner(str(embedded_dir), ServerArgs(weights_manifest=str(good), **args))
+    assert runner.params["embed"].shape == (248320, 128)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -20,13 +19,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.engine import sampler
+from sglang_tpu_qwen.engine.weight_loading import load_weights
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
-from sglang_tpu_qwen.model.weights import load_params
 from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
-from sglang_tpu_qwen.parallel.sharding import batch_pspec, param_pspecs, shard_cache, shard_params
+from sglang_tpu_qwen.parallel.sharding import batch_pspec, param_pspecs, shard_cache
 from sglang_tpu_qwen.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -78,10 +77,6 @@ class ModelRunner:
         first one); default all devices / the default device."""
         self.config: Qwen35MoeConfig = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype)
-        t0 = time.perf_counter()
-        self.params = load_params(model_path, self.config, self.dtype)
-        logger.info("loaded weights from %s in %.1f s (dtype %s)", model_path, time.perf_counter() - t0,
-                    jnp.dtype(self.dtype).name)
         # Data-parallel attention + expert-parallel MoE (DESIGN.md section 4): one mesh; each DP rank owns
         # a contiguous block of num_pages pages and num_slots slots of the global cache.
         self.dp = args.dp_size
@@ -90,10 +85,9 @@ class ModelRunner:
         # Without a mesh, an explicit device list pins the engine to its first device (committed arrays: every
         # jitted step then runs there).
         self._device = devices[0] if devices and self.layout is None else None
-        if self._device is not None:
-            self.params = jax.device_put(self.params, self._device)
+        # Each tensor goes from the files straight into its final sharding (engine/weight_loading.py).
+        self.params = load_weights(model_path, self.config, self.dtype, args, self.layout, self._device)
         if self.layout is not None:
-            self.params = shard_params(self.params, self.layout)
             logger.info("mesh %s: attention dp=%d over %s, experts ep=%d, MoE combine %s",
                         dict(self.layout.mesh.shape), self.dp, "+".join(self.layout.batch_axes), args.ep_size,
                         args.moe_combine)
