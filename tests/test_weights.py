@@ -25,6 +25,7 @@ from sglang_tpu_qwen.model.weights import (
     save_checkpoint,
     to_hf_state_dict,
 )
+from tests.conftest import record
 
 
 def small_config(tie: bool = False) -> Qwen35MoeConfig:
@@ -618,3 +619,83 @@ def test_server_refuses_to_start_on_manifest_mismatch(embedded_dir: Path, tmp_pa
         ModelRunner(str(embedded_dir), ServerArgs(weights_manifest=str(bad), **args))
     runner = ModelRunner(str(embedded_dir), ServerArgs(weights_manifest=str(good), **args))
     assert runner.params["embed"].shape == (248320, 128)
+
+
+# ---- streaming load into shardings, stacked layout (#11 point 3) ----
+
+
+def _stack_config() -> Qwen35MoeConfig:
+    """4 layers, period 2 (GDN, attention), 8 experts."""
+    return Qwen35MoeConfig.from_hf_dict({
+        "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention"] * 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    })  # fmt: skip
+
+
+def _streaming_child(model_dir: str) -> None:
+    """Run in a process with 4 emulated devices: the stacked, sharded FP8 load equals the single-device
+    per-layer load, and each device holds the replicated leaves plus exactly 1/4 of every expert stack."""
+    from sglang_tpu_qwen.model.weights import layer_period, unstack_layers
+    from sglang_tpu_qwen.parallel.fp8 import Fp8Weight
+    from sglang_tpu_qwen.parallel.mesh import make_layout
+    from sglang_tpu_qwen.parallel.sharding import EXPERT_LEAVES, param_pspecs, shardings
+
+    assert len(jax.devices()) == 4
+    config = _stack_config()
+    layout = make_layout(4, 4, 1)
+    want = load_params(model_dir, config, jnp.float32, keep_fp8=True)
+    got = load_params(model_dir, config, jnp.float32, keep_fp8=True, stacked=True,
+                      shardings=lambda abstract: shardings(param_pspecs(abstract, layout), layout))
+    assert layer_period(config) == 2 and len(got["layers"]) == 2
+    assert got["layers"][1]["moe"]["w_gate"].q.shape == (2, 8, 32, 16)
+    assert isinstance(got["layers"][0]["gdn"]["in_proj_qkv"], Fp8Weight)
+    flat_got = jax.tree.leaves_with_path(unstack_layers(got, config))
+    flat_want = jax.tree.leaves(want)
+    assert len(flat_got) == len(flat_want)
+    for (path, g), w in zip(flat_got, flat_want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                      err_msg=jax.tree_util.keystr(path))
+    expert = replicated = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(got):
+        is_expert = bool({getattr(k, "key", None) for k in path} & EXPERT_LEAVES)
+        expert += x.nbytes if is_expert else 0
+        replicated += 0 if is_expert else x.nbytes
+        for shard in x.addressable_shards:
+            assert shard.data.nbytes == (x.nbytes // 4 if is_expert else x.nbytes), jax.tree_util.keystr(path)
+    per_device: dict = {}
+    for x in jax.tree.leaves(got):
+        for shard in x.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    assert sorted(per_device.values()) == [replicated + expert // 4] * 4, (per_device, replicated, expert)
+    print(f"STREAMING-OK per device {replicated + expert // 4} bytes of {replicated + expert}")
+
+
+def test_streaming_stacked_load_on_4_devices(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    config = _stack_config()
+    tensors = _fp8_checkpoint(config, fused=False)
+    for name in [n for n in tensors if ".layers.3.mlp.experts." in n and not n.endswith("_scale_inv")]:
+        del tensors[name]  # layer 3 stores its experts fused (and FP8): both layouts in one stack
+        del tensors[name + "_scale_inv"]
+    from sglang_tpu_qwen.model.fp8_blocks import quantize
+
+    fused = to_hf_state_dict(random_params(config, 6), config, fused_experts=True)
+    for k in ("gate_up_proj", "down_proj"):
+        name = f"model.language_model.layers.3.mlp.experts.{k}"
+        tensors[name], tensors[name + "_scale_inv"] = quantize(fused[name].astype(np.float32), _BLOCK)
+    _save_fp8(tmp_path, tensors)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+    code = f"from tests.test_weights import _streaming_child; _streaming_child({str(tmp_path)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0 and "STREAMING-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record("weights", proc.stdout.strip().splitlines()[-1])

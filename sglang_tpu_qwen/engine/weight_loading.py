@@ -1,7 +1,7 @@
 """The server's weight load: checkpoint -> parameters already in their final placement.
 
 Chooses the shardings (the mesh's, parallel/sharding.py, or one device), the FP8 handling
-(``--quantization``; block-FP8 checkpoints stay FP8 when the forward consumes ``Fp8Weight`` leaves) and
+(block-FP8 checkpoints stay FP8 on the devices; ``--quantization fp8`` quantises a bf16 one) and
 the integrity check (``--weights-manifest``), then calls ``model.weights.load_params``, which streams
 every tensor from the memory-mapped files straight onto the devices that hold it.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,9 +28,22 @@ logger = logging.getLogger(__name__)
 
 
 def forward_consumes_fp8() -> bool:
-    """Whether the forward dequantises ``Fp8Weight`` leaves inside its matmuls (forward sets
-    ``parallel.fp8.FORWARD_CONSUMES_FP8``); until then FP8 checkpoints are dequantised on load."""
+    """Whether the forward dequantises ``Fp8Weight`` leaves per tile inside its matmuls (forward sets
+    ``parallel.fp8.FORWARD_CONSUMES_FP8``); until then :func:`fp8_step` dequantises at the top of the step."""
     return bool(getattr(fp8, "FORWARD_CONSUMES_FP8", False))
+
+
+def fp8_step(step: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
+    """``step(params, ...)`` taking FP8 leaves: ``step`` itself once the forward consumes them, else a
+    wrapper that dequantises every ``Fp8Weight`` to ``dtype`` inside the jitted step (the weights stay
+    FP8 in device memory between steps; the dense copies are step temporaries)."""
+    if forward_consumes_fp8():
+        return step
+
+    def dense(params: Any, *args: Any, **kwargs: Any) -> Any:
+        return step(fp8.dequantize_tree(params, dtype), *args, **kwargs)
+
+    return dense
 
 
 def load_weights(model_path: str, config: Qwen35MoeConfig, dtype: Any, args: ServerArgs,
@@ -39,11 +53,7 @@ def load_weights(model_path: str, config: Qwen35MoeConfig, dtype: Any, args: Ser
 
     Raises:
         CheckpointError: a bad checkpoint or a manifest mismatch (model/weights.py).
-        ValueError: ``--quantization fp8`` while the forward cannot consume FP8 leaves.
     """
-    keep_fp8 = forward_consumes_fp8()
-    if args.quantization == "fp8" and not keep_fp8:
-        raise ValueError("--quantization fp8 needs a forward that consumes FP8 weights; this build has none")
     if layout is not None:
         def place(abstract: Any) -> Any:
             return shardings(param_pspecs(abstract, layout), layout)
@@ -54,9 +64,14 @@ def load_weights(model_path: str, config: Qwen35MoeConfig, dtype: Any, args: Ser
             return jax.tree.map(lambda _: target, abstract)
     manifest = read_manifest(args.weights_manifest) if args.weights_manifest else None
     t0 = time.perf_counter()
-    params = load_params(model_path, config, dtype, keep_fp8=keep_fp8, quantization=args.quantization,
+    params = load_params(model_path, config, dtype, keep_fp8=True, quantization=args.quantization,
                          shardings=place, manifest=manifest)
     logger.info("loaded weights from %s in %.1f s (dtype %s%s%s)", model_path, time.perf_counter() - t0,
-                jnp.dtype(dtype).name, ", FP8 kept" if keep_fp8 else "",
+                jnp.dtype(dtype).name, f", {_count_fp8(params)} FP8 leaves",
                 ", sha256 verified against the manifest" if manifest is not None else "")
     return params
+
+
+def _count_fp8(params: Any) -> int:
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, fp8.Fp8Weight))
+    return sum(isinstance(x, fp8.Fp8Weight) for x in leaves)

@@ -36,6 +36,7 @@ from sglang_tpu_qwen.model.safetensors_file import (
     TensorInfo,
     read_header,
 )
+from sglang_tpu_qwen.model.weight_placement import place
 from sglang_tpu_qwen.model.weights_manifest import check_file_set, verify_digests
 from sglang_tpu_qwen.parallel.fp8 import BLOCK, QUANTISED_LEAVES, Fp8Weight
 
@@ -482,67 +483,72 @@ def _read_leaf(leaf: _Leaf, experts: slice | None, block: tuple[int, int]) -> An
     return (q, sc) if leaf.out_fp8 else q
 
 
-def _abstract(plan: _Plan, config: Qwen35MoeConfig) -> Any:
-    """The output pytree as ShapeDtypeStruct / abstract Fp8Weight leaves (for choosing shardings)."""
-    tree = jax.tree.map(lambda _: None, param_specs(config))
-    for leaf in plan.leaves:
-        if leaf.out_fp8:
-            blk = (plan.block[1], plan.block[0]) if leaf.stored_fp8 else BLOCK
-            value: Any = Fp8Weight(
-                q=jax.ShapeDtypeStruct(leaf.shape, jnp.float8_e4m3fn),
-                scale=jax.ShapeDtypeStruct(scale_shape(leaf.shape, blk), jnp.float32), block=blk)
-        else:
-            value = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        _leaf(tree, leaf.path[:-1])[leaf.path[-1]] = value
-    return tree
+def layer_period(config: Qwen35MoeConfig) -> int:
+    """Length of the repeating layer pattern (4 for Qwen3.5: 3 GDN + 1 attention): the smallest p dividing
+    the layer count with ``layer_types[i] == layer_types[i % p]``."""
+    types, n = config.layer_types, config.num_hidden_layers
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(types[i] == types[i % p] for i in range(n)))
 
 
-def _index_groups(sharding: Any, shape: tuple[int, ...]) -> list[tuple[slice | None, list[Any]]]:
-    """Devices of ``sharding`` grouped by the dim-0 slice they hold; only dim 0 (experts) may be split."""
-    groups: dict[tuple[int, int] | None, list[Any]] = {}
-    for dev, index in sharding.addressable_devices_indices_map(shape).items():
-        key = None
-        for d, sl in enumerate(index):
-            start, stop, _ = sl.indices(shape[d])
-            if (start, stop) == (0, shape[d]):
-                continue
-            if d != 0:
-                raise NotImplementedError(f"streaming load splits only dim 0 of a leaf, not dim {d} of {shape}")
-            key = (start, stop)
-        groups.setdefault(key, []).append(dev)
-    return [(None if k is None else slice(*k), devs) for k, devs in groups.items()]
+@dataclasses.dataclass
+class _OutLeaf:
+    """One leaf of the returned pytree: one checkpoint leaf, or (stacked) the same leaf of every layer
+    group, ``members[g]`` being layer ``g * period + j``."""
+
+    path: Path_
+    members: list[_Leaf]
+    stacked: bool
+    abstract: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
 
 
-def _place(leaf: _Leaf, value_sharding: Any, block: tuple[int, int]) -> tuple[Any, int]:
-    """Build ``leaf`` on the devices of its sharding, each device receiving only its own shard (read
-    from the memory-mapped files per distinct shard); returns (array or Fp8Weight, bytes read)."""
-    if leaf.out_fp8:
-        q_sh, s_sh = value_sharding.q, value_sharding.scale
-    else:
-        q_sh, s_sh = value_sharding, None
-    q_bufs: list[jax.Array] = []
-    s_bufs: list[jax.Array] = []
-    groups = _index_groups(q_sh, leaf.shape)
-    for experts, devs in groups:
-        host = _read_leaf(leaf, experts, block)
-        q, sc = host if leaf.out_fp8 else (host, None)
-        q_bufs += [jax.device_put(q, d) for d in devs]
-        if sc is not None:
-            s_bufs += [jax.device_put(sc, d) for d in devs]
-        del host, q, sc  # host memory: one shard at a time
-    order = [d for _, devs in groups for d in devs]
-
-    def assemble(sh: Any, shape: tuple[int, ...], bufs: list[jax.Array]) -> jax.Array:
-        by_dev = dict(zip(order, bufs, strict=True))
-        return jax.make_array_from_single_device_arrays(
-            shape, sh, [by_dev[d] for d in sh.addressable_devices_indices_map(shape)])
-
-    q_arr = assemble(q_sh, leaf.shape, q_bufs)
+def _leaf_abstract(leaf: _Leaf, block: tuple[int, int], lead: tuple[int, ...]) -> Any:
+    shape = (*lead, *leaf.shape)
     if not leaf.out_fp8:
-        return q_arr, leaf.nbytes
+        return jax.ShapeDtypeStruct(shape, leaf.dtype)
     blk = (block[1], block[0]) if leaf.stored_fp8 else BLOCK
-    s_arr = assemble(s_sh, scale_shape(leaf.shape, blk), s_bufs)
-    return Fp8Weight(q=q_arr, scale=s_arr, block=blk), leaf.nbytes
+    return Fp8Weight(q=jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn),
+                     scale=jax.ShapeDtypeStruct(scale_shape(shape, blk), jnp.float32), block=blk)
+
+
+def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[list[_OutLeaf], Any]:
+    """The returned pytree's leaves and its skeleton (dicts / lists with None leaves).
+
+    Raises:
+        CheckpointError: stacked, and the layers of one group position differ in quantisation.
+    """
+    if not stacked:
+        outs = [_OutLeaf(lf.path, [lf], False) for lf in plan.leaves]
+        skeleton = jax.tree.map(lambda _: None, param_specs(config))
+    else:
+        period = layer_period(config)
+        groups: dict[Path_, list[_Leaf]] = {}
+        outs = []
+        for lf in plan.leaves:
+            if lf.path[0] == "layers":
+                groups.setdefault(("layers", int(lf.path[1]) % period, *lf.path[2:]), []).append(lf)
+            else:
+                outs.append(_OutLeaf(lf.path, [lf], False))
+        for path, members in groups.items():
+            members.sort(key=lambda m: int(m.path[1]))
+            kinds = {(m.out_fp8, m.stored_fp8) for m in members}
+            if len(kinds) > 1:
+                a = next(m for m in members if (m.out_fp8, m.stored_fp8) == min(kinds))
+                b = next(m for m in members if (m.out_fp8, m.stored_fp8) == max(kinds))
+                raise CheckpointError(
+                    f"layers {a.path[1]} and {b.path[1]} store {'.'.join(map(str, a.path[2:]))} differently "
+                    "(one block-FP8, one not): a stacked layer group needs them alike")
+            outs.append(_OutLeaf(path, members, True))
+        skeleton = jax.tree.map(lambda _: None, param_specs(config))
+        skeleton["layers"] = skeleton["layers"][:period]
+    for out in outs:
+        lead = (len(out.members),) if out.stacked else ()
+        out.abstract = _leaf_abstract(out.members[0], plan.block, lead)
+        _leaf(skeleton, out.path[:-1])[out.path[-1]] = out.abstract
+    return outs, skeleton
 
 
 def load_params(
@@ -554,6 +560,7 @@ def load_params(
     quantization: str | None = None,
     shardings: Callable[[Any], Any] | None = None,
     manifest: Mapping[str, str] | None = None,
+    stacked: bool = False,
 ) -> Any:
     """Load a HF safetensors checkpoint into the parameter pytree of docs/internals.md.
 
@@ -562,6 +569,10 @@ def load_params(
     and ``model.`` prefixes, per-expert or fused experts; skips ``mtp.*`` and visual tensors (one log
     line). Matrices come out ``[in, out]``; every dense leaf is ``dtype`` except ``A_log`` (float32).
     With ``tie_word_embeddings`` there is no ``lm_head``.
+
+    ``stacked``: the layer-scan layout (COORDINATION.md contract 1): ``params["layers"]`` is a list of
+    ``layer_period(config)`` dicts whose leaves have a leading dim G = layers / period, layer
+    ``g * period + j`` at ``params["layers"][j][name][g]`` (expert stacks ``[G, E, in, out]``).
 
     Block FP8 (a float8 weight with ``<weight>_scale_inv`` beside it; block size from config.json's
     ``quantization_config.weight_block_size``, edge blocks may be partial): with ``keep_fp8`` the
@@ -573,9 +584,9 @@ def load_params(
 
     Placement: ``shardings(abstract_tree) -> tree of jax.sharding.Sharding`` (the abstract tree has
     ``ShapeDtypeStruct`` / abstract ``Fp8Weight`` leaves); each device receives only its own shard,
-    read straight from the memory-mapped files (an expert stack split over devices is never assembled
-    whole in host memory; host memory holds one shard of one leaf at a time). Default: the default
-    device. A tqdm bar shows GB read and GB/s.
+    read straight from the memory-mapped files (model/weight_placement.py: an expert stack split over
+    devices is never assembled whole on a device or in host memory; the host holds one shard of one
+    layer at a time). Default: the first device. A tqdm bar shows GB read and GB/s.
 
     ``manifest`` (file name -> sha256, model/weights_manifest.py): every safetensors file is hashed
     from the same bytes the loader reads, files the loader does not read are hashed whole; a missing,
@@ -597,29 +608,46 @@ def load_params(
     files = _checkpoint_files(model_dir)
     plan = _plan(files, config, _fp8_block(model_dir), dtype, keep_fp8 or quantization == "fp8",
                  quantization == "fp8")
-    abstract = _abstract(plan, config)
+    outs, params = _out_leaves(plan, config, stacked)
     if shardings is not None:
-        sh_tree = shardings(abstract)
+        sh_tree = shardings(params)
     else:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        sh_tree = jax.tree.map(lambda _: dev, abstract)
-    params = jax.tree.map(lambda _: None, param_specs(config))
+        sh_tree = jax.tree.map(lambda _: dev, params)
     for f in plan.files.values():
         f.hash_bytes = manifest is not None
-    total = sum(leaf.nbytes for leaf in plan.leaves)
-    # Read leaves in file order so the manifest digests advance with the reads.
-    order = sorted(plan.leaves, key=lambda lf: (str(lf.tensors[0][0].file.path), lf.tensors[0][0].info.begin))
-    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1000) as bar:
-        for leaf in order:
-            value, nbytes = _place(leaf, _leaf(sh_tree, leaf.path), plan.block)
-            _leaf(params, leaf.path[:-1])[leaf.path[-1]] = value
-            bar.update(nbytes)
+    # Leaves in file order, so the manifest digests advance with the reads.
+    outs.sort(key=lambda o: (str(o.members[0].tensors[0][0].file.path), o.members[0].tensors[0][0].info.begin))
+    with tqdm(total=sum(o.nbytes for o in outs), desc="Loading weights", unit="B", unit_scale=True,
+              unit_divisor=1000) as bar:
+        for out in outs:
+            def read(g: int | None, experts: slice | None, out: _OutLeaf = out) -> Any:
+                member = out.members[0 if g is None else g]
+                host = _read_leaf(member, experts, plan.block)
+                n = member.shape[0]
+                bar.update(member.nbytes * len(range(*experts.indices(n))) // n if experts else member.nbytes)
+                return host
+
+            value = place(out.abstract, _leaf(sh_tree, out.path), read, out.stacked)
+            _leaf(params, out.path[:-1])[out.path[-1]] = value
     if manifest is not None:
         digests = {f.path.name: f.sha256() for f in plan.files.values()}
         verify_digests(model_dir, manifest, digests)
     for f in plan.files.values():
         f.close()
     return params
+
+
+def unstack_layers(params: Any, config: Qwen35MoeConfig) -> Any:
+    """Stacked params (contract 1) -> the per-layer list layout; per-layer params are returned as they are."""
+    layers = params["layers"]
+    if np.ndim(layers[0]["input_norm"]) == 1:  # [H]: one dict per layer already
+        return params
+    period = len(layers)
+    out = dict(params)
+    out["layers"] = [jax.tree.map(lambda x, g=li // period: x[g], layers[li % period])
+                     for li in range(config.num_hidden_layers)]
+    return out
 
 
 def to_hf_state_dict(
@@ -635,6 +663,7 @@ def to_hf_state_dict(
     ``model.``; ``lm_head.weight`` is top level either way. ``fused_experts`` writes
     ``experts.gate_up_proj`` / ``experts.down_proj`` instead of one tensor per expert.
     """
+    params = unstack_layers(params, config)
     fused = frozenset(range(config.num_hidden_layers)) if fused_experts else frozenset()
     out: dict[str, np.ndarray] = {}
     for canon, spec in _hf_table(config, fused).items():
