@@ -31,12 +31,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.forward import compute_logits
+from sglang_tpu_qwen.model.forward import compute_logits, forward_step
 from sglang_tpu_qwen.model.weights import param_specs
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.parallel.fp8 import fp8_specs
 from sglang_tpu_qwen.parallel.mesh import make_layout
-from sglang_tpu_qwen.parallel.scan_forward import scan_forward_step, stack_params
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
 
 # Qwen3.5-397B-A17B text model, from DESIGN.md section 2 (public config / HF reference). The shared
@@ -132,7 +131,7 @@ def compile_step(
     config: Qwen35MoeConfig, layout: Any, params_abs: Any, cache_abs: Any, step: StepShape, combine: str
 ) -> Any:
     """Lower + compile one step (forward + logits of each row's last token) from abstract inputs."""
-    fwd = make_sharded_forward(layout, config, params_abs, combine=combine, forward=scan_forward_step)
+    fwd = make_sharded_forward(layout, config, params_abs, combine=combine, forward=forward_step)
     cfg = config
 
     def step_fn(params: Any, cache: Any, tokens: Any, prefix: Any, new: Any, pt: Any, slots: Any) -> Any:
@@ -195,7 +194,7 @@ def plan(
 
     dense = param_specs(config, jnp.bfloat16)
     specs = fp8_specs(dense) if fp8 else dense
-    stacked = stack_params(specs, config)
+    stacked = specs  # param_specs is in the scanned layout (model/stacking.py)
     pspecs = sharding.param_pspecs(stacked, layout)
     params_abs = jax.tree.map(
         lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(layout.mesh, p)),

@@ -54,6 +54,18 @@ class ServerArgs:
     random_seed: int = field(default=0, metadata={"help": "Seed for sampling without a per-request seed."})
     stream_interval: int = field(default=1, metadata={"help": "Decode steps between streamed chunks."})
     skip_server_warmup: bool = field(default=False, metadata={"help": "Skip the warm-up request at start."})
+    # Compiled programs (engine/buckets.py, engine/compilation.py).
+    disable_precompile: bool = field(default=False, metadata={
+        "help": "Do not compile every step bucket and sampling program at startup; compile each on first use."})
+    precompile_bs_paddings: list[int] | None = field(default=None, metadata={
+        "help": "Batch sizes (rows per DP rank) of the compiled buckets (default: powers of two up to "
+                "--max-running-requests per rank); the largest must hold every running request of a rank."})
+    precompile_token_paddings: list[int] | None = field(default=None, metadata={
+        "help": "New tokens per row of the compiled extend buckets (default: powers of two from 16 up to "
+                "--chunked-prefill-size)."})
+    compilation_cache_dir: str | None = field(default=None, metadata={
+        "help": "JAX persistent compilation cache directory (default ~/.cache/sglang_tpu_qwen/jax_cache; "
+                "'none' turns it off)."})
     # Prefix cache (radix tree over KV pages + GDN state snapshots).
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn the prefix cache off."})
     schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match) or fcfs."})
@@ -116,6 +128,10 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"--quantization must be fp8 (or absent), got {self.quantization!r}")
+        for name in ("precompile_bs_paddings", "precompile_token_paddings"):
+            values = getattr(self, name)
+            if values is not None and (not values or any(not isinstance(v, int) or v <= 0 for v in values)):
+                raise ValueError(f"--{name.replace('_', '-')} must be positive integers, got {values}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         from sglang_tpu_qwen.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -147,6 +163,9 @@ class ServerArgs:
             hint = hints[f.name]
             if hint is bool:
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            if "list[int]" in str(hint):
+                parser.add_argument(flag, type=int, nargs="+", default=f.default, help=help_text)
                 continue
             py_type = _scalar_type(hint)
             parser.add_argument(flag, type=py_type, default=f.default, help=help_text)

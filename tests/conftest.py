@@ -18,11 +18,13 @@ from typing import Any
 
 import pytest
 
-# Small limits keep the suite fast on 2 CPU cores; enable_metrics so /metrics can be checked. Compact JSON
-# for json_schema constraints: the random-weight model prefers whitespace tokens and would pad JSON forever.
+# Small limits keep the suite fast on 2 CPU cores; enable_metrics so /metrics can be checked. Programs compile
+# on first use (disable_precompile): the session engine needs few of them; test_compile.py checks precompile.
+# Compact JSON for json_schema constraints: the random-weight model prefers whitespace tokens and would pad JSON
+# forever.
 ENGINE_KWARGS: dict[str, Any] = dict(max_running_requests=4, context_length=256, enable_metrics=True,
                                      chunked_prefill_size=256, max_prefill_tokens=512,
-                                     constrained_json_disable_any_whitespace=True)
+                                     constrained_json_disable_any_whitespace=True, disable_precompile=True)
 
 
 @dataclass

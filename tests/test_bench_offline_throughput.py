@@ -33,6 +33,11 @@ def test_small_run_reports_both_throughputs(tmp_path):
         assert side["output_throughput"] > 0 and side["total_throughput"] > side["output_throughput"]
         assert side["total_output_tokens"] == 2 * 4  # min_new_tokens == max_new_tokens: exactly 4 each
         assert side["output_throughput"] == pytest.approx(side["total_output_tokens"] / side["elapsed_s"])
+    # Programs compiled at startup; warm-up prompts differ from the timed ones: the timed run compiles nothing.
+    assert eng["compilations_during_timed_run"] == 0
+    assert eng["decode_steps"] > 0 and eng["decode_device_ms"] > 0
+    assert eng["decode_step_ms"] == pytest.approx(eng["decode_device_ms"] + eng["decode_host_ms"]) or (
+        eng["decode_host_ms"] == 0.0)
     assert result["output_throughput_ratio"] == pytest.approx(eng["output_throughput"] / hf["output_throughput"])
     assert result["total_throughput_ratio"] == pytest.approx(eng["total_throughput"] / hf["total_throughput"])
     assert result["total_input_tokens"] == sum(len(p) for p in sample_random_prompts(2, 16, 0.0, seed=1))

@@ -135,7 +135,7 @@ def _serve(model_dir: str, **parallel: int) -> dict[str, Any]:
         for path, x in jax.tree_util.tree_leaves_with_path(
                 eng.runner.params, is_leaf=lambda v: isinstance(v, Fp8Weight)):
             if isinstance(x, Fp8Weight):
-                fp8_leaves += x.q.shape[0] if x.q.ndim == 3 else 1  # count matrices (expert stacks per expert)
+                fp8_leaves += math.prod(x.q.shape[:-2])  # matrices: one per layer (and expert) of a stack
                 assert x.q.dtype == np.dtype("float8_e4m3fn") and x.scale.dtype == np.float32
                 fp8_shards += sum(s.data.dtype == np.dtype("float8_e4m3fn") for s in x.q.addressable_shards)
             elif str(getattr(path[-1], "key", "")) in QUANTISED_LEAVES:

@@ -53,6 +53,11 @@ def results() -> dict[str, dict[str, float]]:
     return out
 
 
+def test_fp8_expert_parallel_moe_matches_single_device(results):
+    """FP8 experts (Pallas grouped matmul, interpret mode) under dp8-ep8 equal the single-device block."""
+    assert results["moe dp8 ep8 hierarchical fp8"]["rel_err"] < TOL
+
+
 @pytest.mark.parametrize("dp,ep", LAYOUTS)
 @pytest.mark.parametrize("combine", ["flat", "hierarchical"])
 def test_sharded_moe_matches_single_device(results, dp, ep, combine):
@@ -127,7 +132,7 @@ def _child() -> None:  # noqa: C901 - one linear script
     emit("reduce_scatter", np.asarray(hier), np.asarray(flat))
 
     # MoE block alone.
-    moe_p = params["layers"][0]["moe"]
+    moe_p = jax.tree.map(lambda a: a[0], params["layers"][0]["moe"])  # layer 0 (group 0 of stack 0)
     x = jax.random.normal(jax.random.key(2), (40, config.hidden_size), jnp.float32)
     one = dict(moe_p, router=jnp.zeros_like(moe_p["router"]).at[0, 11].set(10.0))
     x_one = x.at[:, 0].set(1.0)  # logit 10 for expert 11, 0 for the rest: every token's top-1 is expert 11
@@ -148,6 +153,21 @@ def _child() -> None:  # noqa: C901 - one linear script
                     want = moe_block(p, xx, cfg)
                     emit(f"moe dp{dp} ep{ep} {combine} {name}" + (f" mb{mb}" if mb > 1 else ""),
                          np.asarray(got), np.asarray(want))
+
+    # FP8 experts and shared expert through the Pallas grouped matmul (interpret mode) inside the
+    # expert-parallel shard_map, against the single-device block on the same FP8 weights (XLA path).
+    from sglang_tpu_qwen.parallel import fp8
+
+    q = fp8.quantize_params(moe_p)
+    lay = make_layout(8, 8)
+    fn = make_ep_moe_fn(EXPERT, 8, tokens_replicated=False, combine="hierarchical")
+    with fp8.interpret_kernels():
+        run = jax.jit(jax.shard_map(
+            functools.partial(fn, config=config), mesh=lay.mesh,
+            in_specs=(sharding.param_pspecs(q, lay), sharding.batch_pspec(lay)),
+            out_specs=sharding.batch_pspec(lay), check_vma=False))
+        got = run(sharding.shard_params(q, lay), x)
+    emit("moe dp8 ep8 hierarchical fp8", np.asarray(got), np.asarray(moe_block(q, x, config)))
 
     # Full forward: prefill (T=8, uneven lengths, one all-padding row) then one decode step.
     b, t, ps, pages, slots = 8, 8, 4, 64, 16

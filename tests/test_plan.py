@@ -1,7 +1,7 @@
 """The planner AOT-compiles the decode step of Qwen3.5-397B-A17B (60 layers, real dims, FP8 weights) for
 one Ironwood host (tpu7x:2x2x1, 8 devices, dp8 attention + ep8 experts) at 64 running requests x 9216
 tokens, and everything fits in device memory. Needs ``libtpu`` (deviceless compile; no TPU is used).
-The scanned FP8 forward the planner compiles is checked against ``forward_step`` on CPU."""
+The FP8 forward itself is checked on CPU by tests/test_fp8_matmul.py."""
 
 from __future__ import annotations
 
@@ -43,54 +43,3 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
         assert s["memory"]["fits"], s["memory"]
         assert s["flops"] > 0 and s["bytes_accessed"] >= s["min_bytes"] * 0.5
     assert r["fits"]
-
-
-def test_scanned_fp8_forward_is_the_model():
-    """The planner's step (layers under scan, FP8 weights dequantised per layer) computes the model:
-    it equals ``forward_step`` on the dequantised weights (float32, 1e-5 of the largest magnitude), and
-    every FP8 block-quantised matrix is within 4% (Frobenius) of the original."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-    from sglang_tpu_qwen.model.embedded import embedded_config_dict, init_embedded_params
-    from sglang_tpu_qwen.model.forward import forward_step, init_cache
-    from sglang_tpu_qwen.parallel.fp8 import Fp8Weight, dequantize_tree, quantize_params
-    from sglang_tpu_qwen.parallel.scan_forward import scan_forward_step, stack_params
-
-    d = embedded_config_dict()
-    d["text_config"].update(vocab_size=512, num_hidden_layers=8, layer_types=None, full_attention_interval=4,
-                            moe_intermediate_size=128, shared_expert_intermediate_size=128)
-    config = Qwen35MoeConfig.from_hf_dict(d)
-    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), init_embedded_params(config))
-    q = quantize_params(params)
-    assert isinstance(q["layers"][0]["moe"]["w_gate"], Fp8Weight)
-    assert q["layers"][0]["moe"]["w_gate"].q.dtype == jnp.float8_e4m3fn
-    deq = dequantize_tree(q, jnp.float32)
-
-    b, t = 2, 5
-    tokens = np.arange(1, b * t + 1, dtype=np.int32).reshape(b, t)
-    args = (tokens, np.zeros(b, np.int32), np.array([5, 3], np.int32), np.array([[1, 2], [3, 4]], np.int32),
-            np.array([1, 2], np.int32))
-    fwd = jax.jit(functools.partial(forward_step, config=config))
-    scan = jax.jit(functools.partial(scan_forward_step, config=config))
-    with jax.default_matmul_precision("highest"):
-        ref, _ = fwd(params, init_cache(config, 8, 4, 4, jnp.float32), *args)
-        ref_q, _ = fwd(deq, init_cache(config, 8, 4, 4, jnp.float32), *args)
-        got, _ = scan(stack_params(q, config), init_cache(config, 8, 4, 4, jnp.float32), *args)
-    valid = np.arange(t)[None, :] < args[2][:, None]
-    ref, ref_q, got = (np.asarray(x)[valid] for x in (ref, ref_q, got))
-    scan_err = np.max(np.abs(got - ref_q)) / np.max(np.abs(ref_q))
-    # e4m3 keeps 3 mantissa bits: each quantised matrix is within ~2.6% (Frobenius) of the original.
-    # (Whole-model drift is not bounded tightly: a small change can flip a token's top-k experts.)
-    errs = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-            for a, b, w in zip(jax.tree.leaves(deq), jax.tree.leaves(params),
-                               jax.tree.leaves(q, is_leaf=lambda x: isinstance(x, Fp8Weight)), strict=True)
-            if isinstance(w, Fp8Weight)]
-    fp8_err = max(errs)
-    print(f"scan vs forward_step: {scan_err:.2e}; worst FP8 matrix error: {fp8_err:.2e} over {len(errs)} matrices")
-    assert scan_err < 1e-5
-    assert len(errs) >= 8 * 6 and fp8_err < 0.04

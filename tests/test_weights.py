@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.embedded import MODEL_DIRNAME, build_embedded_model, ensure_embedded_model
 from sglang_tpu_qwen.model.safetensors_file import SafetensorsFile
+from sglang_tpu_qwen.model.stacking import unstack_layers, unstack_params
 from sglang_tpu_qwen.model.weights import (
     CheckpointError,
     load_params,
@@ -107,7 +108,7 @@ def test_layout_matches_hf_names(tmp_path: Path) -> None:
     tensors["model.layers.2.mlp.experts.down_proj"] = down
     save_file(tensors, str(tmp_path / "model.safetensors"))
 
-    p = load_params(tmp_path, config, jnp.float32)
+    p = unstack_params(load_params(tmp_path, config, jnp.float32))
     np.testing.assert_array_equal(p["layers"][1]["attn"]["q_proj"], q.T)
     np.testing.assert_array_equal(p["layers"][0]["gdn"]["conv1d"], conv[:, 0, :])
     moe = p["layers"][2]["moe"]
@@ -259,7 +260,7 @@ def test_hf_loads_embedded_and_agrees(embedded_dir: Path) -> None:
     np.testing.assert_array_equal(ours["embed"], hf["model.embed_tokens.weight"])
     np.testing.assert_array_equal(ours["lm_head"], hf["lm_head.weight"])
     np.testing.assert_array_equal(ours["final_norm"], hf["model.norm.weight"])
-    for li, layer in enumerate(ours["layers"]):
+    for li, layer in enumerate(unstack_layers(ours["layers"])):
         pre = f"model.layers.{li}."
         np.testing.assert_array_equal(layer["input_norm"], hf[pre + "input_layernorm.weight"])
         moe = layer["moe"]
@@ -294,7 +295,7 @@ def test_fp8_block_quantised(tmp_path: Path) -> None:
     tensors[name + "_scale_inv"] = scale
     save_checkpoint(tensors, tmp_path)
     (tmp_path / "config.json").write_text('{"quantization_config": {"weight_block_size": [16, 16]}}')
-    got = load_params(tmp_path, config, jnp.float32)["layers"][1]["attn"]["q_proj"]
+    got = unstack_params(load_params(tmp_path, config, jnp.float32))["layers"][1]["attn"]["q_proj"]
     want = w8.astype(np.float32) * np.kron(scale, np.ones((16, 16), np.float32))
     np.testing.assert_array_equal(got, want.T)
 
@@ -464,8 +465,8 @@ def test_fp8_stays_fp8(tmp_path: Path, fused: bool) -> None:
     config = small_config()
     tensors = _fp8_checkpoint(config, fused)
     _save_fp8(tmp_path, tensors)
-    kept = load_params(tmp_path, config, jnp.float32, keep_fp8=True)
-    dense = load_params(tmp_path, config, jnp.float32)
+    kept = unstack_params(load_params(tmp_path, config, jnp.float32, keep_fp8=True))
+    dense = unstack_params(load_params(tmp_path, config, jnp.float32))
     pre = "model.language_model.layers."
     i = config.moe_intermediate_size
     checks = []
@@ -639,7 +640,7 @@ def _stack_config() -> Qwen35MoeConfig:
 def _streaming_child(model_dir: str) -> None:
     """Run in a process with 4 emulated devices: the stacked, sharded FP8 load equals the single-device
     per-layer load, and each device holds the replicated leaves plus exactly 1/4 of every expert stack."""
-    from sglang_tpu_qwen.model.weights import layer_period, unstack_layers
+    from sglang_tpu_qwen.model.stacking import layer_period
     from sglang_tpu_qwen.parallel.fp8 import Fp8Weight
     from sglang_tpu_qwen.parallel.mesh import make_layout
     from sglang_tpu_qwen.parallel.sharding import EXPERT_LEAVES, param_pspecs, shardings
@@ -647,13 +648,13 @@ def _streaming_child(model_dir: str) -> None:
     assert len(jax.devices()) == 4
     config = _stack_config()
     layout = make_layout(4, 4, 1)
-    want = load_params(model_dir, config, jnp.float32, keep_fp8=True)
-    got = load_params(model_dir, config, jnp.float32, keep_fp8=True, stacked=True,
+    want = load_params(model_dir, config, jnp.float32, keep_fp8=True, stacked=False)
+    got = load_params(model_dir, config, jnp.float32, keep_fp8=True,
                       shardings=lambda abstract: shardings(param_pspecs(abstract, layout), layout))
     assert layer_period(config) == 2 and len(got["layers"]) == 2
     assert got["layers"][1]["moe"]["w_gate"].q.shape == (2, 8, 32, 16)
     assert isinstance(got["layers"][0]["gdn"]["in_proj_qkv"], Fp8Weight)
-    flat_got = jax.tree.leaves_with_path(unstack_layers(got, config))
+    flat_got = jax.tree.leaves_with_path(unstack_params(got))
     flat_want = jax.tree.leaves(want)
     assert len(flat_got) == len(flat_want)
     for (path, g), w in zip(flat_got, flat_want, strict=True):

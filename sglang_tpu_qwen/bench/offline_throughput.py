@@ -4,8 +4,13 @@ Mirrors SGLang's ``python -m sglang.bench_offline_throughput`` (random dataset):
 seeded random prompts is generated greedily with ``min_new_tokens == max_new_tokens``, so every
 prompt yields exactly ``--random-output-len`` tokens in both systems. The Engine gets the whole
 batch at once (its scheduler batches up to ``--max-running-requests``); HF gets left-padded batches
-of ``--hf-batch-size`` with an attention mask. Each side is timed after a warm-up (the Engine: the
-same prompts, so every shape is compiled; HF: one batch), so compilation is not counted.
+of ``--hf-batch-size`` with an attention mask. The Engine compiles its fixed program set at startup
+(engine/buckets.py), then warms up on DIFFERENT prompts from the same distribution (seed + 1), flushes
+its prefix cache, and times fresh prompts: nothing in the timed run is a cache hit, and the number of
+compilations during it is printed (it must be 0). HF warms up on one batch. The decode step is split into
+wall time per step, device time per step (the step's compiled programs replayed back to back on the
+idle engine at the run's batch size and mean context) and host time not hidden behind the device
+(wall - device).
 
 Usage: ``python -m sglang_tpu_qwen.bench_offline_throughput --num-prompts 32 --random-input-len 128
 --random-output-len 64``. Prints a table and one JSON line; ``--output-json PATH`` also writes it.
@@ -14,6 +19,7 @@ Usage: ``python -m sglang_tpu_qwen.bench_offline_throughput --num-prompts 32 --r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -38,10 +44,11 @@ class RunResult:
     output_tokens: int
     output_ids: list[list[int]]
     warmup_s: float
+    extra: dict[str, Any] | None = None
 
-    def summary(self, num_prompts: int) -> dict[str, float]:
-        """Throughputs (tokens/s, requests/s) in SGLang's key names."""
-        return {
+    def summary(self, num_prompts: int) -> dict[str, Any]:
+        """Throughputs (tokens/s, requests/s) in SGLang's key names, plus the Engine's step figures."""
+        return {**(self.extra or {}),
             "elapsed_s": self.elapsed_s,
             "warmup_s": self.warmup_s,
             "total_output_tokens": self.output_tokens,
@@ -71,12 +78,17 @@ def _greedy_params(output_len: int) -> dict[str, Any]:
     return {"temperature": 0.0, "max_new_tokens": output_len, "min_new_tokens": output_len}
 
 
-def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[RunResult, str]:
-    """Warm up, then time one `Engine.generate` over all prompts; returns (result, resolved model path).
+def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompts: list[list[int]]
+               ) -> tuple[RunResult, str]:
+    """Warm up on `warmup_prompts`, flush the prefix cache, then time one `Engine.generate` over `prompts`.
 
-    The warm-up sends the same prompts, so the scheduler forms the same batches and every jitted
-    shape the timed run needs is compiled beforehand. The engine is shut down before returning.
+    Returns (result, resolved model path); result.extra holds ``compilations_during_timed_run``,
+    ``precompile`` (the startup stats), ``decode_steps``, ``decode_step_ms`` (wall per steady-state decode
+    step), ``decode_blocked_ms`` (host blocked reading the sampled ids), ``decode_device_ms`` (replayed
+    device time at the run's batch and mean context) and ``decode_host_ms`` (wall - device). The engine is
+    shut down before returning.
     """
+    from sglang_tpu_qwen.engine import compilation
     from sglang_tpu_qwen.engine.engine import Engine
 
     engine_kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
@@ -84,21 +96,39 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[RunR
     try:
         params = _greedy_params(args.random_output_len)
         start = time.perf_counter()
-        engine.generate(input_ids=prompts, sampling_params=params)
+        engine.generate(input_ids=warmup_prompts, sampling_params=params)
         warmup_s = time.perf_counter() - start
+        if not engine.flush_cache():
+            raise RuntimeError("the prefix cache could not be flushed after the warm-up")
+        runner = engine.runner
+        runner.stats.reset()
+        compiles = compilation.jit_compilations()
         start = time.perf_counter()
         replies = engine.generate(input_ids=prompts, sampling_params=params)
         elapsed = time.perf_counter() - start
+        compiles = compilation.jit_compilations() - compiles
+        stats = dataclasses.replace(runner.stats)
+        rows = min(len(prompts), args.max_running_requests)
+        context = int(np.mean([len(p) for p in prompts])) + args.random_output_len // 2
+        device_ms = 1e3 * runner.time_decode_step(rows, context)
         model_path = engine.model_path
+        precompile = engine.precompile_stats
     finally:
         engine.shutdown()
     replies = sorted(replies, key=lambda r: r["index"])
+    steps = max(stats.decode_steps, 1)
+    wall_ms = 1e3 * stats.decode_wall_s / steps
+    extra = {"compilations_during_timed_run": compiles, "precompile": precompile,
+             "decode_steps": stats.decode_steps, "decode_step_ms": wall_ms,
+             "decode_blocked_ms": 1e3 * stats.decode_wait_s / steps, "decode_device_ms": device_ms,
+             "decode_host_ms": max(0.0, wall_ms - device_ms), "decode_rows": rows, "decode_context": context}
     return RunResult(
         elapsed_s=elapsed,
         input_tokens=sum(r["meta_info"]["prompt_tokens"] for r in replies),
         output_tokens=sum(r["meta_info"]["completion_tokens"] for r in replies),
         output_ids=[list(r["output_ids"]) for r in replies],
         warmup_s=warmup_s,
+        extra=extra,
     ), model_path
 
 
@@ -148,7 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = ServerArgs()
     p = argparse.ArgumentParser(prog="python -m sglang_tpu_qwen.bench_offline_throughput",
                                 description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model-path", default=None, help="HF model dir; default: the embedded tiny Qwen3.5-MoE.")
+    p.add_argument("--model-path", default=None, help="HF model dir; default: the embedded tiny Qwen3.5-MoE; "
+                   "'heldout': issue 12's held-out random checkpoint (bench/heldout_model.py).")
     p.add_argument("--num-prompts", type=int, default=32, help="Number of prompts.")
     p.add_argument("--random-input-len", type=int, default=128, help="Max prompt length (tokens).")
     p.add_argument("--random-output-len", type=int, default=64, help="Output tokens per prompt (exact).")
@@ -198,7 +229,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"(greedy, min_new_tokens = max_new_tokens)",
         f"Devices: JAX on {result['backends']['jax']}, torch on {result['backends']['torch']} "
         f"({result['backends'].get('torch_threads')} threads); {result['backends']['cpu_count']} CPUs",
-        "Engine warm-up ran the same prompts first; HF warm-up ran one batch. Warm-ups are not timed.",
+        "Engine: programs precompiled at startup, warm-up on other prompts of the same distribution, prefix "
+        "cache flushed; HF warm-up ran one batch. Warm-ups are not timed.",
+        f"Engine compilations during the timed run: {eng['compilations_during_timed_run']}",
+        f"Engine decode step ({eng['decode_steps']} steady-state steps, {eng['decode_rows']} rows, context "
+        f"~{eng['decode_context']}): wall {eng['decode_step_ms']:.2f} ms = device {eng['decode_device_ms']:.2f} ms "
+        f"+ host not hidden {eng['decode_host_ms']:.2f} ms (blocked on the device {eng['decode_blocked_ms']:.2f} ms)",
         f"{'':34}{'Engine':>14}{'HF (batch ' + str(result['hf_batch_size']) + ')':>18}",
     ]
     for label, key, fmt in rows:
@@ -220,8 +256,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Engine / HF; ``greedy_identical`` counts prompts whose outputs match token for token.
     """
     args = parse_args(argv)
+    if args.model_path == "heldout":
+        from sglang_tpu_qwen.bench.heldout_model import ensure_heldout_model
+
+        args.model_path = str(ensure_heldout_model())
     prompts = sample_random_prompts(args.num_prompts, args.random_input_len, args.random_range_ratio, args.seed)
-    engine_run, model_path = run_engine(args, prompts)
+    warmup = sample_random_prompts(args.num_prompts, args.random_input_len, args.random_range_ratio, args.seed + 1)
+    engine_run, model_path = run_engine(args, prompts, warmup)
     hf_run = None if args.skip_hf else run_hf(model_path, prompts, args.random_output_len, args.hf_batch_size)
 
     eng = engine_run.summary(len(prompts))

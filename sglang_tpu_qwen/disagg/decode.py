@@ -119,7 +119,7 @@ class DecodeRole:
         rec = r.disagg.receiver
         if rec is not None and rec.status == "waiting":
             rec.cancel()
-        self.scheduler._finish(r, reason)
+        self.scheduler.finish(r, reason)
 
     def _admit(self, r: Request) -> bool:
         """Pages + slot + state write + first token; False (nothing taken) when memory is short now."""
@@ -130,13 +130,13 @@ class DecodeRole:
                     return False
             except InvalidRequestError as e:
                 self.transfers.remove(r)
-                s._finish(r, {"type": "abort", "message": str(e), "status_code": 400})
+                s.finish(r, {"type": "abort", "message": str(e), "status_code": 400})
                 return True
         state = r.disagg.receiver.state
         if state.first_token is None:  # max_new_tokens 0: the prompt's logprobs (prefill side) are the answer
             self.transfers.remove(r)
             self._account(r)
-            s._finish(r, {"type": "length", "length": 0})
+            s.finish(r, {"type": "length", "length": 0})
             return True
         if len(s.running) >= s.args.max_running_requests:
             return False
@@ -162,7 +162,7 @@ class DecodeRole:
             m.kv_pool.free(pages)
             m.slot_pool.free(slot)
             self.transfers_failed += 1
-            s._finish(r, {"type": "abort", "message": f"writing the transferred state failed: {e!r}",
+            s.finish(r, {"type": "abort", "message": f"writing the transferred state failed: {e!r}",
                           "status_code": 500})
             return True
         r.disagg.admitted = True
@@ -171,12 +171,10 @@ class DecodeRole:
         r.cached_len = state.num_tokens
         r.cached_tokens = state.cached_tokens
         r.input_logprobs_done = True  # the prefill server's reply carries them; the router merges
-        s._admit_counter += 1
-        r.admit_order = s._admit_counter
-        s.running.append(r)
+        s.policy.add_running(r)
         self._account(r)
         lp = state.logprob if state.logprob is not None else 0.0
-        s._accept_token(r, state.first_token, lp, state.top_logprobs, state.top_ids, time.perf_counter())
+        s.output.accept_token(r, state.first_token, lp, state.top_logprobs, state.top_ids, time.perf_counter())
         r.disagg.receiver = None  # drop the host copy
         return True
 

@@ -89,7 +89,7 @@ class PrefillRole:
             leg = r.disagg
             if isinstance(leg, PrefillLeg) and not leg.opened:
                 leg.closed = True
-                self.scheduler._finish(r, {"type": "abort", "message": "cancelled by the decode server"})
+                self.scheduler.finish(r, {"type": "abort", "message": "cancelled by the decode server"})
             else:
                 keep.append(r)
         return keep
@@ -103,7 +103,7 @@ class PrefillRole:
             leg = r.disagg
             if isinstance(leg, PrefillLeg) and leg.room in rooms and not r.finished:
                 leg.closed = True
-                self.scheduler._finish(r, {"type": "abort", "message": "cancelled by the decode server"})
+                self.scheduler.finish(r, {"type": "abort", "message": "cancelled by the decode server"})
 
     def abort(self, rid: str | None) -> None:
         """Nothing to do: prefill legs live in the scheduler's own lists."""

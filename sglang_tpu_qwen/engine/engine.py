@@ -18,10 +18,12 @@ from typing import Any
 
 from sglang_tpu_qwen.disagg import roles as disagg_roles
 from sglang_tpu_qwen.disagg.errors import TransferError
+from sglang_tpu_qwen.engine import compilation
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.metrics import Metrics
 from sglang_tpu_qwen.engine.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.engine.sampler import TOP_LOGPROBS_MAX
 from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_qwen.engine.scheduler import Scheduler
 from sglang_tpu_qwen.grammar.manager import create_grammar_manager
@@ -71,6 +73,8 @@ class Engine:
             any_whitespace=not args.constrained_json_disable_any_whitespace)
         self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
         self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
+        # Every step shape and sampling program, before the server can report ready (engine/buckets.py).
+        self.precompile_stats = None if args.disable_precompile else self.runner.precompile()
         self.scheduler.start()
 
     # ---- request building ----------------------------------------------------------------------
@@ -129,9 +133,10 @@ class Engine:
                 start = len(ids)  # no prompt logprobs unless asked for: keeps the whole prefix cacheable
             if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= len(ids):
                 raise InvalidRequestError(f"logprob_start_len must be in [0, {len(ids)}] or -1, got {start}")
+            params.check_vocab(self.model_config.vocab_size)
             top = tops[i] or 0
-            if not isinstance(top, int) or top < 0 or top > 256:
-                raise InvalidRequestError(f"top_logprobs_num must be in [0, 256], got {top}")
+            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= TOP_LOGPROBS_MAX:
+                raise InvalidRequestError(f"top_logprobs_num must be in [0, {TOP_LOGPROBS_MAX}], got {top}")
             base_rid = rids[i] or uuid.uuid4().hex
             for j in range(params.n):
                 seed = next(self._seed_counter) if params.seed is None else params.seed + j
@@ -295,6 +300,9 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "version": _version(),
+            "jit_compilations": compilation.jit_compilations(),
+            "jit_compilations_from_cache": compilation.cache_hits(),
+            "precompile": self.precompile_stats,
         })
         if self.disagg is not None:
             info["disaggregation"] = self.disagg.stats()
@@ -304,6 +312,7 @@ class Engine:
         if self.disagg is not None:
             self.disagg.shutdown()
         self.scheduler.shutdown()
+        self.runner.close()
         if self.grammar is not None:
             self.grammar.shutdown()
 

@@ -6,8 +6,13 @@ collide on metric names. The engine feeds it; the HTTP server exposes `render()`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sglang_tpu_qwen.engine import compilation
 
 # Bucket edges in seconds; wide enough for a CPU test model and a TPU pod alike.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -23,7 +28,9 @@ class Metrics:
       sglang:time_to_first_token_seconds, sglang:inter_token_latency_seconds,
       sglang:e2e_request_latency_seconds (histograms, seconds),
       sglang:num_running_reqs, sglang:num_queue_reqs, sglang:kv_pages_used, sglang:kv_pages_total,
-      sglang:gdn_slots_used, sglang:gdn_slots_total (gauges).
+      sglang:gdn_slots_used, sglang:gdn_slots_total (gauges),
+      sglang:jit_compilations_total (XLA programs built in this process, persistent-cache loads included;
+      engine/compilation.py).
 
     Args:
       registry: where to register; default a fresh `CollectorRegistry` owned by this instance.
@@ -63,6 +70,7 @@ class Metrics:
         self.kv_total = Gauge("sglang:kv_pages_total", "KV pages in the pool.", registry=r)
         self.slots_used = Gauge("sglang:gdn_slots_used", "GDN state slots in use.", registry=r)
         self.slots_total = Gauge("sglang:gdn_slots_total", "GDN state slots in the pool.", registry=r)
+        r.register(_JitCompilations())
 
     def on_request_start(self) -> None:
         """Count one admitted request."""
@@ -96,3 +104,12 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _JitCompilations:
+    """Collector of sglang:jit_compilations, read from the process-wide counter at scrape time."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("sglang:jit_compilations",
+                                  "XLA compilations in this process (persistent-cache loads included).",
+                                  value=compilation.jit_compilations())

@@ -1,39 +1,50 @@
-"""ModelRunner: owns the weights and the device cache, and runs jitted steps on bucketed shapes.
+"""ModelRunner: owns the weights and the device cache, and runs the compiled step programs.
 
-The scheduler hands it host (numpy) arrays; it pads them to bucket shapes so the number of distinct
-compilations stays small, logs each new compilation, and returns host arrays.
+Every program the server runs is one of a fixed set (issue 12): a forward per `StepBucket`
+(engine/buckets.py), three sampling programs per batch size (greedy, sample, logprobs; engine/sampler.py),
+the penalty-table programs per batch size, one prompt-logprob program, and the GDN slot copies.
+`precompile()` builds them all before the server reports ready (from the persistent compilation cache when
+it can, engine/compilation.py); `lower_forward` / `lower_sample` give the `jax.stages.Lowered` of each from
+abstract arguments with their shardings, for precompile and for the deviceless planner. The scheduler
+hands host (numpy) arrays already padded to a bucket; a shape outside the set raises instead of compiling.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from sglang_tpu_qwen.engine import memory_accounting, sampler
-from sglang_tpu_qwen.engine.weight_loading import fp8_step, load_weights
+from sglang_tpu_qwen.engine import compilation, memory_accounting, sampler
+from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket, next_pow2
+from sglang_tpu_qwen.engine.weight_loading import load_weights
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
+from sglang_tpu_qwen.memory import gdn_state
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
 from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
-from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs, param_pspecs, shardings
+from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs, param_pspecs
 from sglang_tpu_qwen.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROB_ROWS = 64  # positions per call of the prompt-logprob program
+SampleKind = Literal["greedy", "sample", "logprobs"]
+SAMPLE_KINDS: tuple[SampleKind, ...] = ("greedy", "sample", "logprobs")
 
-def next_pow2(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+__all__ = ["ModelRunner", "SamplingBatch", "SampleOutput", "StepOutput", "next_pow2", "resolve_dtype"]
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
@@ -48,7 +59,11 @@ def resolve_dtype(name: str) -> jnp.dtype:
 
 @dataclass
 class SamplingBatch:
-    """Host arrays of per-row sampling settings for one step; B rows (padding rows included)."""
+    """Host arrays of per-row sampling settings for one step; B rows (padding rows included).
+
+    Widths marked "any" are padded by the runner to the fixed bounds of engine/sampler.py (a wider one
+    raises ValueError: validation keeps requests within them).
+    """
 
     temperature: np.ndarray  # [B] float32
     top_p: np.ndarray  # [B] float32
@@ -59,20 +74,86 @@ class SamplingBatch:
     repetition: np.ndarray  # [B] float32
     frequency: np.ndarray  # [B] float32
     presence: np.ndarray  # [B] float32
-    seen_ids: np.ndarray | None  # [B, L] int32, -1 padded; None when no row has a penalty
-    output_ids: np.ndarray | None  # [B, Lo] int32, -1 padded
-    banned_ids: np.ndarray  # [B, S] int32, -1 padded: ids masked out (EOS before min_new_tokens)
+    seen_ids: np.ndarray | None  # [B, any] int32 prompt + output ids, -1 padded; None when no row has a penalty
+    output_ids: np.ndarray | None  # [B, any] int32 output ids, -1 padded
+    banned_ids: np.ndarray  # [B, <= BAN_WIDTH] int32, -1 padded: ids masked out (EOS before min_new_tokens)
     want_logprobs: bool  # any row returns logprobs
-    num_top_logprobs: int  # top alternatives wanted by any row (0: none)
+    num_top_logprobs: int  # top alternatives wanted by any row (<= TOP_LOGPROBS_MAX)
     token_bitmask: np.ndarray | None = None  # [B, ceil(V/32)] int32 grammar mask (grammar/bitmask.py); None: no grammar
+    bias_ids: np.ndarray | None = None  # [B, <= LOGIT_BIAS_WIDTH] int32 logit_bias ids, -1 padded
+    bias_vals: np.ndarray | None = None  # [B, same] float32 logit_bias values
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(np.all(self.temperature <= 0.0))
+
+
+@dataclass
+class StepStats:
+    """Decode-loop timing for benchmarks: `decode_steps` intervals between consecutive decode forwards
+    (`decode_wall_s`, seconds) and the time the host spent blocked on the device reading their sampled ids
+    (`decode_wait_s`). Host time of a step = wall - wait."""
+
+    decode_steps: int = 0
+    decode_wall_s: float = 0.0
+    decode_wait_s: float = 0.0
+
+    def reset(self) -> None:
+        self.decode_steps, self.decode_wall_s, self.decode_wait_s = 0, 0.0, 0.0
+
+
+@dataclass
+class StepOutput:
+    """Device result of one forward step: hidden [B, T, H] (prompt logprobs) and last [B, H], each row's
+    hidden state at its last new token (sampling)."""
+
+    hidden: jax.Array
+    last: jax.Array
+    decode: bool = False
+
+
+@dataclass
+class SampleOutput:
+    """Device arrays of one sampling step, returned without waiting for the device (overlap scheduling
+    keeps `tokens` on the device as the next step's input); `get()` blocks and copies to the host.
+
+    tokens [B] int32; logprob [B] float32; top_logprobs [B, TOP_LOGPROBS_MAX] float32; top_ids [B, same] int32
+    (the logprob arrays are zeros / width 0 unless the batch wanted logprobs).
+    """
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_logprobs: jax.Array
+    top_ids: jax.Array
+    num_top: int
+    stats: StepStats | None = None  # decode steps: the blocked time is added here
+
+    def get(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Host copies (tokens, logprob, top_logprobs [B, num_top], top_ids [B, num_top])."""
+        start = time.perf_counter()
+        toks, lp, top_lp, top_ids = jax.device_get((self.tokens, self.logprob, self.top_logprobs, self.top_ids))
+        if self.stats is not None:
+            self.stats.decode_wait_s += time.perf_counter() - start
+        return (np.asarray(toks), np.asarray(lp), np.asarray(top_lp)[:, : self.num_top],
+                np.asarray(top_ids)[:, : self.num_top])
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings where the leaves have one) of arrays or ShapeDtypeStructs."""
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(one, tree)
 
 
 class ModelRunner:
-    """Weights, KV pages and GDN slots on device, and the jitted forward / sampling steps."""
+    """Weights, KV pages and GDN slots on device, and the compiled forward / sampling programs."""
 
     def __init__(self, model_path: str, args: ServerArgs, devices: list | None = None) -> None:
         """`devices`: where weights and cache live (the mesh's devices with --dp-size/--ep-size > 1, else the
         first one); default all devices / the default device."""
+        compilation.install_counter()
+        self.cache_dir = compilation.configure_persistent_cache(args.compilation_cache_dir)
         self.config: Qwen35MoeConfig = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype)
         # Data-parallel attention + expert-parallel MoE (DESIGN.md section 4): one mesh; each DP rank owns
@@ -81,7 +162,7 @@ class ModelRunner:
         self.layout = make_layout(args.dp_size, args.ep_size, args.tp_size, devices=devices) \
             if args.dp_size * args.ep_size > 1 else None
         # Without a mesh, an explicit device list pins the engine to its first device (committed arrays: every
-        # jitted step then runs there).
+        # program then runs there).
         self._device = devices[0] if devices and self.layout is None else None
         # Each tensor goes from the files straight into its final sharding (engine/weight_loading.py).
         self.params = load_weights(model_path, self.config, self.dtype, args, self.layout, self._device)
@@ -110,12 +191,13 @@ class ModelRunner:
         self.num_pages = max_tokens // self.page_size + 1
         make_cache = partial(init_cache, self.config, self.dp * self.num_pages, self.page_size,
                              self.dp * self.num_slots, self.dtype, state_dtype)
-        if self.layout is not None:  # zeros created in place: no device holds the global cache
-            self.cache = jax.jit(make_cache, out_shardings=shardings(cache_pspecs(self.layout), self.layout))()
-        elif self._device is not None:
-            self.cache = jax.jit(make_cache, out_shardings=jax.sharding.SingleDeviceSharding(self._device))()
+        # Zeros created in their sharding (no device holds the global cache), committed like the caches the
+        # compiled steps return: eager slot copies then see one signature.
+        if self.layout is not None:
+            cache_sh: Any = {k: NamedSharding(self.layout.mesh, p) for k, p in cache_pspecs(self.layout).items()}
         else:
-            self.cache = make_cache()
+            cache_sh = SingleDeviceSharding(self._device or jax.devices()[0])
+        self.cache = jax.jit(make_cache, out_shardings=cache_sh)()
         self.memory_usage = memory_accounting.memory_usage(self.params, self.cache,
                                                            (self.num_pages - 1) * self.page_size)
         logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots%s", self.num_pages - 1,
@@ -124,27 +206,226 @@ class ModelRunner:
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
-        step = fp8_step(partial(forward_step, backends=self.backends), self.dtype)  # FP8 leaves: weight_loading.py
+        self.context_length = args.context_length or self.config.max_position_embeddings
+        self.buckets = BucketSet.build(
+            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+            context_length=self.context_length, kv_tokens=(self.num_pages - 1) * self.page_size,
+            page_size=self.page_size, dp=self.dp, bs_paddings=args.precompile_bs_paddings,
+            token_paddings=args.precompile_token_paddings)
+        self.debug_nan_fill = args.debug_nan_fill_freed_slots
+        self.has_prefix_cache = self.num_snapshot_slots > 0
+        self.host_snapshot_tier = args.gdn_snapshot_host_gb > 0
+        self.moe_combine = args.moe_combine
+        self._build_programs()
+
+    # ---- program construction ------------------------------------------------------------------
+    def _build_programs(self) -> None:
+        """The jitted functions behind every program; nothing is compiled here."""
+        step = partial(forward_step, backends=self.backends)
         if self.layout is None:
-            self._forward = jax.jit(partial(step, config=self.config), donate_argnums=(1,))
+            fwd = partial(step, config=self.config)
+            last = _last_rows
         else:
-            self._forward = jax.jit(make_sharded_forward(self.layout, self.config, self.params,
-                                                         combine=args.moe_combine, forward=step),
-                                    donate_argnums=(1,))
-        self._sample = jax.jit(
-            self._per_rank(partial(_sample_step, config=self.config)),
-            static_argnames=("all_greedy", "max_top_k", "num_top", "use_penalty", "use_top_p", "use_min_p",
-                             "want_logprobs", "use_bans", "use_grammar"),
-        )
-        self._logprobs = jax.jit(partial(_gathered_logprobs, config=self.config), static_argnames=("num_top",))
-        self._seen_shapes: set[tuple] = set()
+            fwd = make_sharded_forward(self.layout, self.config, self.params, combine=self.moe_combine,
+                                       forward=step)
+            rows = batch_pspec(self.layout)
+            last = jax.shard_map(_last_rows, mesh=self.layout.mesh, in_specs=(rows, rows), out_specs=rows,
+                                 check_vma=False)
+
+        def forward_program(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids):
+            hidden, cache = fwd(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids)
+            return hidden, last(hidden, jnp.maximum(new_lens - 1, 0)), cache
+
+        self._forward_jit = jax.jit(forward_program, donate_argnums=(1,))
+        self._sample_jits = {
+            kind: jax.jit(self._per_rank(partial(_sample_program, config=self.config, kind=kind)))
+            for kind in SAMPLE_KINDS
+        }
+        v = self.config.vocab_size
+        self._pen_zeros_jit = jax.jit(partial(sampler.penalty_zeros, vocab=v), static_argnums=(0,),
+                                      out_shardings=None if self.layout is None else self._row_sharding(2))
+        self._pen_mark_jit = jax.jit(sampler.penalty_mark, donate_argnums=(0,))
+        self._pen_count_jit = jax.jit(sampler.penalty_count, donate_argnums=(0,))
+        self._prompt_lp_jit = jax.jit(partial(_prompt_logprobs, config=self.config))
+        self._programs: dict[tuple, Any] = {}
+        self._unused: dict[int, sampler.RowParams] = {}  # per B: device arrays of "feature unused" inputs
+        self._ready = False
+        self.stats = StepStats()
+        self._last_decode_start: float | None = None
+
+    def _batch_sharding(self, ndim: int = 1) -> Any:
+        """Where a host array of per-row values goes: split by rows over the DP ranks, or the one device."""
+        if self.layout is None:
+            return SingleDeviceSharding(self._device or jax.devices()[0])
+        return self._row_sharding(ndim)
+
+    def _row_sharding(self, ndim: int) -> NamedSharding:
+        assert self.layout is not None
+        spec = batch_pspec(self.layout)
+        return NamedSharding(self.layout.mesh, P(*spec, *([None] * (ndim - len(spec)))))
+
+    def _replicated(self) -> Any:
+        if self.layout is None:
+            return SingleDeviceSharding(self._device or jax.devices()[0])
+        return NamedSharding(self.layout.mesh, P())
+
+    def _spec(self, shape: tuple[int, ...], dtype: Any, replicated: bool = False) -> jax.ShapeDtypeStruct:
+        sharding = self._replicated() if replicated else self._batch_sharding(len(shape))
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    def _row_param_specs(self, b: int) -> sampler.RowParams:
+        v = self.config.vocab_size
+        f32, i32 = jnp.float32, jnp.int32
+        s = self._spec
+        return sampler.RowParams(
+            temperature=s((b,), f32), top_p=s((b,), f32), top_k=s((b,), i32), min_p=s((b,), f32),
+            seeds=s((b,), jnp.uint32), steps=s((b,), i32), repetition=s((b,), f32), frequency=s((b,), f32),
+            presence=s((b,), f32), penalty_table=s((b, v), i32), bias_ids=s((b, sampler.LOGIT_BIAS_WIDTH), i32),
+            bias_vals=s((b, sampler.LOGIT_BIAS_WIDTH), f32), ban_ids=s((b, sampler.BAN_WIDTH), i32),
+            bitmask=s((b, -(-v // 32)), i32))
+
+    def _feature_specs(self) -> sampler.Features:
+        return sampler.Features(*(self._spec((), jnp.bool_, replicated=True) for _ in sampler.Features._fields))
+
+    def lower_forward(self, bucket: StepBucket) -> jax.stages.Lowered:
+        """The forward program of `bucket` lowered from abstract arguments (params, cache and the batch
+        arrays with their shardings): inputs tokens [B, T], prefix_lens / new_lens / slot_ids [B],
+        page_table [B, P] int32; outputs (hidden [B, T, H], last [B, H], cache)."""
+        b, t, p = bucket.batch, bucket.tokens, bucket.pages
+        i32 = jnp.int32
+        return self._forward_jit.lower(
+            _abstract(self.params), _abstract(self.cache), self._spec((b, t), i32), self._spec((b,), i32),
+            self._spec((b,), i32), self._spec((b, p), i32), self._spec((b,), i32))
+
+    def lower_sample(self, kind: SampleKind, batch: int) -> jax.stages.Lowered:
+        """Sampling program `kind` for B = `batch` rows: (params, last [B, H], RowParams, Features) ->
+        (tokens [B], logprob [B], top_logprobs [B, K], top_ids [B, K]); K = TOP_LOGPROBS_MAX for
+        "logprobs", else 0."""
+        h = self.config.hidden_size
+        return self._sample_jits[kind].lower(
+            _abstract(self.params), self._spec((batch, h), self.dtype), self._row_param_specs(batch),
+            self._feature_specs())
+
+    def _lower_penalty(self, which: str, batch: int) -> jax.stages.Lowered:
+        v = self.config.vocab_size
+        if which == "zeros":
+            return self._pen_zeros_jit.lower(batch)
+        fn = self._pen_mark_jit if which == "mark" else self._pen_count_jit
+        return fn.lower(self._spec((batch, v), jnp.int32), self._spec((batch, sampler.PENALTY_CHUNK), jnp.int32))
+
+    def _lower_prompt_logprobs(self) -> jax.stages.Lowered:
+        n, h = PROMPT_LOGPROB_ROWS, self.config.hidden_size
+        return self._prompt_lp_jit.lower(_abstract(self.params), self._spec((n, h), self.dtype, replicated=True),
+                                         self._spec((n,), jnp.int32, replicated=True))
+
+    def program_keys(self) -> list[tuple]:
+        """Every program of the fixed set, as the keys `_program` takes."""
+        keys: list[tuple] = [("forward", bk) for bk in self.buckets.step_buckets()]
+        for b in self.buckets.sample_batches():
+            keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
+            keys += [("penalty", which, b) for which in ("zeros", "mark", "count")]
+        keys.append(("prompt_logprobs",))
+        return keys
+
+    def _lower(self, key: tuple) -> jax.stages.Lowered:
+        if key[0] == "forward":
+            return self.lower_forward(key[1])
+        if key[0] == "sample":
+            return self.lower_sample(key[1], key[2])
+        if key[0] == "penalty":
+            return self._lower_penalty(key[1], key[2])
+        if key[0] == "prompt_logprobs":
+            return self._lower_prompt_logprobs()
+        raise KeyError(key)
+
+    def _program(self, key: tuple) -> Any:
+        """The compiled program `key` (compiled now when precompile was skipped or did not cover it)."""
+        prog = self._programs.get(key)
+        if prog is None:
+            if key not in self._program_key_set():
+                raise ValueError(f"program {key} is outside the compiled set (engine/buckets.py)")
+            if self._ready:
+                logger.error("compiling %s after the server was ready", key)
+            else:
+                logger.info("compiling %s (deferred: --disable-precompile)", key)
+            prog = self._programs[key] = self._lower(key).compile()
+        return prog
+
+    def _program_key_set(self) -> set[tuple]:
+        if not hasattr(self, "_key_set"):
+            self._key_set = set(self.program_keys())
+        return self._key_set
+
+    def precompile(self, progress: bool = True) -> dict[str, Any]:
+        """Compile (or load from the persistent cache) every program of the fixed set, then the GDN slot
+        copies the prefix cache uses; afterwards a compilation is logged as an error.
+
+        Returns {"programs", "from_cache", "compiled", "seconds"}. Shows a tqdm bar when `progress`.
+        """
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm import tqdm
+
+        keys = [k for k in self.program_keys() if k not in self._programs]
+        start = time.perf_counter()
+        hits0, comps0 = compilation.cache_hits(), compilation.jit_compilations()
+        # Lower here (tracing holds the GIL), compile on every core (XLA releases it).
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool, \
+                tqdm(total=len(keys), desc="precompile", unit="program", disable=not progress) as bar:
+            futures = {pool.submit(self._lower(key).compile): key for key in keys}
+            for fut in as_completed(futures):
+                self._programs[futures[fut]] = fut.result()
+                bar.update(1)
+        for b in self.buckets.sample_batches():
+            self._unused_inputs(b)
+        self._precompile_slot_copies()
+        stats = {"programs": compilation.jit_compilations() - comps0,
+                 "from_cache": compilation.cache_hits() - hits0,
+                 "seconds": time.perf_counter() - start}
+        stats["compiled"] = stats["programs"] - stats["from_cache"]
+        logger.info("precompiled %d programs in %.1f s (%d from the persistent cache %s, %d compiled): %d forward "
+                    "buckets %s, sampling batch sizes %s", stats["programs"], stats["seconds"],
+                    stats["from_cache"], self.cache_dir or "(off)", stats["compiled"],
+                    len(self.buckets.step_buckets()), _bucket_summary(self.buckets),
+                    self.buckets.sample_batches())
+        self._ready = True
+        compilation.arm()
+        return stats
+
+    def _precompile_slot_copies(self) -> None:
+        """The prefix cache copies GDN slots in groups padded to powers of two (memory/gdn_state.py): run each
+        size once on trash slot 0 (a copy onto itself) so its program exists before serving."""
+        if not self.has_prefix_cache:
+            return
+        for n in [1 << i for i in range(next_pow2(self.buckets.max_decode_rows).bit_length())]:
+            self.cache = gdn_state.copy_slots(self.cache, [(0, 0)] * n)
+        if self.host_snapshot_tier:  # demotion to host memory and restore from it
+            self.cache = gdn_state.write_slot(self.cache, 0, *gdn_state.read_slot(self.cache, 0))
+
+    def _unused_inputs(self, b: int) -> sampler.RowParams:
+        """Device arrays meaning "unused" for the optional inputs of a B-row sampling program, kept resident
+        so a step that uses no penalty / bias / grammar copies nothing for them."""
+        cached = self._unused.get(b)
+        if cached is None:
+            v = self.config.vocab_size
+            host = dict(penalty_table=None, bias_ids=np.full((b, sampler.LOGIT_BIAS_WIDTH), -1, np.int32),
+                        bias_vals=np.zeros((b, sampler.LOGIT_BIAS_WIDTH), np.float32),
+                        ban_ids=np.full((b, sampler.BAN_WIDTH), -1, np.int32),
+                        bitmask=np.full((b, -(-v // 32)), -1, np.int32))
+            arrays = {k: jax.device_put(a, self._batch_sharding(a.ndim)) for k, a in host.items() if a is not None}
+            arrays["penalty_table"] = self._program(("penalty", "zeros", b))()
+            zero_f = jax.device_put(np.zeros(b, np.float32), self._batch_sharding())
+            cached = self._unused[b] = sampler.RowParams(
+                temperature=zero_f, top_p=zero_f, top_k=zero_f, min_p=zero_f, seeds=zero_f, steps=zero_f,
+                repetition=zero_f, frequency=zero_f, presence=zero_f, **arrays)
+        return cached
 
     def _per_rank(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn(params, hidden, *row_arrays, **static)` run by each DP rank on its own rows.
+        """`fn(params, last, row_params, features)` run by each DP rank on its own rows.
 
         Without a mesh, fn itself. With one, a `shard_map` over the batch axes: rows are independent
         (per-row seeds), so each device samples the rows it computed and no data crosses devices (a
-        global-batch jit would let XLA insert collectives for nothing). None arrays pass through.
+        global-batch jit would let XLA insert collectives for nothing). Features are replicated scalars.
         """
         if self.layout is None:
             return fn
@@ -152,12 +433,19 @@ class ModelRunner:
         pspecs = param_pspecs(self.params, layout)
         rows = batch_pspec(layout)
 
-        def run(params: Any, hidden: jax.Array, *arrays: Any, **static: Any) -> Any:
-            specs = tuple(P() if a is None else rows for a in arrays)
-            return jax.shard_map(partial(fn, **static), mesh=layout.mesh, in_specs=(pspecs, rows, *specs),
-                                 out_specs=rows, check_vma=False)(params, hidden, *arrays)
+        def run(params: Any, last: jax.Array, rp: sampler.RowParams, feats: sampler.Features) -> Any:
+            rp_specs = sampler.RowParams(*([rows] * len(sampler.RowParams._fields)))
+            f_specs = sampler.Features(*([P()] * len(sampler.Features._fields)))
+            return jax.shard_map(fn, mesh=layout.mesh, in_specs=(pspecs, rows, rp_specs, f_specs),
+                                 out_specs=rows, check_vma=False)(params, last, rp, feats)
 
         return run
+
+    def close(self) -> None:
+        """The engine shuts down: stop treating compilations as errors on its behalf."""
+        if self._ready:
+            self._ready = False
+            compilation.disarm()
 
     def page_base(self, rank: int) -> int:
         """Global id of DP rank `rank`'s trash page; its usable pages are the next num_pages - 1 ids."""
@@ -182,118 +470,196 @@ class ModelRunner:
             raise AssertionError("a row uses a page or slot of another DP rank")
         return local
 
-    def _note_shape(self, kind: str, shape: tuple) -> None:
-        key = (kind, *shape)
-        if key not in self._seen_shapes:
-            self._seen_shapes.add(key)
-            logger.info("compiling %s for bucket %s (%d compiled shapes)", kind, shape, len(self._seen_shapes))
+    def _put(self, arrays: list[np.ndarray], replicated: bool = False) -> list[jax.Array]:
+        """Host arrays -> device arrays with the shardings the compiled programs expect (one transfer call)."""
+        shardings = [self._replicated() if replicated else self._batch_sharding(np.ndim(a)) for a in arrays]
+        return jax.device_put(arrays, shardings)
 
+    # ---- steps ---------------------------------------------------------------------------------
     def forward(
         self, tokens: np.ndarray, prefix_lens: np.ndarray, new_lens: np.ndarray, page_table: np.ndarray,
         slot_ids: np.ndarray,
-    ) -> jax.Array:
-        """Run one step on already-bucketed host arrays; returns hidden [B, T, H] on device.
+    ) -> StepOutput:
+        """Run one step on host arrays padded to a bucket; returns device arrays (does not wait).
 
-        tokens [B, T] int32; prefix_lens, new_lens, slot_ids [B] int32; page_table [B, P] int32. Page and
-        slot ids are global; with dp > 1, B is a multiple of dp and rows [r*B/dp, (r+1)*B/dp) must use
-        rank r's ids only (AssertionError otherwise).
+        tokens [B, T] int32; prefix_lens, new_lens, slot_ids [B] int32; page_table [B, P] int32 with
+        (B, T, P) one of `self.buckets` (ValueError otherwise). Page and slot ids are global; with dp > 1
+        rows [r*B/dp, (r+1)*B/dp) must use rank r's ids only (AssertionError otherwise).
         """
+        b, t = tokens.shape
+        bucket = StepBucket("decode" if t == 1 else "extend", b, t, page_table.shape[1])
+        prog = self._program(("forward", bucket))
+        now = time.perf_counter()
+        if t == 1 and self._last_decode_start is not None:
+            self.stats.decode_steps += 1
+            self.stats.decode_wall_s += now - self._last_decode_start
+        self._last_decode_start = now if t == 1 else None
         page_table = self._to_rank_local(page_table, self.num_pages)
         slot_ids = self._to_rank_local(slot_ids, self.num_slots)
-        self._note_shape("forward", tokens.shape + page_table.shape[1:])
-        hidden, self.cache = self._forward(
-            self.params, self.cache, jnp.asarray(tokens), jnp.asarray(prefix_lens), jnp.asarray(new_lens),
-            jnp.asarray(page_table), jnp.asarray(slot_ids))
-        return hidden
+        args = self._put([tokens.astype(np.int32), prefix_lens.astype(np.int32), new_lens.astype(np.int32),
+                          page_table.astype(np.int32), slot_ids.astype(np.int32)])
+        hidden, last, self.cache = prog(self.params, self.cache, *args)
+        return StepOutput(hidden, last, decode=t == 1)
 
-    def sample(
-        self, hidden: jax.Array, last_index: np.ndarray, batch: SamplingBatch
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Sample one token per row from hidden[b, last_index[b]].
+    def sample(self, step: StepOutput, batch: SamplingBatch) -> SampleOutput:
+        """Sample one token per row from step.last; returns device arrays without waiting (`.get()` reads).
 
-        Returns host arrays (tokens [B] int32, logprob [B] float32, top_logprobs [B, K], top_ids [B, K]).
+        Runs the greedy program when every row is greedy and none wants logprobs, the logprobs program when
+        one wants logprobs, else the sample program. Raises ValueError when a width exceeds its bound
+        (num_top_logprobs > TOP_LOGPROBS_MAX, more than BAN_WIDTH bans or LOGIT_BIAS_WIDTH bias entries).
         """
-        all_greedy = bool(np.all(batch.temperature <= 0.0))
-        active_k = batch.top_k[batch.top_k > 0]
-        max_top_k = 0 if all_greedy or active_k.size == 0 else next_pow2(int(active_k.max()))
-        max_top_k = min(max_top_k, self.config.vocab_size)
-        use_penalty = batch.seen_ids is not None
-        use_top_p = not all_greedy and bool(np.any(batch.top_p < 1.0))
-        use_min_p = not all_greedy and bool(np.any(batch.min_p > 0.0))
+        b = step.last.shape[0]
+        if batch.num_top_logprobs > sampler.TOP_LOGPROBS_MAX:
+            raise ValueError(f"top_logprobs_num {batch.num_top_logprobs} > {sampler.TOP_LOGPROBS_MAX}")
+        kind: SampleKind = "logprobs" if batch.want_logprobs else "greedy" if batch.all_greedy else "sample"
+        unused = self._unused_inputs(b)
+        sampling = batch.temperature > 0.0
+        use_bias = batch.bias_ids is not None and bool(np.any(batch.bias_ids >= 0))
         use_bans = bool(np.any(batch.banned_ids >= 0))
-        num_top = next_pow2(batch.num_top_logprobs) if batch.num_top_logprobs else 0
         use_grammar = batch.token_bitmask is not None
-        self._note_shape("sample", (hidden.shape[0], all_greedy, max_top_k, num_top, use_penalty, use_top_p,
-                                    use_min_p, batch.want_logprobs, use_bans, use_grammar,
-                                    None if batch.seen_ids is None else batch.seen_ids.shape[1]))
-        out = self._sample(
-            self.params, hidden, jnp.asarray(last_index), jnp.asarray(batch.temperature),
-            jnp.asarray(batch.top_p), jnp.asarray(batch.top_k), jnp.asarray(batch.min_p),
-            jnp.asarray(batch.seeds), jnp.asarray(batch.steps), jnp.asarray(batch.repetition),
-            jnp.asarray(batch.frequency), jnp.asarray(batch.presence),
-            None if batch.seen_ids is None else jnp.asarray(batch.seen_ids),
-            None if batch.output_ids is None else jnp.asarray(batch.output_ids),
-            jnp.asarray(batch.banned_ids),
-            None if batch.token_bitmask is None else jnp.asarray(batch.token_bitmask),
-            all_greedy=all_greedy, max_top_k=max_top_k, num_top=num_top, use_penalty=use_penalty,
-            use_top_p=use_top_p, use_min_p=use_min_p, want_logprobs=batch.want_logprobs, use_bans=use_bans,
-            use_grammar=use_grammar)
-        return tuple(np.asarray(x) for x in jax.device_get(out))  # type: ignore[return-value]
+        use_penalty = batch.seen_ids is not None
+        flags = [use_grammar, use_penalty, use_bias or use_bans,
+                 bool(np.any(sampling & (batch.top_k > 0))),
+                 bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
+                 bool(np.any(sampling & (batch.top_p < 1.0))), bool(np.any(sampling & (batch.min_p > 0.0)))]
+        feats = sampler.Features(*self._put([np.asarray(f, np.bool_) for f in flags], replicated=True))
+        rows = [batch.temperature.astype(np.float32), batch.top_p.astype(np.float32), batch.top_k.astype(np.int32),
+                batch.min_p.astype(np.float32), batch.seeds.astype(np.uint32), batch.steps.astype(np.int32),
+                batch.repetition.astype(np.float32), batch.frequency.astype(np.float32),
+                batch.presence.astype(np.float32)]
+        optional: dict[str, np.ndarray] = {}
+        if use_bias:
+            assert batch.bias_ids is not None and batch.bias_vals is not None
+            optional["bias_ids"] = _pad_cols(batch.bias_ids, sampler.LOGIT_BIAS_WIDTH, -1, "logit_bias entries")
+            optional["bias_vals"] = _pad_cols(batch.bias_vals, sampler.LOGIT_BIAS_WIDTH, 0.0, "logit_bias entries")
+        if use_bans:
+            optional["ban_ids"] = _pad_cols(batch.banned_ids, sampler.BAN_WIDTH, -1, "banned ids")
+        if use_grammar:
+            assert batch.token_bitmask is not None
+            optional["bitmask"] = batch.token_bitmask.astype(np.int32)
+        put = self._put(rows + list(optional.values()))
+        fields = dict(zip(sampler.RowParams._fields[:9], put[:9], strict=True))
+        fields.update(zip(optional, put[9:], strict=True))
+        for name in ("bias_ids", "bias_vals", "ban_ids", "bitmask"):
+            fields.setdefault(name, getattr(unused, name))
+        fields["penalty_table"] = self._penalty_table(b, batch) if use_penalty else unused.penalty_table
+        out = self._program(("sample", kind, b))(self.params, step.last, sampler.RowParams(**fields), feats)
+        return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
+                            stats=self.stats if step.decode else None)
+
+    def time_decode_step(self, rows: int, context: int, iters: int = 20) -> float:
+        """Device seconds per greedy decode step (forward + sampling programs) of `rows` rows at `context`
+        tokens each: `iters` steps dispatched back to back, one wait at the end, so host dispatch overlaps
+        the device. For benchmarks on an IDLE engine only: rows read arbitrary pages and write position
+        context - 1 into the trash page and trash slot."""
+        bucket = self.buckets.decode_bucket(-(-rows // self.dp))
+        b, pages = bucket.batch, bucket.pages
+        ps = self.page_size
+        usable = self.num_pages - 1
+        page_table = (1 + (np.arange(b * pages).reshape(b, pages) % usable)).astype(np.int32)
+        page_table[:, (context - 1) // ps] = 0
+        if self.dp > 1:
+            page_table += (np.arange(b) // (b // self.dp))[:, None] * self.num_pages
+            page_table[:, (context - 1) // ps] = (np.arange(b) // (b // self.dp)) * self.num_pages
+        slots = ((np.arange(b) // (b // self.dp)) * self.num_slots).astype(np.int32)
+        zeros_f = np.zeros(b, np.float32)
+        batch = SamplingBatch(zeros_f, np.ones(b, np.float32), np.zeros(b, np.int32), zeros_f,
+                              np.zeros(b, np.uint32), np.zeros(b, np.int32), np.ones(b, np.float32), zeros_f,
+                              zeros_f, None, None, np.full((b, 4), -1, np.int32), False, 0)
+        args = (np.zeros((b, 1), np.int32), np.full(b, context - 1, np.int32), np.ones(b, np.int32), page_table,
+                slots)
+        saved = self._last_decode_start, dataclasses.replace(self.stats)
+        for _ in range(2):
+            self.sample(self.forward(*args), batch).tokens.block_until_ready()
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = self.sample(self.forward(*args), batch)
+        out.tokens.block_until_ready()
+        elapsed = (time.perf_counter() - start) / iters
+        self._last_decode_start, self.stats = saved
+        return elapsed
+
+    def _penalty_table(self, b: int, batch: SamplingBatch) -> jax.Array:
+        """[B, V] int32 penalty table from the host's id lists, PENALTY_CHUNK ids per program call."""
+        assert batch.seen_ids is not None and batch.output_ids is not None
+        table = self._program(("penalty", "zeros", b))()
+        c = sampler.PENALTY_CHUNK
+        for which, ids in (("mark", batch.seen_ids), ("count", batch.output_ids)):
+            prog = self._program(("penalty", which, b))
+            width = ids.shape[1]
+            for start in range(0, max(width, 1), c):
+                chunk = _pad_cols(ids[:, start : start + c], c, -1, "ids")
+                if start and not np.any(chunk >= 0):
+                    break
+                table = prog(table, *self._put([chunk]))
+        return table
 
     def logprobs_at(
-        self, hidden: jax.Array, rows: np.ndarray, cols: np.ndarray, targets: np.ndarray, num_top: int
+        self, step: StepOutput, rows: np.ndarray, cols: np.ndarray, targets: np.ndarray, num_top: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Logprob of targets[i] predicted at hidden[rows[i], cols[i]] (prompt logprobs).
+        """Logprob of targets[i] predicted at step.hidden[rows[i], cols[i]] (prompt logprobs).
 
-        rows, cols, targets: [N] int32. Returns (logprob [N], top_logprobs [N, K], top_ids [N, K]).
+        rows, cols, targets: [N] int32; num_top <= TOP_LOGPROBS_MAX. Returns (logprob [N],
+        top_logprobs [N, num_top], top_ids [N, num_top]). The picked hidden rows go through the host (prompt
+        logprobs only), then PROMPT_LOGPROB_ROWS at a time through one fixed program.
         """
-        n = len(rows)
-        size = next_pow2(n, 16)
-        pad = size - n
-        rows_p, cols_p, tgt_p = (np.pad(a.astype(np.int32), (0, pad)) for a in (rows, cols, targets))
-        k = next_pow2(num_top) if num_top else 0
-        if self.layout is not None:
-            # Rows of several ranks: gather them on the host (prompt logprobs only) rather than across devices.
-            picked = np.asarray(jax.device_get(hidden))[rows_p, cols_p]
-            hidden, rows_p, cols_p = picked[:, None, :], np.arange(size, dtype=np.int32), np.zeros(size, np.int32)
-        self._note_shape("logprobs", (hidden.shape[0], hidden.shape[1], size, k))
-        lp, top_lp, top_ids = jax.device_get(self._logprobs(
-            self.params, hidden, jnp.asarray(rows_p), jnp.asarray(cols_p), jnp.asarray(tgt_p), num_top=k))
-        return np.asarray(lp)[:n], np.asarray(top_lp)[:n, :num_top], np.asarray(top_ids)[:n, :num_top]
+        if num_top > sampler.TOP_LOGPROBS_MAX:
+            raise ValueError(f"top_logprobs_num {num_top} > {sampler.TOP_LOGPROBS_MAX}")
+        picked = np.asarray(jax.device_get(step.hidden))[rows, cols]
+        prog = self._program(("prompt_logprobs",))
+        n, m = len(rows), PROMPT_LOGPROB_ROWS
+        lps, tops, ids = [], [], []
+        for start in range(0, n, m):
+            h = picked[start : start + m]
+            tgt = targets[start : start + m].astype(np.int32)
+            pad = m - len(h)
+            h = np.pad(h, ((0, pad), (0, 0)))
+            tgt = np.pad(tgt, (0, pad))
+            lp, top_lp, top_ids = jax.device_get(prog(self.params, *self._put([h, tgt], replicated=True)))
+            lps.append(np.asarray(lp)[: m - pad])
+            tops.append(np.asarray(top_lp)[: m - pad, :num_top])
+            ids.append(np.asarray(top_ids)[: m - pad, :num_top])
+        return np.concatenate(lps), np.concatenate(tops), np.concatenate(ids)
 
 
-def _sample_step(
-    params, hidden, last_index, temperature, top_p, top_k, min_p, seeds, steps, repetition, frequency,
-    presence, seen_ids, output_ids, banned_ids, token_bitmask, *, config, all_greedy, max_top_k, num_top,
-    use_penalty, use_top_p, use_min_p, want_logprobs, use_bans, use_grammar,
-):
-    """Logits at each row's last new token, then the grammar mask, penalties, bans and sampling (see
-    sampler.sample); logprobs are those of the raw logits."""
-    rows = jnp.arange(hidden.shape[0])
-    logits = compute_logits(params, hidden[rows, last_index], config=config)
-    raw = logits
-    if use_grammar:
-        logits, allowed = sampler.apply_token_bitmask(logits, token_bitmask)
-    if use_penalty:
-        logits = sampler.apply_penalties(logits, seen_ids, output_ids, repetition, frequency, presence)
-    if use_bans:
-        v = logits.shape[-1]
-        banned = logits.at[rows[:, None], jnp.where(banned_ids >= 0, banned_ids, v)].set(
-            sampler.NEG_INF, mode="drop")
-        if use_grammar:  # where the grammar allows only banned ids (EOS before min_new_tokens), the grammar wins
-            keeps_one = jnp.any(allowed & (banned > sampler.NEG_INF), axis=-1, keepdims=True)
-            banned = jnp.where(keeps_one, banned, logits)
-        logits = banned
-    tokens = sampler.sample(logits, temperature, top_p, top_k, min_p, seeds, steps,
-                            all_greedy=all_greedy, max_top_k=max_top_k, use_top_p=use_top_p,
-                            use_min_p=use_min_p)
-    if not want_logprobs:
-        b = tokens.shape[0]
-        return tokens, jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
-    lp, top_lp, top_ids = sampler.token_logprobs(raw, tokens, num_top)
-    return tokens, lp, top_lp, top_ids
+def _pad_cols(a: np.ndarray, width: int, fill: Any, what: str) -> np.ndarray:
+    """[B, w] -> [B, width] padded with `fill`; ValueError when w > width."""
+    if a.shape[1] > width:
+        raise ValueError(f"{a.shape[1]} {what} in one row; at most {width}")
+    return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
 
 
-def _gathered_logprobs(params, hidden, rows, cols, targets, *, config, num_top):
-    logits = compute_logits(params, hidden[rows, cols], config=config)
-    return sampler.token_logprobs(logits, targets, num_top)
+def _bucket_summary(buckets: BucketSet) -> str:
+    return (f"(batch {list(buckets.batch_sizes)} x dp {buckets.dp}, extend tokens {list(buckets.token_sizes)} "
+            f"with batch * tokens <= {buckets.extend_budget}, page table {buckets.pages} columns)")
+
+
+def _last_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
+    """hidden [B, T, H], index [B] -> [B, H]: each row's hidden state at its last new token."""
+    return hidden[jnp.arange(hidden.shape[0]), index]
+
+
+def _sample_program(params, last, rp, f, *, config, kind):
+    """One sampling program: logits of `last` [B, H] -> (tokens [B] int32, logprob [B], top_logprobs [B, K],
+    top_ids [B, K]) with K = TOP_LOGPROBS_MAX for kind "logprobs" (logprobs of the raw logits, as SGLang
+    reports them), else 0. "greedy" takes the argmax, fused with the lm_head (no [B, V] logits) unless a row
+    needs a grammar mask, penalty, bias or ban."""
+    b = last.shape[0]
+    none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
+    if kind == "greedy":
+        weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+        tokens = jax.lax.cond(
+            f.grammar | f.penalty | f.bias,
+            lambda: sampler.greedy_ids(sampler.process_logits(compute_logits(params, last, config=config), rp, f)),
+            lambda: sampler.fused_greedy(last, weight))
+        return (tokens, *none)
+    logits = compute_logits(params, last, config=config)
+    tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
+    if kind == "sample":
+        return (tokens, *none)
+    return (tokens, *sampler.token_logprobs(logits, tokens, sampler.TOP_LOGPROBS_MAX))
+
+
+def _prompt_logprobs(params, hidden, targets, *, config):
+    """hidden [N, H], targets [N] -> (logprob [N], top_logprobs [N, K], top_ids [N, K]), K = TOP_LOGPROBS_MAX."""
+    return sampler.token_logprobs(compute_logits(params, hidden, config=config), targets, sampler.TOP_LOGPROBS_MAX)

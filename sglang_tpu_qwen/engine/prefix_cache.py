@@ -223,10 +223,11 @@ class PrefixCache:
                 self.runner.cache = gdn_state.fill_nan(self.runner.cache, device)
 
     def _demote(self, sid: int, key: tuple[int, ...]) -> None:
-        conv, rec = gdn_state.read_slot(self.runner.cache, sid)
-        nbytes = conv.nbytes + rec.nbytes
-        if not self.host.fits(nbytes):
+        cache = self.runner.cache
+        nbytes = sum(cache[k].nbytes // cache[k].shape[1] for k in ("conv", "rec"))  # one slot, all GDN layers
+        if not self.host.fits(nbytes):  # decided before reading: no device copy for a snapshot the host cannot hold
             return
+        conv, rec = gdn_state.read_slot(cache, sid)
         for old in self.host.over_budget_ids(nbytes):
             old_key = self._where.get(old)
             if old_key is not None and self.tree.drop_snapshot(old_key, old):

@@ -7,9 +7,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.sampler import BAN_WIDTH, LOGIT_BIAS_MAX
 from sglang_tpu_qwen.grammar.spec import CONSTRAINT_KEYS, GrammarSpec, spec_from_fields
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# With the EOS ids (a few), stop_token_ids must fit sampler.BAN_WIDTH: all are banned before min_new_tokens.
+MAX_STOP_TOKEN_IDS = BAN_WIDTH - 16
 
 
 @dataclass
@@ -42,6 +45,10 @@ class SamplingParams:
     json_schema: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # SGLang's / OpenAI's logit_bias: token id (a decimal string in JSON) -> added to that logit, in
+    # [-100, 100]; normalised by validate() to int keys. Applied after penalties, before the
+    # min_new_tokens bans (engine/sampler.py); at most LOGIT_BIAS_MAX entries.
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -56,7 +63,7 @@ class SamplingParams:
         if spec is not None:
             d[spec.kind] = spec.text
         # SGLang accepts these; with no effect here, dropping them keeps SGLang clients working.
-        for ignored in ("custom_params", "logit_bias", "stream_interval"):
+        for ignored in ("custom_params", "stream_interval"):
             d.pop(ignored, None)
         # The SGLang frontend sends stop_regex with every gen (an empty list unless set).
         if d.pop("stop_regex", None):
@@ -124,6 +131,39 @@ class SamplingParams:
             bad("stop_token_ids must be a list of non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+        self.logit_bias = self._checked_logit_bias(bad, is_num)
+
+    def _checked_logit_bias(self, bad: Any, is_num: Any) -> dict[int, float] | None:
+        """logit_bias with int keys; bad() on a non-integer key, a negative id, a value that is not a finite
+        number in [-100, 100] (OpenAI's range), or more than LOGIT_BIAS_MAX entries. Ids beyond the
+        vocabulary are checked by the engine, which knows its size (check_vocab)."""
+        if self.logit_bias is None:
+            return None
+        if not isinstance(self.logit_bias, dict):
+            bad(f"logit_bias must be an object mapping token ids to numbers, got {self.logit_bias!r}")
+        if len(self.logit_bias) > LOGIT_BIAS_MAX:
+            bad(f"logit_bias has {len(self.logit_bias)} entries; at most {LOGIT_BIAS_MAX}")
+        out: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                tid = int(key) if not isinstance(key, bool) else None
+            except (TypeError, ValueError):
+                tid = None
+            if tid is None or str(tid) != str(key).strip() or tid < 0:
+                bad(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not is_num(value) or not -100.0 <= value <= 100.0:
+                bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}")
+            out[int(tid)] = float(value)  # type: ignore[arg-type]
+        return out
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError when a logit_bias or stop_token_ids id is outside [0, vocab_size)."""
+        for tid in [*(self.logit_bias or {}), *self.stop_token_ids]:
+            if tid >= vocab_size:
+                raise InvalidRequestError(f"token id {tid} in logit_bias / stop_token_ids is out of range "
+                                          f"[0, {vocab_size})")
 
     @property
     def grammar_spec(self) -> GrammarSpec | None:

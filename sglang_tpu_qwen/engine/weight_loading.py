@@ -1,7 +1,8 @@
 """The server's weight load: checkpoint -> parameters already in their final placement.
 
 Chooses the shardings (the mesh's, parallel/sharding.py, or one device), the FP8 handling
-(block-FP8 checkpoints stay FP8 on the devices; ``--quantization fp8`` quantises a bf16 one) and
+(block-FP8 checkpoints stay FP8 on the devices, the forward multiplies ``Fp8Weight`` leaves directly;
+``--quantization fp8`` quantises a bf16 one) and
 the integrity check (``--weights-manifest``), then calls ``model.weights.load_params``, which streams
 every tensor from the memory-mapped files straight onto the devices that hold it.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,25 +25,6 @@ from sglang_tpu_qwen.parallel.sharding import param_pspecs, shardings
 from sglang_tpu_qwen.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-def forward_consumes_fp8() -> bool:
-    """Whether the forward dequantises ``Fp8Weight`` leaves per tile inside its matmuls (forward sets
-    ``parallel.fp8.FORWARD_CONSUMES_FP8``); until then :func:`fp8_step` dequantises at the top of the step."""
-    return bool(getattr(fp8, "FORWARD_CONSUMES_FP8", False))
-
-
-def fp8_step(step: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
-    """``step(params, ...)`` taking FP8 leaves: ``step`` itself once the forward consumes them, else a
-    wrapper that dequantises every ``Fp8Weight`` to ``dtype`` inside the jitted step (the weights stay
-    FP8 in device memory between steps; the dense copies are step temporaries)."""
-    if forward_consumes_fp8():
-        return step
-
-    def dense(params: Any, *args: Any, **kwargs: Any) -> Any:
-        return step(fp8.dequantize_tree(params, dtype), *args, **kwargs)
-
-    return dense
 
 
 def load_weights(model_path: str, config: Qwen35MoeConfig, dtype: Any, args: ServerArgs,

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.stacking import stack_params
 from sglang_tpu_qwen.model.weights import param_specs, save_checkpoint, to_hf_state_dict
 from sglang_tpu_qwen.tokenizer import build as tokenizer_build
 
@@ -134,18 +135,19 @@ def _init_leaf(name: str, shape: tuple[int, ...], hidden: int) -> np.ndarray:
 
 
 def init_embedded_params(config: Qwen35MoeConfig) -> Any:
-    """Parameter pytree (numpy; bf16 leaves, ``A_log`` float32 holding bf16-exact values) of the model.
+    """Parameter pytree (numpy; bf16 leaves, ``A_log`` float32 holding bf16-exact values; layers stacked,
+    model/stacking.py) of the model.
 
     ``A_log`` is rounded through bf16 so that a bf16 HF model and our float32 ``A_log`` agree exactly.
     """
-    specs = param_specs(config)
+    specs = param_specs(config, stacked=False)  # leaf names "layers/<i>/..." seed each layer's values
 
     def make(path: Any, sds: jax.ShapeDtypeStruct) -> np.ndarray:
         name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         x = _init_leaf(name, sds.shape, config.hidden_size).astype(ml_dtypes.bfloat16)
         return x.astype(sds.dtype)
 
-    return jax.tree.map_with_path(make, specs)
+    return stack_params(jax.tree.map_with_path(make, specs), config)
 
 
 def build_embedded_model(out_dir: str | os.PathLike[str]) -> Path:

@@ -4,6 +4,10 @@ Decoder layer (HF ``Qwen3_5MoeDecoderLayer``)::
 
     h = h + mixer(rms_norm(h))        mixer: Gated DeltaNet or gated attention, per layer_types
     h = h + moe(rms_norm(h))
+
+The layers run under one ``jax.lax.scan`` over groups of one layer period (model/stacking.py: 3 GDN +
+1 attention for Qwen3.5), so the compiled program holds each layer kind once whatever the depth; the
+server, the tests and the planner (plan.py) all compile this function.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ def forward_step(
     """Run new tokens of a batch of sequences through the model, updating the cache.
 
     Args:
-        params: parameter pytree (docs/internals.md).
+        params: parameter pytree (docs/internals.md), layers stacked (model/stacking.py); FP8 leaves
+            (parallel/fp8.py) allowed for the quantised linear weights.
         cache: from :func:`init_cache`.
         tokens: ``[B, T]`` int32 new tokens, left-aligned, padded with 0.
         prefix_lens: ``[B]`` int32 tokens already in the cache; 0 means the GDN slot is read as zeros.
@@ -90,6 +95,10 @@ def forward_step(
         ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``. Hidden rows of padded
         tokens are finite but meaningless.
     """
+    period = len(params["layers"])
+    kinds = config.layer_types[:period]
+    n_attn = sum(k == "full_attention" for k in kinds)
+    n_gdn = period - n_attn
     t = tokens.shape[1]
     ar = jnp.arange(t, dtype=jnp.int32)
     positions = prefix_lens[:, None] + ar[None, :]
@@ -97,33 +106,43 @@ def forward_step(
     kv_lens = prefix_lens + new_lens
     fresh = prefix_lens == 0  # [B]: rows whose GDN state starts at zero
     cos, sin = rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
-
-    k_cache, v_cache, conv, rec = cache["k"], cache["v"], cache["conv"], cache["rec"]
     eps = config.rms_norm_eps
-    h = params["embed"][tokens]
     backends = backends or KernelBackends()
     attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
-    attn_i = gdn_i = 0
-    for kind, lp in zip(config.layer_types, params["layers"], strict=True):
-        x = rms_norm(h, lp["input_norm"], eps)
-        if kind == "full_attention":
-            x, k_cache, v_cache = attention_layer(
-                lp["attn"], x, cos, sin, k_cache, v_cache, attn_i, page_table, positions, valid, kv_lens, config,
-                attn_core,
-            )
-            attn_i += 1
-        elif gdn_fused is not None:
-            x, conv, rec = gdn_layer_pooled(
-                lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config, gdn_fused
-            )
-            gdn_i += 1
-        else:
-            x, conv, rec = gdn_layer_on_pools(
-                lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config
-            )
-            gdn_i += 1
-        h = h + x
-        h = h + (moe_fn or moe_block)(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)
+    moe = moe_fn or moe_block
+
+    def group(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, list[Params]]) -> tuple[tuple[jax.Array, ...], None]:
+        h, k_cache, v_cache, conv, rec = carry
+        g, lps = xs
+        # Cache index of this group's first layer of each kind (traced: the kernels take it in SMEM).
+        attn_i, gdn_i = g * n_attn, g * n_gdn
+        for kind, lp in zip(kinds, lps, strict=True):
+            x = rms_norm(h, lp["input_norm"], eps)
+            if kind == "full_attention":
+                x, k_cache, v_cache = attention_layer(
+                    lp["attn"], x, cos, sin, k_cache, v_cache, attn_i, page_table, positions, valid, kv_lens,
+                    config, attn_core,
+                )
+                attn_i += 1
+            elif gdn_fused is not None:
+                x, conv, rec = gdn_layer_pooled(
+                    lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config, gdn_fused
+                )
+                gdn_i += 1
+            else:
+                x, conv, rec = gdn_layer_on_pools(
+                    lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config
+                )
+                gdn_i += 1
+            h = h + x
+            h = h + moe(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)
+        return (h, k_cache, v_cache, conv, rec), None
+
+    n_groups = config.num_hidden_layers // period
+    carry = (params["embed"][tokens], cache["k"], cache["v"], cache["conv"], cache["rec"])
+    (h, k_cache, v_cache, conv, rec), _ = jax.lax.scan(
+        group, carry, (jnp.arange(n_groups, dtype=jnp.int32), params["layers"])
+    )
     h = rms_norm(h, params["final_norm"], eps)
     return h, {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}
 

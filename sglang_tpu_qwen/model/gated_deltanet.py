@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.norms import gated_rms_norm, l2_normalize
+from sglang_tpu_qwen.parallel.fp8 import linear
 
 CHUNK_SIZE = 64
 
@@ -149,7 +150,7 @@ def gdn_projections(
     """Input projections of a Gated DeltaNet block, with padded tokens masked.
 
     Args:
-        p: GDN parameters (docs/internals.md).
+        p: GDN parameters (docs/internals.md); projections dense or :class:`parallel.fp8.Fp8Weight`.
         x: ``[B, T, H]`` normalised hidden states.
         valid: ``[B, T]`` bool.
         config: model config.
@@ -161,8 +162,8 @@ def gdn_projections(
     bsz, t, _ = x.shape
     hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
     x = jnp.where(valid[..., None], x, 0)
-    mixed = x @ p["in_proj_qkv"]
-    z = (x @ p["in_proj_z"]).reshape(bsz, t, hv, dv)
+    mixed = linear(x, p["in_proj_qkv"])
+    z = linear(x, p["in_proj_z"]).reshape(bsz, t, hv, dv)
     beta = jax.nn.sigmoid((x @ p["in_proj_b"]).astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         (x @ p["in_proj_a"]).astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
@@ -223,7 +224,7 @@ def gdn_output(p: dict[str, Any], o: jax.Array, z: jax.Array, dtype: Any, config
     """Gated RMSNorm per head and ``out_proj``: ``o [B, T, Hv, dv]`` (any float), ``z`` -> ``[B, T, H]`` dtype."""
     bsz, t, hv, dv = o.shape
     o = gated_rms_norm(o.astype(dtype), z, p["norm"], config.rms_norm_eps)
-    return o.reshape(bsz, t, hv * dv) @ p["out_proj"]
+    return linear(o.reshape(bsz, t, hv * dv), p["out_proj"])
 
 
 def gdn_layer(

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.parallel.fp8 import grouped, linear
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -49,7 +50,7 @@ def routed_experts(
         weights: ``[N, k]`` routing weights.
         expert_ids: ``[N, k]`` int32 in ``[0, E)``.
         w_gate, w_up: ``[E, H, I]``.
-        w_down: ``[E, I, H]``.
+        w_down: ``[E, I, H]``. Each dense or a :class:`parallel.fp8.Fp8Weight` stack.
 
     Returns:
         ``[N, H]`` in ``x.dtype``.
@@ -61,13 +62,19 @@ def routed_experts(
     tokens = order // k
     xs = x[tokens]  # [N*k, H], grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [N*k, H]
+    gate = grouped(xs, w_gate, group_sizes, expected_rows=n * k)
+    up = grouped(xs, w_up, group_sizes, expected_rows=n * k)
+    ys = grouped(jax.nn.silu(gate) * up, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
     ys = ys * weights.reshape(-1)[order][:, None]
     # Undo the sort (a permutation), then sum each token's k contributions.
     out = jnp.zeros_like(ys).at[order].set(ys)
     return out.reshape(n, k, -1).sum(axis=1).astype(x.dtype)
+
+
+def shared_expert(p: dict[str, Any], x: jax.Array) -> jax.Array:
+    """``sigmoid(x @ shared_expert_gate) * SwiGLU(x)`` of the shared expert: ``x [N, H]`` -> ``[N, H]``."""
+    shared = linear(jax.nn.silu(linear(x, p["shared_gate"])) * linear(x, p["shared_up"]), p["shared_down"])
+    return jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
 
 
 def moe_block(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig) -> jax.Array:
@@ -86,6 +93,5 @@ def moe_block(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig) -> jax.A
     x = x.reshape(-1, shape[-1])
     w, ids = route(x, p["router"], config.num_experts_per_tok, config.norm_topk_prob)
     routed = routed_experts(x, w, ids, p["w_gate"], p["w_up"], p["w_down"])
-    shared = (jax.nn.silu(x @ p["shared_gate"]) * (x @ p["shared_up"])) @ p["shared_down"]
-    shared = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+    shared = shared_expert(p, x)
     return (routed + shared).reshape(shape)

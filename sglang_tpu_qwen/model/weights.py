@@ -36,6 +36,7 @@ from sglang_tpu_qwen.model.safetensors_file import (
     TensorInfo,
     read_header,
 )
+from sglang_tpu_qwen.model.stacking import layer_period, stack_params, unstack_params
 from sglang_tpu_qwen.model.weight_placement import place
 from sglang_tpu_qwen.model.weights_manifest import check_file_set, verify_digests
 from sglang_tpu_qwen.parallel.fp8 import BLOCK, QUANTISED_LEAVES, Fp8Weight
@@ -74,11 +75,12 @@ class _Spec:
         return [self.path]
 
 
-def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16) -> dict[str, Any]:
+def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True) -> dict[str, Any]:
     """Shapes and dtypes of the parameter pytree (docs/internals.md) as ``jax.ShapeDtypeStruct`` leaves.
 
-    ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32.
-    Useful for ahead-of-time compilation without weights.
+    ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32. ``stacked``: the
+    layers in the scanned layout of model/stacking.py (what ``forward_step`` takes); False gives one
+    dict per layer (the loader's and the checkpoint table's view). Useful for ahead-of-time compilation.
     """
     c = config
     h, e, i, i_s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
@@ -114,7 +116,7 @@ def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16) -> dict[str,
     params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
     if not c.tie_word_embeddings:
         params["lm_head"] = s(c.vocab_size, h)
-    return params
+    return stack_params(params, config) if stacked else params
 
 
 def _leaf(tree: Any, path: Path_) -> Any:
@@ -158,7 +160,7 @@ def _hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset(
 
     Layers in ``fused_layers`` store their experts fused, the others per expert.
     """
-    shapes = param_specs(config)
+    shapes = param_specs(config, stacked=False)
     table: dict[str, _Spec] = {}
 
     def add(name: str, path: Path_, layout: str, expert: int | None = None) -> None:
@@ -380,7 +382,7 @@ def _plan(
             raise CheckpointError(f"tensor {t.name}: the gate / up halves ({t.info.shape[1] // 2} rows) do not "
                                   f"split on a {block[0]}-row block boundary of {t.scale.name}")  # type: ignore[union-attr]
 
-    shapes = param_specs(config)
+    shapes = param_specs(config, stacked=False)
     np_dtype = np.dtype(dtype)
     by_leaf: dict[Path_, list[tuple[_Tensor, str | None]]] = {}
     for t in by_name.values():
@@ -483,13 +485,6 @@ def _read_leaf(leaf: _Leaf, experts: slice | None, block: tuple[int, int]) -> An
     return (q, sc) if leaf.out_fp8 else q
 
 
-def layer_period(config: Qwen35MoeConfig) -> int:
-    """Length of the repeating layer pattern (4 for Qwen3.5: 3 GDN + 1 attention): the smallest p dividing
-    the layer count with ``layer_types[i] == layer_types[i % p]``."""
-    types, n = config.layer_types, config.num_hidden_layers
-    return next(p for p in range(1, n + 1) if n % p == 0 and all(types[i] == types[i % p] for i in range(n)))
-
-
 @dataclasses.dataclass
 class _OutLeaf:
     """One leaf of the returned pytree: one checkpoint leaf, or (stacked) the same leaf of every layer
@@ -522,7 +517,7 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
     """
     if not stacked:
         outs = [_OutLeaf(lf.path, [lf], False) for lf in plan.leaves]
-        skeleton = jax.tree.map(lambda _: None, param_specs(config))
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=False))
     else:
         period = layer_period(config)
         groups: dict[Path_, list[_Leaf]] = {}
@@ -542,8 +537,7 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
                     f"layers {a.path[1]} and {b.path[1]} store {'.'.join(map(str, a.path[2:]))} differently "
                     "(one block-FP8, one not): a stacked layer group needs them alike")
             outs.append(_OutLeaf(path, members, True))
-        skeleton = jax.tree.map(lambda _: None, param_specs(config))
-        skeleton["layers"] = skeleton["layers"][:period]
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=True))
     for out in outs:
         lead = (len(out.members),) if out.stacked else ()
         out.abstract = _leaf_abstract(out.members[0], plan.block, lead)
@@ -560,7 +554,7 @@ def load_params(
     quantization: str | None = None,
     shardings: Callable[[Any], Any] | None = None,
     manifest: Mapping[str, str] | None = None,
-    stacked: bool = False,
+    stacked: bool = True,
 ) -> Any:
     """Load a HF safetensors checkpoint into the parameter pytree of docs/internals.md.
 
@@ -638,17 +632,6 @@ def load_params(
     return params
 
 
-def unstack_layers(params: Any, config: Qwen35MoeConfig) -> Any:
-    """Stacked params (contract 1) -> the per-layer list layout; per-layer params are returned as they are."""
-    layers = params["layers"]
-    if np.ndim(layers[0]["input_norm"]) == 1:  # [H]: one dict per layer already
-        return params
-    period = len(layers)
-    out = dict(params)
-    out["layers"] = [jax.tree.map(lambda x, g=li // period: x[g], layers[li % period])
-                     for li in range(config.num_hidden_layers)]
-    return out
-
 
 def to_hf_state_dict(
     params: Any,
@@ -658,13 +641,14 @@ def to_hf_state_dict(
     fused_experts: bool = False,
 ) -> dict[str, np.ndarray]:
     """The inverse of `load_params`: HF tensor name -> numpy array (each leaf keeps its dtype).
+    ``params`` has its layers stacked (model/stacking.py).
 
     ``prefix`` is ``model.language_model.`` (conditional-generation layout, like the release) or
     ``model.``; ``lm_head.weight`` is top level either way. ``fused_experts`` writes
     ``experts.gate_up_proj`` / ``experts.down_proj`` instead of one tensor per expert.
     """
-    params = unstack_layers(params, config)
     fused = frozenset(range(config.num_hidden_layers)) if fused_experts else frozenset()
+    params = unstack_params(params)
     out: dict[str, np.ndarray] = {}
     for canon, spec in _hf_table(config, fused).items():
         name = canon if canon == "lm_head.weight" else prefix + canon

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.moe import route
+from sglang_tpu_qwen.model.moe import route, shared_expert
 from sglang_tpu_qwen.parallel.collectives import reduce_scatter
+from sglang_tpu_qwen.parallel.fp8 import grouped
 
 
 def _id_bits(num_experts: int) -> int:
@@ -75,6 +76,7 @@ def local_experts(
     w_up: jax.Array,
     w_down: jax.Array,
     first_expert: jax.Array,
+    num_experts: int | None = None,
 ) -> jax.Array:
     """Contribution of this device's experts to every token (zero for pairs routed elsewhere).
 
@@ -82,23 +84,27 @@ def local_experts(
         x: ``[M, H]`` gathered tokens.
         weights: ``[M, k]`` float32 routing weights.
         expert_ids: ``[M, k]`` int32 global expert ids.
-        w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``.
+        w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``; dense or FP8 (parallel/fp8.py).
         first_expert: scalar int32, global id of local expert 0.
+        num_experts: E over all devices (default E_local); only XLA's cost model of the FP8 kernel uses it.
 
     Returns:
         ``[M, H]`` float32.
     """
     m, k = expert_ids.shape
     e_local = w_gate.shape[0]
+    num_experts = num_experts or e_local
     local = expert_ids.reshape(-1) - first_expert
     here = (local >= 0) & (local < e_local)
     key = jnp.where(here, local, e_local)  # other devices' pairs sort after every local group
     order = jnp.argsort(key, stable=True)
     xs = x[order // k]
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes, preferred_element_type=jnp.float32)
+    # Of the M * k gathered pairs, E_local / E are expected here (uniform routing; XLA's cost model only).
+    here_rows = -(-m * k * e_local // num_experts)
+    gate = grouped(xs, w_gate, group_sizes, expected_rows=here_rows)
+    up = grouped(xs, w_up, group_sizes, expected_rows=here_rows)
+    ys = grouped(jax.nn.silu(gate) * up, w_down, group_sizes, out_dtype=jnp.float32, expected_rows=here_rows)
     scale = jnp.where(here, weights.reshape(-1), 0.0)[order]
     return jnp.zeros((m, ys.shape[-1]), jnp.float32).at[order // k].add(ys * scale[:, None])
 
@@ -146,11 +152,10 @@ def ep_moe_tokens(
         hw = g.shape[1] - ids.shape[1]
         gw, gids = unpack_routing(g[:, hw:], e)
         gx = _from_words(g[:, :hw], x.dtype, h)
-        y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first)
+        y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e)
         outs.append(reduce_scatter(y.astype(x.dtype), axis_name, axis_size, combine))
     routed = jnp.concatenate(outs, axis=0)[:n_tok]
-    shared = (jax.nn.silu(x @ p["shared_gate"]) * (x @ p["shared_up"])) @ p["shared_down"]
-    shared = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+    shared = shared_expert(p, x)
     return (routed + shared).astype(x.dtype)
 
 

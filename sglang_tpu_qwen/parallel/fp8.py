@@ -1,19 +1,31 @@
-"""Block-FP8 weights kept in FP8 in device memory and dequantised right before the matmul.
+"""Block-FP8 weights kept in FP8 in device memory and dequantised per tile inside the matmul.
 
 Format of the Qwen3 / DeepSeek-V3 FP8 releases: a weight is stored as float8_e4m3fn with one float32
 scale per 128 x 128 block (``weight_scale_inv``, which multiplies despite its name). Our matrices are
 ``[in, out]`` (``[E, in, out]`` for expert stacks), so blocks tile the last two dims.
+
+The model's matmuls go through :func:`linear` (``x @ w``) and :func:`grouped` (``ragged_dot``), which take
+a dense array or an :class:`Fp8Weight`. On TPU an FP8 weight goes to the Pallas grouped matmul
+(kernels/fp8_matmul), which reads each weight tile once as FP8 and scales the partial products per
+block in VMEM; elsewhere (CPU tests) it is dequantised and multiplied in XLA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul
+from sglang_tpu_qwen.kernels.fp8_matmul.reference import dequantize_blocks
+
 BLOCK = (128, 128)
+# The forward multiplies Fp8Weight leaves directly (linear / grouped below): the loader keeps them FP8.
+FORWARD_CONSUMES_FP8 = True
 # Leaves the FP8 releases quantise (linear layers); embeddings, lm_head, router, gates, norms, conv and
 # the small GDN a/b projections stay in the compute dtype.
 QUANTISED_LEAVES = frozenset({
@@ -22,22 +34,21 @@ QUANTISED_LEAVES = frozenset({
 })  # fmt: skip
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Fp8Weight:
-    """A block-quantised matrix (or stack of matrices).
+    """A block-quantised matrix (or stack of matrices); a pytree whose leaves are ``q`` and ``scale``.
 
     Attributes:
-        q: ``[..., R, C]`` float8_e4m3fn.
-        scale: ``[..., ceil(R / block[0]), ceil(C / block[1])]`` float32; ``w = q * scale`` blockwise (the
-            last block of a row or column may be partial).
-        block: static (not a pytree child): the block size ``[rows, cols]`` in this ``[in, out]`` layout,
-            the checkpoint's ``weight_block_size`` transposed (128 x 128 for the Qwen releases).
+        q: ``[..., R, C]`` float8_e4m3fn, our ``[in, out]`` layout.
+        scale: ``[..., ceil(R / b0), ceil(C / b1)]`` float32; ``w = q * scale`` blockwise, edge blocks
+            partial. (The checkpoint's ``weight_scale_inv``, transposed with the weight.)
+        block: ``(b0, b1)`` static: rows x columns of one block in our layout (the checkpoint's
+            ``quantization_config.weight_block_size`` reversed, as the matrix is transposed).
     """
 
     q: Any
     scale: Any
-    block: tuple[int, int] = dataclasses.field(default=BLOCK, metadata={"static": True})
+    block: tuple[int, int] = BLOCK
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -47,29 +58,38 @@ class Fp8Weight:
     def ndim(self) -> int:
         return len(self.q.shape)
 
+    @property
+    def dtype(self) -> Any:
+        return self.q.dtype
+
+
+jax.tree_util.register_dataclass(Fp8Weight, data_fields=["q", "scale"], meta_fields=["block"])
+
+
+def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    *lead, r, c = shape
+    return (*lead, -(-r // block[0]), -(-c // block[1]))
+
 
 def quantize(w: jax.Array, block: tuple[int, int] = BLOCK) -> Fp8Weight:
-    """Blockwise absmax quantisation to e4m3 (max 448). ``w``: ``[..., R, C]`` with R, C multiples of block."""
+    """Blockwise absmax quantisation to e4m3 (max 448). ``w``: ``[..., R, C]``; edge blocks may be partial."""
     *lead, r, c = w.shape
-    blocks = w.astype(jnp.float32).reshape(*lead, r // block[0], block[0], c // block[1], block[1])
+    rb, cb = _scale_shape(w.shape, block)[-2:]
+    pad = [(0, 0)] * len(lead) + [(0, rb * block[0] - r), (0, cb * block[1] - c)]
+    blocks = jnp.pad(w.astype(jnp.float32), pad).reshape(*lead, rb, block[0], cb, block[1])
     amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
     scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-    q = (blocks / scale[..., :, None, :, None]).reshape(w.shape).astype(jnp.float8_e4m3fn)
-    return Fp8Weight(q=q, scale=scale, block=block)
+    q = (blocks / scale[..., :, None, :, None]).reshape(*lead, rb * block[0], cb * block[1])
+    return Fp8Weight(q=q[..., :r, :c].astype(jnp.float8_e4m3fn), scale=scale, block=block)
 
 
-def dequantize(w: Fp8Weight, dtype: Any, block: tuple[int, int] | None = None) -> jax.Array:
-    """``[..., R, C]`` in ``dtype``: each block of ``w.q`` times its scale (partial edge blocks included).
-
-    ``block`` defaults to ``w.block``."""
-    b0, b1 = w.block if block is None else block
-    s = jnp.repeat(jnp.repeat(w.scale.astype(jnp.float32), b0, axis=-2), b1, axis=-1)
-    r, c = w.q.shape[-2:]
-    return (w.q.astype(jnp.float32) * s[..., :r, :c]).astype(dtype)
+def dequantize(w: Fp8Weight, dtype: Any) -> jax.Array:
+    """``[..., R, C]`` in ``dtype``: each block of ``w.q`` times its scale (a dense copy: tests and CPU)."""
+    return dequantize_blocks(w.q, w.scale, w.block, dtype)
 
 
-def _eligible(name: str, shape: tuple[int, ...], block: tuple[int, int]) -> bool:
-    return name in QUANTISED_LEAVES and shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
+def _eligible(name: str) -> bool:
+    return name in QUANTISED_LEAVES
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:
@@ -77,11 +97,11 @@ def _leaf_name(path: tuple[Any, ...]) -> str:
 
 
 def quantize_params(params: Any, block: tuple[int, int] = BLOCK) -> Any:
-    """Replace every eligible linear weight (``QUANTISED_LEAVES``, dims divisible by the block) by an
-    :class:`Fp8Weight`; other leaves are kept."""
+    """Replace every linear weight of ``QUANTISED_LEAVES`` by an :class:`Fp8Weight` (what ``--quantization
+    fp8`` does to a bf16 checkpoint); other leaves are kept."""
 
     def f(path: tuple[Any, ...], x: jax.Array) -> Any:
-        return quantize(x, block) if _eligible(_leaf_name(path), x.shape, block) else x
+        return quantize(x, block) if _eligible(_leaf_name(path)) else x
 
     return jax.tree_util.tree_map_with_path(f, params)
 
@@ -90,12 +110,11 @@ def fp8_specs(specs: Any, block: tuple[int, int] = BLOCK) -> Any:
     """``ShapeDtypeStruct`` pytree -> the same with eligible leaves as abstract :class:`Fp8Weight`."""
 
     def f(path: tuple[Any, ...], s: jax.ShapeDtypeStruct) -> Any:
-        if not _eligible(_leaf_name(path), s.shape, block):
+        if not _eligible(_leaf_name(path)):
             return s
-        *lead, r, c = s.shape
         return Fp8Weight(
             q=jax.ShapeDtypeStruct(s.shape, jnp.float8_e4m3fn),
-            scale=jax.ShapeDtypeStruct((*lead, -(-r // block[0]), -(-c // block[1])), jnp.float32),
+            scale=jax.ShapeDtypeStruct(_scale_shape(s.shape, block), jnp.float32),
             block=block,
         )
 
@@ -109,3 +128,74 @@ def dequantize_tree(tree: Any, dtype: Any) -> Any:
         tree,
         is_leaf=lambda x: isinstance(x, Fp8Weight),
     )
+
+
+_INTERPRET = [False]
+
+
+@contextlib.contextmanager
+def interpret_kernels() -> Iterator[None]:
+    """Within this context (at trace time), FP8 matmuls run the Pallas kernel in interpret mode on any
+    platform: tests of the TPU path on CPU, e.g. through the expert-parallel ``shard_map``."""
+    _INTERPRET.append(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.pop()
+
+
+def _fp8_grouped(
+    x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, out_dtype: Any, interpret: bool, expected_rows: int | None
+) -> jax.Array:
+    interpret = interpret or _INTERPRET[-1]
+
+    def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array) -> jax.Array:
+        return fp8_grouped_matmul(x, q, scale, gs, block=w.block, interpret=interpret,
+                                  expected_rows=expected_rows).astype(out_dtype)
+
+    def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array) -> jax.Array:
+        dense = dequantize_blocks(q, scale, w.block, x.dtype)
+        return jax.lax.ragged_dot(x, dense, gs, preferred_element_type=out_dtype).astype(out_dtype)
+
+    if interpret:
+        return tpu(x, w.q, w.scale, group_sizes)
+    # Chosen when lowering, by the platform compiled for (the deviceless planner compiles for TPU).
+    return jax.lax.platform_dependent(x, w.q, w.scale, group_sizes, tpu=tpu, default=other)
+
+
+def grouped(
+    x: jax.Array,
+    w: Any,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: Any = None,
+    interpret: bool = False,
+    expected_rows: int | None = None,
+) -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, group_sizes)`` for a dense ``[G, K, N]`` stack or an :class:`Fp8Weight`.
+
+    Args:
+        x: ``[M, K]`` rows sorted by group; w: ``[G, K, N]``; group_sizes: ``[G]`` int32 (sum <= M).
+        out_dtype: result dtype (f32 accumulation either way); default ``x.dtype``.
+        interpret: FP8 only: run the Pallas kernel in interpret mode (CPU tests of the TPU path).
+        expected_rows: FP8 only, for XLA's cost model: rows the groups are expected to cover (default M).
+
+    Returns:
+        ``[M, N]``; rows past ``sum(group_sizes)`` are 0.
+    """
+    out_dtype = out_dtype or x.dtype
+    if isinstance(w, Fp8Weight):
+        return _fp8_grouped(x, w, group_sizes, out_dtype, interpret, expected_rows)
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def linear(x: jax.Array, w: Any, *, interpret: bool = False) -> jax.Array:
+    """``x @ w`` for ``x [..., K]`` and a dense ``[K, N]`` matrix or an :class:`Fp8Weight` (one group of
+    :func:`grouped`). Returns ``[..., N]`` in ``x.dtype``."""
+    if not isinstance(w, Fp8Weight):
+        return x @ w
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, k)
+    one = Fp8Weight(q=w.q[None], scale=w.scale[None], block=w.block)
+    out = _fp8_grouped(flat, one, jnp.full((1,), flat.shape[0], jnp.int32), x.dtype, interpret, None)
+    return out.reshape(*lead, w.shape[-1])

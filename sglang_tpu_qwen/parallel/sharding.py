@@ -42,7 +42,7 @@ def param_pspecs(params: Any, layout: Layout) -> Any:
 
     def spec(path: tuple[Any, ...], leaf: Any) -> P:
         if _key_names(path) & EXPERT_LEAVES:
-            # [..., E, in, out] (a leading dim when layers are stacked for scan, scan_forward.py).
+            # [G, E, in, out] (G: the layer-group dim of model/stacking.py) or [E, in, out].
             e_dim = len(leaf.shape) - 3
             if leaf.shape[e_dim] % layout.ep:
                 raise ValueError(f"{leaf.shape[e_dim]} experts do not split {layout.ep} ways")

@@ -214,6 +214,7 @@ def _sampling_params(req: Any, max_new_tokens: int | None) -> dict[str, Any]:
         "no_stop_trim": req.no_stop_trim,
         "n": req.n,
         "seed": req.seed,
+        "logit_bias": req.logit_bias,
     }
     return {k: v for k, v in params.items() if v is not None}
 

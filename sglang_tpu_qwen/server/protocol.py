@@ -194,7 +194,7 @@ class _SamplingFields(BaseModel):
 
     def unsupported_fields(self) -> list[str]:
         """Names of set fields this runtime cannot honour (each makes the request a 400)."""
-        names = ("logit_bias", "lora_path")
+        names = ("lora_path",)
         return [n for n in names if _is_set(getattr(self, n))]
 
 

@@ -1,0 +1,198 @@
+"""The fixed set of step shapes the server compiles (issue 12, point 1).
+
+A model step runs on host arrays padded to one `StepBucket`: `batch` rows (all DP ranks together, rank
+r owning rows [r*B/dp, (r+1)*B/dp)), `tokens` new tokens per row, and a page table `pages` columns wide.
+The set is enumerated once from the server flags; the server compiles every bucket before it reports
+ready (ModelRunner.precompile) and the deviceless planner lowers the same buckets. A step that fits no
+bucket is never compiled on the fly: the scheduler caps it (fewer rows, shorter chunks) with
+`BucketSet.extend_bucket` / `decode_bucket`, and the rest runs in the next step.
+
+The enumeration (per DP rank):
+
+- batch sizes: powers of two up to next_pow2(ceil(max_running_requests / dp)), or
+  --precompile-bs-paddings;
+- extend tokens per row: powers of two from 16 up to next_pow2(chunked_prefill_size), or
+  --precompile-token-paddings; an extend bucket (b, t) exists only when b * t <= the extend budget
+  next_pow2(chunked_prefill_size) (a prefill chunk is at most chunked_prefill_size tokens per rank), so
+  the grid stays a triangle instead of a square;
+- decode: every batch size with one token;
+- pages: ONE width, ceil(min(context_length, KV tokens per rank) / page_size). The page-table width is not
+  a compiled dimension: the reference attention walks the keys in blocks up to the longest context of
+  the batch (model/attention.py) and the Pallas kernel by each row's own length, so a wide table costs
+  only its host-to-device copy (B * pages * 4 bytes). Measured on the 2-core CPU (B=32 decode, 4 heads,
+  head dim 64, 201-token contexts): 3.5 ms per layer at 16 columns and at 2048 columns; the previous
+  gather-everything reference took 17 ms at 32 columns and 1.9 s at 2048.
+
+Sampling programs depend on the batch only (`sample_batches`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+MIN_EXTEND_TOKENS = 16  # smallest extend bucket: shorter chunks pad to it (one program for all short prompts)
+
+Mode = Literal["extend", "decode"]
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+@dataclass(frozen=True, order=True)
+class StepBucket:
+    """Shape of one compiled model step.
+
+    Attributes:
+      mode: "extend" (prefill chunks, `tokens` >= 1 new tokens per row) or "decode" (tokens == 1).
+      batch: B, rows of all DP ranks together (a multiple of dp).
+      tokens: T, new-token columns per row.
+      pages: P, page-table columns per row.
+    """
+
+    mode: Mode
+    batch: int
+    tokens: int
+    pages: int
+
+
+@dataclass(frozen=True)
+class BucketSet:
+    """The enumerated buckets of one server configuration.
+
+    Attributes:
+      dp: data-parallel attention ranks; `batch_sizes` are rows per rank, a bucket's batch is b * dp.
+      batch_sizes: ascending rows per rank (decode and sampling use all of them).
+      token_sizes: ascending extend tokens per row.
+      extend_budget: max b * t of an extend bucket (tokens per rank per step, padding included).
+      pages: the page-table width of every bucket.
+    """
+
+    dp: int
+    batch_sizes: tuple[int, ...]
+    token_sizes: tuple[int, ...]
+    extend_budget: int
+    pages: int
+
+    @classmethod
+    def build(
+        cls, *, max_running_requests: int, chunked_prefill_size: int, context_length: int, kv_tokens: int,
+        page_size: int, dp: int = 1, bs_paddings: list[int] | None = None,
+        token_paddings: list[int] | None = None,
+    ) -> BucketSet:
+        """Enumerate from the server flags (see the module docstring).
+
+        Args:
+          max_running_requests: over all ranks; chunked_prefill_size: prefill tokens per rank per step;
+          context_length: max prompt + output tokens; kv_tokens: KV tokens one rank holds (a request never
+          has more); page_size: tokens per page; dp: --dp-size.
+          bs_paddings / token_paddings: --precompile-bs-paddings / --precompile-token-paddings overrides.
+        Raises:
+          ValueError: an override has a non-positive entry, or its largest batch size is below the running
+            requests of one rank (a decode step of all of them must fit one bucket).
+        """
+        per_rank = -(-max_running_requests // dp)
+        if bs_paddings:
+            batch = tuple(sorted(set(bs_paddings)))
+            if batch[0] <= 0:
+                raise ValueError(f"--precompile-bs-paddings must be positive, got {list(bs_paddings)}")
+            if batch[-1] < per_rank:
+                raise ValueError(f"--precompile-bs-paddings: the largest size ({batch[-1]}) must be at least the "
+                                 f"running requests per DP rank ({per_rank})")
+        else:
+            batch = tuple(1 << i for i in range(next_pow2(per_rank).bit_length()))
+        budget = next_pow2(chunked_prefill_size)
+        if token_paddings:
+            tokens = tuple(sorted(set(token_paddings)))
+            if tokens[0] <= 0:
+                raise ValueError(f"--precompile-token-paddings must be positive, got {list(token_paddings)}")
+            budget = max(budget, tokens[0])
+            tokens = tuple(t for t in tokens if t <= budget and t > 1) or (max(2, tokens[-1]),)
+        else:
+            top = max(MIN_EXTEND_TOKENS, budget)
+            tokens = tuple(t for t in (1 << i for i in range(top.bit_length())) if MIN_EXTEND_TOKENS <= t <= top)
+            budget = max(budget, MIN_EXTEND_TOKENS)
+        pages = -(-min(context_length, kv_tokens) // page_size)
+        return cls(dp=dp, batch_sizes=batch, token_sizes=tokens, extend_budget=budget, pages=pages)
+
+    # ---- enumeration ---------------------------------------------------------------------------
+    def extend_batches(self, tokens: int) -> tuple[int, ...]:
+        """Rows per rank of the extend buckets with `tokens` columns (b * tokens <= extend_budget; the
+        smallest batch size always, so every token size has a bucket)."""
+        fits = tuple(b for b in self.batch_sizes if b * tokens <= self.extend_budget)
+        return fits or self.batch_sizes[:1]
+
+    def step_buckets(self) -> list[StepBucket]:
+        """Every forward bucket: decode ones (small to large), then extend ones."""
+        out = [StepBucket("decode", b * self.dp, 1, self.pages) for b in self.batch_sizes]
+        for t in self.token_sizes:
+            out += [StepBucket("extend", b * self.dp, t, self.pages) for b in self.extend_batches(t)]
+        return out
+
+    def sample_batches(self) -> list[int]:
+        """Global batch sizes B of the sampling programs (one per batch size)."""
+        return [b * self.dp for b in self.batch_sizes]
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Most rows per rank in one decode step."""
+        return self.batch_sizes[-1]
+
+    @property
+    def max_extend_rows(self) -> int:
+        """Most rows per rank in one extend step."""
+        return self.extend_batches(self.token_sizes[0])[-1]
+
+    # ---- mapping a step to its bucket ----------------------------------------------------------
+    def decode_bucket(self, rows_per_rank: int) -> StepBucket:
+        """The smallest decode bucket holding `rows_per_rank` rows on every rank.
+
+        Raises ValueError above max_decode_rows (the scheduler never builds such a step).
+        """
+        for b in self.batch_sizes:
+            if b >= rows_per_rank:
+                return StepBucket("decode", b * self.dp, 1, self.pages)
+        raise ValueError(f"a decode step of {rows_per_rank} rows per rank exceeds the largest bucket "
+                         f"({self.max_decode_rows})")
+
+    def extend_bucket(self, rows_per_rank: int, longest: int) -> tuple[StepBucket, int]:
+        """The bucket of an extend step and the token cap it imposes.
+
+        Args:
+          rows_per_rank: rows on the fullest rank (<= max_extend_rows).
+          longest: the most new tokens any row wants this step.
+        Returns:
+          (bucket, cap): every row takes at most `cap` <= bucket.tokens tokens; cap < longest means the
+          step is split (the rest of those chunks runs next step). The bucket is the smallest with room
+          for the rows that holds `longest` tokens, else the widest one for that many rows.
+        Raises:
+          ValueError: rows_per_rank > max_extend_rows.
+        """
+        if rows_per_rank > self.max_extend_rows:
+            raise ValueError(f"an extend step of {rows_per_rank} rows per rank exceeds the largest bucket "
+                             f"({self.max_extend_rows})")
+        best: tuple[int, int] | None = None
+        for t in self.token_sizes:
+            rows = [b for b in self.extend_batches(t) if b >= rows_per_rank]
+            if not rows:
+                continue
+            best = (rows[0], t)
+            if t >= longest:
+                break
+        assert best is not None  # rows_per_rank <= max_extend_rows: the smallest token size has room
+        b, t = best
+        return StepBucket("extend", b * self.dp, t, self.pages), min(longest, t)
+
+
+def step_buckets(
+    max_running_requests: int, chunked_prefill_size: int, context_length: int, kv_tokens: int, page_size: int,
+    dp: int = 1, bs_paddings: list[int] | None = None, token_paddings: list[int] | None = None,
+) -> list[StepBucket]:
+    """All forward buckets of a configuration (BucketSet.build(...).step_buckets())."""
+    return BucketSet.build(
+        max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+        context_length=context_length, kv_tokens=kv_tokens, page_size=page_size, dp=dp,
+        bs_paddings=bs_paddings, token_paddings=token_paddings).step_buckets()

@@ -1,0 +1,171 @@
+"""ScheduleBatch: one step's requests and the host arrays the model runner consumes (SGLang's schedule_batch.py).
+
+The policy (schedule_policy.py) picks the requests and how many new tokens each feeds; `ScheduleBatch.build`
+lays them out in batch rows and fills every host array of the step in one place: the forward inputs
+(tokens, prefix_lens, new_lens, page_table, slot_ids) and, when a row samples, the sampling batch. The
+runner runs it and the output processor (output_processor.py) reads the results back by row.
+
+Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B/N a power of two), so
+each DP rank's shard of the batch holds only its own requests.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket
+from sglang_tpu_qwen.engine.model_runner import SamplingBatch, next_pow2
+from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.grammar.bitmask import token_bitmask
+
+
+class ForwardMode(enum.Enum):
+    """What a step feeds: prompt chunks (EXTEND), one token per request (DECODE), or nothing (IDLE)."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+    IDLE = "idle"
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one step and its host arrays (B rows including padding rows, T token columns).
+
+    reqs[i] feeds extend_lens[i] new tokens from its cached_len and lives in batch row rows[i]. Padding rows
+    are zero (page 0 / slot 0: the trash targets). `finishing` lists the indices i whose pending tokens are
+    all fed by this step: those rows sample their next token (unless the request only scores its prompt).
+    """
+
+    mode: ForwardMode
+    reqs: list[Request]
+    extend_lens: list[int]
+    rows: list[int]
+    batch_size: int  # B
+    tokens: np.ndarray  # [B, T] int32 (T = 1 in DECODE; in EXTEND the bucket's tokens, engine/buckets.py)
+    prefix_lens: np.ndarray  # [B] int32: tokens already in the cache per row
+    new_lens: np.ndarray  # [B] int32: tokens fed per row (0 on padding rows)
+    page_table: np.ndarray  # [B, P] int32 global page ids, P the server's one page-table width
+    slot_ids: np.ndarray  # [B] int32 global GDN slot ids
+    finishing: list[int]
+    sampling: SamplingBatch | None  # None when no row samples (mid-prompt chunks or scoring only)
+
+    @property
+    def is_extend(self) -> bool:
+        return self.mode is ForwardMode.EXTEND
+
+    @property
+    def chosen(self) -> list[tuple[Request, int]]:
+        """(request, new tokens) pairs, the shape the PD hooks take."""
+        return list(zip(self.reqs, self.extend_lens, strict=True))
+
+    @property
+    def last_index(self) -> np.ndarray:
+        """[B] int32: column of each row's last new token (the one whose logits are sampled)."""
+        return np.maximum(self.new_lens - 1, 0)
+
+    @classmethod
+    def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], buckets: BucketSet,
+              eos_ids: Collection[int], vocab_size: int) -> ScheduleBatch:
+        """Lay out `chosen` (request, new tokens) in rows of the step's bucket and fill its host arrays.
+
+        Requests must hold the pages for cached_len + n tokens and a slot, and fit a bucket (the policy
+        ensured both; ValueError / AssertionError otherwise).
+        """
+        reqs = [r for r, _ in chosen]
+        lens = [n for _, n in chosen]
+        rows, bucket = batch_rows(reqs, lens, mode, buckets)
+        b, t, p = bucket.batch, bucket.tokens, bucket.pages
+        tokens = np.zeros((b, t), np.int32)
+        prefix_lens = np.zeros(b, np.int32)
+        new_lens = np.zeros(b, np.int32)
+        slot_ids = np.zeros(b, np.int32)
+        page_table = np.zeros((b, p), np.int32)
+        for r, n, i in zip(reqs, lens, rows, strict=True):
+            tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
+            prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
+            page_table[i, : len(r.pages)] = r.pages
+        finishing = [i for i, (r, n) in enumerate(chosen) if r.cached_len + n == len(r.fill_ids)]
+        samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
+        sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size) if samples else None
+        return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, finishing,
+                   sampling)
+
+
+def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode, buckets: BucketSet
+               ) -> tuple[list[int], StepBucket]:
+    """Batch row of each request and the step's bucket: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
+    num_ranks = buckets.dp
+    count = [0] * num_ranks
+    rows = []
+    for r in reqs:
+        count[r.rank] += 1
+    if mode is ForwardMode.EXTEND:
+        bucket, cap = buckets.extend_bucket(max(count), max(lens))
+        assert cap == max(lens), "the policy caps chunks to the bucket"
+    else:
+        bucket = buckets.decode_bucket(max(count))
+    per_rank = bucket.batch // num_ranks
+    count = [0] * num_ranks
+    for r in reqs:
+        rows.append(r.rank * per_rank + count[r.rank])
+        count[r.rank] += 1
+    return rows, bucket
+
+
+def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collection[int],
+                   vocab_size: int) -> SamplingBatch:
+    """Per-row sampling settings of the step; padding rows are greedy with nothing banned."""
+    temperature = np.zeros(b, np.float32)
+    top_p = np.ones(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    min_p = np.zeros(b, np.float32)
+    seeds = np.zeros(b, np.uint32)
+    steps = np.zeros(b, np.int32)
+    rep = np.ones(b, np.float32)
+    freq = np.zeros(b, np.float32)
+    pres = np.zeros(b, np.float32)
+    any_penalty = any(r.params.has_penalty for r in reqs)
+    seen_ids = output_ids = None
+    if any_penalty:
+        seen_ids = np.full((b, next_pow2(max(len(r.fill_ids) for r in reqs), 16)), -1, np.int32)
+        output_ids = np.full((b, next_pow2(max(len(r.output_ids) for r in reqs), 16)), -1, np.int32)
+    ban_lists: list[list[int]] = [[] for _ in range(b)]
+    for r, i in zip(reqs, rows, strict=True):
+        sp = r.params
+        temperature[i] = 0.0 if sp.greedy else sp.temperature
+        top_p[i], top_k[i], min_p[i] = sp.top_p, max(sp.top_k, 0), sp.min_p
+        seeds[i] = np.uint32(r.seed & 0xFFFFFFFF)
+        steps[i] = len(r.output_ids)
+        rep[i], freq[i], pres[i] = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
+        if seen_ids is not None and output_ids is not None:
+            seen_ids[i, : len(r.fill_ids)] = r.fill_ids
+            output_ids[i, : len(r.output_ids)] = r.output_ids
+        bans: list[int] = []
+        if len(r.output_ids) < sp.min_new_tokens:
+            bans = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
+        ban_lists[i] = bans
+    banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
+    for i, bans in enumerate(ban_lists):
+        banned[i, : len(bans)] = bans
+    bias_ids = bias_vals = None
+    biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]
+    if biases:
+        width = max(len(lb) for _, lb in biases)
+        bias_ids = np.full((b, width), -1, np.int32)
+        bias_vals = np.zeros((b, width), np.float32)
+        for i, lb in biases:
+            bias_ids[i, : len(lb)] = list(lb)
+            bias_vals[i, : len(lb)] = list(lb.values())
+    want_logprobs = any(r.return_logprob for r in reqs)
+    num_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+    grammars: list[Any] = [None] * b
+    for r, i in zip(reqs, rows, strict=True):
+        grammars[i] = r.grammar
+    return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
+                         output_ids, banned, want_logprobs, num_top, token_bitmask(grammars, b, vocab_size),
+                         bias_ids, bias_vals)

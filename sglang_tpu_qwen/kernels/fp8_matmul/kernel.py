@@ -1,0 +1,185 @@
+"""Grouped matmul over block-FP8 weights, dequantised per tile in VMEM (Pallas TPU).
+
+    x      [M, K]      bf16/f32   rows sorted by group: rows [start_g, end_g) use weight g
+    q      [G, K, N]   float8_e4m3fn (our [in, out] layout)
+    scale  [G, ceil(K/b0), ceil(N/b1)] float32; w[g] = q[g] * scale[g] blockwise (edge blocks partial)
+    group_sizes [G] int32, sum <= M; rows past the sum come out 0
+    -> [M, N] in x.dtype
+
+XLA materialises a dequantised bf16 copy of the weight before ``ragged_dot`` (it does not fuse the
+convert or the block-scale multiply into it: 5x the FP8 bytes on tpu7x, plan.py), so the weight would
+cross HBM three times more than it must. Here each weight tile is read once as FP8, converted in VMEM,
+and the block scale multiplies the f32 partial product of each ``b0``-row slab (exact: the scale is
+constant over the slab's columns within one ``b1`` block), the formulation of DeepSeek-V3's block-FP8
+GEMM. Grouping follows megablox (Pallas ``gmm``): the grid walks (group, row tile) visits in order, a
+row tile shared by two groups is visited once per group with the other group's rows masked to zero,
+and the accumulator lives across the visits of one tile. Visits past the last real one repeat its block
+indices (no DMA) and skip the compute.
+
+Grid: ``(N tiles, visits, K tiles)``; ``visits = ceil(M/tm) + G - 1`` (static upper bound).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+def _visits(group_sizes: jax.Array, tm: int, tiles_m: int, num_visits: int) -> tuple[jax.Array, ...]:
+    """Per grid visit: (group id, row tile), plus group starts / ends and the number of real visits."""
+    g = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tm
+    count = jnp.where(sizes > 0, (ends - 1) // tm - first + 1, 0)
+    cum = jnp.cumsum(count)
+    total = cum[-1]
+    t = jnp.arange(num_visits, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(cum, t, side="right"), g - 1).astype(jnp.int32)
+    tile = first[group] + t - (cum - count)[group]
+    last = jnp.maximum(total - 1, 0)
+    group = jnp.where(t < total, group, group[last])
+    tile = jnp.clip(jnp.where(t < total, tile, tile[last]), 0, tiles_m - 1).astype(jnp.int32)
+    return group, tile, starts, ends, jnp.reshape(total, (1,))
+
+
+def _kernel(
+    group_ref, tile_ref, start_ref, end_ref, total_ref,  # scalar prefetch (SMEM)
+    x_ref, q_ref, s_ref, o_ref, acc_ref,
+    *, tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int],
+):
+    t, k = pl.program_id(1), pl.program_id(2)
+    b0, b1 = block
+    tile, grp = tile_ref[t], group_ref[t]
+    new_tile = jnp.logical_or(t == 0, tile_ref[jnp.maximum(t - 1, 0)] != tile)
+
+    @pl.when(jnp.logical_and(k == 0, new_tile))
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(t < total_ref[0])
+    def _compute():
+        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, b0), 0)
+        in_group = jnp.logical_and(rows >= start_ref[grp], rows < end_ref[grp])
+        for i in range(tk // b0):
+            kcol = k * tk + i * b0 + jax.lax.broadcasted_iota(jnp.int32, (tm, b0), 1)
+            xs = x_ref[:, i * b0 : (i + 1) * b0]
+            xs = jnp.where(jnp.logical_and(in_group, kcol < k_dim), xs, 0).astype(x_ref.dtype)
+            krow = k * tk + i * b0 + jax.lax.broadcasted_iota(jnp.int32, (b0, tn), 0)
+            # Padding past K may hold any bits (NaN included): zero it, not just the matching x columns.
+            ws = jnp.where(krow < k_dim, q_ref[0, i * b0 : (i + 1) * b0, :].astype(x_ref.dtype), 0)
+            part = jnp.dot(xs, ws, preferred_element_type=jnp.float32)  # [tm, tn]
+            srow = s_ref[0, 0, pl.ds(k * (tk // b0) + i, 1), :]  # [1, tn // b1] float32
+            s = jnp.concatenate([jnp.broadcast_to(srow[:, j : j + 1], (1, b1)) for j in range(tn // b1)], axis=1)
+            acc_ref[...] += part * s
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _tile(dim: int, target: int, unit: int) -> int:
+    """Tile size: ``dim`` rounded up to ``unit`` when that is at most ``target``, else ``target``."""
+    full = -(-dim // unit) * unit
+    return full if full <= target else target
+
+
+def _cost(m: int, k: int, n: int, g: int, itemsize: int, expected_rows: int | None) -> pl.CostEstimate:
+    """XLA cannot see into the kernel; this is its traffic. Weights: FP8 bytes of the groups that have rows,
+    ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when ``expected_rows`` is
+    None); activations in and out once; scales once per visited group."""
+    rows = m if expected_rows is None else expected_rows
+    active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
+    weight = active * (k * n + 4 * -(-k // 128) * -(-n // 128))
+    return pl.CostEstimate(flops=2 * rows * k * n, transcendentals=0,
+                           bytes_accessed=int(weight + m * (k + n) * itemsize))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "tn", "interpret", "expected_rows"))
+def fp8_grouped_matmul(
+    x: jax.Array,
+    q: jax.Array,
+    scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    block: tuple[int, int] = (128, 128),
+    tm: int = 128,
+    tk: int = 2048,
+    tn: int = 1024,
+    interpret: bool = False,
+    expected_rows: int | None = None,
+) -> jax.Array:
+    """``ragged_dot(x, q * scale, group_sizes)`` without a dequantised copy of ``q`` (module docstring).
+
+    Args:
+        x: ``[M, K]`` rows sorted by group.
+        q: ``[G, K, N]`` float8_e4m3fn.
+        scale: ``[G, ceil(K / b0), ceil(N / b1)]`` float32.
+        group_sizes: ``[G]`` int32.
+        block: ``(b0, b1)`` quantisation block; each must divide 128 or be a multiple of it.
+        tm, tk, tn: tile targets (rounded to the block and to the operand dims).
+        interpret: Pallas TPU interpret mode (CPU tests).
+        expected_rows: rows the groups are expected to cover (for XLA's cost model only: weights of
+            groups without rows are not read); default M.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype`` (f32 accumulation); rows past ``sum(group_sizes)`` are 0.
+
+    Raises:
+        ValueError: a shape mismatch or a block size the tiling cannot honour.
+    """
+    m, k_dim = x.shape
+    g, kq, n = q.shape
+    b0, b1 = block
+    if kq != k_dim or scale.shape != (g, -(-k_dim // b0), -(-n // b1)):
+        raise ValueError(f"x {x.shape}, q {q.shape}, scale {scale.shape} do not match (block {block})")
+    unit_k, unit_n = max(b0, 128), max(b1, 128)
+    if unit_k % b0 or unit_n % b1:
+        raise ValueError(f"block {block}: each side must divide 128 or be a multiple of it")
+    tk = _tile(k_dim, max(tk, unit_k) // unit_k * unit_k, unit_k)
+    tn = _tile(n, max(tn, unit_n) // unit_n * unit_n, unit_n)
+    tm = _tile(m, tm, 16)
+    tiles_m, tiles_k, tiles_n = -(-m // tm), -(-k_dim // tk), -(-n // tn)
+    num_visits = tiles_m + g - 1
+    group, tile, starts, ends, total = _visits(group_sizes, tm, tiles_m, num_visits)
+    # Scale per (group, N tile): [K blocks padded to the K tiles, tn // b1] (tiny; padding reads as 1).
+    kb_pad, nb_pad = tiles_k * tk // b0, tiles_n * tn // b1
+    sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, kb_pad - scale.shape[1]), (0, nb_pad - scale.shape[2])),
+                 constant_values=1.0)
+    sp = sp.reshape(g, kb_pad, tiles_n, tn // b1).transpose(0, 2, 1, 3)  # [G, N tiles, Kb, tn // b1]
+    kernel = functools.partial(_kernel, tm=tm, tk=tk, tn=tn, k_dim=k_dim, block=(b0, b1))
+    vmem = 2 * (tm * tk * x.dtype.itemsize + tk * tn + tm * tn * x.dtype.itemsize) + tm * tn * 4
+    vmem += tk * tn * (x.dtype.itemsize + 4) + 2 * kb_pad * 128 * 4
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(tiles_n, num_visits, tiles_k),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda j, t, kk, gr, ti, *_: (ti[t], kk)),
+                pl.BlockSpec((1, tk, tn), lambda j, t, kk, gr, ti, *_: (gr[t], kk, j)),
+                pl.BlockSpec((1, 1, kb_pad, tn // b1), lambda j, t, kk, gr, ti, *_: (gr[t], j, 0, 0)),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), lambda j, t, kk, gr, ti, *_: (ti[t], j)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, expected_rows),
+    )(group, tile, starts, ends, total, x, q, sp)
+    # Row tiles no group visits are never written.
+    return jnp.where(jnp.arange(m)[:, None] < total_rows(group_sizes), out, 0).astype(x.dtype)
+
+
+def total_rows(group_sizes: jax.Array) -> jax.Array:
+    """Rows the groups cover (``sum(group_sizes)``), int32 scalar."""
+    return jnp.sum(group_sizes.astype(jnp.int32))

@@ -1,0 +1,25 @@
+"""jnp reference of the block-FP8 grouped matmul: dequantise, then ``ragged_dot`` (the test oracle)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def dequantize_blocks(q: jax.Array, scale: jax.Array, block: tuple[int, int], dtype: jax.typing.DTypeLike) -> jax.Array:
+    """``[..., R, C]`` in ``dtype``: ``q * scale[..., r // b0, c // b1]`` (edge blocks may be partial)."""
+    r, c = q.shape[-2:]
+    rows = jnp.arange(r) // block[0]
+    cols = jnp.arange(c) // block[1]
+    s = jnp.take(jnp.take(scale, rows, axis=-2), cols, axis=-1)
+    return (q.astype(jnp.float32) * s).astype(dtype)
+
+
+def fp8_grouped_matmul_reference(
+    x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array, block: tuple[int, int]
+) -> jax.Array:
+    """Same contract as ``kernel.fp8_grouped_matmul``, computed in float32 on the dequantised weights."""
+    w = dequantize_blocks(q, scale, block, jnp.float32)
+    out = jax.lax.ragged_dot(x.astype(jnp.float32), w, group_sizes, precision=jax.lax.Precision.HIGHEST)
+    total = jnp.sum(group_sizes)
+    return jnp.where(jnp.arange(x.shape[0])[:, None] < total, out, 0.0)
