@@ -7,6 +7,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -649,8 +650,18 @@ def _streaming_child(model_dir: str) -> None:
     config = _stack_config()
     layout = make_layout(4, 4, 1)
     want = load_params(model_dir, config, jnp.float32, keep_fp8=True, stacked=False)
-    got = load_params(model_dir, config, jnp.float32, keep_fp8=True,
-                      shardings=lambda abstract: shardings(param_pspecs(abstract, layout), layout))
+    from sglang_tpu_qwen.model import weight_placement
+
+    def load_stacked() -> Any:
+        return load_params(model_dir, config, jnp.float32, keep_fp8=True,
+                           shardings=lambda abstract: shardings(param_pspecs(abstract, layout), layout))
+
+    host_stacked = load_stacked()  # small leaves: rows stacked on the host
+    weight_placement.HOST_STACK_BYTES = 0
+    got = load_stacked()  # every leaf written row by row into its device buffers
+    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(host_stacked), strict=True):
+        assert a.sharding == b.sharding, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert layer_period(config) == 2 and len(got["layers"]) == 2
     assert got["layers"][1]["moe"]["w_gate"].q.shape == (2, 8, 32, 16)
     assert isinstance(got["layers"][0]["gdn"]["in_proj_qkv"], Fp8Weight)
