@@ -43,6 +43,12 @@ class ServerArgs:
         default="auto",
         metadata={"help": "Compute dtype: auto (float32 on CPU, bfloat16 on TPU/GPU), float32, bfloat16."},
     )
+    quantization: str | None = field(default=None, metadata={
+        "help": "fp8: quantise a bf16 checkpoint's linear weights to 128x128-block FP8 on load (block-FP8 "
+                "checkpoints stay FP8 without it)."})
+    weights_manifest: str | None = field(default=None, metadata={
+        "help": "JSON file name -> sha256 (tools.weights_manifest writes one): refuse to start on a missing, "
+                "extra or mismatching weight file, checked while loading."})
     context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens."})
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size."})
     dp_size: int = field(default=1, metadata={"help": "Data-parallel (attention) size."})
@@ -144,6 +150,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be one of 0, 1, 2, 3, got {self.log_requests_level}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization must be fp8 (or absent), got {self.quantization!r}")
         for name in ("precompile_bs_paddings", "precompile_token_paddings"):
             values = getattr(self, name)
             if values is not None and (not values or any(not isinstance(v, int) or v <= 0 for v in values)):

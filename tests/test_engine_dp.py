@@ -125,3 +125,24 @@ def test_every_rank_frees_its_pages_and_slots(dp_server):
     for r in mem["dp_ranks"]:
         assert r["kv_pages_free"] == r["kv_pages_total"] and r["gdn_slots_free"] == r["gdn_slots_total"], r
         assert r["snapshot_slots_free"] == r["snapshot_slots_total"], r
+
+
+def test_each_device_holds_only_its_expert_shard(dp_server, engine):
+    """The streaming load put 1/8 of every expert stack and a full copy of everything else on each device:
+    per-device weight bytes (memory_usage, from the arrays' addressable_shards) are replicated + experts / 8,
+    not more (an expert stack assembled whole on a device would show up here)."""
+    import jax
+
+    from sglang_tpu_qwen.parallel.sharding import EXPERT_LEAVES
+
+    params = engine.runner.params  # the same checkpoint and dtype on one device
+    expert = sum(x.nbytes for p, x in jax.tree_util.tree_leaves_with_path(params)
+                 if {getattr(k, "key", None) for k in p} & EXPERT_LEAVES)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert 0 < expert < total and expert % 8 == 0
+    states = httpx.get(f"{dp_server}/get_server_info", timeout=30).json()["internal_states"]
+    assert len(states) == 8
+    per_device = [s["memory_usage"]["weight_bytes"] for s in states]
+    assert per_device == [total - expert + expert // 8] * 8, per_device
+    record("engine dp8 ep8", f"weights per device {per_device[0] / 2**20:.1f} MiB of {total / 2**20:.1f} MiB total")
+    assert all(s["memory_usage"]["token_capacity"] == 1024 for s in states)

@@ -371,6 +371,8 @@ class Engine:
             "model_path": self.model_path,
             "context_length": self.context_length,
             "memory": self.scheduler.memory_usage(),
+            # SGLang's place for it: one internal state per device, memory_usage in GB (memory_accounting.py).
+            "internal_states": [{"memory_usage": usage} for usage in self.runner.memory_usage],
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "version": _version(),

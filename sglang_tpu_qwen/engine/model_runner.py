@@ -26,21 +26,20 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from sglang_tpu_qwen.engine import compilation, sampler
+from sglang_tpu_qwen.engine import compilation, memory_accounting, sampler
 from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket, next_pow2
+from sglang_tpu_qwen.engine.weight_loading import load_weights
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.memory import gdn_state, kv_io
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
-from sglang_tpu_qwen.model.weights import load_params
 from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
-from sglang_tpu_qwen.parallel.sharding import batch_pspec, param_pspecs, shard_cache, shard_params
+from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs, param_pspecs
 from sglang_tpu_qwen.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_CPU_KV_TOKENS = 65536
 PROMPT_LOGPROB_ROWS = 64  # positions per call of the prompt-logprob program
 SampleKind = Literal["greedy", "sample", "logprobs"]
 SAMPLE_KINDS: tuple[SampleKind, ...] = ("greedy", "sample", "logprobs")
@@ -159,10 +158,6 @@ class ModelRunner:
         self.cache_dir = compilation.configure_persistent_cache(args.compilation_cache_dir)
         self.config: Qwen35MoeConfig = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype)
-        t0 = time.perf_counter()
-        self.params = load_params(model_path, self.config, self.dtype)
-        logger.info("loaded weights from %s in %.1f s (dtype %s)", model_path, time.perf_counter() - t0,
-                    jnp.dtype(self.dtype).name)
         # Data-parallel attention + expert-parallel MoE (docs/internals.md, "parallel/"): one mesh; each DP rank owns
         # a contiguous block of num_pages pages and num_slots slots of the global cache.
         self.dp = args.dp_size
@@ -171,17 +166,13 @@ class ModelRunner:
         # Without a mesh, an explicit device list pins the engine to its first device (committed arrays: every
         # program then runs there).
         self._device = devices[0] if devices and self.layout is None else None
-        if self._device is not None:
-            self.params = jax.device_put(self.params, self._device)
+        # Each tensor goes from the files straight into its final sharding (engine/weight_loading.py).
+        self.params = load_weights(model_path, self.config, self.dtype, args, self.layout, self._device)
         if self.layout is not None:
-            self.params = shard_params(self.params, self.layout)
             logger.info("mesh %s: attention dp=%d over %s, experts ep=%d, MoE combine %s",
                         dict(self.layout.mesh.shape), self.dp, "+".join(self.layout.batch_axes), args.ep_size,
                         args.moe_combine)
         self.page_size = args.page_size
-        max_tokens = args.max_total_tokens or self._default_kv_tokens(args)
-        # Per DP rank (with dp = 1: the whole pool). Page 0 / slot 0 of each rank are its trash targets.
-        self.num_pages = max_tokens // self.page_size + 1
         # Slot ids within a rank: 0 trash, [1, R] running requests, (R, R + S] prefix-cache snapshots.
         self.max_running_per_rank = -(-args.max_running_requests // self.dp)
         self.num_running_slots = self.max_running_per_rank + 1
@@ -191,12 +182,26 @@ class ModelRunner:
             default = 2 * self.max_running_per_rank
             self.num_snapshot_slots = default if args.max_gdn_snapshots is None else args.max_gdn_snapshots
         self.num_slots = self.num_running_slots + self.num_snapshot_slots
-        self.cache = init_cache(self.config, self.dp * self.num_pages, self.page_size, self.dp * self.num_slots,
-                                self.dtype, jnp.float32)
+        # The KV pool gets what the weights and the GDN slots leave (engine/memory_accounting.py).
+        state_dtype = jnp.float32
+        self.cache_units = memory_accounting.cache_units(self.config, self.page_size, self.dtype, state_dtype)
+        weight_bytes = memory_accounting.bytes_per_device(self.params)
+        device = max(weight_bytes, key=weight_bytes.__getitem__)
+        max_tokens = args.max_total_tokens or memory_accounting.kv_pool_tokens(
+            device, args.mem_fraction_static, weight_bytes[device], self.num_slots, self.cache_units)
+        # Per DP rank (with dp = 1: the whole pool). Page 0 / slot 0 of each rank are its trash targets.
+        self.num_pages = max_tokens // self.page_size + 1
+        make_cache = partial(init_cache, self.config, self.dp * self.num_pages, self.page_size,
+                             self.dp * self.num_slots, self.dtype, state_dtype)
+        # Zeros created in their sharding (no device holds the global cache), committed like the caches the
+        # compiled steps return: eager slot copies then see one signature.
         if self.layout is not None:
-            self.cache = shard_cache(self.cache, self.layout)
-        else:  # committed, like the caches the compiled steps return: eager slot copies then see one signature
-            self.cache = jax.device_put(self.cache, self._device or jax.devices()[0])
+            cache_sh: Any = {k: NamedSharding(self.layout.mesh, p) for k, p in cache_pspecs(self.layout).items()}
+        else:
+            cache_sh = SingleDeviceSharding(self._device or jax.devices()[0])
+        self.cache = jax.jit(make_cache, out_shardings=cache_sh)()
+        self.memory_usage = memory_accounting.memory_usage(self.params, self.cache,
+                                                           (self.num_pages - 1) * self.page_size)
         logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots%s", self.num_pages - 1,
                     self.page_size, self.num_running_slots - 1, self.num_snapshot_slots,
                     f" (each of {self.dp} DP ranks)" if self.dp > 1 else "")
@@ -476,24 +481,6 @@ class ModelRunner:
         if np.any(local < 0) or np.any(local >= per_rank):
             raise AssertionError("a row uses a page or slot of another DP rank")
         return local
-
-    def _default_kv_tokens(self, args: ServerArgs) -> int:
-        """KV pool size when --max-total-tokens is absent: --mem-fraction-static of device memory if known."""
-        stats = jax.devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if not limit:
-            return _DEFAULT_CPU_KV_TOKENS
-        cfg = self.config
-        dev = jax.devices()[0]  # per-device bytes: experts are split over the expert axis
-        param_bytes = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(self.params)
-                          for s in x.addressable_shards if s.device == dev)
-        kv_per_token = 2 * cfg.num_attn_layers * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(
-            self.dtype).itemsize
-        budget = int(limit * args.mem_fraction_static) - param_bytes
-        if budget <= kv_per_token * self.page_size * 4:
-            raise ValueError("not enough device memory for the KV pool; lower the model size or raise "
-                             "--mem-fraction-static")
-        return budget // kv_per_token
 
     def _put(self, arrays: list[np.ndarray], replicated: bool = False) -> list[jax.Array]:
         """Host arrays -> device arrays with the shardings the compiled programs expect (one transfer call)."""

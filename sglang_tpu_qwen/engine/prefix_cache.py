@@ -49,11 +49,9 @@ class PrefixCache:
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.has_gdn = cfg.num_gdn_layers > 0 and runner.num_snapshot_slots > 0
-        kv_token_bytes = 2 * cfg.num_attn_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-        snap_bytes = 4 * cfg.num_gdn_layers * (cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) +
-                                               cfg.linear_num_value_heads * cfg.linear_key_head_dim *
-                                               cfg.linear_value_head_dim)
-        cost = max(1, snap_bytes // max(kv_token_bytes, 1))
+        # A snapshot's eviction cost in KV tokens of the same bytes, at the cache dtypes in use.
+        units = runner.cache_units
+        cost = max(1, units.gdn_per_slot // max(units.kv_per_token, 1))
         self.tree = RadixCache(page_size, has_gdn=self.has_gdn, snapshot_cost_tokens=cost)
         self.snap_pool = (IdPool(slot_base + runner.num_slots, "snapshot", start=slot_base + runner.num_running_slots)
                           if self.has_gdn else None)

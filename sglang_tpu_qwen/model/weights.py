@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,23 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from sglang_tpu_qwen.model import fp8_blocks
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.stacking import stack_params, unstack_params
+from sglang_tpu_qwen.model.fp8_blocks import scale_shape
+from sglang_tpu_qwen.model.safetensors_file import (
+    FP8_DTYPES,
+    CheckpointError,
+    SafetensorsFile,
+    TensorInfo,
+    read_header,
+)
+from sglang_tpu_qwen.model.stacking import layer_period, stack_params, unstack_params
+from sglang_tpu_qwen.model.weight_placement import place
+from sglang_tpu_qwen.model.weights_manifest import check_file_set, verify_digests
+from sglang_tpu_qwen.parallel.fp8 import BLOCK, QUANTISED_LEAVES, Fp8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +53,6 @@ _SCALE_SUFFIX = "_scale_inv"
 _SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "model.language_model.mtp.")
 
 Path_ = tuple[str | int, ...]
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match the config: missing, unexpected or mis-shaped tensor, bad files."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +213,10 @@ def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> safetensors file that holds it."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (UnicodeDecodeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a JSON object with a 'weight_map' ({e})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
         files = {name: model_dir / fname for name, fname in weight_map.items()}
@@ -216,82 +226,59 @@ def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
         return files
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="numpy") as f:
-            return dict.fromkeys(f.keys(), single)
+        return dict.fromkeys(read_header(single)[0], single)
     raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-
-
-# safetensors dtypes that some safetensors versions cannot hand to numpy (no numpy dtype of that
-# name); ml_dtypes provides them and the fallback reader below views the raw bytes as them.
-_ML_DTYPES = {
-    "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-}
-
-
-class _Shard:
-    """One safetensors file, read tensor by tensor through ``safe_open``; dtypes that the installed
-    safetensors cannot give numpy are read by memory-mapping their bytes (layout: 8-byte LE header
-    length, JSON header with dtype / shape / data_offsets, then the data)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._header: dict[str, Any] | None = None
-
-    def __enter__(self) -> _Shard:
-        self._file = safe_open(self.path, framework="numpy")
-        self._f = self._file.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._file.__exit__(*exc)
-
-    def get(self, name: str) -> np.ndarray:
-        try:
-            return self._f.get_tensor(name)
-        except Exception:
-            if self._f.get_slice(name).get_dtype() not in _ML_DTYPES:
-                raise
-        return self._raw(name)
-
-    def _raw(self, name: str) -> np.ndarray:
-        with open(self.path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if self._header is None:
-                self._header = json.loads(fh.read(n))
-        entry = self._header[name]
-        begin, end = entry["data_offsets"]
-        raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=8 + n + begin, shape=(end - begin,))
-        return raw.view(_ML_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def _fmt(shape: Any) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")" if shape is not None else "absent"
 
 
-def _header_shapes(files: Mapping[str, Path], names: list[str]) -> dict[str, tuple[int, ...]]:
-    """Shapes from the safetensors headers (no tensor data is read)."""
-    by_file: dict[Path, list[str]] = {}
-    for n in names:
-        by_file.setdefault(files[n], []).append(n)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path, ns in by_file.items():
-        with safe_open(path, framework="numpy") as f:
-            present = set(f.keys())
-            for n in ns:
-                if n not in present:
-                    raise CheckpointError(f"tensor {n}: listed in {INDEX_FILE} but absent from {path.name}")
-                shapes[n] = tuple(f.get_slice(n).get_shape())
-    return shapes
+@dataclasses.dataclass
+class _Tensor:
+    """One checkpoint tensor to read, with its block scale when it is stored as float8."""
+
+    name: str
+    file: SafetensorsFile
+    info: TensorInfo
+    spec: _Spec
+    scale: _Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.scale is not None
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """One leaf of the output pytree and the tensors it is read from (several for a per-expert stack)."""
+
+    path: Path_
+    shape: tuple[int, ...]
+    dtype: Any  # numpy dtype of a dense leaf
+    tensors: list[tuple[_Tensor, str | None]]  # (tensor, "gate" | "up" for a fused gate_up, else None)
+    stored_fp8: bool
+    out_fp8: bool
+
+    @property
+    def per_expert(self) -> bool:
+        return self.tensors[0][0].spec.expert is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Checkpoint bytes read for this leaf (half of a fused gate_up goes to each of its two leaves)."""
+        total = 0
+        for t, part in self.tensors:
+            n = t.info.nbytes + (t.scale.info.nbytes if t.scale is not None else 0)
+            total += n // 2 if part else n
+        return total
 
 
 @dataclasses.dataclass
 class _Plan:
-    table: dict[str, _Spec]  # table name -> spec
-    to_canon: dict[str, str]  # checkpoint name -> table name, for every tensor to load
-    scales: dict[str, str]  # FP8 weight name -> its weight_scale_inv tensor
-    block: tuple[int, int]  # FP8 quantisation block [rows, cols]
+    leaves: list[_Leaf]
+    files: dict[Path, SafetensorsFile]
+    block: tuple[int, int]  # FP8 quantisation block [rows, cols] of the checkpoint's [out, in] tensors
 
 
 def _fp8_block(model_dir: Path) -> tuple[int, int]:
@@ -301,177 +288,349 @@ def _fp8_block(model_dir: Path) -> tuple[int, int]:
     except (OSError, ValueError):
         cfg = {}
     block = (cfg.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise CheckpointError(f"config.json: quantization_config.weight_block_size {block!r} is not [rows, cols]")
     return int(block[0]), int(block[1])
 
 
-def _plan(files: Mapping[str, Path], config: Qwen35MoeConfig, block: tuple[int, int]) -> _Plan:
-    """Check names and header shapes against the config before reading any data.
+def _check_scale(weight: _Tensor, scale: _Tensor, block: tuple[int, int]) -> None:
+    """A scale belongs to a float8 weight and has one float per block (all or nothing, #13 item 7)."""
+    w, s = weight.info, scale.info
+    if w.dtype not in FP8_DTYPES:
+        raise CheckpointError(f"tensor {scale.name} is a block scale, but its weight {weight.name} is stored as "
+                              f"{w.dtype}, not float8")
+    if s.dtype not in ("F32", "BF16", "F16"):
+        raise CheckpointError(f"tensor {scale.name} (scale of {weight.name}): dtype {s.dtype}, expected F32")
+    want = scale_shape(w.shape, block) if len(w.shape) >= 2 else None
+    if s.shape != want:
+        raise CheckpointError(
+            f"tensor {scale.name}: expected shape {_fmt(want)} for {block[0]}x{block[1]} blocks of "
+            f"{weight.name} {_fmt(w.shape)}, found {_fmt(s.shape)}"
+        )
 
-    Raises CheckpointError for a missing, unexpected, duplicated or mis-shaped tensor.
+
+def _plan(
+    files: Mapping[str, Path], config: Qwen35MoeConfig, block: tuple[int, int], dtype: Any, keep_fp8: bool,
+    quantize: bool,
+) -> _Plan:
+    """Check names, dtypes, shapes and FP8 scales against the config before reading any data.
+
+    Raises CheckpointError for a missing, unexpected, duplicated or mis-shaped tensor, a float8 weight
+    without its scale, a scale without its float8 weight or of the wrong shape, and a leaf (expert
+    stack) whose tensors are partly quantised.
     """
-    to_canon: dict[str, str] = {}
-    by_canon: dict[str, str] = {}
-    scales: dict[str, str] = {}
+    opened = {p: SafetensorsFile(p) for p in sorted(set(files.values()))}
+    weights: dict[str, str] = {}  # table name -> checkpoint name
+    scale_names: list[str] = []
     skipped: list[str] = []
-    for name in files:
+    for name, path in files.items():
+        if name not in opened[path].tensors:
+            raise CheckpointError(f"tensor {name}: listed in {INDEX_FILE} but absent from {path.name}")
         canon = _canonical(name)
         if canon is None or (canon == "lm_head.weight" and config.tie_word_embeddings):
             skipped.append(name)  # a tied checkpoint may still carry a copy of lm_head
             continue
-        if name.endswith(_SCALE_SUFFIX) and name[: -len(_SCALE_SUFFIX)] in files:
-            scales[name[: -len(_SCALE_SUFFIX)]] = name
+        if name.endswith(_SCALE_SUFFIX):
+            if name[: -len(_SCALE_SUFFIX)] not in files:
+                raise CheckpointError(f"tensor {name} is a block scale, but its weight "
+                                      f"{name[: -len(_SCALE_SUFFIX)]} is absent from the checkpoint")
+            scale_names.append(name)
             continue
-        if canon in by_canon:
-            raise CheckpointError(f"tensor {canon} stored twice: as {by_canon[canon]} and as {name}")
-        to_canon[name] = canon
-        by_canon[canon] = name
+        if canon in weights:
+            raise CheckpointError(f"tensor {canon} stored twice: as {weights[canon]} and as {name}")
+        weights[canon] = name
     if skipped:
         kinds = sorted({next((p for p in _SKIPPED_PREFIXES if n.startswith(p)), n) for n in skipped})
         logger.info("skipped %d checkpoint tensors the text model does not use: %s", len(skipped), kinds)
 
-    canon_names = set(to_canon.values())
+    def tensor(name: str, spec: _Spec) -> _Tensor:
+        return _Tensor(name, opened[files[name]], opened[files[name]].tensors[name], spec)
+
     fused = frozenset(
-        li for li in range(config.num_hidden_layers) if f"layers.{li}.mlp.experts.gate_up_proj" in canon_names
+        li for li in range(config.num_hidden_layers) if f"layers.{li}.mlp.experts.gate_up_proj" in weights
     )
     table = _hf_table(config, fused)
-    found_shapes = _header_shapes(files, [*to_canon, *scales.values()])
-
-    unexpected = sorted(n for n, c in to_canon.items() if c not in table)
+    unexpected = sorted(n for c, n in weights.items() if c not in table)
     if unexpected:
-        shown = ", ".join(f"{n} (expected: absent, found: {_fmt(found_shapes[n])})" for n in unexpected[:5])
+        shown = ", ".join(
+            f"{n} (expected: absent, found: {_fmt(opened[files[n]].tensors[n].shape)})" for n in unexpected[:5]
+        )
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise CheckpointError(f"unexpected tensor(s) for this config: {shown}{more}")
-    missing = [c for c in table if c not in canon_names]
+    missing = [c for c in table if c not in weights]
     if missing:
         shown = ", ".join(f"{c} (expected: {_fmt(table[c].hf_shape)}, found: absent)" for c in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensor(s): {shown}{more}")
-    for c, spec in table.items():
-        found = found_shapes[by_canon[c]]
-        if found != spec.hf_shape:
+    by_name = {name: tensor(name, table[c]) for c, name in weights.items()}
+    for t in by_name.values():
+        if t.info.shape != t.spec.hf_shape:
             raise CheckpointError(
-                f"tensor {by_canon[c]}: expected shape {_fmt(spec.hf_shape)} from the config, "
-                f"found {_fmt(found)}"
+                f"tensor {t.name}: expected shape {_fmt(t.spec.hf_shape)} from the config, found {_fmt(t.info.shape)}"
             )
-    for weight, scale in scales.items():
-        rows, cols = found_shapes[weight][-2:]
-        want = (-(-rows // block[0]), -(-cols // block[1]))
-        if len(found_shapes[weight]) != 2 or found_shapes[scale] != want:
-            raise CheckpointError(
-                f"tensor {scale}: expected shape {_fmt(want)} for {block[0]}x{block[1]} blocks of "
-                f"{weight} {_fmt(found_shapes[weight])}, found {_fmt(found_shapes[scale])}"
-            )
-    return _Plan(table, to_canon, scales, block)
+    for s in scale_names:
+        w = by_name.get(s[: -len(_SCALE_SUFFIX)])
+        if w is None:  # the scale of a skipped tensor (mtp, a tied lm_head copy)
+            continue
+        w.scale = _Tensor(s, opened[files[s]], opened[files[s]].tensors[s], w.spec)
+        _check_scale(w, w.scale, block)
+    for t in by_name.values():
+        if t.info.dtype in FP8_DTYPES and t.scale is None:
+            raise CheckpointError(f"tensor {t.name} is stored as {t.info.dtype} but its block scale "
+                                  f"{t.name}{_SCALE_SUFFIX} is absent from the checkpoint")
+        if t.fp8 and t.spec.layout == "fused_gate_up" and (t.info.shape[1] // 2) % block[0]:
+            raise CheckpointError(f"tensor {t.name}: the gate / up halves ({t.info.shape[1] // 2} rows) do not "
+                                  f"split on a {block[0]}-row block boundary of {t.scale.name}")  # type: ignore[union-attr]
+
+    shapes = param_specs(config, stacked=False)
+    np_dtype = np.dtype(dtype)
+    by_leaf: dict[Path_, list[tuple[_Tensor, str | None]]] = {}
+    for t in by_name.values():
+        if t.spec.layout == "fused_gate_up":
+            for part, target in zip(("gate", "up"), t.spec.targets(), strict=True):
+                by_leaf.setdefault(target, []).append((t, part))
+        else:
+            by_leaf.setdefault(t.spec.path, []).append((t, None))
+    leaves: list[_Leaf] = []
+    for path, ts in by_leaf.items():
+        ts.sort(key=lambda tp: tp[0].spec.expert or 0)
+        kinds = {t.fp8 for t, _ in ts}
+        if len(kinds) > 1:
+            q = next(t for t, _ in ts if t.fp8)
+            d = next(t for t, _ in ts if not t.fp8)
+            raise CheckpointError(f"leaf {'.'.join(map(str, path))} mixes block-FP8 and unquantised tensors: "
+                                  f"{q.name} has {q.scale.name}, {d.name} is {d.info.dtype} without a scale")  # type: ignore[union-attr]
+        stored_fp8 = kinds == {True}
+        quantisable = path[-1] in QUANTISED_LEAVES
+        out_fp8 = quantisable and ((stored_fp8 and keep_fp8) or (quantize and not stored_fp8))
+        leaf_dtype = np.dtype(np.float32) if path[-1] == "A_log" else np_dtype
+        leaves.append(_Leaf(path, tuple(_leaf(shapes, path).shape), leaf_dtype, ts, stored_fp8, out_fp8))
+    return _Plan(leaves, opened, block)
 
 
-def _dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """Block-FP8 weight -> float32: each [block] tile of ``w`` times its entry of ``scale_inv``.
+def _hf_part(t: _Tensor, part: str | None, experts: slice | None, block: tuple[int, int]
+             ) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values, block scale or None) of one tensor in the checkpoint's layout, restricted to ``experts``
+    (fused layouts) and to one half of a fused gate_up (views into the memory map; no bytes copied)."""
+    x = t.file.get(t.name)
+    s = t.scale.file.get(t.scale.name) if t.scale is not None else None
+    if t.spec.layout in ("fused_gate_up", "fused_down"):
+        e = experts or slice(None)
+        x = x[e]
+        s = s[e] if s is not None else None
+        if part is not None:
+            half = x.shape[1] // 2
+            x = x[:, :half] if part == "gate" else x[:, half:]
+            if s is not None:
+                sh = half // block[0]
+                s = s[:, :sh] if part == "gate" else s[:, sh:]
+    return x, s
 
-    Format of the Qwen3 / DeepSeek-V3 FP8 releases (``weight_scale_inv`` multiplies, despite its name).
-    """
-    rows, cols = w.shape
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
-    return w.astype(np.float32) * s[:rows, :cols]
 
-
-def _to_leaf_layout(x: np.ndarray, spec: _Spec) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """HF tensor -> our layout (views; the caller copies into the compute dtype)."""
-    if spec.layout in ("t", "expert_t"):
+def _to_leaf_layout(x: np.ndarray, layout: str) -> np.ndarray:
+    """Checkpoint layout -> ours (a view): [out, in] -> [in, out] for matrices, conv [C, 1, K] -> [C, K]."""
+    if layout in ("t", "expert_t"):
         return x.T
-    if spec.layout == "conv":
+    if layout == "conv":
         return x[:, 0, :]
-    if spec.layout == "fused_gate_up":
-        half = x.shape[1] // 2
-        return x[:, :half, :].transpose(0, 2, 1), x[:, half:, :].transpose(0, 2, 1)
-    if spec.layout == "fused_down":
+    if layout in ("fused_gate_up", "fused_down"):
         return x.transpose(0, 2, 1)
     return x
 
 
-class _Assembler:
-    """Fills the pytree; a leaf assembled from several tensors (per-expert stacks) waits in a
-    host buffer until complete, every other tensor goes to the device as soon as it is read."""
+def _mark_read(t: _Tensor, experts: slice | None) -> None:
+    """Tell the file's digest which bytes were read (rows ``experts`` of a fused [E, ...] tensor)."""
+    for tt in (t, t.scale):
+        if tt is None or tt.file.digest is None:
+            continue
+        begin, end = tt.info.begin, tt.info.end
+        if experts is not None and tt.spec.layout in ("fused_gate_up", "fused_down"):
+            row = (end - begin) // tt.info.shape[0]
+            start, stop, _ = experts.indices(tt.info.shape[0])
+            begin, end = begin + start * row, begin + stop * row
+        tt.file.digest.consumed(begin, end)
 
-    def __init__(self, specs: Any, table: Mapping[str, _Spec]) -> None:
-        self.specs = specs
-        self.params = jax.tree.map(lambda _: None, specs)
-        self.buffers: dict[Path_, np.ndarray] = {}
-        self.pending: dict[Path_, int] = {}
-        for spec in table.values():
-            for t in spec.targets():
-                self.pending[t] = self.pending.get(t, 0) + 1
 
-    def put(self, path: Path_, value: np.ndarray, expert: int | None) -> None:
-        sds = _leaf(self.specs, path)
-        np_dtype = np.dtype(sds.dtype)
-        if expert is None and self.pending[path] == 1:
-            self._finish(path, np.ascontiguousarray(value, dtype=np_dtype))
-            return
-        buf = self.buffers.get(path)
-        if buf is None:
-            buf = self.buffers[path] = np.empty(sds.shape, np_dtype)
-        if expert is None:
-            buf[...] = value
+def _read_leaf(leaf: _Leaf, experts: slice | None, block: tuple[int, int]) -> Any:
+    """Host arrays of ``leaf`` for the experts ``experts`` (dim 0 of an expert stack; None: all, or not a
+    stack): a dense array in ``leaf.dtype``, or ``(q float8_e4m3fn, scale float32)`` in our layout."""
+    units = leaf.tensors
+    stack = leaf.per_expert
+    if stack:
+        units = units[experts or slice(None)]
+    outs_q: list[np.ndarray] = []
+    outs_s: list[np.ndarray] = []
+    leaf_block = (block[1], block[0])  # blocks transpose with the matrix
+    for t, part in units:
+        x, s = _hf_part(t, part, None if stack else experts, block)
+        layout = t.spec.layout
+        if leaf.out_fp8 and leaf.stored_fp8 and x.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+            q, sc = _to_leaf_layout(x, layout), _to_leaf_layout(s, layout).astype(np.float32)  # type: ignore[arg-type]
         else:
-            buf[expert] = value
-        self.pending[path] -= 1
-        if self.pending[path] == 0:
-            self._finish(path, self.buffers.pop(path))
+            dense = fp8_blocks.dequantize(x, s, block) if s is not None else x
+            dense = _to_leaf_layout(dense, layout)
+            if leaf.out_fp8:
+                q, sc = fp8_blocks.quantize(dense, leaf_block if leaf.stored_fp8 else BLOCK)
+            else:
+                q, sc = np.asarray(dense, dtype=leaf.dtype), None
+        outs_q.append(np.ascontiguousarray(q))
+        if sc is not None:
+            outs_s.append(np.ascontiguousarray(sc))
+        _mark_read(t, None if stack else experts)
+    if stack:
+        q = np.stack(outs_q)
+        sc = np.stack(outs_s) if outs_s else None
+    else:
+        q, sc = outs_q[0], (outs_s[0] if outs_s else None)
+    return (q, sc) if leaf.out_fp8 else q
 
-    def _finish(self, path: Path_, value: np.ndarray) -> None:
-        self.pending[path] = 0
-        parent = _leaf(self.params, path[:-1])
-        parent[path[-1]] = jnp.asarray(value)
+
+@dataclasses.dataclass
+class _OutLeaf:
+    """One leaf of the returned pytree: one checkpoint leaf, or (stacked) the same leaf of every layer
+    group, ``members[g]`` being layer ``g * period + j``."""
+
+    path: Path_
+    members: list[_Leaf]
+    stacked: bool
+    abstract: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
 
 
-def load_params(model_dir: str | os.PathLike[str], config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16) -> Any:
-    """Load a HF safetensors checkpoint into the parameter pytree of docs/internals.md.
+def _leaf_abstract(leaf: _Leaf, block: tuple[int, int], lead: tuple[int, ...]) -> Any:
+    shape = (*lead, *leaf.shape)
+    if not leaf.out_fp8:
+        return jax.ShapeDtypeStruct(shape, leaf.dtype)
+    blk = (block[1], block[0]) if leaf.stored_fp8 else BLOCK
+    return Fp8Weight(q=jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn),
+                     scale=jax.ShapeDtypeStruct(scale_shape(shape, blk), jnp.float32), block=blk)
 
-    Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, one tensor
-    at a time (host memory stays near one tensor, plus one expert stack while it is assembled).
-    Accepts the ``model.language_model.`` and ``model.`` prefixes, per-expert or fused experts;
-    skips ``mtp.*`` and visual tensors (one log line). Matrices come out ``[in, out]``; every leaf
-    is ``dtype`` except ``A_log`` (float32). With ``tie_word_embeddings`` there is no ``lm_head``.
 
-    Block-FP8 checkpoints (a ``weight_scale_inv`` beside a weight, block size from config.json's
-    ``quantization_config.weight_block_size``) are dequantised to ``dtype`` on the way in.
+def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[list[_OutLeaf], Any]:
+    """The returned pytree's leaves and its skeleton (dicts / lists with None leaves).
 
     Raises:
-        CheckpointError: no checkpoint files; a tensor missing, unexpected, stored twice, or with
-            a shape other than the config implies (the message names it and both shapes).
+        CheckpointError: stacked, and the layers of one group position differ in quantisation.
     """
+    if not stacked:
+        outs = [_OutLeaf(lf.path, [lf], False) for lf in plan.leaves]
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=False))
+    else:
+        period = layer_period(config)
+        groups: dict[Path_, list[_Leaf]] = {}
+        outs = []
+        for lf in plan.leaves:
+            if lf.path[0] == "layers":
+                groups.setdefault(("layers", int(lf.path[1]) % period, *lf.path[2:]), []).append(lf)
+            else:
+                outs.append(_OutLeaf(lf.path, [lf], False))
+        for path, members in groups.items():
+            members.sort(key=lambda m: int(m.path[1]))
+            kinds = {(m.out_fp8, m.stored_fp8) for m in members}
+            if len(kinds) > 1:
+                a = next(m for m in members if (m.out_fp8, m.stored_fp8) == min(kinds))
+                b = next(m for m in members if (m.out_fp8, m.stored_fp8) == max(kinds))
+                raise CheckpointError(
+                    f"layers {a.path[1]} and {b.path[1]} store {'.'.join(map(str, a.path[2:]))} differently "
+                    "(one block-FP8, one not): a stacked layer group needs them alike")
+            outs.append(_OutLeaf(path, members, True))
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=True))
+    for out in outs:
+        lead = (len(out.members),) if out.stacked else ()
+        out.abstract = _leaf_abstract(out.members[0], plan.block, lead)
+        _leaf(skeleton, out.path[:-1])[out.path[-1]] = out.abstract
+    return outs, skeleton
+
+
+def load_params(
+    model_dir: str | os.PathLike[str],
+    config: Qwen35MoeConfig,
+    dtype: Any = jnp.bfloat16,
+    *,
+    keep_fp8: bool = False,
+    quantization: str | None = None,
+    shardings: Callable[[Any], Any] | None = None,
+    manifest: Mapping[str, str] | None = None,
+    stacked: bool = True,
+) -> Any:
+    """Load a HF safetensors checkpoint into the parameter pytree of docs/internals.md.
+
+    Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json`` through
+    validated headers and memory maps (model/safetensors_file.py). Accepts the ``model.language_model.``
+    and ``model.`` prefixes, per-expert or fused experts; skips ``mtp.*`` and visual tensors (one log
+    line). Matrices come out ``[in, out]``; every dense leaf is ``dtype`` except ``A_log`` (float32).
+    With ``tie_word_embeddings`` there is no ``lm_head``.
+
+    ``stacked``: the layer-scan layout (COORDINATION.md contract 1): ``params["layers"]`` is a list of
+    ``layer_period(config)`` dicts whose leaves have a leading dim G = layers / period, layer
+    ``g * period + j`` at ``params["layers"][j][name][g]`` (expert stacks ``[G, E, in, out]``).
+
+    Block FP8 (a float8 weight with ``<weight>_scale_inv`` beside it; block size from config.json's
+    ``quantization_config.weight_block_size``, edge blocks may be partial): with ``keep_fp8`` the
+    quantised linear weights (``parallel.fp8.QUANTISED_LEAVES``) become ``Fp8Weight(q, scale, block)``
+    leaves, q and the scale grid transposed into our layout; every other FP8 tensor (and all of them
+    without ``keep_fp8``) is dequantised to ``dtype``. ``quantization="fp8"`` (SGLang's
+    ``--quantization fp8``) also quantises the dense ``QUANTISED_LEAVES`` of a bf16 checkpoint into
+    128 x 128-block ``Fp8Weight`` leaves.
+
+    Placement: ``shardings(abstract_tree) -> tree of jax.sharding.Sharding`` (the abstract tree has
+    ``ShapeDtypeStruct`` / abstract ``Fp8Weight`` leaves); each device receives only its own shard,
+    read straight from the memory-mapped files (model/weight_placement.py: an expert stack split over
+    devices is never assembled whole on a device or in host memory; the host holds one shard of one
+    layer at a time). Default: the first device. A tqdm bar shows GB read and GB/s.
+
+    ``manifest`` (file name -> sha256, model/weights_manifest.py): every safetensors file is hashed
+    from the same bytes the loader reads, files the loader does not read are hashed whole; a missing,
+    extra or mismatching file raises.
+
+    Raises:
+        CheckpointError: no checkpoint files; a corrupted or truncated file (header, offsets, sizes);
+            a tensor missing, unexpected, stored twice, or shaped other than the config implies; a
+            float8 weight without its scale, a scale without its weight or of the wrong shape, an
+            expert stack mixing quantised and unquantised tensors (messages name the tensors and file);
+            a manifest mismatch (names the file).
+        ValueError: ``quantization`` other than None / "fp8".
+    """
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     model_dir = Path(model_dir)
+    if manifest is not None:
+        check_file_set(model_dir, manifest)
     files = _checkpoint_files(model_dir)
-    plan = _plan(files, config, _fp8_block(model_dir))
-    table = plan.table
-    asm = _Assembler(param_specs(config, dtype, stacked=False), table)
-    by_file: dict[Path, list[str]] = {}
-    for name in plan.to_canon:
-        by_file.setdefault(files[name], []).append(name)
-    scale_files: dict[Path, list[str]] = {}
-    for scale in plan.scales.values():
-        scale_files.setdefault(files[scale], []).append(scale)
-    scales: dict[str, np.ndarray] = {}  # small: one float per block
-    for path, names in scale_files.items():
-        with _Shard(path) as f:
-            scales.update({n: np.array(f.get(n)) for n in names})
-    with tqdm(total=len(plan.to_canon), desc="Loading weights", unit="tensor") as bar:
-        for path, names in by_file.items():
-            with _Shard(path) as f:
-                for name in names:
-                    spec = table[plan.to_canon[name]]
-                    raw = f.get(name)
-                    if name in plan.scales:
-                        raw = _dequantize(raw, scales.pop(plan.scales[name]), plan.block)
-                    value = _to_leaf_layout(raw, spec)
-                    if spec.layout == "fused_gate_up":
-                        for target, part in zip(spec.targets(), value, strict=True):
-                            asm.put(target, part, None)
-                    else:
-                        asm.put(spec.path, value, spec.expert)
-                    bar.update(1)
-    # The scanned layout (model/stacking.py); the per-layer arrays are freed as the stacks are built.
-    return stack_params(asm.params, config)
+    plan = _plan(files, config, _fp8_block(model_dir), dtype, keep_fp8 or quantization == "fp8",
+                 quantization == "fp8")
+    outs, params = _out_leaves(plan, config, stacked)
+    if shardings is not None:
+        sh_tree = shardings(params)
+    else:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sh_tree = jax.tree.map(lambda _: dev, params)
+    for f in plan.files.values():
+        f.hash_bytes = manifest is not None
+    # Leaves in file order, so the manifest digests advance with the reads.
+    outs.sort(key=lambda o: (str(o.members[0].tensors[0][0].file.path), o.members[0].tensors[0][0].info.begin))
+    with tqdm(total=sum(o.nbytes for o in outs), desc="Loading weights", unit="B", unit_scale=True,
+              unit_divisor=1000) as bar:
+        for out in outs:
+            def read(g: int | None, experts: slice | None, out: _OutLeaf = out) -> Any:
+                member = out.members[0 if g is None else g]
+                host = _read_leaf(member, experts, plan.block)
+                n = member.shape[0]
+                bar.update(member.nbytes * len(range(*experts.indices(n))) // n if experts else member.nbytes)
+                return host
+
+            value = place(out.abstract, _leaf(sh_tree, out.path), read, out.stacked)
+            _leaf(params, out.path[:-1])[out.path[-1]] = value
+    if manifest is not None:
+        digests = {f.path.name: f.sha256() for f in plan.files.values()}
+        verify_digests(model_dir, manifest, digests)
+    for f in plan.files.values():
+        f.close()
+    return params
+
 
 
 def to_hf_state_dict(

@@ -1,0 +1,105 @@
+"""Device memory accounting, as SGLang does it: weights first, then the fixed GDN state slots, then the
+KV pool gets what is left of ``--mem-fraction-static``; ``/get_server_info`` reports the result per device.
+
+Bytes come from the arrays actually built (per-device shard sizes from ``addressable_shards``) and from
+the cache layout ``init_cache`` produces for the dtypes in use (``jax.eval_shape``, nothing allocated),
+so an FP8 weight, a bf16 KV cache or a float32 GDN state is counted at its own size.
+SGLang's equivalents: ``ModelRunner.profile_max_num_token`` (pool size from the memory left after the
+weights, hybrid-GDN models first reserving their mamba/state pool) and the scheduler's
+``memory_usage`` (``weight`` and ``kvcache`` in GB = 2**30 bytes, ``token_capacity``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import jax
+
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.forward import init_cache
+
+GB = 1 << 30
+# KV pool when the device reports no memory limit (XLA:CPU) and --max-total-tokens is absent.
+DEFAULT_KV_TOKENS_WITHOUT_LIMIT = 65536
+_KV_KEYS = ("k", "v")
+_STATE_KEYS = ("conv", "rec")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheUnits:
+    """Bytes of one KV page (K and V of every attention layer) and of one GDN slot (conv + recurrent
+    state of every GDN layer), at the cache dtypes in use."""
+
+    kv_per_page: int
+    gdn_per_slot: int
+    page_size: int
+
+    @property
+    def kv_per_token(self) -> int:
+        return self.kv_per_page // self.page_size
+
+
+def cache_units(config: Qwen35MoeConfig, page_size: int, kv_dtype: Any, state_dtype: Any) -> CacheUnits:
+    """Per-page and per-slot bytes of ``init_cache(config, ..., kv_dtype, state_dtype)`` (shapes only)."""
+    one = jax.eval_shape(lambda: init_cache(config, 1, page_size, 1, kv_dtype, state_dtype))
+
+    def nbytes(keys: tuple[str, ...]) -> int:
+        return sum(one[k].size * one[k].dtype.itemsize for k in keys)
+
+    return CacheUnits(nbytes(_KV_KEYS), nbytes(_STATE_KEYS), page_size)
+
+
+def bytes_per_device(tree: Any) -> dict[Any, int]:
+    """Device -> bytes of the shards of ``tree``'s arrays that live on it."""
+    out: dict[Any, int] = defaultdict(int)
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] += shard.data.nbytes
+    return dict(out)
+
+
+def kv_pool_tokens(
+    device: Any, mem_fraction_static: float, weight_bytes: int, num_slots: int, units: CacheUnits
+) -> int:
+    """KV tokens per DP rank that fit on ``device`` after the weights and ``num_slots`` GDN slots.
+
+    ``weight_bytes``: the weights on that device; ``num_slots``: one rank's running + snapshot slots
+    (each device holds one rank's pages and slots). A page is kept back for the trash target.
+    Without a device memory limit (CPU): DEFAULT_KV_TOKENS_WITHOUT_LIMIT.
+
+    Raises:
+        ValueError: fewer than 4 pages fit (message has the figures).
+    """
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return DEFAULT_KV_TOKENS_WITHOUT_LIMIT
+    budget = int(limit * mem_fraction_static) - weight_bytes - num_slots * units.gdn_per_slot
+    pages = budget // units.kv_per_page - 1
+    if pages < 4:
+        raise ValueError(
+            f"not enough device memory for the KV pool: {limit / GB:.2f} GB x --mem-fraction-static "
+            f"{mem_fraction_static} - weights {weight_bytes / GB:.2f} GB - {num_slots} GDN slots "
+            f"{num_slots * units.gdn_per_slot / GB:.2f} GB leaves {max(budget, 0) / GB:.3f} GB, under 4 pages of "
+            f"{units.kv_per_page} bytes; raise --mem-fraction-static, lower --max-running-requests / "
+            "--max-gdn-snapshots, or use more devices")
+    return pages * units.page_size
+
+
+def memory_usage(params: Any, cache: Any, token_capacity: int) -> list[dict[str, Any]]:
+    """Per device (SGLang's ``memory_usage`` of ``/get_server_info``, one entry per device):
+    ``{"device", "weight", "kvcache", "gdn_state" (GB), "weight_bytes", "token_capacity" (KV tokens of the
+    rank)}``."""
+    weights = bytes_per_device(params)
+    kv = bytes_per_device({k: cache[k] for k in _KV_KEYS})
+    state = bytes_per_device({k: cache[k] for k in _STATE_KEYS})
+    devices = sorted(set(weights) | set(kv), key=lambda d: (d.process_index, d.id))
+    return [{
+        "device": str(d),
+        "weight": round(weights.get(d, 0) / GB, 6),
+        "weight_bytes": int(weights.get(d, 0)),
+        "kvcache": round(kv.get(d, 0) / GB, 6),
+        "gdn_state": round(state.get(d, 0) / GB, 6),
+        "token_capacity": int(token_capacity),
+    } for d in devices]

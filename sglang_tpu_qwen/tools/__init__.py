@@ -1,0 +1,1 @@
+"""Command-line tools (python -m sglang_tpu_qwen.tools.<name>)."""
