@@ -254,6 +254,7 @@ def plan(
     prefill_tokens: int = 4096,
     combine: str = "hierarchical",
     steps: tuple[str, ...] = ("decode", "prefill"),
+    max_gdn_snapshots: int | None = None,
 ) -> dict[str, Any]:
     """Compile the server's decode and prefill programs and return the report (JSON-able dict, see the
     module docstring).
@@ -276,7 +277,8 @@ def plan(
     rows_per_rank = max_running_requests // dp
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
                       context_length=context_length, page_size=page_size, chunked_prefill_size=prefill_tokens,
-                      max_total_tokens=rows_per_rank * context_length, moe_combine=combine)
+                      max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
+                      max_gdn_snapshots=max_gdn_snapshots)
     runner = abstract_runner(config, args, layout, fp8=fp8, block=block)
     c = config
     n_dev = layout.mesh.devices.size
@@ -440,6 +442,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (dequantised per tile in the matmuls)")
     ap.add_argument("--fp8-block", default="128,128", help="quantization_config.weight_block_size (HF [out, in])")
     ap.add_argument("--steps", default="decode,prefill", help="comma-separated: decode, prefill")
+    ap.add_argument("--max-gdn-snapshots", type=int, default=None,
+                    help="server flag: GDN prefix-cache snapshot slots per DP rank (default 2 per running request)")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args(argv)
     hf_block = [int(x) for x in a.fp8_block.split(",")]
@@ -447,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = plan(
         load_model_config(a.model_config), a.topology, a.dp, a.ep, a.max_running_requests, a.context_length,
         fp8=a.fp8, block=block, page_size=a.page_size, prefill_tokens=a.prefill_tokens, combine=a.moe_combine,
-        steps=tuple(x for x in a.steps.split(",") if x),
+        steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
     )
     print(format_report(report))
     print(json.dumps(report))
