@@ -409,7 +409,15 @@ class ModelRunner:
         size once on trash slot 0 (a copy onto itself) so its program exists before serving."""
         if not self.has_prefix_cache:
             return
-        for n in [1 << i for i in range(next_pow2(self.buckets.max_decode_rows).bit_length())]:
+        # The copies are plain jit calls keyed on the cache's sharding, which may differ between a cache from
+        # a step program and one from a copy (meshes): run one padding-only step (trash page and slot), then
+        # every size twice, so both inputs are seen.
+        b, pages = self.buckets.decode_bucket(1).batch, self.buckets.pages
+        zeros = np.zeros(b, np.int32)
+        self.forward(np.zeros((b, 1), np.int32), zeros, zeros, np.zeros((b, pages), np.int32), zeros)
+        self._last_decode_start = None
+        sizes = [1 << i for i in range(next_pow2(self.buckets.max_decode_rows).bit_length())]
+        for n in sizes + sizes:
             self.cache = gdn_state.copy_slots(self.cache, [(0, 0)] * n)
         if self.host_snapshot_tier:  # demotion to host memory and restore from it
             self.cache = gdn_state.write_slot(self.cache, 0, *gdn_state.read_slot(self.cache, 0))
