@@ -169,9 +169,13 @@ def process_logits(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:
     def bias_and_bans(x: jax.Array) -> jax.Array:
         biased = x.at[rows, jnp.where(p.bias_ids >= 0, p.bias_ids, v)].add(p.bias_vals, mode="drop")
         banned = biased.at[rows, jnp.where(p.ban_ids >= 0, p.ban_ids, v)].set(NEG_INF, mode="drop")
-        allowed = jnp.where(f.grammar, unpack_token_bitmask(p.bitmask, v), True)
-        keeps_one = jnp.any(allowed & (banned > NEG_INF), axis=-1, keepdims=True)
-        return jnp.where(keeps_one, banned, biased)
+
+        def grammar_wins() -> jax.Array:  # only a grammar can leave a row nothing but banned ids
+            allowed = unpack_token_bitmask(p.bitmask, v)
+            keeps_one = jnp.any(allowed & (banned > NEG_INF), axis=-1, keepdims=True)
+            return jnp.where(keeps_one, banned, biased)
+
+        return jax.lax.cond(f.grammar, grammar_wins, lambda: banned)
 
     return jax.lax.cond(f.bias, bias_and_bans, lambda x: x, masked)
 
