@@ -178,7 +178,9 @@ def test_disconnect_aborts_and_frees_memory(server):
     for stream in (True, False):
         rid = f"disconnect-{stream}"
         gate = threading.Event()
-        fault = eng.scheduler.faults.arm("forward", rid=rid, skip=1, block=gate)  # hold its first decode step
+        # Hold its second decode step: under overlap scheduling the first chunk is sent once the first decode step
+        # has been launched, so holding that one would keep the chunk the client waits for.
+        fault = eng.scheduler.faults.arm("forward", rid=rid, skip=2, block=gate)
         try:
             if stream:
                 with httpx.stream("POST", server.url + "/generate", json={**body, "rid": rid}, timeout=300) as r:
