@@ -118,7 +118,9 @@ class RouterProc:
         log = log_dir / "router.log"
         cmd = [smg_binary(), "launch", "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port),
                "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
-               "--disable-retries", "--shutdown-grace-period-secs", "0"]
+               "--disable-retries", "--shutdown-grace-period-secs", "0",
+               # smg's own metrics listener defaults to 0.0.0.0:29000: a second router on the machine would collide.
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         with open(log, "wb") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         router = cls(f"http://127.0.0.1:{port}", log, proc)
