@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from sglang_tpu_qwen.model import embedded
-from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.weights import save_checkpoint, to_hf_state_dict
-from sglang_tpu_qwen.tokenizer import build as tokenizer_build
 
 MODEL_DIRNAME = "Qwen3.5-Heldout-H96-L6-E12"
 
@@ -36,33 +31,13 @@ def heldout_config_dict() -> dict[str, Any]:
 
 def ensure_heldout_model(cache_root: Path | None = None) -> Path:
     """Directory of the held-out checkpoint under the embedded model's cache root, built on first use
-    (in a temporary sibling, renamed into place)."""
+    (embedded.build_once)."""
     config_dict = heldout_config_dict()
     digest = hashlib.sha256(json.dumps(config_dict, sort_keys=True).encode())
     digest.update(Path(embedded.__file__).read_bytes())
     root = cache_root or embedded.default_cache_root()
-    final = root / f"heldout-{digest.hexdigest()[:12]}"
-    model_dir = final / MODEL_DIRNAME
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        out = tmp / MODEL_DIRNAME
-        out.mkdir()
-        config = Qwen35MoeConfig.from_hf_dict(config_dict)
-        save_checkpoint(to_hf_state_dict(embedded.init_embedded_params(config), config,
-                                         prefix="model.language_model."), out)
-        (out / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n", encoding="utf-8")
-        tokenizer_build.write_tokenizer_files(out)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (model_dir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return model_dir
+    return embedded.build_once(root / f"heldout-{digest.hexdigest()[:12]}", MODEL_DIRNAME,
+                               lambda out: embedded.build_embedded_model(out, config_dict))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -150,15 +151,17 @@ def init_embedded_params(config: Qwen35MoeConfig) -> Any:
     return stack_params(jax.tree.map_with_path(make, specs), config)
 
 
-def build_embedded_model(out_dir: str | os.PathLike[str]) -> Path:
+def build_embedded_model(out_dir: str | os.PathLike[str], config_dict: dict[str, Any] | None = None) -> Path:
     """Write the embedded model into ``out_dir`` (created; not atomic, see `ensure_embedded_model`).
 
     Files: config.json, model.safetensors (HF names, ``model.language_model.`` prefix, experts per
     expert), tokenizer.json, tokenizer_config.json, special_tokens_map.json. Deterministic bytes.
+    ``config_dict``: another HF config with the same initialisation (the held-out benchmark checkpoint,
+    bench/heldout_model.py); default `embedded_config_dict`.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config_dict = embedded_config_dict()
+    config_dict = config_dict or embedded_config_dict()
     config = Qwen35MoeConfig.from_hf_dict(config_dict)
     tensors = to_hf_state_dict(init_embedded_params(config), config, prefix="model.language_model.")
     save_checkpoint(tensors, out)
@@ -167,6 +170,33 @@ def build_embedded_model(out_dir: str | os.PathLike[str]) -> Path:
     for f in out.iterdir():  # a shared cache: readable by all, whatever the writer's defaults
         f.chmod(0o644)
     return out
+
+
+def build_once(final: Path, model_dirname: str, build: Callable[[Path], Any]) -> Path:
+    """``final / model_dirname``, running ``build(dir)`` first if it holds no config.json yet.
+
+    The build writes into a temporary sibling of ``final`` that is renamed into place, so concurrent
+    callers never see a partial model: the loser of a race discards its copy and returns the winner's.
+
+    Raises:
+        OSError: the parent of ``final`` cannot be written.
+    """
+    model_dir = final / model_dirname
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        build(tmp / model_dirname)
+        try:
+            os.rename(tmp, final)  # atomic on POSIX; fails if another process got there first
+        except OSError:
+            if not (model_dir / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
 
 
 def _version_hash() -> str:
@@ -199,23 +229,7 @@ def ensure_embedded_model(cache_dir: str | os.PathLike[str] | None = None) -> Pa
         OSError: the cache directory cannot be written.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    final = root / f"embedded-{_version_hash()}"
-    model_dir = final / MODEL_DIRNAME
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    tmp.chmod(0o755)
-    try:
-        build_embedded_model(tmp / MODEL_DIRNAME)
-        try:
-            os.rename(tmp, final)  # atomic on POSIX; fails if another process got there first
-        except OSError:
-            if not (model_dir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return model_dir
+    return build_once(root / f"embedded-{_version_hash()}", MODEL_DIRNAME, build_embedded_model)
 
 
 def main(argv: list[str] | None = None) -> None:
