@@ -137,7 +137,6 @@ def abstract_runner(config: Qwen35MoeConfig, args: Any, layout: Any, *, fp8: boo
 
     Mirrors ``ModelRunner.__init__`` after weight loading (the sizes the server computes from ``args``).
     """
-    from sglang_tpu_qwen.engine.buckets import BucketSet
     from sglang_tpu_qwen.engine.model_runner import ModelRunner
     from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 
@@ -151,21 +150,13 @@ def abstract_runner(config: Qwen35MoeConfig, args: Any, layout: Any, *, fp8: boo
         lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(layout.mesh, p)), specs, pspecs)
     r.page_size = args.page_size
     r.num_pages = args.max_total_tokens // r.page_size + 1
-    r.max_running_per_rank = -(-args.max_running_requests // r.dp)
-    r.num_running_slots = r.max_running_per_rank + 1
-    r.num_snapshot_slots = 0 if args.disable_radix_cache or not config.num_gdn_layers else (
-        2 * r.max_running_per_rank if args.max_gdn_snapshots is None else args.max_gdn_snapshots)
-    r.num_slots = r.num_running_slots + r.num_snapshot_slots
+    r._size_slots(args)
     cache = jax.eval_shape(lambda: init_cache(config, r.dp * r.num_pages, r.page_size, r.dp * r.num_slots,
                                               r.dtype, jnp.float32))
     cshard = sharding.shardings(sharding.cache_pspecs(layout), layout)
     r.cache = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cshard[k]) for k, v in cache.items()}
     r.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform="tpu")
-    r.context_length = args.context_length
-    r.buckets = BucketSet.build(
-        max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-        context_length=r.context_length, kv_tokens=(r.num_pages - 1) * r.page_size, page_size=r.page_size,
-        dp=r.dp, bs_paddings=args.precompile_bs_paddings, token_paddings=args.precompile_token_paddings)
+    r._build_buckets(args)
     r.debug_nan_fill = False
     r.has_prefix_cache = r.num_snapshot_slots > 0
     r.host_snapshot_tier = False

@@ -173,15 +173,7 @@ class ModelRunner:
                         dict(self.layout.mesh.shape), self.dp, "+".join(self.layout.batch_axes), args.ep_size,
                         args.moe_combine)
         self.page_size = args.page_size
-        # Slot ids within a rank: 0 trash, [1, R] running requests, (R, R + S] prefix-cache snapshots.
-        self.max_running_per_rank = -(-args.max_running_requests // self.dp)
-        self.num_running_slots = self.max_running_per_rank + 1
-        if args.disable_radix_cache or not self.config.num_gdn_layers:
-            self.num_snapshot_slots = 0
-        else:
-            default = 2 * self.max_running_per_rank
-            self.num_snapshot_slots = default if args.max_gdn_snapshots is None else args.max_gdn_snapshots
-        self.num_slots = self.num_running_slots + self.num_snapshot_slots
+        self._size_slots(args)
         # The KV pool gets what the weights and the GDN slots leave (engine/memory_accounting.py).
         state_dtype = jnp.float32
         self.cache_units = memory_accounting.cache_units(self.config, self.page_size, self.dtype, state_dtype)
@@ -208,12 +200,7 @@ class ModelRunner:
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, config=self.config)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
-        self.context_length = args.context_length or self.config.max_position_embeddings
-        self.buckets = BucketSet.build(
-            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-            context_length=self.context_length, kv_tokens=(self.num_pages - 1) * self.page_size,
-            page_size=self.page_size, dp=self.dp, bs_paddings=args.precompile_bs_paddings,
-            token_paddings=args.precompile_token_paddings)
+        self._build_buckets(args)
         self.debug_nan_fill = args.debug_nan_fill_freed_slots
         self.has_prefix_cache = self.num_snapshot_slots > 0
         self.host_snapshot_tier = args.gdn_snapshot_host_gb > 0
@@ -221,6 +208,29 @@ class ModelRunner:
         self._build_programs()
 
     # ---- program construction ------------------------------------------------------------------
+    def _size_slots(self, args: ServerArgs) -> None:
+        """GDN slots per DP rank from the flags (the planner's abstract runner sizes them here too).
+
+        Slot ids within a rank: 0 trash, [1, R] running requests, (R, R + S] prefix-cache snapshots.
+        """
+        self.max_running_per_rank = -(-args.max_running_requests // self.dp)
+        self.num_running_slots = self.max_running_per_rank + 1
+        if args.disable_radix_cache or not self.config.num_gdn_layers:
+            self.num_snapshot_slots = 0
+        else:
+            default = 2 * self.max_running_per_rank
+            self.num_snapshot_slots = default if args.max_gdn_snapshots is None else args.max_gdn_snapshots
+        self.num_slots = self.num_running_slots + self.num_snapshot_slots
+
+    def _build_buckets(self, args: ServerArgs) -> None:
+        """The compiled step shapes (engine/buckets.py) for this runner's pool; needs num_pages set."""
+        self.context_length = args.context_length or self.config.max_position_embeddings
+        self.buckets = BucketSet.build(
+            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+            context_length=self.context_length, kv_tokens=(self.num_pages - 1) * self.page_size,
+            page_size=self.page_size, dp=self.dp, bs_paddings=args.precompile_bs_paddings,
+            token_paddings=args.precompile_token_paddings)
+
     def _build_programs(self) -> None:
         """The jitted functions behind every program; nothing is compiled here."""
         step = partial(forward_step, backends=self.backends)
