@@ -38,7 +38,7 @@ def test_explicit_pallas_with_unsupported_layout_is_a_startup_error_naming_field
 def test_auto_falls_back_to_reference_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="sglang_tpu_qwen.kernels.dispatch"):
         got = resolve_backends("auto", "auto", platform="tpu", config=_config(**ODD_HEADS))
-    assert got == KernelBackends("pallas", "reference", False)
+    assert got == KernelBackends("pallas", "reference", False, "tpu")
     assert any("linear_value_head_dim" in r.getMessage() for r in caplog.records)
 
 

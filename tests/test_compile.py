@@ -212,15 +212,50 @@ def test_top_k_beyond_the_bound_keeps_exactly_k() -> None:
     assert set(np.flatnonzero(np.asarray(cut[0]) > sampler.NEG_INF)) == set(order[0, :100])
 
 
-def test_fused_greedy_matches_full_argmax() -> None:
-    h, v = 16, 1000
-    weight = jax.random.normal(jax.random.PRNGKey(1), (v, h))
-    hidden = jax.random.normal(jax.random.PRNGKey(2), (5, h))
-    full = sampler.greedy_ids(hidden @ weight.T)
-    assert np.array_equal(np.asarray(sampler.fused_greedy(hidden, weight, block=96)), np.asarray(full))
-    e = jnp.ones(h)  # ids 3 and 700 tie for the maximum, in different blocks: the lowest id wins
-    tied = jnp.zeros((v, h)).at[3].set(e).at[700].set(e)
-    assert int(sampler.fused_greedy(e[None], tied, block=64)[0]) == 3 == int(sampler.greedy_ids(e[None] @ tied.T)[0])
+@pytest.mark.parametrize("v", [1000, 1024, 300])
+def test_vocab_top_k_equals_lax_top_k_including_ties(v: int) -> None:
+    b = 6
+    # Integer-valued logits: many ties, within and across VOCAB_BLOCK-wide blocks.
+    logits = jnp.floor(jax.random.normal(jax.random.PRNGKey(v), (b, v)) * 3)
+    logits = logits.at[0].set(0.0).at[1, 5].set(99.0).at[1, v - 1].set(99.0)  # row 0 all tied
+    for k in (1, 5, 20):
+        vals, ids = sampler.vocab_top_k(logits, k)
+        ref_vals, ref_ids = jax.lax.top_k(logits, k)
+        assert np.array_equal(np.asarray(ids), np.asarray(ref_ids)), k
+        assert np.array_equal(np.asarray(vals), np.asarray(ref_vals))
+    assert np.asarray(sampler.greedy_ids(logits)).tolist()[:2] == [0, 5]  # lowest id on ties
+
+
+def test_screened_greedy_equals_float32_argmax() -> None:
+    v, h, b = 1000, 16, 64
+    weight = jax.random.normal(jax.random.PRNGKey(3), (v, h)) * 0.5
+    hidden = jax.random.normal(jax.random.PRNGKey(4), (b, h)) * 3
+    screen = sampler.greedy_screen(weight)
+    assert screen.weight.dtype == jnp.bfloat16 and screen.norm.shape == screen.residual_norm.shape == (8,)
+    ban_ids = np.full((b, sampler.BAN_WIDTH), -1, np.int32)
+    full = hidden @ weight.T
+    ban_ids[:8, 0] = np.argmax(np.asarray(full[:8]), axis=-1)  # rows 0-7: the argmax is banned
+    rows = _rows(b, v, ban_ids=ban_ids)
+    want = np.asarray(sampler.greedy_tokens(full, rows))
+    got = np.asarray(sampler.screened_greedy(hidden, weight, screen, rows, _features()))
+    assert np.array_equal(got, want)
+    assert not np.any(got[:8] == ban_ids[:8, 0])
+    # An exact tie between ids 5 and 900 (different blocks): the lowest id wins.
+    e = hidden[:1]
+    top = jnp.sign(e[0]) * 10
+    tied = weight.at[5].set(top).at[900].set(top)
+    assert int(sampler.screened_greedy(e, tied, sampler.greedy_screen(tied), _rows(1, v), _features())[0]) == 5
+
+
+def test_inverse_cdf_matches_the_cumulative_definition() -> None:
+    v = 300  # 3 blocks of VOCAB_BLOCK, the last one partial
+    probs = np.zeros((4, v), np.float32)
+    probs[:, [2, 130, 131, 299]] = [0.25, 0.25, 0.25, 0.25]  # exact binary fractions: no rounding
+    u = np.array([0.0, 0.3, 0.5, 0.999999], np.float32)
+    got = np.asarray(sampler._inverse_cdf(jnp.asarray(probs), jnp.asarray(u)))
+    assert got.tolist() == [2, 130, 131, 299]
+    # u * total rounding up to the total never lands past the last non-zero id.
+    assert int(sampler._inverse_cdf(jnp.asarray(probs[:1]), jnp.asarray([1.0], jnp.float32))[0]) == 299
 
 
 def test_logit_bias_bans_and_penalty_table() -> None:
@@ -241,8 +276,9 @@ def test_logit_bias_bans_and_penalty_table() -> None:
     tokens = np.asarray(sampler.greedy_ids(processed))
     assert tokens[0] == 42 and tokens[1] != 7 and tokens[2] != 7  # row 2: 5 - 3 * 2 < 0
     assert float(processed[2, 7]) == pytest.approx(5.0 - 6.0)
-    same = sampler.process_logits(logits, rows, _features())
-    assert np.array_equal(np.asarray(same), np.asarray(logits))  # every feature off: untouched
+    same = sampler.process_logits(logits, _rows(b, v), _features())
+    assert np.array_equal(np.asarray(same), np.asarray(logits))  # nothing to apply: untouched
+    assert np.asarray(sampler.greedy_tokens(logits, rows)).tolist()[:2] == [42, tokens[1]]
 
 
 def test_logit_bias_forces_the_token_and_is_validated(engine: Any, server: Any) -> None:

@@ -28,9 +28,10 @@ def _generate(attention_backend: str, gdn_backend: str) -> list[list[int]]:
 
 
 def test_resolve_backends_on_cpu() -> None:
-    assert resolve_backends("auto", "auto", platform="cpu") == KernelBackends("reference", "reference", False)
-    assert resolve_backends("auto", "auto", platform="tpu") == KernelBackends("pallas", "pallas", False)
-    assert resolve_backends("pallas", "reference", platform="cpu") == KernelBackends("pallas", "reference", True)
+    assert resolve_backends("auto", "auto", platform="cpu") == KernelBackends("reference", "reference", False, "cpu")
+    assert resolve_backends("auto", "auto", platform="tpu") == KernelBackends("pallas", "pallas", False, "tpu")
+    assert resolve_backends("pallas", "reference", platform="cpu") == KernelBackends("pallas", "reference", True, "cpu")
+    assert resolve_backends("auto", "auto", platform="cpu").xla_cpu  # the XLA:CPU forms of the reference
 
 
 def test_pallas_backends_match_reference_greedy_tokens() -> None:

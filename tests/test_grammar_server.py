@@ -40,6 +40,19 @@ def test_native_generate_regex_and_stream(server) -> None:
     assert chunks[-1]["text"] == r.json()["text"]  # streamed, the same constrained greedy text
 
 
+def test_grammar_wins_over_min_new_tokens(server) -> None:
+    # After "yes" the regex allows only EOS, which min_new_tokens bans: the grammar wins and the request
+    # stops there, mixed in one batch with an unconstrained row whose EOS stays banned.
+    body = {"text": ["Answer:", "Answer:"], "sampling_params": [
+        {"temperature": 0, "regex": "yes", "max_new_tokens": 12, "min_new_tokens": 8},
+        {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8}]}
+    r = httpx.post(server.url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    constrained, free = r.json()
+    assert constrained["text"] == "yes" and constrained["meta_info"]["finish_reason"]["type"] == "stop"
+    assert free["meta_info"]["completion_tokens"] == 8
+
+
 def test_openai_response_format_json_schema(client) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "color", "schema": SCHEMA, "strict": True}}
     reply = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=48, temperature=0,

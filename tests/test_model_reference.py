@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import record  # noqa: E402
 
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends  # noqa: E402
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config  # noqa: E402
 from sglang_tpu_qwen.model.embedded import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache  # noqa: E402
@@ -134,8 +135,11 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @functools.cache
-def _step_fn() -> Any:
-    return jax.jit(forward_step, static_argnames="config", donate_argnames="cache")
+def _step_fn(platform: str = "tpu") -> Any:
+    """The jitted step in the reference forms for `platform` (chunked GDN + ragged experts, or on "cpu"
+    the recurrent GDN + dense experts: kernels/dispatch.KernelBackends)."""
+    step = functools.partial(forward_step, backends=KernelBackends(platform=platform))
+    return jax.jit(step, static_argnames="config", donate_argnames="cache")
 
 
 class _Batch:
@@ -154,7 +158,7 @@ class _Batch:
         self.page_table[row] = self.free_pages[row * self.pages_per_row : (row + 1) * self.pages_per_row]
         self.slot_ids[row] = row + 1
 
-    def step(self, new: list[list[int]], params: Any, width: int) -> np.ndarray:
+    def step(self, new: list[list[int]], params: Any, width: int, platform: str = "tpu") -> np.ndarray:
         """Feed ``new[r]`` to row ``r`` (empty list: padding row). Returns hidden [B, width, H]."""
         tokens = np.zeros((len(new), width), np.int32)
         for r, ids in enumerate(new):
@@ -163,7 +167,7 @@ class _Batch:
         # A padding row points at the trash page/slot only.
         pt = np.where(new_lens[:, None] > 0, self.page_table, 0)
         slots = np.where(new_lens > 0, self.slot_ids, 0)
-        hidden, self.cache = _step_fn()(
+        hidden, self.cache = _step_fn(platform)(
             params,
             self.cache,
             jnp.asarray(tokens),
@@ -192,13 +196,14 @@ def _report(what: str, err: float, tol: float) -> None:
     assert err < tol, what
 
 
-def test_prompt_logits_match_hf(setup: tuple[Any, ...]) -> None:
+@pytest.mark.parametrize("platform", ["tpu", "cpu"])
+def test_prompt_logits_match_hf(setup: tuple[Any, ...], platform: str) -> None:
     model, config, params, prompts = setup
     batch = _Batch(config, num_rows=3, max_len=80)
     batch.add(0)
     batch.add(1)
     # Row 2 is a padding row (new_len 0, trash page and slot).
-    hidden = batch.step([prompts[0], prompts[1], []], params, width=72)
+    hidden = batch.step([prompts[0], prompts[1], []], params, width=72, platform=platform)
     assert np.isfinite(hidden).all()
     for leaf in jax.tree.leaves(batch.cache):
         assert bool(jnp.isfinite(leaf).all())
@@ -208,18 +213,19 @@ def test_prompt_logits_match_hf(setup: tuple[Any, ...]) -> None:
         scale = float(np.abs(ref).max())
         assert scale > 3.0  # logits are not trivially small
         _report(
-            f"prompt logits row {r} (len {len(ids)}, |logit| max {scale:.1f})",
+            f"prompt logits row {r} (len {len(ids)}, |logit| max {scale:.1f}, {platform} forms)",
             float(np.abs(ours - ref).max()),
             LOGIT_TOL,
         )
 
 
-def test_greedy_continuation_and_decode_logits_match_hf(setup: tuple[Any, ...]) -> None:
+@pytest.mark.parametrize("platform", ["tpu", "cpu"])
+def test_greedy_continuation_and_decode_logits_match_hf(setup: tuple[Any, ...], platform: str) -> None:
     model, config, params, prompts = setup
     batch = _Batch(config, num_rows=3, max_len=max(PROMPT_LENS) + NUM_NEW)
     batch.add(0)
     batch.add(1)
-    hidden = batch.step([prompts[0], prompts[1], []], params, width=72)
+    hidden = batch.step([prompts[0], prompts[1], []], params, width=72, platform=platform)
     last = np.stack([hidden[r, len(p) - 1] for r, p in enumerate(prompts)])
     outs: list[list[int]] = [[], []]
     step_logits: list[np.ndarray] = []
@@ -230,7 +236,7 @@ def test_greedy_continuation_and_decode_logits_match_hf(setup: tuple[Any, ...]) 
             outs[r].append(int(np.argmax(logits[r])))
         if len(outs[0]) == NUM_NEW:
             break
-        hidden = batch.step([[outs[0][-1]], [outs[1][-1]], []], params, width=1)
+        hidden = batch.step([[outs[0][-1]], [outs[1][-1]], []], params, width=1, platform=platform)
         last = hidden[:2, 0]
 
     for r, ids in enumerate(prompts):
@@ -242,7 +248,8 @@ def test_greedy_continuation_and_decode_logits_match_hf(setup: tuple[Any, ...]) 
         # (c) Logits of each step (prefill's last row, then 31 decode steps) vs one full HF recompute.
         full = _hf_logits(model, ids + gen)[len(ids) - 1 : len(ids) - 1 + NUM_NEW]
         ours = np.stack([s[r] for s in step_logits])
-        _report(f"decode-step logits row {r} vs full recompute", float(np.abs(ours - full).max()), LOGIT_TOL)
+        _report(f"decode-step logits row {r} vs full recompute ({platform} forms)", float(np.abs(ours - full).max()),
+                LOGIT_TOL)
 
 
 def test_chunked_prefill_equals_one_shot(setup: tuple[Any, ...]) -> None:

@@ -168,6 +168,9 @@ class ModelRunner:
         self._device = devices[0] if devices and self.layout is None else None
         # Each tensor goes from the files straight into its final sharding (engine/weight_loading.py).
         self.params = load_weights(model_path, self.config, self.dtype, args, self.layout, self._device)
+        head = self.params["embed"] if self.config.tie_word_embeddings else self.params["lm_head"]
+        if head.dtype == jnp.float32:  # greedy steps read a bfloat16 screen of it (sampler.screened_greedy)
+            self.params["lm_head_screen"] = jax.jit(sampler.greedy_screen)(head)
         if self.layout is not None:
             logger.info("mesh %s: attention dp=%d over %s, experts ep=%d, MoE combine %s",
                         dict(self.layout.mesh.shape), self.dp, "+".join(self.layout.batch_axes), args.ep_size,
@@ -578,21 +581,23 @@ class ModelRunner:
     def sample(self, step: StepOutput, batch: SamplingBatch) -> SampleOutput:
         """Sample one token per row from step.last; returns device arrays without waiting (`.get()` reads).
 
-        Runs the greedy program when every row is greedy and none wants logprobs, the logprobs program when
-        one wants logprobs, else the sample program. Raises ValueError when a width exceeds its bound
-        (num_top_logprobs > TOP_LOGPROBS_MAX, more than BAN_WIDTH bans or LOGIT_BIAS_WIDTH bias entries).
+        Runs the greedy program when every row is greedy and none wants logprobs, a penalty or a grammar,
+        the logprobs program when one wants logprobs, else the sample program. Raises ValueError when a
+        width exceeds its bound (num_top_logprobs > TOP_LOGPROBS_MAX, more than BAN_WIDTH bans or
+        LOGIT_BIAS_WIDTH bias entries).
         """
         b = step.last.shape[0]
         if batch.num_top_logprobs > sampler.TOP_LOGPROBS_MAX:
             raise ValueError(f"top_logprobs_num {batch.num_top_logprobs} > {sampler.TOP_LOGPROBS_MAX}")
-        kind: SampleKind = "logprobs" if batch.want_logprobs else "greedy" if batch.all_greedy else "sample"
         unused = self._unused_inputs(b)
         sampling = batch.temperature > 0.0
         use_bias = batch.bias_ids is not None and bool(np.any(batch.bias_ids >= 0))
         use_bans = bool(np.any(batch.banned_ids >= 0))
         use_grammar = batch.token_bitmask is not None
         use_penalty = batch.seen_ids is not None
-        flags = [use_grammar, use_penalty, use_bias or use_bans,
+        greedy = batch.all_greedy and not (use_grammar or use_penalty)
+        kind: SampleKind = "logprobs" if batch.want_logprobs else "greedy" if greedy else "sample"
+        flags = [use_grammar, use_penalty, use_bias,
                  bool(np.any(sampling & (batch.top_k > 0))),
                  bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
                  bool(np.any(sampling & (batch.top_p < 1.0))), bool(np.any(sampling & (batch.min_p > 0.0)))]
@@ -727,21 +732,22 @@ def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
 def _sample_program(params, last, rp, f, *, config, kind):
     """One sampling program: logits of `last` [B, H] -> (tokens [B] int32, logprob [B], top_logprobs [B, K],
     top_ids [B, K]) with K = TOP_LOGPROBS_MAX for kind "logprobs" (logprobs of the raw logits, as SGLang
-    reports them), else 0. "greedy" takes the argmax, fused with the lm_head (no [B, V] logits) unless a row
-    needs a grammar mask, penalty, bias or ban."""
+    reports them), else 0. "greedy" takes the argmax after bias and bans (all rows greedy, no penalty, no
+    grammar; screened in bfloat16 when the lm_head is float32, params["lm_head_screen"]); "sample" and
+    "logprobs" apply everything and sample each row with its temperature (0: argmax), top-k, top-p and
+    min-p."""
     b = last.shape[0]
-    none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
     if kind == "greedy":
+        none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
+        screen = params.get("lm_head_screen")
+        if screen is None:
+            return (sampler.greedy_tokens(compute_logits(params, last, config=config), rp), *none)
         weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-        tokens = jax.lax.cond(
-            f.grammar | f.penalty | f.bias,
-            lambda: sampler.greedy_ids(sampler.process_logits(compute_logits(params, last, config=config), rp, f)),
-            lambda: sampler.fused_greedy(last, weight))
-        return (tokens, *none)
+        return (sampler.screened_greedy(last, weight, screen, rp, f), *none)
     logits = compute_logits(params, last, config=config)
     tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
     if kind == "sample":
-        return (tokens, *none)
+        return (tokens, jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
     return (tokens, *sampler.token_logprobs(logits, tokens, sampler.TOP_LOGPROBS_MAX))
 
 

@@ -3,9 +3,10 @@ top-p, min-p, per-request seeds.
 
 Everything here is jit-traced with FIXED shapes: every per-row setting is an array, so the server compiles
 three sampling programs per batch size (engine/model_runner.py: greedy, sample, logprobs) and nothing
-else. Work a batch does not need is skipped at run time by `lax.cond` on a feature flag computed by the
-host (`Features`), not by a different program. Fixed bounds (requests beyond them are refused with a 400
-before they enter a batch, engine/engine.py):
+else. Full-vocabulary work a batch does not need (penalties, grammar mask, top-k / top-p / min-p) is
+skipped at run time by `lax.cond` on a feature flag computed by the host (`Features`), not by a different
+program. Fixed bounds (requests beyond them are refused with a 400 before they enter a batch,
+engine/engine.py):
 
 - TOP_K_BOUND: top-k up to this uses `lax.top_k(., TOP_K_BOUND)`; a larger top_k (SGLang allows any) falls
   back to a bisection on the k-th value (exact up to ties), only in steps that have such a row.
@@ -29,7 +30,9 @@ LOGIT_BIAS_MAX = 300
 LOGIT_BIAS_WIDTH = 304  # LOGIT_BIAS_MAX padded to a multiple of 16
 BAN_WIDTH = 256
 PENALTY_CHUNK = 1024  # ids per call of the penalty-table programs
-GREEDY_VOCAB_BLOCK = 8192  # vocabulary rows per block of the fused lm_head + argmax
+VOCAB_BLOCK = 128  # vocabulary ids per block of vocab_top_k's first reduction
+SCREEN_BLOCKS = 4  # vocabulary blocks whose float32 logits screened_greedy computes
+SCREEN_ROWS = 32  # rows per bfloat16 product of screened_greedy
 _TOP_P_SEARCH_STEPS = 32
 
 
@@ -38,7 +41,7 @@ class Features(NamedTuple):
 
     grammar: jax.Array
     penalty: jax.Array
-    bias: jax.Array  # logit_bias or bans present
+    bias: jax.Array  # some row has a logit_bias
     top_k: jax.Array
     top_k_large: jax.Array  # some row has top_k > TOP_K_BOUND
     top_p: jax.Array
@@ -89,8 +92,8 @@ def token_logprobs(
     if num_top == 0:
         n = logits.shape[0]
         return chosen, jnp.zeros((n, 0), jnp.float32), jnp.zeros((n, 0), jnp.int32)
-    top_vals, top_ids = jax.lax.top_k(logp, num_top)
-    return chosen, top_vals, top_ids.astype(jnp.int32)
+    top_vals, top_ids = vocab_top_k(logp, num_top)
+    return chosen, top_vals, top_ids
 
 
 # ---- penalty table (SGLang's penalizer state, rebuilt per step from the host's token lists) ----------
@@ -153,31 +156,121 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Arra
     return jnp.where(allowed, logits, NEG_INF), allowed
 
 
-def process_logits(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:
-    """Grammar mask, penalties, logit bias, then bans; each step skipped at run time when no row uses it.
-
-    logits: [B, V] float32 raw. Returns [B, V] float32. Where a row's grammar allows only banned ids (EOS
-    before min_new_tokens) the grammar wins: the bans of that row are dropped.
-    """
-    b, v = logits.shape
+def _bias_and_bans(x: jax.Array, p: RowParams) -> jax.Array:
+    """Logit bias added, banned ids set to NEG_INF: scatters of at most LOGIT_BIAS_WIDTH / BAN_WIDTH ids per
+    row (-1 padding is dropped), cheap enough to run in every step. x [B, V] float32 -> [B, V]."""
+    b, v = x.shape
     rows = jnp.arange(b)[:, None]
-    masked = jax.lax.cond(f.grammar, lambda x: apply_token_bitmask(x, p.bitmask)[0], lambda x: x, logits)
-    masked = jax.lax.cond(
+    x = x.at[rows, jnp.where(p.bias_ids >= 0, p.bias_ids, v)].add(p.bias_vals, mode="drop")
+    return x.at[rows, jnp.where(p.ban_ids >= 0, p.ban_ids, v)].set(NEG_INF, mode="drop")
+
+
+def process_logits(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:
+    """Penalties, logit bias, bans, then the grammar mask.
+
+    logits: [B, V] float32 raw. Returns [B, V] float32. The penalty table and the grammar bitmask are full
+    [B, V] passes, skipped at run time by `lax.cond` when no row uses them. Bans win over a grammar only
+    where the grammar allows another id: the host drops a row's bans otherwise
+    (engine/schedule_batch.sampling_batch).
+    """
+    x = jax.lax.cond(
         f.penalty, lambda x: apply_penalties(x, p.penalty_table, p.repetition, p.frequency, p.presence),
-        lambda x: x, masked)
+        lambda x: x, logits)
+    x = _bias_and_bans(x, p)
+    return jax.lax.cond(f.grammar, lambda x: apply_token_bitmask(x, p.bitmask)[0], lambda x: x, x)
 
-    def bias_and_bans(x: jax.Array) -> jax.Array:
-        biased = x.at[rows, jnp.where(p.bias_ids >= 0, p.bias_ids, v)].add(p.bias_vals, mode="drop")
-        banned = biased.at[rows, jnp.where(p.ban_ids >= 0, p.ban_ids, v)].set(NEG_INF, mode="drop")
 
-        def grammar_wins() -> jax.Array:  # only a grammar can leave a row nothing but banned ids
-            allowed = unpack_token_bitmask(p.bitmask, v)
-            keeps_one = jnp.any(allowed & (banned > NEG_INF), axis=-1, keepdims=True)
-            return jnp.where(keeps_one, banned, biased)
+def greedy_tokens(logits: jax.Array, p: RowParams) -> jax.Array:
+    """Argmax after logit bias and bans, for steps without penalties or a grammar (the greedy program).
 
-        return jax.lax.cond(f.grammar, grammar_wins, lambda: banned)
+    No conditional: on XLA:CPU a conditional copies its [B, V] operand and runs its body slower than
+    top-level code, so steps that need penalties or a grammar mask take the sample program instead (its
+    temperature-0 rows are greedy). logits [B, V] float32 -> [B] int32, lowest id on ties.
+    """
+    return greedy_ids(_bias_and_bans(logits, p))
 
-    return jax.lax.cond(f.bias, bias_and_bans, lambda x: x, masked)
+
+class GreedyScreen(NamedTuple):
+    """A bfloat16 screen of a float32 lm_head for `screened_greedy` (built once by `greedy_screen`).
+
+    weight: [V, H] bfloat16, the lm_head rounded. Per block of VOCAB_BLOCK ids ([ceil(V / VOCAB_BLOCK)]
+    float32): residual_norm, the largest ||lm_head[v] - weight[v]||_2 of the block; norm, the largest
+    ||weight[v]||_2.
+    """
+
+    weight: jax.Array
+    residual_norm: jax.Array
+    norm: jax.Array
+
+
+def greedy_screen(weight: jax.Array) -> GreedyScreen:
+    """The screen of a float32 lm_head weight [V, H] (HF layout). Jit it: it reads the weight once."""
+    v, h = weight.shape
+    rounded = weight.astype(jnp.bfloat16)
+    pad = -v % VOCAB_BLOCK
+
+    def block_max(x: jax.Array) -> jax.Array:  # [V] -> [ceil(V / VOCAB_BLOCK)]
+        return jnp.max(jnp.pad(x, (0, pad)).reshape(-1, VOCAB_BLOCK), axis=-1)
+
+    residual = jnp.linalg.norm(weight - rounded.astype(jnp.float32), axis=-1)
+    return GreedyScreen(rounded, block_max(residual), block_max(jnp.linalg.norm(rounded.astype(jnp.float32), axis=-1)))
+
+
+def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, p: RowParams,
+                    f: Features) -> jax.Array:
+    """`greedy_tokens(hidden @ weight.T, p)` for a float32 lm_head, reading it mostly in bfloat16.
+
+    The argmax of the float32 logits is found without computing all of them: (1) approximate logits A
+    from the bfloat16 screen (hidden rounded too, float32 accumulation); (2) the float32 logits of every
+    id in the SCREEN_BLOCKS blocks of VOCAB_BLOCK ids with the largest A, and their maximum m over the
+    ids not banned; (3) a certificate: every other block b must satisfy max(A over b) + err_b < m, with
+    err_b bounding |A - logits| over the block by Cauchy-Schwarz on the two rounding residuals,
+    ||h|| * residual_norm[b] + ||h - bf16(h)|| * norm[b], plus the float32 accumulation error of both
+    products (H * 2^-24 relative each), times 1.05. Rows without a certificate (near ties across blocks),
+    or a step with logit_bias, take the float32 logits of the whole vocabulary (one `lax.cond` for the
+    step). So the result is the float32 argmax, lowest id on ties: the tokens of the unscreened program.
+
+    Why: greedy decode at a small batch reads the whole lm_head every step; on XLA:CPU (where the model
+    computes in float32) that read is the largest cost of a decode step, and bfloat16 halves it.
+
+    hidden: [B, H] float32; weight: [V, H] float32; screen: greedy_screen(weight). Returns [B] int32.
+    """
+    (b, h), v = hidden.shape, weight.shape[0]
+    rows = jnp.arange(b)[:, None]
+    rounded = hidden.astype(jnp.bfloat16)
+    pad = -v % VOCAB_BLOCK
+
+    def approx_block_max(x: jax.Array) -> jax.Array:  # [n, H] bfloat16 -> [n, nb]: max of A per block
+        approx = jnp.einsum("nh,vh->nv", x, screen.weight, preferred_element_type=jnp.float32)
+        blocks = jnp.pad(approx, ((0, 0), (0, pad)), constant_values=NEG_INF) if pad else approx
+        return jnp.max(blocks.reshape(x.shape[0], -1, VOCAB_BLOCK), axis=-1)
+
+    # Banned ids stay in the block maxima (a bound that can only be too high, so still a bound); they
+    # are masked among the candidates below (masking them in A costs a [B, V] scatter). SCREEN_ROWS rows
+    # per product: XLA:CPU takes 4.7x as long for 64 rows as for 32 (the [rows, V] result outgrows the
+    # caches), 2x for two products of 32.
+    block_max = jnp.concatenate([approx_block_max(rounded[i : i + SCREEN_ROWS]) for i in range(0, b, SCREEN_ROWS)])
+    k = min(SCREEN_BLOCKS, block_max.shape[1])
+    chosen = jnp.sort(jax.lax.top_k(block_max, k)[1], axis=-1)  # [B, k] ascending: ties keep the lowest id
+    ids = (chosen[:, :, None] * VOCAB_BLOCK + jnp.arange(VOCAB_BLOCK)).reshape(b, k * VOCAB_BLOCK)
+    exact = jnp.einsum("nh,nch->nc", hidden, weight[jnp.minimum(ids, v - 1)],
+                       preferred_element_type=jnp.float32)
+    banned = jnp.any(ids[:, :, None] == p.ban_ids[:, None, :], axis=-1)
+    exact = jnp.where((ids < v) & ~banned, exact, NEG_INF)
+    best, pos = jax.lax.top_k(exact, 1)
+    winner = jnp.take_along_axis(ids, pos, axis=1)[:, 0].astype(jnp.int32)
+    h_norm = jnp.linalg.norm(hidden, axis=-1, keepdims=True)
+    h_residual = jnp.linalg.norm(hidden - rounded.astype(jnp.float32), axis=-1, keepdims=True)
+    accumulation = 2 * h * 2.0**-24 * h_norm * (screen.norm + screen.residual_norm)
+    err = 1.05 * (h_norm * screen.residual_norm + h_residual * screen.norm + accumulation)  # [B, nb]
+    others = jnp.ones(block_max.shape, jnp.bool_).at[rows, chosen].set(False)
+    bound = jnp.where(others, block_max + err, -jnp.inf)
+    certified = jnp.all(bound < best, axis=-1) & (best[:, 0] > NEG_INF)
+
+    def full() -> jax.Array:
+        return greedy_tokens(jnp.einsum("nh,vh->nv", hidden, weight, preferred_element_type=jnp.float32), p)
+
+    return jax.lax.cond(f.bias | ~jnp.all(certified), full, lambda: winner)
 
 
 def _top_p_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -222,7 +315,7 @@ def _kth_value_bisect(x: jax.Array, k: jax.Array) -> jax.Array:
 
 def _top_k_cut(scaled: jax.Array, top_k: jax.Array, large: jax.Array) -> jax.Array:
     """Mask everything below each row's k-th largest value (rows with top_k <= 0 untouched). [B, V]."""
-    kth = jax.lax.top_k(scaled, TOP_K_BOUND)[0]
+    kth = vocab_top_k(scaled, TOP_K_BOUND)[0]
     idx = jnp.clip(top_k - 1, 0, TOP_K_BOUND - 1)
     cut = jnp.take_along_axis(kth, idx[:, None], axis=-1)[:, 0]
     cut = jax.lax.cond(large, lambda: jnp.where(top_k > TOP_K_BOUND, _kth_value_bisect(scaled, top_k), cut),
@@ -230,35 +323,35 @@ def _top_k_cut(scaled: jax.Array, top_k: jax.Array, large: jax.Array) -> jax.Arr
     return jnp.where((top_k[:, None] > 0) & (scaled < cut[:, None]), NEG_INF, scaled)
 
 
-def greedy_ids(logits: jax.Array) -> jax.Array:
-    """Argmax per row (lowest id on ties). logits [B, V] -> [B] int32."""
-    # top_k(., 1) rather than argmax: XLA:CPU's variadic argmax reduce is ~1.5x slower over 248k ids.
-    return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
+def vocab_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` over the last axis (values descending, lowest id first on ties), in two short passes.
 
+    The k largest values lie in the k blocks (of VOCAB_BLOCK ids) with the largest block maxima, ties to
+    the lower block: a block ranked after them holds no value that ranks before all of theirs. So the max
+    of each block, top-k over those, then top-k over the k * VOCAB_BLOCK gathered candidates (in id
+    order, so ties keep the lowest id). XLA:CPU's top-k over 248k ids costs ~10x a plain max reduce; on
+    TPU both are HBM-bound.
 
-def fused_greedy(hidden: jax.Array, weight: jax.Array, block: int = GREEDY_VOCAB_BLOCK) -> jax.Array:
-    """Argmax of hidden @ weight.T per row without materialising the [B, V] logits.
-
-    hidden: [B, H]; weight: [V, H] (lm_head, HF layout). Blocks of `block` vocabulary rows (the last one
-    overlaps the previous so every block has the same shape); a later block wins only when strictly
-    larger, so ties resolve to the lowest id as in greedy_ids. Returns [B] int32.
+    x: [B, V] float32; k: static, <= V. Returns (values [B, k] float32, ids [B, k] int32).
     """
-    v = weight.shape[0]
-    block = min(block, v)
-    n = -(-v // block)
-    b = hidden.shape[0]
+    b, v = x.shape
+    blocks_n = -(-v // VOCAB_BLOCK)
+    if blocks_n <= k:
+        vals, ids = jax.lax.top_k(x, k)
+        return vals, ids.astype(jnp.int32)
+    pad = -v % VOCAB_BLOCK
+    padded = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
+    blocks = padded.reshape(b, blocks_n, VOCAB_BLOCK)
+    chosen = jnp.sort(jax.lax.top_k(jnp.max(blocks, axis=-1), k)[1], axis=-1)
+    candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(b, k * VOCAB_BLOCK)
+    vals, pos = jax.lax.top_k(candidates, k)
+    block = jnp.take_along_axis(chosen, pos // VOCAB_BLOCK, axis=1)
+    return vals, (block * VOCAB_BLOCK + pos % VOCAB_BLOCK).astype(jnp.int32)
 
-    def body(i, best):
-        val, idx = best
-        start = jnp.minimum(i * block, v - block)
-        w = jax.lax.dynamic_slice_in_dim(weight, start, block, axis=0)
-        logits = jnp.einsum("nh,vh->nv", hidden, w, preferred_element_type=jnp.float32)
-        top_val, top_idx = jax.lax.top_k(logits, 1)
-        better = top_val[:, 0] > val
-        return jnp.where(better, top_val[:, 0], val), jnp.where(better, top_idx[:, 0].astype(jnp.int32) + start, idx)
 
-    init = (jnp.full((b,), -jnp.inf, jnp.float32), jnp.zeros((b,), jnp.int32))
-    return jax.lax.fori_loop(0, n, body, init)[1]
+def greedy_ids(logits: jax.Array) -> jax.Array:
+    """Argmax per row, lowest id on ties. logits [B, V] float32 -> [B] int32."""
+    return vocab_top_k(logits, 1)[1][:, 0]
 
 
 def sample(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:
@@ -284,9 +377,29 @@ def sample(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:
     # Inverse-CDF sampling: one uniform per row instead of V Gumbel draws (random bits dominate on CPU).
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(p.seeds, p.steps)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    cdf = jnp.cumsum(probs, axis=-1)
-    target = u * cdf[:, -1]
-    sampled = jnp.sum(cdf <= target[:, None], axis=-1).astype(jnp.int32)
-    # Never land on a zero-probability id (u * total can equal the total in float rounding).
-    sampled = jnp.minimum(sampled, jnp.argmax(jnp.where(probs > 0, jnp.arange(probs.shape[-1]), -1), axis=-1))
-    return jnp.where(is_greedy, greedy, sampled.astype(jnp.int32))
+    return jnp.where(is_greedy, greedy, _inverse_cdf(probs, u))
+
+
+def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """The id where each row's cumulative probability passes u * total. probs [B, V] >= 0 float32 (not
+    necessarily normalised), u [B] in [0, 1). Returns [B] int32, never a zero-probability id.
+
+    Two levels, as vocab_top_k: the cumulative mass of VOCAB_BLOCK-wide blocks picks the block, a cumsum
+    inside that block picks the id (a cumsum over all V ids is a slow reduce-window on XLA:CPU).
+    """
+    b, v = probs.shape
+    pad = -v % VOCAB_BLOCK
+    blocks = (jnp.pad(probs, ((0, 0), (0, pad))) if pad else probs).reshape(b, -1, VOCAB_BLOCK)
+    mass = jnp.sum(blocks, axis=-1)
+    block_cdf = jnp.cumsum(mass, axis=-1)
+    target = u * block_cdf[:, -1]
+    positions = jnp.arange(mass.shape[1])
+    # Never land on a zero-mass block or id: u * total can round up to the total.
+    last_block = jnp.max(jnp.where(mass > 0, positions, 0), axis=-1)
+    block = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), last_block)
+    before = jnp.where(block > 0, jnp.take_along_axis(block_cdf, jnp.maximum(block - 1, 0)[:, None], 1)[:, 0], 0.0)
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    offsets = jnp.arange(VOCAB_BLOCK)
+    last_id = jnp.max(jnp.where(inside > 0, offsets, 0), axis=-1)
+    within = jnp.sum(jnp.cumsum(inside, axis=-1) <= (target - before)[:, None], axis=-1)
+    return (block * VOCAB_BLOCK + jnp.minimum(within, last_id)).astype(jnp.int32)

@@ -21,7 +21,7 @@ import numpy as np
 from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.model_runner import SamplingBatch
 from sglang_tpu_qwen.engine.request import Request
-from sglang_tpu_qwen.grammar.bitmask import token_bitmask
+from sglang_tpu_qwen.grammar.bitmask import allows_other_than, token_bitmask
 from sglang_tpu_qwen.utils import next_pow2
 
 
@@ -165,9 +165,6 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
         if r.num_output < sp.min_new_tokens:
             bans = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
         ban_lists[i] = bans
-    banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
-    for i, bans in enumerate(ban_lists):
-        banned[i, : len(bans)] = bans
     bias_ids = bias_vals = None
     biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]
     if biases:
@@ -183,6 +180,13 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
     for r, i in zip(reqs, rows, strict=True):
         assert r.grammar is None or not r.tokens_in_flight, "grammar rows run synchronously"
         grammars[i] = r.grammar
+    bitmask = token_bitmask(grammars, b, vocab_size)
+    for i, g in enumerate(grammars):
+        # The grammar wins: where it allows only banned ids (EOS before min_new_tokens), drop the bans.
+        if g is not None and ban_lists[i] and bitmask is not None and not allows_other_than(bitmask, i, ban_lists[i]):
+            ban_lists[i] = []
+    banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
+    for i, bans in enumerate(ban_lists):
+        banned[i, : len(bans)] = bans
     return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
-                         output_ids, banned, want_logprobs, num_top, token_bitmask(grammars, b, vocab_size),
-                         bias_ids, bias_vals)
+                         output_ids, banned, want_logprobs, num_top, bitmask, bias_ids, bias_vals)

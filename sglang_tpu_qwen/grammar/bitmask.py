@@ -44,6 +44,14 @@ def clear_from(bitmask: np.ndarray, row: int, limit: int) -> None:
         words[row, first + 1 :] = 0
 
 
+def allows_other_than(bitmask: np.ndarray, row: int, ids: Sequence[int]) -> bool:
+    """Whether bitmask[row] allows some token outside `ids` (token ids < 32 * width)."""
+    words = bitmask[row].view(np.uint32).copy()
+    for t in ids:
+        words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return bool(words.any())
+
+
 def unpack(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     """[B, vocab_size] bool: which tokens each row allows (host-side twin of the device unpacking)."""
     bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=-1, bitorder="little")

@@ -34,11 +34,20 @@ class KernelBackends:
         attention: ``"pallas"`` or ``"reference"``.
         gdn: ``"pallas"`` or ``"reference"``.
         interpret: run the Pallas kernels in interpret mode (set when the JAX backend is not a TPU).
+        platform: the JAX platform the program is compiled for ("cpu", "tpu", "gpu"). On "cpu" the
+            reference path takes the forms XLA:CPU runs fastest: the recurrent GDN form at prefill too
+            (``model.gated_deltanet.gdn_mix``) and dense experts (``model.moe.all_experts``).
     """
 
     attention: str = "reference"
     gdn: str = "reference"
     interpret: bool = False
+    platform: str = "tpu"
+
+    @property
+    def xla_cpu(self) -> bool:
+        """The program runs on XLA:CPU (the reference forms above)."""
+        return self.platform == "cpu"
 
 
 def gdn_pallas_unsupported(config: Any) -> str | None:
@@ -97,7 +106,7 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         logger.warning("fused GDN kernel cannot run this model (%s); using the reference GDN", why)
         resolved = KernelBackends(resolved.attention, "reference")
     uses_pallas = "pallas" in (resolved.attention, resolved.gdn)
-    return KernelBackends(resolved.attention, resolved.gdn, interpret=uses_pallas and not on_tpu)
+    return KernelBackends(resolved.attention, resolved.gdn, interpret=uses_pallas and not on_tpu, platform=platform)
 
 
 def attention_kernel(backends: KernelBackends) -> Callable | None:

@@ -12,6 +12,7 @@ server, the tests and the planner (plan.py) all compile this function.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -90,7 +91,8 @@ def forward_step(
         config: static model config. ``T == 1`` uses the recurrent GDN form, ``T > 1`` the chunked one.
         moe_fn: ``(moe_params, x [B, T, H], config) -> [B, T, H]``; default :func:`moe_block`. The
             expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``.
-        backends: static kernel choice per layer kind (``kernels.dispatch``); None = the jnp reference.
+        backends: static kernel choice per layer kind and target platform (``kernels.dispatch``); None = the
+            jnp reference in its accelerator forms.
 
     Returns:
         ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``. Hidden rows of padded
@@ -110,7 +112,7 @@ def forward_step(
     eps = config.rms_norm_eps
     backends = backends or KernelBackends()
     attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
-    moe = moe_fn or moe_block
+    moe = moe_fn or functools.partial(moe_block, dense=backends.xla_cpu)
 
     # FP8 weights stay whole stacks outside the scan: the kernel reads layer g in place (parallel/fp8.py).
     scanned, fp8_stacks = split_stacked_fp8(params["layers"])
@@ -136,7 +138,7 @@ def forward_step(
                 gdn_i += 1
             else:
                 x, conv, rec = gdn_layer_on_pools(
-                    lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config
+                    lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config, backends.xla_cpu
                 )
                 gdn_i += 1
             h = h + x
