@@ -168,6 +168,9 @@ def test_bucket_enumeration_and_mapping() -> None:
     assert b.batch_sizes == (1, 2, 4, 8, 16, 32) and b.token_sizes == (16, 32, 64, 128, 256, 512)
     assert b.pages == 2048 and all(x.pages == 2048 for x in b.step_buckets())
     assert all(x.batch * x.tokens <= 512 for x in b.step_buckets() if x.mode == "extend")
+    # Per token size: one prompt alone, or a full step. 6 decode + 11 extend programs.
+    assert [b.extend_batches(t) for t in b.token_sizes] == [(1, 32), (1, 16), (1, 8), (1, 4), (1, 2), (1,)]
+    assert len(b.step_buckets()) == 17
     assert b.decode_bucket(5) == StepBucket("decode", 8, 1, 2048)
     assert b.extend_bucket(3, 100) == (StepBucket("extend", 4, 128, 2048), 100)
     # 8 rows of up to 100 tokens do not fit 512 padded tokens: the chunks are capped at 64 (split).

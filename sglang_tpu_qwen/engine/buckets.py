@@ -12,9 +12,9 @@ The enumeration (per DP rank):
 - batch sizes: powers of two up to next_pow2(ceil(max_running_requests / dp)), or
   --precompile-bs-paddings;
 - extend tokens per row: powers of two from 16 up to next_pow2(chunked_prefill_size), or
-  --precompile-token-paddings; an extend bucket (b, t) exists only when b * t <= the extend budget
-  next_pow2(chunked_prefill_size) (a prefill chunk is at most chunked_prefill_size tokens per rank), so
-  the grid stays a triangle instead of a square;
+  --precompile-token-paddings; for each, two extend buckets: the smallest batch size and the largest b
+  with b * t <= the extend budget next_pow2(chunked_prefill_size) (a prefill chunk is at most
+  chunked_prefill_size tokens per rank);
 - decode: every batch size with one token;
 - pages: ONE width, ceil(min(context_length, KV tokens per rank) / page_size). The page-table width is not
   a compiled dimension: the reference attention walks the keys in blocks up to the longest context of
@@ -118,10 +118,12 @@ class BucketSet:
 
     # ---- enumeration ---------------------------------------------------------------------------
     def extend_batches(self, tokens: int) -> tuple[int, ...]:
-        """Rows per rank of the extend buckets with `tokens` columns (b * tokens <= extend_budget; the
-        smallest batch size always, so every token size has a bucket)."""
-        fits = tuple(b for b in self.batch_sizes if b * tokens <= self.extend_budget)
-        return fits or self.batch_sizes[:1]
+        """Rows per rank of the extend buckets with `tokens` columns: the smallest batch size (one prompt
+        alone) and the largest with b * tokens <= extend_budget (a full prefill step), nothing between.
+        A step of a few rows pads to the full one; the intermediate sizes cost a program each (a quarter of
+        the startup compile time at the default flags) for steps that are rare under load."""
+        fits = [b for b in self.batch_sizes if b * tokens <= self.extend_budget]
+        return tuple(sorted({self.batch_sizes[0], fits[-1]})) if fits else self.batch_sizes[:1]
 
     def step_buckets(self) -> list[StepBucket]:
         """Every forward bucket: decode ones (small to large), then extend ones."""

@@ -2,7 +2,7 @@
 
 Every program the server runs is one of a fixed set (issue 12): a forward per `StepBucket`
 (engine/buckets.py), three sampling programs per batch size (greedy, sample, logprobs; engine/sampler.py),
-the penalty-table programs per batch size, one prompt-logprob program, and the GDN slot copies.
+one penalty-table program per batch size, one prompt-logprob program, and the GDN slot copies.
 `precompile()` builds them all before the server reports ready (from the persistent compilation cache when
 it can, engine/compilation.py); `lower_forward` / `lower_sample` give the `jax.stages.Lowered` of each from
 abstract arguments with their shardings, for precompile and for the deviceless planner. The scheduler
@@ -259,10 +259,9 @@ class ModelRunner:
             for kind in SAMPLE_KINDS
         }
         v = self.config.vocab_size
-        self._pen_zeros_jit = jax.jit(partial(sampler.penalty_zeros, vocab=v), static_argnums=(0,),
-                                      out_shardings=None if self.layout is None else self._row_sharding(2))
-        self._pen_mark_jit = jax.jit(sampler.penalty_mark, donate_argnums=(0,))
-        self._pen_count_jit = jax.jit(sampler.penalty_count, donate_argnums=(0,))
+        # Not donated: the first call reads the resident zero table of _unused_inputs.
+        self._penalty_jit = jax.jit(sampler.penalty_update,
+                                    out_shardings=None if self.layout is None else self._row_sharding(2))
         self._prompt_lp_jit = jax.jit(partial(_prompt_logprobs, config=self.config))
         # Overlap scheduling: the sampled ids of a step, padded to prev_rows, feed the next step's forward.
         self.prev_rows = max(self.buckets.sample_batches())
@@ -328,12 +327,9 @@ class ModelRunner:
             _abstract(self.params), self._spec((batch, h), self.dtype), self._row_param_specs(batch),
             self._feature_specs())
 
-    def _lower_penalty(self, which: str, batch: int) -> jax.stages.Lowered:
-        v = self.config.vocab_size
-        if which == "zeros":
-            return self._pen_zeros_jit.lower(batch)
-        fn = self._pen_mark_jit if which == "mark" else self._pen_count_jit
-        return fn.lower(self._spec((batch, v), jnp.int32), self._spec((batch, sampler.PENALTY_CHUNK), jnp.int32))
+    def _lower_penalty(self, batch: int) -> jax.stages.Lowered:
+        chunk = self._spec((batch, sampler.PENALTY_CHUNK), jnp.int32)
+        return self._penalty_jit.lower(self._spec((batch, self.config.vocab_size), jnp.int32), chunk, chunk)
 
     def _lower_prompt_logprobs(self) -> jax.stages.Lowered:
         n, h = PROMPT_LOGPROB_ROWS, self.config.hidden_size
@@ -345,7 +341,7 @@ class ModelRunner:
         keys: list[tuple] = [("forward", bk) for bk in self.buckets.step_buckets()]
         for b in self.buckets.sample_batches():
             keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
-            keys += [("penalty", which, b) for which in ("zeros", "mark", "count")]
+            keys.append(("penalty", b))
             keys.append(("keep_sampled", b))
         keys.append(("prompt_logprobs",))
         return keys
@@ -356,7 +352,7 @@ class ModelRunner:
         if key[0] == "sample":
             return self.lower_sample(key[1], key[2])
         if key[0] == "penalty":
-            return self._lower_penalty(key[1], key[2])
+            return self._lower_penalty(key[1])
         if key[0] == "prompt_logprobs":
             return self._lower_prompt_logprobs()
         if key[0] == "keep_sampled":
@@ -441,12 +437,12 @@ class ModelRunner:
         cached = self._unused.get(b)
         if cached is None:
             v = self.config.vocab_size
-            host = dict(penalty_table=None, bias_ids=np.full((b, sampler.LOGIT_BIAS_WIDTH), -1, np.int32),
+            host = dict(penalty_table=np.zeros((b, v), np.int32),
+                        bias_ids=np.full((b, sampler.LOGIT_BIAS_WIDTH), -1, np.int32),
                         bias_vals=np.zeros((b, sampler.LOGIT_BIAS_WIDTH), np.float32),
                         ban_ids=np.full((b, sampler.BAN_WIDTH), -1, np.int32),
                         bitmask=np.full((b, -(-v // 32)), -1, np.int32))
-            arrays = {k: jax.device_put(a, self._batch_sharding(a.ndim)) for k, a in host.items() if a is not None}
-            arrays["penalty_table"] = self._program(("penalty", "zeros", b))()
+            arrays = {k: jax.device_put(a, self._batch_sharding(a.ndim)) for k, a in host.items()}
             zero_f = jax.device_put(np.zeros(b, np.float32), self._batch_sharding())
             cached = self._unused[b] = sampler.RowParams(
                 temperature=zero_f, top_p=zero_f, top_k=zero_f, min_p=zero_f, seeds=zero_f, steps=zero_f,
@@ -661,16 +657,16 @@ class ModelRunner:
     def _penalty_table(self, b: int, batch: SamplingBatch) -> jax.Array:
         """[B, V] int32 penalty table from the host's id lists, PENALTY_CHUNK ids per program call."""
         assert batch.seen_ids is not None and batch.output_ids is not None
-        table = self._program(("penalty", "zeros", b))()
+        table = self._unused_inputs(b).penalty_table
+        prog = self._program(("penalty", b))
         c = sampler.PENALTY_CHUNK
-        for which, ids in (("mark", batch.seen_ids), ("count", batch.output_ids)):
-            prog = self._program(("penalty", which, b))
-            width = ids.shape[1]
-            for start in range(0, max(width, 1), c):
+        none = np.full((b, c), -1, np.int32)
+        for phase, ids in enumerate((batch.seen_ids, batch.output_ids)):  # every seen chunk first
+            for start in range(0, max(ids.shape[1], 1), c):
                 chunk = _pad_cols(ids[:, start : start + c], c, -1, "ids")
                 if start and not np.any(chunk >= 0):
                     break
-                table = prog(table, *self._put([chunk]))
+                table = prog(table, *self._put([none, chunk] if phase else [chunk, none]))
         return table
 
     def logprobs_at(
@@ -710,7 +706,7 @@ def _pad_cols(a: np.ndarray, width: int, fill: Any, what: str) -> np.ndarray:
 
 def _bucket_summary(buckets: BucketSet) -> str:
     return (f"(batch {list(buckets.batch_sizes)} x dp {buckets.dp}, extend tokens {list(buckets.token_sizes)} "
-            f"with batch * tokens <= {buckets.extend_budget}, page table {buckets.pages} columns)")
+            f"for one row or the most rows within {buckets.extend_budget} tokens, page table {buckets.pages} columns)")
 
 
 def _last_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:

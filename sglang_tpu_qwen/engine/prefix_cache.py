@@ -113,12 +113,16 @@ class PrefixCache:
             for r in due:
                 self._insert(r, r.cached_len)
             if self.has_gdn:
+                taken: list[tuple[Request, int]] = []
                 for r in due:
                     snap = self._alloc_snapshot()
                     if snap is None:
                         break
-                    # Copy before attaching: a later allocation may evict (and demote) what we attach.
-                    self.runner.copy_slots([(r.slot, snap)])
+                    taken.append((r, snap))
+                # All allocations, then one copy, then the attaches: an attached snapshot could be evicted
+                # (and demoted) by a later allocation before its copy; an unattached one cannot.
+                self.runner.copy_slots([(r.slot, snap) for r, snap in taken])
+                for r, snap in taken:
                     self._attach(r.fill_ids[: r.cached_len], snap)
         elif self.has_gdn:
             pairs = []

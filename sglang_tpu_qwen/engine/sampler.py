@@ -97,11 +97,6 @@ def token_logprobs(
 
 
 # ---- penalty table (SGLang's penalizer state, rebuilt per step from the host's token lists) ----------
-def penalty_zeros(batch: int, vocab: int) -> jax.Array:
-    """An empty [batch, vocab] int32 penalty table (jit with static batch/vocab)."""
-    return jnp.zeros((batch, vocab), jnp.int32)
-
-
 def penalty_mark(table: jax.Array, ids: jax.Array) -> jax.Array:
     """Set the seen bit of ids [B, C] (-1 padded): prompt and output tokens (repetition penalty scope).
 
@@ -116,6 +111,14 @@ def penalty_count(table: jax.Array, ids: jax.Array) -> jax.Array:
     v = table.shape[1]
     rows = jnp.arange(table.shape[0])[:, None]
     return table.at[rows, jnp.where(ids >= 0, ids, v)].add(2, mode="drop")
+
+
+def penalty_update(table: jax.Array, seen: jax.Array, output: jax.Array) -> jax.Array:
+    """penalty_count(penalty_mark(table, seen), output): one program for both (seen, output: [B, C]).
+
+    The seen bit is set, not or-ed: feed every seen chunk (output all -1) before any output chunk (seen
+    all -1). Returns [B, V] int32."""
+    return penalty_count(penalty_mark(table, seen), output)
 
 
 def apply_penalties(
@@ -241,9 +244,12 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
     pad = -v % VOCAB_BLOCK
 
     def approx_block_max(x: jax.Array) -> jax.Array:  # [n, H] bfloat16 -> [n, nb]: max of A per block
-        approx = jnp.einsum("nh,vh->nv", x, screen.weight, preferred_element_type=jnp.float32)
+        n = x.shape[0]
+        # One row pads to two: XLA:CPU's bfloat16 matrix-vector product is 13x slower than this.
+        approx = jnp.einsum("nh,vh->nv", jnp.pad(x, ((0, 1), (0, 0))) if n == 1 else x, screen.weight,
+                            preferred_element_type=jnp.float32)[:n]
         blocks = jnp.pad(approx, ((0, 0), (0, pad)), constant_values=NEG_INF) if pad else approx
-        return jnp.max(blocks.reshape(x.shape[0], -1, VOCAB_BLOCK), axis=-1)
+        return jnp.max(blocks.reshape(n, -1, VOCAB_BLOCK), axis=-1)
 
     # Banned ids stay in the block maxima (a bound that can only be too high, so still a bound); they
     # are masked among the candidates below (masking them in A costs a [B, V] scatter). SCREEN_ROWS rows
@@ -255,8 +261,13 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
     ids = (chosen[:, :, None] * VOCAB_BLOCK + jnp.arange(VOCAB_BLOCK)).reshape(b, k * VOCAB_BLOCK)
     exact = jnp.einsum("nh,nch->nc", hidden, weight[jnp.minimum(ids, v - 1)],
                        preferred_element_type=jnp.float32)
-    banned = jnp.any(ids[:, :, None] == p.ban_ids[:, None, :], axis=-1)
-    exact = jnp.where((ids < v) & ~banned, exact, NEG_INF)
+    # Bans among the candidates: a banned id's block is found among the k chosen ones ([B, BAN_WIDTH, k]
+    # compares instead of [B, k * VOCAB_BLOCK, BAN_WIDTH]) and its candidate position set to NEG_INF.
+    ban_block = jnp.where(p.ban_ids >= 0, p.ban_ids // VOCAB_BLOCK, -1)
+    match = ban_block[:, :, None] == chosen[:, None, :]  # [B, W, k]
+    ban_pos = jnp.where(jnp.any(match, axis=-1),
+                        jnp.argmax(match, axis=-1) * VOCAB_BLOCK + p.ban_ids % VOCAB_BLOCK, k * VOCAB_BLOCK)
+    exact = jnp.where(ids < v, exact, NEG_INF).at[rows, ban_pos].set(NEG_INF, mode="drop")
     best, pos = jax.lax.top_k(exact, 1)
     winner = jnp.take_along_axis(ids, pos, axis=1)[:, 0].astype(jnp.int32)
     h_norm = jnp.linalg.norm(hidden, axis=-1, keepdims=True)

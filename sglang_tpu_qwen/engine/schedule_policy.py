@@ -5,8 +5,10 @@ It owns the waiting queue and the running list and every page and slot decision:
   chunk (free or evictable); with the radix cache and --schedule-policy lpm the queue is ordered longest
   cached prefix first; a request waits until its grammar is compiled;
 - rank choice (--dp-size): the rank holding the longest cached prefix, else the least loaded;
-- extend or decode: extend steps take priority, but never twice in a row while requests are decoding, so
-  a stream of long prompts cannot stall the decodes; each rank has its own prefill-token budget;
+- extend or decode: extend steps take priority (SGLang's scheduler: a prefill batch runs whenever there is
+  one, decode otherwise), so admitted prompts reach the decode batch together and decode steps run full;
+  a burst of prompts pauses the decodes for its prefill steps (as in SGLang; PD disaggregation is the
+  remedy); each rank has its own prefill-token budget;
 - pages: each picked request gets the pages of its new tokens; when a rank runs out, its newest request is
   retracted (memory freed, back to the front of the queue, later re-prefilled from prompt + output), so
   memory pressure never crashes the server.
@@ -42,7 +44,6 @@ class SchedulePolicy:
         self.ranks = [RankMemory.build(runner, args, rank) for rank in range(runner.dp)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.last_was_extend = False
         self._admit_counter = 0
 
     # ---- admission -----------------------------------------------------------------------------
@@ -158,13 +159,10 @@ class SchedulePolicy:
             chosen, mode = self._pick_decode(), ForwardMode.DECODE
         if not chosen:
             return ForwardMode.IDLE, []
-        self.last_was_extend = mode is ForwardMode.EXTEND
         return mode, chosen
 
     def _want_extend(self) -> bool:
-        has_extend = any(r.pending > 1 for r in self.running)
-        has_decode = any(r.pending == 1 for r in self.running)
-        return has_extend and (not has_decode or not self.last_was_extend)
+        return any(r.pending > 1 for r in self.running)
 
     def _pick_extend(self) -> list[tuple[Request, int]]:
         """Prefill chunks for this step, shaped to fit a compiled bucket (engine/buckets.py): at most

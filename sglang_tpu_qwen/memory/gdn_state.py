@@ -52,14 +52,17 @@ def _write_body(cache: dict, slot: jax.Array, conv: jax.Array, rec: jax.Array) -
     return out
 
 
-def _padded(pairs: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
-    """Pad to a power of two with 0 -> 0 copies (slot 0 is the trash slot) to bound compilations."""
+def _padded(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Pad to a power of two with 0 -> 0 copies (slot 0 is the trash slot) to bound compilations.
+
+    Host arrays: the jitted copy takes them with its call (an eager `jnp.asarray` per array cost more than
+    the copy itself in the serving loop)."""
     n = next_pow2(len(pairs))
     src = np.zeros(n, np.int32)
     dst = np.zeros(n, np.int32)
     for i, (s, d) in enumerate(pairs):
         src[i], dst[i] = s, d
-    return jnp.asarray(src), jnp.asarray(dst)
+    return src, dst
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def copy_slots(cache: dict, pairs: list[tuple[int, int]]) -> dict:
     if split is not None:
         src, dst = _per_rank(split, [[s for s, _ in pairs], [d for _, d in pairs]], split.per_rank)
         src = np.where(src == split.per_rank, 0, src)  # padding reads slot 0 and writes nowhere
-        return _run(cache, jnp.asarray(src), jnp.asarray(dst), body=_copy_body, split=split, num_ids=2)
+        return _run(cache, src, dst, body=_copy_body, split=split, num_ids=2)
     src, dst = _padded(pairs)
     return _run(cache, src, dst, body=_copy_body, split=None, num_ids=2)
 
@@ -145,11 +148,11 @@ def fill_nan(cache: dict, slots: list[int]) -> dict:
     split = _rank_split(cache)
     if split is not None:
         (dst,) = _per_rank(split, [slots], split.per_rank)  # padding: out of range, dropped
-        return _run(cache, jnp.asarray(dst), body=_fill_nan_body, split=split, num_ids=1)
+        return _run(cache, dst, body=_fill_nan_body, split=split, num_ids=1)
     # Pad by repeating the first slot, not with the trash slot 0, which padded batch rows read.
     arr = np.full(next_pow2(len(slots)), slots[0], np.int32)
     arr[: len(slots)] = slots
-    return _run(cache, jnp.asarray(arr), body=_fill_nan_body, split=None, num_ids=1)
+    return _run(cache, arr, body=_fill_nan_body, split=None, num_ids=1)
 
 
 def read_slot(cache: dict, slot: int) -> tuple[np.ndarray, np.ndarray]:
