@@ -258,7 +258,6 @@ class ModelRunner:
             kind: jax.jit(self._per_rank(partial(_sample_program, config=self.config, kind=kind)))
             for kind in SAMPLE_KINDS
         }
-        v = self.config.vocab_size
         # Not donated: the first call reads the resident zero table of _unused_inputs.
         self._penalty_jit = jax.jit(sampler.penalty_update,
                                     out_shardings=None if self.layout is None else self._row_sharding(2))
