@@ -399,6 +399,7 @@ class ModelRunner:
         for b in self.buckets.sample_batches():
             self._unused_inputs(b)
         self._precompile_slot_copies()
+        self._run_every_program_once()
         stats = {"programs": compilation.jit_compilations() - comps0,
                  "from_cache": compilation.cache_hits() - hits0,
                  "seconds": time.perf_counter() - start}
@@ -411,6 +412,34 @@ class ModelRunner:
         self._ready = True
         compilation.arm()
         return stats
+
+    def _run_every_program_once(self) -> None:
+        """Execute each step and sampling program once on padding rows (trash page 0 and slot 0, nothing
+        sampled for a request): XLA:CPU initialises an executable on its first run (~30 ms measured per
+        program), which would otherwise land on the first request of each shape."""
+        pages = self.buckets.pages
+        outs: dict[int, StepOutput] = {}
+        for bucket in self.buckets.step_buckets():
+            b, zeros = bucket.batch, np.zeros(bucket.batch, np.int32)
+            out = self.forward(np.zeros((b, bucket.tokens), np.int32), zeros, zeros, np.zeros((b, pages), np.int32),
+                               zeros)
+            if bucket.mode == "decode":
+                outs[b] = out
+        for b in self.buckets.sample_batches():
+            f32 = np.zeros(b, np.float32)
+            none = np.full((b, 1), -1, np.int32)
+            base = SamplingBatch(f32, np.ones(b, np.float32), np.zeros(b, np.int32), f32, np.zeros(b, np.uint32),
+                                 np.zeros(b, np.int32), np.ones(b, np.float32), f32, f32, None, None, none, False, 0)
+            for batch in (base, dataclasses.replace(base, temperature=np.ones(b, np.float32), seen_ids=none,
+                                                    output_ids=none),
+                          dataclasses.replace(base, want_logprobs=True)):
+                self.keep_sampled(self.sample(outs[b], batch))
+        first = next(iter(outs.values()))
+        one = np.zeros(1, np.int32)
+        self.logprobs_at(first, one, one, one, 0)
+        jax.block_until_ready(self.cache)
+        self._last_decode_start = None
+        self.stats.reset()
 
     def _precompile_slot_copies(self) -> None:
         """The prefix cache copies GDN slots in groups padded to powers of two (memory/gdn_state.py): run each
