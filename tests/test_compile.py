@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from pd_harness import ServerProc, assert_idle_and_free, compile_cache_env
 
-from sglang_tpu_qwen.engine import sampler
+from sglang_tpu_qwen.engine import greedy_screen, sampler
 from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket
 
 CHUNK = 32
@@ -233,21 +233,22 @@ def test_screened_greedy_equals_float32_argmax() -> None:
     v, h, b = 1000, 16, 64
     weight = jax.random.normal(jax.random.PRNGKey(3), (v, h)) * 0.5
     hidden = jax.random.normal(jax.random.PRNGKey(4), (b, h)) * 3
-    screen = sampler.greedy_screen(weight)
+    screen = greedy_screen.greedy_screen(weight)
     assert screen.weight.dtype == jnp.bfloat16 and screen.norm.shape == screen.residual_norm.shape == (8,)
     ban_ids = np.full((b, sampler.BAN_WIDTH), -1, np.int32)
     full = hidden @ weight.T
     ban_ids[:8, 0] = np.argmax(np.asarray(full[:8]), axis=-1)  # rows 0-7: the argmax is banned
     rows = _rows(b, v, ban_ids=ban_ids)
     want = np.asarray(sampler.greedy_tokens(full, rows))
-    got = np.asarray(sampler.screened_greedy(hidden, weight, screen, rows, _features()))
+    got = np.asarray(greedy_screen.screened_greedy(hidden, weight, screen, rows, _features()))
     assert np.array_equal(got, want)
     assert not np.any(got[:8] == ban_ids[:8, 0])
     # An exact tie between ids 5 and 900 (different blocks): the lowest id wins.
     e = hidden[:1]
     top = jnp.sign(e[0]) * 10
     tied = weight.at[5].set(top).at[900].set(top)
-    assert int(sampler.screened_greedy(e, tied, sampler.greedy_screen(tied), _rows(1, v), _features())[0]) == 5
+    screen = greedy_screen.greedy_screen(tied)
+    assert int(greedy_screen.screened_greedy(e, tied, screen, _rows(1, v), _features())[0]) == 5
 
 
 def test_inverse_cdf_matches_the_cumulative_definition() -> None:

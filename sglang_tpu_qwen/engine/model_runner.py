@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from sglang_tpu_qwen.engine import compilation, memory_accounting, sampler
+from sglang_tpu_qwen.engine import compilation, greedy_screen, memory_accounting, sampler
 from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket, next_pow2
 from sglang_tpu_qwen.engine.weight_loading import load_weights
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
@@ -169,8 +169,8 @@ class ModelRunner:
         # Each tensor goes from the files straight into its final sharding (engine/weight_loading.py).
         self.params = load_weights(model_path, self.config, self.dtype, args, self.layout, self._device)
         head = self.params["embed"] if self.config.tie_word_embeddings else self.params["lm_head"]
-        if head.dtype == jnp.float32:  # greedy steps read a bfloat16 screen of it (sampler.screened_greedy)
-            self.params["lm_head_screen"] = jax.jit(sampler.greedy_screen)(head)
+        if head.dtype == jnp.float32:  # greedy steps read a bfloat16 screen of it (engine/greedy_screen.py)
+            self.params["lm_head_screen"] = jax.jit(greedy_screen.greedy_screen)(head)
         if self.layout is not None:
             logger.info("mesh %s: attention dp=%d over %s, experts ep=%d, MoE combine %s",
                         dict(self.layout.mesh.shape), self.dp, "+".join(self.layout.batch_axes), args.ep_size,
@@ -767,7 +767,7 @@ def _sample_program(params, last, rp, f, *, config, kind):
         if screen is None:
             return (sampler.greedy_tokens(compute_logits(params, last, config=config), rp), *none)
         weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-        return (sampler.screened_greedy(last, weight, screen, rp, f), *none)
+        return (greedy_screen.screened_greedy(last, weight, screen, rp, f), *none)
     logits = compute_logits(params, last, config=config)
     tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
     if kind == "sample":

@@ -8,7 +8,7 @@ skipped at run time by `lax.cond` on a feature flag computed by the host (`Featu
 program. Fixed bounds (requests beyond them are refused with a 400 before they enter a batch,
 engine/engine.py):
 
-- TOP_K_BOUND: top-k up to this uses `lax.top_k(., TOP_K_BOUND)`; a larger top_k (SGLang allows any) falls
+- TOP_K_BOUND: top-k up to this uses `vocab_top_k(., TOP_K_BOUND)`; a larger top_k (SGLang allows any) falls
   back to a bisection on the k-th value (exact up to ties), only in steps that have such a row.
 - TOP_LOGPROBS_MAX: alternatives per position (`top_logprobs_num`); OpenAI's chat API caps it at 20 too.
 - LOGIT_BIAS_MAX: entries of one request's `logit_bias` (OpenAI documents no number; 300 is what the
@@ -31,8 +31,6 @@ LOGIT_BIAS_WIDTH = 304  # LOGIT_BIAS_MAX padded to a multiple of 16
 BAN_WIDTH = 256
 PENALTY_CHUNK = 1024  # ids per call of the penalty-table programs
 VOCAB_BLOCK = 128  # vocabulary ids per block of vocab_top_k's first reduction
-SCREEN_BLOCKS = 4  # vocabulary blocks whose float32 logits screened_greedy computes
-SCREEN_ROWS = 32  # rows per bfloat16 product of screened_greedy
 _TOP_P_SEARCH_STEPS = 32
 
 
@@ -191,97 +189,6 @@ def greedy_tokens(logits: jax.Array, p: RowParams) -> jax.Array:
     temperature-0 rows are greedy). logits [B, V] float32 -> [B] int32, lowest id on ties.
     """
     return greedy_ids(_bias_and_bans(logits, p))
-
-
-class GreedyScreen(NamedTuple):
-    """A bfloat16 screen of a float32 lm_head for `screened_greedy` (built once by `greedy_screen`).
-
-    weight: [V, H] bfloat16, the lm_head rounded. Per block of VOCAB_BLOCK ids ([ceil(V / VOCAB_BLOCK)]
-    float32): residual_norm, the largest ||lm_head[v] - weight[v]||_2 of the block; norm, the largest
-    ||weight[v]||_2.
-    """
-
-    weight: jax.Array
-    residual_norm: jax.Array
-    norm: jax.Array
-
-
-def greedy_screen(weight: jax.Array) -> GreedyScreen:
-    """The screen of a float32 lm_head weight [V, H] (HF layout). Jit it: it reads the weight once."""
-    v, h = weight.shape
-    rounded = weight.astype(jnp.bfloat16)
-    pad = -v % VOCAB_BLOCK
-
-    def block_max(x: jax.Array) -> jax.Array:  # [V] -> [ceil(V / VOCAB_BLOCK)]
-        return jnp.max(jnp.pad(x, (0, pad)).reshape(-1, VOCAB_BLOCK), axis=-1)
-
-    residual = jnp.linalg.norm(weight - rounded.astype(jnp.float32), axis=-1)
-    return GreedyScreen(rounded, block_max(residual), block_max(jnp.linalg.norm(rounded.astype(jnp.float32), axis=-1)))
-
-
-def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, p: RowParams,
-                    f: Features) -> jax.Array:
-    """`greedy_tokens(hidden @ weight.T, p)` for a float32 lm_head, reading it mostly in bfloat16.
-
-    The argmax of the float32 logits is found without computing all of them: (1) approximate logits A
-    from the bfloat16 screen (hidden rounded too, float32 accumulation); (2) the float32 logits of every
-    id in the SCREEN_BLOCKS blocks of VOCAB_BLOCK ids with the largest A, and their maximum m over the
-    ids not banned; (3) a certificate: every other block b must satisfy max(A over b) + err_b < m, with
-    err_b bounding |A - logits| over the block by Cauchy-Schwarz on the two rounding residuals,
-    ||h|| * residual_norm[b] + ||h - bf16(h)|| * norm[b], plus the float32 accumulation error of both
-    products (H * 2^-24 relative each), times 1.05. Rows without a certificate (near ties across blocks),
-    or a step with logit_bias, take the float32 logits of the whole vocabulary (one `lax.cond` for the
-    step). So the result is the float32 argmax, lowest id on ties: the tokens of the unscreened program.
-
-    Why: greedy decode at a small batch reads the whole lm_head every step; on XLA:CPU (where the model
-    computes in float32) that read is the largest cost of a decode step, and bfloat16 halves it.
-
-    hidden: [B, H] float32; weight: [V, H] float32; screen: greedy_screen(weight). Returns [B] int32.
-    """
-    (b, h), v = hidden.shape, weight.shape[0]
-    rows = jnp.arange(b)[:, None]
-    rounded = hidden.astype(jnp.bfloat16)
-    pad = -v % VOCAB_BLOCK
-
-    def approx_block_max(x: jax.Array) -> jax.Array:  # [n, H] bfloat16 -> [n, nb]: max of A per block
-        n = x.shape[0]
-        # One row pads to two: XLA:CPU's bfloat16 matrix-vector product is 13x slower than this.
-        approx = jnp.einsum("nh,vh->nv", jnp.pad(x, ((0, 1), (0, 0))) if n == 1 else x, screen.weight,
-                            preferred_element_type=jnp.float32)[:n]
-        blocks = jnp.pad(approx, ((0, 0), (0, pad)), constant_values=NEG_INF) if pad else approx
-        return jnp.max(blocks.reshape(n, -1, VOCAB_BLOCK), axis=-1)
-
-    # Banned ids stay in the block maxima (a bound that can only be too high, so still a bound); they
-    # are masked among the candidates below (masking them in A costs a [B, V] scatter). SCREEN_ROWS rows
-    # per product: XLA:CPU takes 4.7x as long for 64 rows as for 32 (the [rows, V] result outgrows the
-    # caches), 2x for two products of 32.
-    block_max = jnp.concatenate([approx_block_max(rounded[i : i + SCREEN_ROWS]) for i in range(0, b, SCREEN_ROWS)])
-    k = min(SCREEN_BLOCKS, block_max.shape[1])
-    chosen = jnp.sort(jax.lax.top_k(block_max, k)[1], axis=-1)  # [B, k] ascending: ties keep the lowest id
-    ids = (chosen[:, :, None] * VOCAB_BLOCK + jnp.arange(VOCAB_BLOCK)).reshape(b, k * VOCAB_BLOCK)
-    exact = jnp.einsum("nh,nch->nc", hidden, weight[jnp.minimum(ids, v - 1)],
-                       preferred_element_type=jnp.float32)
-    # Bans among the candidates: a banned id's block is found among the k chosen ones ([B, BAN_WIDTH, k]
-    # compares instead of [B, k * VOCAB_BLOCK, BAN_WIDTH]) and its candidate position set to NEG_INF.
-    ban_block = jnp.where(p.ban_ids >= 0, p.ban_ids // VOCAB_BLOCK, -1)
-    match = ban_block[:, :, None] == chosen[:, None, :]  # [B, W, k]
-    ban_pos = jnp.where(jnp.any(match, axis=-1),
-                        jnp.argmax(match, axis=-1) * VOCAB_BLOCK + p.ban_ids % VOCAB_BLOCK, k * VOCAB_BLOCK)
-    exact = jnp.where(ids < v, exact, NEG_INF).at[rows, ban_pos].set(NEG_INF, mode="drop")
-    best, pos = jax.lax.top_k(exact, 1)
-    winner = jnp.take_along_axis(ids, pos, axis=1)[:, 0].astype(jnp.int32)
-    h_norm = jnp.linalg.norm(hidden, axis=-1, keepdims=True)
-    h_residual = jnp.linalg.norm(hidden - rounded.astype(jnp.float32), axis=-1, keepdims=True)
-    accumulation = 2 * h * 2.0**-24 * h_norm * (screen.norm + screen.residual_norm)
-    err = 1.05 * (h_norm * screen.residual_norm + h_residual * screen.norm + accumulation)  # [B, nb]
-    others = jnp.ones(block_max.shape, jnp.bool_).at[rows, chosen].set(False)
-    bound = jnp.where(others, block_max + err, -jnp.inf)
-    certified = jnp.all(bound < best, axis=-1) & (best[:, 0] > NEG_INF)
-
-    def full() -> jax.Array:
-        return greedy_tokens(jnp.einsum("nh,vh->nv", hidden, weight, preferred_element_type=jnp.float32), p)
-
-    return jax.lax.cond(f.bias | ~jnp.all(certified), full, lambda: winner)
 
 
 def _top_p_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
