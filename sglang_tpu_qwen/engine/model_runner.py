@@ -527,8 +527,12 @@ class ModelRunner:
             raise AssertionError("a row uses a page or slot of another DP rank")
         return local
 
-    def _put(self, arrays: list[np.ndarray], replicated: bool = False) -> list[jax.Array]:
-        """Host arrays -> device arrays with the shardings the compiled programs expect (one transfer call)."""
+    def _put(self, arrays: list[np.ndarray], replicated: bool = False) -> list[jax.Array | np.ndarray]:
+        """Host arrays as the compiled programs take them: on one device the arrays themselves (the compiled
+        call transfers them in C++; `jax.device_put` cost ~0.2 ms of Python per array, ~4 ms of host time per
+        128-row step), with a mesh device arrays with the programs' shardings (one transfer call)."""
+        if self.layout is None:
+            return [np.asarray(a) for a in arrays]
         shardings = [self._replicated() if replicated else self._batch_sharding(np.ndim(a)) for a in arrays]
         return jax.device_put(arrays, shardings)
 
