@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.engine.sampler import NEG_INF, VOCAB_BLOCK, Features, RowParams, greedy_tokens
+from sglang_tpu_qwen.engine.sampler import NEG_INF, VOCAB_BLOCK, Features, RowParams, greedy_tokens, vocab_blocks
 
 SCREEN_BLOCKS = 4  # vocabulary blocks whose float32 logits screened_greedy computes
 SCREEN_ROWS = 32  # rows per bfloat16 product of screened_greedy
@@ -33,12 +33,10 @@ class GreedyScreen(NamedTuple):
 
 def greedy_screen(weight: jax.Array) -> GreedyScreen:
     """The screen of a float32 lm_head weight [V, H] (HF layout). Jit it: it reads the weight once."""
-    v, h = weight.shape
     rounded = weight.astype(jnp.bfloat16)
-    pad = -v % VOCAB_BLOCK
 
     def block_max(x: jax.Array) -> jax.Array:  # [V] -> [ceil(V / VOCAB_BLOCK)]
-        return jnp.max(jnp.pad(x, (0, pad)).reshape(-1, VOCAB_BLOCK), axis=-1)
+        return jnp.max(vocab_blocks(x, 0.0), axis=-1)
 
     residual = jnp.linalg.norm(weight - rounded.astype(jnp.float32), axis=-1)
     return GreedyScreen(rounded, block_max(residual), block_max(jnp.linalg.norm(rounded.astype(jnp.float32), axis=-1)))
@@ -66,15 +64,13 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
     (b, h), v = hidden.shape, weight.shape[0]
     rows = jnp.arange(b)[:, None]
     rounded = hidden.astype(jnp.bfloat16)
-    pad = -v % VOCAB_BLOCK
 
     def approx_block_max(x: jax.Array) -> jax.Array:  # [n, H] bfloat16 -> [n, nb]: max of A per block
         n = x.shape[0]
         # One row pads to two: XLA:CPU's bfloat16 matrix-vector product is 13x slower than this.
         approx = jnp.einsum("nh,vh->nv", jnp.pad(x, ((0, 1), (0, 0))) if n == 1 else x, screen.weight,
                             preferred_element_type=jnp.float32)[:n]
-        blocks = jnp.pad(approx, ((0, 0), (0, pad)), constant_values=NEG_INF) if pad else approx
-        return jnp.max(blocks.reshape(n, -1, VOCAB_BLOCK), axis=-1)
+        return jnp.max(vocab_blocks(approx, NEG_INF), axis=-1)
 
     # Banned ids stay in the block maxima (a bound that can only be too high, so still a bound); they
     # are masked among the candidates below (masking them in A costs a [B, V] scatter). SCREEN_ROWS rows

@@ -32,7 +32,7 @@ from sglang_tpu_qwen.engine.weight_loading import load_weights
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.memory import gdn_state, kv_io
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
-from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache
+from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache, lm_head_weight
 from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
 from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs, param_pspecs
@@ -168,7 +168,7 @@ class ModelRunner:
         self._device = devices[0] if devices and self.layout is None else None
         # Each tensor goes from the files straight into its final sharding (engine/weight_loading.py).
         self.params = load_weights(model_path, self.config, self.dtype, args, self.layout, self._device)
-        head = self.params["embed"] if self.config.tie_word_embeddings else self.params["lm_head"]
+        head = lm_head_weight(self.params, self.config)
         if head.dtype == jnp.float32:  # greedy steps read a bfloat16 screen of it (engine/greedy_screen.py)
             self.params["lm_head_screen"] = jax.jit(greedy_screen.greedy_screen)(head)
         if self.layout is not None:
@@ -398,8 +398,8 @@ class ModelRunner:
                 bar.update(1)
         for b in self.buckets.sample_batches():
             self._unused_inputs(b)
-        self._precompile_slot_copies()
         self._run_every_program_once()
+        self._precompile_slot_copies()
         stats = {"programs": compilation.jit_compilations() - comps0,
                  "from_cache": compilation.cache_hits() - hits0,
                  "seconds": time.perf_counter() - start}
@@ -447,12 +447,8 @@ class ModelRunner:
         if not self.has_prefix_cache:
             return
         # The copies are plain jit calls keyed on the cache's sharding, which may differ between a cache from
-        # a step program and one from a copy (meshes): run one padding-only step (trash page and slot), then
-        # every size twice, so both inputs are seen.
-        b, pages = self.buckets.decode_bucket(1).batch, self.buckets.pages
-        zeros = np.zeros(b, np.int32)
-        self.forward(np.zeros((b, 1), np.int32), zeros, zeros, np.zeros((b, pages), np.int32), zeros)
-        self._last_decode_start = None
+        # a step program and one from a copy (meshes): the cache here comes from a step program
+        # (_run_every_program_once runs first); every size twice, so both inputs are seen.
         sizes = [1 << i for i in range(next_pow2(self.buckets.max_decode_rows).bit_length())]
         for n in sizes + sizes:
             self.cache = gdn_state.copy_slots(self.cache, [(0, 0)] * n)
@@ -765,17 +761,16 @@ def _sample_program(params, last, rp, f, *, config, kind):
     "logprobs" apply everything and sample each row with its temperature (0: argmax), top-k, top-p and
     min-p."""
     b = last.shape[0]
+    none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
     if kind == "greedy":
-        none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
         screen = params.get("lm_head_screen")
         if screen is None:
             return (sampler.greedy_tokens(compute_logits(params, last, config=config), rp), *none)
-        weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-        return (greedy_screen.screened_greedy(last, weight, screen, rp, f), *none)
+        return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen, rp, f), *none)
     logits = compute_logits(params, last, config=config)
     tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
     if kind == "sample":
-        return (tokens, jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
+        return (tokens, *none)
     return (tokens, *sampler.token_logprobs(logits, tokens, sampler.TOP_LOGPROBS_MAX))
 
 

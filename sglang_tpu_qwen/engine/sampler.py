@@ -241,6 +241,15 @@ def _top_k_cut(scaled: jax.Array, top_k: jax.Array, large: jax.Array) -> jax.Arr
     return jnp.where((top_k[:, None] > 0) & (scaled < cut[:, None]), NEG_INF, scaled)
 
 
+def vocab_blocks(x: jax.Array, fill: float) -> jax.Array:
+    """[..., V] -> [..., ceil(V / VOCAB_BLOCK), VOCAB_BLOCK]: the last axis padded with `fill` and split
+    into blocks of VOCAB_BLOCK ids (block j holds ids [j * VOCAB_BLOCK, (j + 1) * VOCAB_BLOCK))."""
+    pad = -x.shape[-1] % VOCAB_BLOCK
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=fill)
+    return x.reshape(*x.shape[:-1], -1, VOCAB_BLOCK)
+
+
 def vocab_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k` over the last axis (values descending, lowest id first on ties), in two short passes.
 
@@ -253,13 +262,10 @@ def vocab_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     x: [B, V] float32; k: static, <= V. Returns (values [B, k] float32, ids [B, k] int32).
     """
     b, v = x.shape
-    blocks_n = -(-v // VOCAB_BLOCK)
-    if blocks_n <= k:
+    if -(-v // VOCAB_BLOCK) <= k:
         vals, ids = jax.lax.top_k(x, k)
         return vals, ids.astype(jnp.int32)
-    pad = -v % VOCAB_BLOCK
-    padded = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
-    blocks = padded.reshape(b, blocks_n, VOCAB_BLOCK)
+    blocks = vocab_blocks(x, -jnp.inf)
     chosen = jnp.sort(jax.lax.top_k(jnp.max(blocks, axis=-1), k)[1], axis=-1)
     candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(b, k * VOCAB_BLOCK)
     vals, pos = jax.lax.top_k(candidates, k)
@@ -305,9 +311,7 @@ def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     Two levels, as vocab_top_k: the cumulative mass of VOCAB_BLOCK-wide blocks picks the block, a cumsum
     inside that block picks the id (a cumsum over all V ids is a slow reduce-window on XLA:CPU).
     """
-    b, v = probs.shape
-    pad = -v % VOCAB_BLOCK
-    blocks = (jnp.pad(probs, ((0, 0), (0, pad))) if pad else probs).reshape(b, -1, VOCAB_BLOCK)
+    blocks = vocab_blocks(probs, 0.0)
     mass = jnp.sum(blocks, axis=-1)
     block_cdf = jnp.cumsum(mass, axis=-1)
     target = u * block_cdf[:, -1]

@@ -165,6 +165,10 @@ def compute_logits(params: Params, hidden: jax.Array, *, config: Qwen35MoeConfig
     Returns:
         ``[N, V]`` float32.
     """
+    return jnp.einsum("nh,vh->nv", hidden, lm_head_weight(params, config), preferred_element_type=jnp.float32)
+
+
+def lm_head_weight(params: Params, config: Qwen35MoeConfig) -> jax.Array:
+    """The ``[V, H]`` (HF layout) output projection: ``lm_head``, or ``embed`` when the embeddings are tied."""
     # [V, H] for both: contracting over the contiguous H axis is ~2.5x faster on XLA:CPU than [H, V].
-    weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("nh,vh->nv", hidden, weight, preferred_element_type=jnp.float32)
+    return params["embed"] if config.tie_word_embeddings else params["lm_head"]
