@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang_tpu_qwen.host_allocator import configure_host_allocator
+
 __all__ = ["Engine"]
+
+# Before anything imports JAX: XLA:CPU's threads pick their malloc arena on their first allocation.
+configure_host_allocator()
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.engine.sampler import NEG_INF, VOCAB_BLOCK, Features, RowParams, greedy_tokens, vocab_blocks
 
 SCREEN_BLOCKS = 4  # vocabulary blocks whose float32 logits screened_greedy computes
-SCREEN_ROWS = 32  # rows per bfloat16 product of screened_greedy
+SCREEN_ROWS = 64  # rows per bfloat16 product of screened_greedy
 
 
 class GreedyScreen(NamedTuple):

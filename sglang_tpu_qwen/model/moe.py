@@ -90,10 +90,10 @@ def all_experts(
     """
     n = x.shape[0]
     combine = jnp.zeros((n, w_gate.shape[0]), weights.dtype).at[jnp.arange(n)[:, None], expert_ids].add(weights)
-    gate = jnp.einsum("nh,ehi->eni", x, w_gate)
-    up = jnp.einsum("nh,ehi->eni", x, w_up)
-    ys = jnp.einsum("eni,eih->enh", jax.nn.silu(gate) * up, w_down)
-    return jnp.einsum("enh,ne->nh", ys, combine).astype(x.dtype)
+    gate = jnp.einsum("nh,ehi->nei", x, w_gate)
+    up = jnp.einsum("nh,ehi->nei", x, w_up)
+    act = jax.nn.silu(gate) * up * combine[:, :, None].astype(gate.dtype)
+    return jnp.einsum("nei,eih->nh", act, w_down).astype(x.dtype)
 
 
 def shared_expert(p: dict[str, Any], x: jax.Array) -> jax.Array:

@@ -1,0 +1,61 @@
+"""Keep freed host memory in the process, so XLA:CPU's per-step buffers do not page-fault every step.
+
+XLA:CPU allocates each program's temporaries and results with the C library's `malloc` on every
+execution. glibc serves blocks above 32 MB (and blocks of its per-thread arenas that do not fit their
+64 MB heaps) with a fresh `mmap` and returns them with `munmap` on free, so every step's large buffers
+(the [B, V] float32 logits of a sampling step are 32 MB at B = 32 for Qwen3.5's vocabulary) are
+faulted in page by page again on every step. Measured on the 2-core CPU (`x * 2` over a 32 MB array,
+one fresh result per call): 8,193 minor page faults and 11 ms per call, 1.7 ms with the settings below;
+the 128-row bfloat16 lm_head screen 58 -> 18 ms.
+
+`configure_host_allocator` sets glibc's own knobs (`mallopt`, the documented interface for this):
+no mmap for large blocks (M_MMAP_MAX = 0), no trimming of the heap top (M_TRIM_THRESHOLD 2 GiB - 1),
+and one arena for all threads (M_ARENA_MAX = 1; large blocks from a per-thread arena would still be
+mmapped). The cost: host memory freed by the process is kept for reuse instead of being returned to the
+OS (the resident size stays at its peak). It must run before JAX starts its CPU client, whose threads
+pick their arena when they first allocate; the package's `__init__` calls it on first import.
+
+Not glibc (musl, macOS) or `SGLANG_TPU_QWEN_DEFAULT_MALLOC=1` in the environment: nothing changes.
+A library allocator (jemalloc, tcmalloc) would do the same by `LD_PRELOAD`, but it is a system
+package the project cannot install with pip; glibc's settings need nothing installed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+OPT_OUT_ENV = "SGLANG_TPU_QWEN_DEFAULT_MALLOC"
+
+# mallopt parameters (glibc malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
+
+_configured: bool | None = None
+
+
+def configure_host_allocator() -> bool:
+    """Apply the settings above once per process.
+
+    Returns True when glibc accepted all three settings (now or on an earlier call), False when nothing
+    was changed (not Linux/glibc, the opt-out variable is set, or mallopt refused). Never raises.
+    """
+    global _configured
+    if _configured is not None:
+        return _configured
+    _configured = False
+    if os.environ.get(OPT_OUT_ENV) == "1" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    results = [mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES), mallopt(M_ARENA_MAX, 1)]
+    _configured = all(r == 1 for r in results)  # mallopt returns 1 on success
+    return _configured
