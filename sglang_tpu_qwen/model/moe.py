@@ -85,8 +85,11 @@ def all_experts(
 
     E / k times the routed flops, but no sort, gather or scatter. For XLA:CPU only, whose `ragged_dot`
     expands to a masked dense product over all E groups for every gathered row (E * N * k rows: measured
-    2.5x this form's time at E = 12, and linear in E). Same arguments and result as routed_experts; the
-    weights must be dense arrays.
+    2.5x this form's time at E = 12, and linear in E). The routing weights scale the SwiGLU activations
+    (the down projection is linear), so the down projection and the combine are one [N, E*I] x [E*I, H]
+    product: 2.3x faster at N = 512 than weighting each expert's [N, H] output (measured on the 2-core
+    CPU). Same arguments and result as routed_experts (up to float summation order); the weights must be
+    dense arrays.
     """
     n = x.shape[0]
     combine = jnp.zeros((n, w_gate.shape[0]), weights.dtype).at[jnp.arange(n)[:, None], expert_ids].add(weights)
