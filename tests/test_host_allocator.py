@@ -46,9 +46,9 @@ def _probe(**env: str) -> tuple[bool, float]:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc settings")
 def test_large_step_buffers_stop_faulting() -> None:
-    configured, faults = _probe()
+    configured, faults = _probe(**{host_allocator.OPT_IN_ENV: "1"})
     assert configured
-    default_configured, default_faults = _probe(**{host_allocator.OPT_OUT_ENV: "1"})
+    default_configured, default_faults = _probe(**{host_allocator.OPT_IN_ENV: "0"})
     assert not default_configured
     pages = 64 * 1024 * 1024 // 4096
     # Default glibc: the 16,384 pages of each fresh result are faulted in again on every call. With the

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("server_args",),  # flags (names of the chat parsers come from parsers/)
     ("parsers",),  # reasoning and tool-call parsers
     ("tokenizer",),
-    ("errors", "utils"),  # exception types and small helpers every layer may use
+    ("errors", "utils", "host_allocator"),  # exception types, small helpers, process settings: any layer may use
 ]
 
 

@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.engine.sampler import NEG_INF, VOCAB_BLOCK, Features, RowParams, greedy_tokens, vocab_blocks
+from sglang_tpu_qwen.host_allocator import configure_host_allocator
 
 SCREEN_BLOCKS = 4  # vocabulary blocks whose float32 logits screened_greedy computes
-SCREEN_ROWS = 64  # rows per bfloat16 product of screened_greedy
+SCREEN_ROWS = 32  # rows per bfloat16 product of screened_greedy (glibc's default allocator)
+SCREEN_ROWS_KEPT_MEMORY = 64  # the same with host_allocator's settings (SGLANG_TPU_QWEN_KEEP_HOST_MEMORY=1)
 
 
 class GreedyScreen(NamedTuple):
@@ -73,11 +75,12 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
         return jnp.max(vocab_blocks(approx, NEG_INF), axis=-1)
 
     # Banned ids stay in the block maxima (a bound that can only be too high, so still a bound); they
-    # are masked among the candidates below (masking them in A costs a [B, V] scatter). SCREEN_ROWS rows
-    # per product (2-core CPU, host allocator of host_allocator.py): 128 rows in two products of 64 took
-    # 31 ms, in four of 32 38 ms; a single product past ~64 rows gains nothing (its [rows, V] float32
-    # result outgrows the caches).
-    block_max = jnp.concatenate([approx_block_max(rounded[i : i + SCREEN_ROWS]) for i in range(0, b, SCREEN_ROWS)])
+    # are masked among the candidates below (masking them in A costs a [B, V] scatter). Rows per product
+    # (2-core CPU): with glibc's defaults a [64, V] float32 result (64 MB, above its 32 MiB mmap
+    # threshold) is page-faulted in on every call, 4.7x the time of 32 rows; with the host allocator's
+    # settings 128 rows in two products of 64 took 31 ms, in four of 32 38 ms.
+    rows_per = SCREEN_ROWS_KEPT_MEMORY if configure_host_allocator() else SCREEN_ROWS
+    block_max = jnp.concatenate([approx_block_max(rounded[i : i + rows_per]) for i in range(0, b, rows_per)])
     k = min(SCREEN_BLOCKS, block_max.shape[1])
     chosen = jnp.sort(jax.lax.top_k(block_max, k)[1], axis=-1)  # [B, k] ascending: ties keep the lowest id
     ids = (chosen[:, :, None] * VOCAB_BLOCK + jnp.arange(VOCAB_BLOCK)).reshape(b, k * VOCAB_BLOCK)
