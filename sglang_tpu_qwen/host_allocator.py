@@ -17,11 +17,11 @@ pick their arena when they first allocate; the package's `__init__` calls it on 
 
 Only on a CPU-only host (`JAX_PLATFORMS` starting with `cpu`, or no TPU/GPU device files): on a TPU or
 GPU host the step's buffers live in device memory, and one arena would make the host threads (scheduler,
-HTTP server, the runtime's own) wait on one lock for nothing. The one cost measured on the CPU: a
-batch-1 decode step is ~10% slower (the scheduler thread and XLA's threads share the arena's lock).
-Opt-in (`SGLANG_TPU_QWEN_KEEP_HOST_MEMORY=1`), because one arena also serialises XLA's compiler
-threads: `launch/serve.sh`'s cold start (54 programs compiled) took 106 s with the settings against 74 s
-without (same machine, same hour). Not glibc (musl, macOS): nothing changes.
+HTTP server, the runtime's own) wait on one lock for nothing. Costs measured on the CPU: a batch-1
+decode step is ~10% slower (the scheduler thread and XLA's threads share the arena's lock), and, why it
+is opt-in (`SGLANG_TPU_QWEN_KEEP_HOST_MEMORY=1`), the one arena also serialises XLA's compiler
+threads: `launch/serve.sh`'s cold start (54 programs compiled) took 106 s with the settings against 56-74 s
+without (two runs; same machine, same hour). Not glibc (musl, macOS): nothing changes.
 A library allocator (jemalloc, tcmalloc) would do the same by `LD_PRELOAD`, but it is a system
 package the project cannot install with pip; glibc's settings need nothing installed.
 """
