@@ -80,3 +80,8 @@ def configure_host_allocator() -> bool:
     results = [mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES), mallopt(M_ARENA_MAX, 1)]
     _configured = all(r == 1 for r in results)  # mallopt returns 1 on success
     return _configured
+
+
+def host_memory_kept() -> bool:
+    """Whether the settings are in effect in this process (configure_host_allocator ran and glibc took them)."""
+    return _configured is True

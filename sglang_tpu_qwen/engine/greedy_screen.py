@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.engine.sampler import NEG_INF, VOCAB_BLOCK, Features, RowParams, greedy_tokens, vocab_blocks
-from sglang_tpu_qwen.host_allocator import configure_host_allocator
+from sglang_tpu_qwen.host_allocator import host_memory_kept
 
 SCREEN_BLOCKS = 4  # vocabulary blocks whose float32 logits screened_greedy computes
 SCREEN_ROWS = 32  # rows per bfloat16 product of screened_greedy (glibc's default allocator)
@@ -79,7 +79,7 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
     # (2-core CPU): with glibc's defaults a [64, V] float32 result (64 MB, above its 32 MiB mmap
     # threshold) is page-faulted in on every call, 4.7x the time of 32 rows; with the host allocator's
     # settings 128 rows in two products of 64 took 31 ms, in four of 32 38 ms.
-    rows_per = SCREEN_ROWS_KEPT_MEMORY if configure_host_allocator() else SCREEN_ROWS
+    rows_per = SCREEN_ROWS_KEPT_MEMORY if host_memory_kept() else SCREEN_ROWS
     block_max = jnp.concatenate([approx_block_max(rounded[i : i + rows_per]) for i in range(0, b, rows_per)])
     k = min(SCREEN_BLOCKS, block_max.shape[1])
     chosen = jnp.sort(jax.lax.top_k(block_max, k)[1], axis=-1)  # [B, k] ascending: ties keep the lowest id
