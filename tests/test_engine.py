@@ -93,6 +93,31 @@ def test_overlap_matches_synchronous(engine):
     _assert_idle_and_free(engine)
 
 
+def test_extend_steps_sample_only_rows_that_finish_their_prompt(engine):
+    """An extend step lays out the requests whose prompt it finishes first and samples only their rows, in
+    the smallest sampling batch holding them; the tokens are those of each prompt alone."""
+    runner = engine.scheduler.runner
+    seen: list[tuple[int, int]] = []
+    sample = runner.sample
+
+    def spy(step, batch):
+        seen.append((step.last.shape[0], batch.temperature.shape[0]))
+        return sample(step, batch)
+
+    prompts = [list(range(100, 100 + n)) for n in (50, 30, 9, 61, 5, 22)]
+    params = {**GREEDY, "max_new_tokens": 3}
+    runner.sample = spy
+    try:
+        together = engine.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        del runner.sample
+    extend = [(fed, sampled) for fed, sampled in seen if fed != sampled]
+    assert extend and all(sampled < fed for fed, sampled in extend), seen
+    for ids, out in zip(prompts, together, strict=True):
+        assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == out["output_ids"]
+    _assert_idle_and_free(engine)
+
+
 def test_seeded_sampling_reproducible_and_n(engine):
     sp = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234, "max_new_tokens": 10}
     a = engine.generate("Once upon a time", sp)

@@ -290,6 +290,25 @@ def test_stream_equals_one_shot(tok: Tokenizer) -> None:
     assert "".join(chunks) + detok.flush() == tok.decode(ids)
 
 
+def test_appended_ids_decode_with_the_next_push_or_flush(tok: Tokenizer) -> None:
+    # The scheduler appends without decoding when nothing reads the text before the end (no stream, no stop).
+    ids = tok.encode("ok 🫠🦩 done. " + CORPUS[3])
+    detok = IncrementalDetokenizer(tok)
+    detok.append(ids)
+    assert detok.text == ""
+    assert detok.flush() == tok.decode(ids)
+    # An abort reads the text so far with an empty push: a split character stays held back.
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok)
+    detok.append(ids[:cut])
+    per_token = IncrementalDetokenizer(tok)
+    so_far = "".join(per_token.push(i) for i in ids[:cut])
+    assert so_far and not so_far.endswith("\ufffd")
+    assert detok.push(()) == so_far
+    detok.append(ids[cut:])
+    assert detok.text + detok.flush() == tok.decode(ids)
+
+
 def test_no_replacement_char_for_split_multibyte(tok: Tokenizer) -> None:
     text = "ok 🫠🦩 𓀀𓀁 🧑🏽‍🚀 done"
     ids = tok.encode(text)

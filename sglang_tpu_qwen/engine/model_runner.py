@@ -265,6 +265,7 @@ class ModelRunner:
         # Overlap scheduling: the sampled ids of a step, padded to prev_rows, feed the next step's forward.
         self.prev_rows = max(self.buckets.sample_batches())
         self._keep_sampled_jit = jax.jit(partial(_pad_rows, rows=self.prev_rows), out_shardings=self._replicated())
+        self._head_rows_jit = jax.jit(_head_rows, static_argnames="rows")
         self._prev_tokens: jax.Array | None = None  # made on first use (the planner builds programs abstractly)
         self._programs: dict[tuple, Any] = {}
         self._unused: dict[int, sampler.RowParams] = {}  # per B: device arrays of "feature unused" inputs
@@ -342,8 +343,18 @@ class ModelRunner:
             keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
             keys.append(("penalty", b))
             keys.append(("keep_sampled", b))
+        keys += [("head_rows", big, b) for big, b in self.head_rows_pairs()]
         keys.append(("prompt_logprobs",))
         return keys
+
+    def head_rows_pairs(self) -> list[tuple[int, int]]:
+        """(extend batch B, sampling batch b < B) pairs of the `head_rows` programs: an extend step samples
+        only its rows that finish their prompt, laid out first (ScheduleBatch.build), in the smallest
+        sampling batch holding them. Single DP rank only: with several, each rank's rows are its own block."""
+        if self.dp != 1:
+            return []
+        extend = sorted({bk.batch for bk in self.buckets.step_buckets() if bk.mode == "extend"})
+        return [(big, b) for big in extend for b in self.buckets.sample_batches() if b < big]
 
     def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key[0] == "forward":
@@ -356,6 +367,8 @@ class ModelRunner:
             return self._lower_prompt_logprobs()
         if key[0] == "keep_sampled":
             return self._keep_sampled_jit.lower(self._spec((key[1],), jnp.int32))
+        if key[0] == "head_rows":
+            return self._head_rows_jit.lower(self._spec((key[1], self.config.hidden_size), self.dtype), rows=key[2])
         raise KeyError(key)
 
     def _program(self, key: tuple) -> Any:
@@ -419,12 +432,14 @@ class ModelRunner:
         program), which would otherwise land on the first request of each shape."""
         pages = self.buckets.pages
         outs: dict[int, StepOutput] = {}
+        extend_outs: dict[int, StepOutput] = {}
         for bucket in self.buckets.step_buckets():
             b, zeros = bucket.batch, np.zeros(bucket.batch, np.int32)
             out = self.forward(np.zeros((b, bucket.tokens), np.int32), zeros, zeros, np.zeros((b, pages), np.int32),
                                zeros)
-            if bucket.mode == "decode":
-                outs[b] = out
+            (outs if bucket.mode == "decode" else extend_outs)[b] = out
+        for big, b in self.head_rows_pairs():
+            self._program(("head_rows", big, b))(extend_outs[big].last)
         for b in self.buckets.sample_batches():
             f32 = np.zeros(b, np.float32)
             none = np.full((b, 1), -1, np.int32)
@@ -603,14 +618,18 @@ class ModelRunner:
         self._prev_tokens = self._program(("keep_sampled", out.tokens.shape[0]))(out.tokens)
 
     def sample(self, step: StepOutput, batch: SamplingBatch) -> SampleOutput:
-        """Sample one token per row from step.last; returns device arrays without waiting (`.get()` reads).
+        """Sample one token per row of `batch` (B rows) from step.last; returns device arrays without waiting
+        (`.get()` reads). B below the step's rows samples its first B rows (a `head_rows` program).
 
         Runs the greedy program when every row is greedy and none wants logprobs, a penalty or a grammar,
         the logprobs program when one wants logprobs, else the sample program. Raises ValueError when a
         width exceeds its bound (num_top_logprobs > TOP_LOGPROBS_MAX, more than BAN_WIDTH bans or
         LOGIT_BIAS_WIDTH bias entries).
         """
-        b = step.last.shape[0]
+        b = batch.temperature.shape[0]
+        last = step.last
+        if last.shape[0] != b:  # an extend step's finishing rows, rows [0, b) (ScheduleBatch.build)
+            last = self._program(("head_rows", last.shape[0], b))(last)
         if batch.num_top_logprobs > sampler.TOP_LOGPROBS_MAX:
             raise ValueError(f"top_logprobs_num {batch.num_top_logprobs} > {sampler.TOP_LOGPROBS_MAX}")
         unused = self._unused_inputs(b)
@@ -646,7 +665,7 @@ class ModelRunner:
         for name in ("bias_ids", "bias_vals", "ban_ids", "bitmask"):
             fields.setdefault(name, getattr(unused, name))
         fields["penalty_table"] = self._penalty_table(b, batch) if use_penalty else unused.penalty_table
-        out = self._program(("sample", kind, b))(self.params, step.last, sampler.RowParams(**fields), feats)
+        out = self._program(("sample", kind, b))(self.params, last, sampler.RowParams(**fields), feats)
         return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
                             stats=self.stats if step.decode else None)
 
@@ -746,6 +765,11 @@ def _take_prev_tokens(tokens: jax.Array, prev: jax.Array, src: jax.Array) -> jax
     """tokens [B, T] with column 0 of each row where src [B] >= 0 replaced by prev[src] (prev [R] int32)."""
     first = jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], tokens[:, 0])
     return tokens.at[:, 0].set(first)
+
+
+def _head_rows(last: jax.Array, *, rows: int) -> jax.Array:
+    """last [B, H] -> its first `rows` rows [rows, H]."""
+    return last[:rows]
 
 
 def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:

@@ -112,7 +112,10 @@ class OutputProcessor:
                 r.output_top_logprobs.append(self._top_list(r, top_lp[: r.top_logprobs_num],
                                                             top_ids[: r.top_logprobs_num]))
         sp = r.params
-        r.text += r.detokenizer.push([tok])
+        if r.stream or r.detokenizer.stop:
+            r.text += r.detokenizer.push([tok])
+        else:  # nothing reads the text before the end: decoded once by the scheduler's finish
+            r.detokenizer.append([tok])
         if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
             self.finish(r, r.grammar.end_reason(tok))  # a stop token where the grammar may end
             return

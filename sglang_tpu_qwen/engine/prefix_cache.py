@@ -113,12 +113,7 @@ class PrefixCache:
             for r in due:
                 self._insert(r, r.cached_len)
             if self.has_gdn:
-                taken: list[tuple[Request, int]] = []
-                for r in due:
-                    snap = self._alloc_snapshot()
-                    if snap is None:
-                        break
-                    taken.append((r, snap))
+                taken = list(zip(due, self._alloc_snapshots(len(due)), strict=False))  # the first ones get slots
                 # All allocations, then one copy, then the attaches: an attached snapshot could be evicted
                 # (and demoted) by a later allocation before its copy; an unattached one cannot.
                 self.runner.copy_slots([(r.slot, snap) for r, snap in taken])
@@ -126,9 +121,10 @@ class PrefixCache:
                     self._attach(r.fill_ids[: r.cached_len], snap)
         elif self.has_gdn:
             pairs = []
+            fresh = iter(self._alloc_snapshots(sum(r.private_snapshot is None for r in due)))
             for r in due:
                 if r.private_snapshot is None:
-                    snap = self._alloc_snapshot()
+                    snap = next(fresh, None)
                     if snap is None:
                         continue
                     r.private_snapshot = (snap, 0)
@@ -197,18 +193,28 @@ class PrefixCache:
     def evictable_pages(self) -> int:
         return self.tree.evictable_pages
 
-    def _alloc_snapshot(self) -> int | None:
+    def _alloc_snapshots(self, n: int) -> list[int]:
+        """Up to `n` free snapshot slots, evicting the tree's lowest-scored device snapshots for the shortfall.
+
+        One eviction call for all of them: each call scores every candidate, and a step may need one slot per
+        running request.
+        """
         assert self.snap_pool is not None
+        got: list[int] = []
         for _ in range(4):
-            got = self.snap_pool.alloc(1)
-            if got is not None:
-                return got[0]
+            take = min(n - len(got), self.snap_pool.num_free)
+            if take > 0:
+                ids = self.snap_pool.alloc(take)
+                assert ids is not None
+                got.extend(ids)
+            if len(got) == n:
+                break
             # Only device snapshots: dropping a host one would free no slot here.
-            freed = self.tree.evict_snapshots(1, only=lambda sid: not is_host_id(sid))
+            freed = self.tree.evict_snapshots(n - len(got), only=lambda sid: not is_host_id(sid))
             if not freed.snapshots:
-                return None
+                break
             self._release_snapshots(freed.snapshots, demote=True)
-        return None
+        return got
 
     def _release_snapshots(self, ids: list[int], demote: bool) -> None:
         """Free snapshot ids the tree gave up (or never took); device ones may move to the host tier."""

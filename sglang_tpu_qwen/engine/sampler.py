@@ -241,13 +241,13 @@ def _top_k_cut(scaled: jax.Array, top_k: jax.Array, large: jax.Array) -> jax.Arr
     return jnp.where((top_k[:, None] > 0) & (scaled < cut[:, None]), NEG_INF, scaled)
 
 
-def vocab_blocks(x: jax.Array, fill: float) -> jax.Array:
-    """[..., V] -> [..., ceil(V / VOCAB_BLOCK), VOCAB_BLOCK]: the last axis padded with `fill` and split
-    into blocks of VOCAB_BLOCK ids (block j holds ids [j * VOCAB_BLOCK, (j + 1) * VOCAB_BLOCK))."""
-    pad = -x.shape[-1] % VOCAB_BLOCK
+def vocab_blocks(x: jax.Array, fill: float, block: int = VOCAB_BLOCK) -> jax.Array:
+    """[..., V] -> [..., ceil(V / block), block]: the last axis padded with `fill` and split into blocks of
+    `block` ids (block j holds ids [j * block, (j + 1) * block))."""
+    pad = -x.shape[-1] % block
     if pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=fill)
-    return x.reshape(*x.shape[:-1], -1, VOCAB_BLOCK)
+    return x.reshape(*x.shape[:-1], -1, block)
 
 
 def vocab_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

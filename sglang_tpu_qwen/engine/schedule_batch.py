@@ -40,6 +40,8 @@ class ScheduleBatch:
     reqs[i] feeds extend_lens[i] new tokens from its cached_len and lives in batch row rows[i]. Padding rows
     are zero (page 0 / slot 0: the trash targets). `finishing` lists the indices i whose pending tokens are
     all fed by this step: those rows sample their next token (unless the request only scores its prompt).
+    With one DP rank an extend step lays its finishing requests out first and its sampling batch holds only
+    their rows (the smallest sampling batch size that does): mid-prompt rows sample nothing.
     Overlap scheduling: a decode row whose token is still on the device (r.tokens_in_flight, sampled by the
     step in flight, `prev`) reads it there: token_src names its row in that step.
     """
@@ -76,6 +78,9 @@ class ScheduleBatch:
         Requests must hold the pages for cached_len + n tokens and a slot, and the chunks must fit a bucket
         (the policy ensured both).
         """
+        if mode is ForwardMode.EXTEND and buckets.dp == 1:
+            # Rows that finish their prompt first: the step samples only them (rows [0, k), ModelRunner.sample).
+            chosen = sorted(chosen, key=lambda rn: rn[1] != rn[0].pending)
         reqs = [r for r, _ in chosen]
         lens = [n for _, n in chosen]
         rows, bucket = batch_rows(reqs, lens, mode, buckets)
@@ -97,7 +102,13 @@ class ScheduleBatch:
             page_table[i, : len(r.pages)] = r.pages
         finishing = [i for i, (r, n) in enumerate(chosen) if n == r.pending]
         samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
-        sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size) if samples else None
+        sampling = None
+        if samples and mode is ForwardMode.EXTEND and buckets.dp == 1:
+            assert finishing == list(range(len(finishing)))
+            sampling = sampling_batch(reqs[: len(finishing)], rows[: len(finishing)],
+                                      buckets.decode_bucket(len(finishing)).batch, eos_ids, vocab_size)
+        elif samples:
+            sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size)
         return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, token_src,
                    finishing, sampling)
 

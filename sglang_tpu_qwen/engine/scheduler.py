@@ -324,8 +324,10 @@ class Scheduler:
         if r.finished:
             return
         r.finish_reason = reason
-        if reason["type"] != "abort" and not r.detokenizer.stopped:
+        if reason["type"] != "abort":
             r.text += r.detokenizer.flush()
+        else:  # the text of the tokens so far, ids appended without decoding included, held-back text not
+            r.text += r.detokenizer.push(())
         self.role.on_finish(r, reason)  # PD prefill: copy the state out before the memory is freed
         self.policy.release(r, keep)
         if r.grammar is not None:

@@ -111,7 +111,7 @@ class RadixCache:
         self.alpha = alpha
         self._roots: dict[Hashable, TreeNode] = {}
         self._pages: set[int] = set()
-        self._snapshots: set[int] = set()
+        self._snapshots: dict[int, TreeNode] = {}  # snapshot id -> the node holding it (splits keep it)
         self._locked_pages = 0
         self._clock = 0
         self._seq = itertools.count()  # heap tie-breaker: deterministic, never compares nodes
@@ -280,9 +280,9 @@ class RadixCache:
             raise ValueError(f"set_snapshot: snapshot {snapshot_id} is already held elsewhere")
         old = node.snapshot
         node.snapshot = snapshot_id
-        self._snapshots.add(snapshot_id)
+        self._snapshots[snapshot_id] = node
         if old is not None:
-            self._snapshots.discard(old)
+            del self._snapshots[old]
         self._touch(path)
         return old
 
@@ -298,7 +298,7 @@ class RadixCache:
         if partial is not None or node.depth != len(key) or node.snapshot != snapshot_id or node.direct_lock:
             return False
         node.snapshot = None
-        self._snapshots.discard(snapshot_id)
+        del self._snapshots[snapshot_id]
         self._counters["evicted_snapshots"] += 1
         return True
 
@@ -328,7 +328,7 @@ class RadixCache:
             self._pages.difference_update(node.pages)
             if node.snapshot is not None:
                 freed.snapshots.append(node.snapshot)
-                self._snapshots.discard(node.snapshot)
+                del self._snapshots[node.snapshot]
             if self._page_candidate(parent):
                 heapq.heappush(heap, self._page_entry(parent, lo, hi))
         self._counters["evicted_pages"] += len(freed.pages)
@@ -345,11 +345,14 @@ class RadixCache:
         freed = Freed()
         if n <= 0:
             return freed
+        # Candidates from the id -> node map, not a walk of the tree: the scheduler calls this whenever a
+        # snapshot slot is short, often with every slot held by running requests (no candidate at all).
+        candidates = [node for sid, node in self._snapshots.items()
+                      if node.direct_lock == 0 and (only is None or only(sid))]
+        if not candidates:
+            return freed
         lo, hi = self._clock_range()
-        heap: list[tuple[float, int, TreeNode]] = []
-        for node in self._nodes():
-            if node.snapshot is not None and node.direct_lock == 0 and (only is None or only(node.snapshot)):
-                heap.append((self._snapshot_score(node, lo, hi), next(self._seq), node))
+        heap = [(self._snapshot_score(node, lo, hi), next(self._seq), node) for node in candidates]
         heapq.heapify(heap)
         while heap and len(freed.snapshots) < n:
             s, key, node = heapq.heappop(heap)
@@ -359,7 +362,7 @@ class RadixCache:
                 continue
             assert node.snapshot is not None
             freed.snapshots.append(node.snapshot)
-            self._snapshots.discard(node.snapshot)
+            del self._snapshots[node.snapshot]
             node.snapshot = None
         self._counters["evicted_snapshots"] += len(freed.snapshots)
         return freed
@@ -413,8 +416,10 @@ class RadixCache:
                     snaps.append(node.snapshot)
         if len(pages) != len(set(pages)) or set(pages) != self._pages:
             fail("page ids duplicated or out of sync")
-        if len(snaps) != len(set(snaps)) or set(snaps) != self._snapshots:
+        if len(snaps) != len(set(snaps)) or set(snaps) != set(self._snapshots):
             fail("snapshot ids duplicated or out of sync")
+        if any(node.snapshot != sid for sid, node in self._snapshots.items()):
+            fail("snapshot id mapped to a node that does not hold it")
         if locked != self._locked_pages:
             fail("locked page count out of sync")
 
