@@ -234,7 +234,8 @@ def test_screened_greedy_equals_float32_argmax() -> None:
     weight = jax.random.normal(jax.random.PRNGKey(3), (v, h)) * 0.5
     hidden = jax.random.normal(jax.random.PRNGKey(4), (b, h)) * 3
     screen = greedy_screen.greedy_screen(weight)
-    assert screen.weight.dtype == jnp.bfloat16 and screen.norm.shape == screen.residual_norm.shape == (-(-v // greedy_screen.SCREEN_BLOCK),)
+    blocks = -(-v // greedy_screen.SCREEN_BLOCK)
+    assert screen.weight.dtype == jnp.bfloat16 and screen.norm.shape == screen.residual_norm.shape == (blocks,)
     ban_ids = np.full((b, sampler.BAN_WIDTH), -1, np.int32)
     full = hidden @ weight.T
     ban_ids[:8, 0] = np.argmax(np.asarray(full[:8]), axis=-1)  # rows 0-7: the argmax is banned
