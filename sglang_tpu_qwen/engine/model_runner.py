@@ -128,11 +128,18 @@ class SampleOutput:
     top_ids: jax.Array
     num_top: int
     stats: StepStats | None = None  # decode steps: the blocked time is added here
+    has_logprobs: bool = True  # False: the logprob arrays are the zeros of a greedy/sample program
 
     def get(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Host copies (tokens, logprob, top_logprobs [B, num_top], top_ids [B, num_top])."""
         start = time.perf_counter()
-        toks, lp, top_lp, top_ids = jax.device_get((self.tokens, self.logprob, self.top_logprobs, self.top_ids))
+        if self.has_logprobs:
+            toks, lp, top_lp, top_ids = jax.device_get((self.tokens, self.logprob, self.top_logprobs,
+                                                        self.top_ids))
+        else:  # one transfer instead of four (each costs host time on the scheduler thread)
+            toks = jax.device_get(self.tokens)
+            b = len(toks)
+            lp, top_lp, top_ids = np.zeros(b, np.float32), np.zeros((b, 0), np.float32), np.zeros((b, 0), np.int32)
         if self.stats is not None:
             self.stats.decode_wait_s += time.perf_counter() - start
             self.stats.decode_waits += 1
@@ -269,6 +276,7 @@ class ModelRunner:
         self._prev_tokens: jax.Array | None = None  # made on first use (the planner builds programs abstractly)
         self._programs: dict[tuple, Any] = {}
         self._unused: dict[int, sampler.RowParams] = {}  # per B: device arrays of "feature unused" inputs
+        self._flags: dict[bool, jax.Array] = {}  # resident Features scalars
         self._ready = False
         self.stats = StepStats()
         self._last_decode_start: float | None = None
@@ -324,7 +332,7 @@ class ModelRunner:
         "logprobs", else 0."""
         h = self.config.hidden_size
         return self._sample_jits[kind].lower(
-            _abstract(self.params), self._spec((batch, h), self.dtype), self._row_param_specs(batch),
+            _abstract(self._head_params()), self._spec((batch, h), self.dtype), self._row_param_specs(batch),
             self._feature_specs())
 
     def _lower_penalty(self, batch: int) -> jax.stages.Lowered:
@@ -333,7 +341,8 @@ class ModelRunner:
 
     def _lower_prompt_logprobs(self) -> jax.stages.Lowered:
         n, h = PROMPT_LOGPROB_ROWS, self.config.hidden_size
-        return self._prompt_lp_jit.lower(_abstract(self.params), self._spec((n, h), self.dtype, replicated=True),
+        return self._prompt_lp_jit.lower(_abstract(self._head_params()),
+                                         self._spec((n, h), self.dtype, replicated=True),
                                          self._spec((n,), jnp.int32, replicated=True))
 
     def program_keys(self) -> list[tuple]:
@@ -481,12 +490,27 @@ class ModelRunner:
                         bias_vals=np.zeros((b, sampler.LOGIT_BIAS_WIDTH), np.float32),
                         ban_ids=np.full((b, sampler.BAN_WIDTH), -1, np.int32),
                         bitmask=np.full((b, -(-v // 32)), -1, np.int32))
+            # The per-row values of an all-greedy batch (the greedy program reads none of them).
+            host.update(temperature=np.zeros(b, np.float32), top_p=np.ones(b, np.float32),
+                        top_k=np.zeros(b, np.int32), min_p=np.zeros(b, np.float32), seeds=np.zeros(b, np.uint32),
+                        steps=np.zeros(b, np.int32), repetition=np.ones(b, np.float32),
+                        frequency=np.zeros(b, np.float32), presence=np.zeros(b, np.float32))
             arrays = {k: jax.device_put(a, self._batch_sharding(a.ndim)) for k, a in host.items()}
-            zero_f = jax.device_put(np.zeros(b, np.float32), self._batch_sharding())
-            cached = self._unused[b] = sampler.RowParams(
-                temperature=zero_f, top_p=zero_f, top_k=zero_f, min_p=zero_f, seeds=zero_f, steps=zero_f,
-                repetition=zero_f, frequency=zero_f, presence=zero_f, **arrays)
+            cached = self._unused[b] = sampler.RowParams(**arrays)
         return cached
+
+    def _flag(self, value: bool) -> jax.Array:
+        """A resident replicated bool scalar (sampler.Features): no host-to-device copy per step."""
+        if value not in self._flags:
+            self._flags[value] = jax.device_put(np.asarray(value, np.bool_), self._replicated())
+        return self._flags[value]
+
+    def _head_params(self) -> dict[str, Any]:
+        """The parameters the sampling and prompt-logprob programs read: the output projection (`lm_head`, or
+        `embed` when tied) and its bfloat16 screen. Not the whole tree: a compiled call costs dispatch time
+        per argument leaf on the scheduler thread (~0.5 ms per step for ~120 leaves on the 2-core CPU)."""
+        keys = ["embed" if self.config.tie_word_embeddings else "lm_head", "lm_head_screen"]
+        return {k: self.params[k] for k in keys if k in self.params}
 
     def _per_rank(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn(params, last, row_params, features)` run by each DP rank on its own rows.
@@ -498,7 +522,7 @@ class ModelRunner:
         if self.layout is None:
             return fn
         layout = self.layout
-        pspecs = param_pspecs(self.params, layout)
+        pspecs = param_pspecs(self._head_params(), layout)
         rows = batch_pspec(layout)
 
         def run(params: Any, last: jax.Array, rp: sampler.RowParams, feats: sampler.Features) -> Any:
@@ -644,11 +668,13 @@ class ModelRunner:
                  bool(np.any(sampling & (batch.top_k > 0))),
                  bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
                  bool(np.any(sampling & (batch.top_p < 1.0))), bool(np.any(sampling & (batch.min_p > 0.0)))]
-        feats = sampler.Features(*self._put([np.asarray(f, np.bool_) for f in flags], replicated=True))
-        rows = [batch.temperature.astype(np.float32), batch.top_p.astype(np.float32), batch.top_k.astype(np.int32),
-                batch.min_p.astype(np.float32), batch.seeds.astype(np.uint32), batch.steps.astype(np.int32),
-                batch.repetition.astype(np.float32), batch.frequency.astype(np.float32),
-                batch.presence.astype(np.float32)]
+        feats = sampler.Features(*(self._flag(f) for f in flags))
+        # Host-to-device copies cost scheduler-thread time every step: a greedy step sends only its bans/bias.
+        rows = [] if kind == "greedy" else [
+            batch.temperature.astype(np.float32), batch.top_p.astype(np.float32), batch.top_k.astype(np.int32),
+            batch.min_p.astype(np.float32), batch.seeds.astype(np.uint32), batch.steps.astype(np.int32),
+            batch.repetition.astype(np.float32), batch.frequency.astype(np.float32),
+            batch.presence.astype(np.float32)]
         optional: dict[str, np.ndarray] = {}
         if use_bias:
             assert batch.bias_ids is not None and batch.bias_vals is not None
@@ -660,14 +686,15 @@ class ModelRunner:
             assert batch.token_bitmask is not None
             optional["bitmask"] = batch.token_bitmask.astype(np.int32)
         put = self._put(rows + list(optional.values()))
-        fields = dict(zip(sampler.RowParams._fields[:9], put[:9], strict=True))
-        fields.update(zip(optional, put[9:], strict=True))
-        for name in ("bias_ids", "bias_vals", "ban_ids", "bitmask"):
-            fields.setdefault(name, getattr(unused, name))
+        fields = dict(zip(sampler.RowParams._fields[: len(rows)], put[: len(rows)], strict=True))
+        fields.update(zip(optional, put[len(rows):], strict=True))
+        for name in sampler.RowParams._fields:
+            if name != "penalty_table":
+                fields.setdefault(name, getattr(unused, name))
         fields["penalty_table"] = self._penalty_table(b, batch) if use_penalty else unused.penalty_table
-        out = self._program(("sample", kind, b))(self.params, last, sampler.RowParams(**fields), feats)
+        out = self._program(("sample", kind, b))(self._head_params(), last, sampler.RowParams(**fields), feats)
         return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
-                            stats=self.stats if step.decode else None)
+                            stats=self.stats if step.decode else None, has_logprobs=kind == "logprobs")
 
     def time_decode_step(self, rows: int, context: int, iters: int = 20) -> float:
         """Device seconds per greedy decode step (forward + sampling programs) of `rows` rows at `context`
@@ -731,13 +758,14 @@ class ModelRunner:
         prog = self._program(("prompt_logprobs",))
         n, m = len(rows), PROMPT_LOGPROB_ROWS
         lps, tops, ids = [], [], []
+        head = self._head_params()
         for start in range(0, n, m):
             h = picked[start : start + m]
             tgt = targets[start : start + m].astype(np.int32)
             pad = m - len(h)
             h = np.pad(h, ((0, pad), (0, 0)))
             tgt = np.pad(tgt, (0, pad))
-            lp, top_lp, top_ids = jax.device_get(prog(self.params, *self._put([h, tgt], replicated=True)))
+            lp, top_lp, top_ids = jax.device_get(prog(head, *self._put([h, tgt], replicated=True)))
             lps.append(np.asarray(lp)[: m - pad])
             tops.append(np.asarray(top_lp)[: m - pad, :num_top])
             ids.append(np.asarray(top_ids)[: m - pad, :num_top])
@@ -778,9 +806,9 @@ def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
 
 
 def _sample_program(params, last, rp, f, *, config, kind):
-    """One sampling program: logits of `last` [B, H] -> (tokens [B] int32, logprob [B], top_logprobs [B, K],
-    top_ids [B, K]) with K = TOP_LOGPROBS_MAX for kind "logprobs" (logprobs of the raw logits, as SGLang
-    reports them), else 0. "greedy" takes the argmax after bias and bans (all rows greedy, no penalty, no
+    """One sampling program (params: ModelRunner._head_params()): logits of `last` [B, H] -> (tokens [B]
+    int32, logprob [B], top_logprobs [B, K], top_ids [B, K]) with K = TOP_LOGPROBS_MAX for kind "logprobs"
+    (logprobs of the raw logits, as SGLang reports them), else 0. "greedy" takes the argmax after bias and bans (all rows greedy, no penalty, no
     grammar; screened in bfloat16 when the lm_head is float32, params["lm_head_screen"]); "sample" and
     "logprobs" apply everything and sample each row with its temperature (0: argmax), top-k, top-p and
     min-p."""
