@@ -808,10 +808,10 @@ def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
 def _sample_program(params, last, rp, f, *, config, kind):
     """One sampling program (params: ModelRunner._head_params()): logits of `last` [B, H] -> (tokens [B]
     int32, logprob [B], top_logprobs [B, K], top_ids [B, K]) with K = TOP_LOGPROBS_MAX for kind "logprobs"
-    (logprobs of the raw logits, as SGLang reports them), else 0. "greedy" takes the argmax after bias and bans (all rows greedy, no penalty, no
-    grammar; screened in bfloat16 when the lm_head is float32, params["lm_head_screen"]); "sample" and
-    "logprobs" apply everything and sample each row with its temperature (0: argmax), top-k, top-p and
-    min-p."""
+    (logprobs of the raw logits, as SGLang reports them), else 0. "greedy" takes the argmax after bias and
+    bans (all rows greedy, no penalty, no grammar; screened in bfloat16 when the lm_head is float32,
+    params["lm_head_screen"]); "sample" and "logprobs" apply everything and sample each row with its
+    temperature (0: argmax), top-k, top-p and min-p."""
     b = last.shape[0]
     none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
     if kind == "greedy":
