@@ -696,11 +696,12 @@ class ModelRunner:
         return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
                             stats=self.stats if step.decode else None, has_logprobs=kind == "logprobs")
 
-    def time_decode_step(self, rows: int, context: int, iters: int = 20) -> float:
-        """Device seconds per greedy decode step (forward + sampling programs) of `rows` rows at `context`
-        tokens each: `iters` steps dispatched back to back, one wait at the end, so host dispatch overlaps
-        the device. For benchmarks on an IDLE engine only: rows read arbitrary pages and write position
-        context - 1 into the trash page and trash slot."""
+    def time_decode_step(self, rows: int, context: int, iters: int = 20, windows: int = 3) -> float:
+        """Device seconds per greedy decode step (forward, sampling and keep_sampled programs, input tokens
+        read on the device as under overlap scheduling) of `rows` rows at `context` tokens each: the median
+        over `windows` windows of `iters` steps dispatched back to back with one wait at the end, so host
+        dispatch overlaps the device. For benchmarks on an IDLE engine only: rows read arbitrary pages and
+        write position context - 1 into the trash page and trash slot."""
         bucket = self.buckets.decode_bucket(-(-rows // self.dp))
         b, pages = bucket.batch, bucket.pages
         ps = self.page_size
@@ -717,16 +718,22 @@ class ModelRunner:
                               zeros_f, None, None, np.full((b, 4), -1, np.int32), False, 0)
         args = (np.zeros((b, 1), np.int32), np.full(b, context - 1, np.int32), np.ones(b, np.int32), page_table,
                 slots)
-        saved = self._last_decode_start, dataclasses.replace(self.stats)
+        # As an overlapped decode step: each row's input token is the previous step's sampled id, kept on
+        # the device by keep_sampled.
+        token_src = np.arange(b, dtype=np.int32)
+        saved = self._last_decode_start, dataclasses.replace(self.stats), self._prev_tokens
         for _ in range(2):
-            self.sample(self.forward(*args), batch).tokens.block_until_ready()
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = self.sample(self.forward(*args), batch)
-        out.tokens.block_until_ready()
-        elapsed = (time.perf_counter() - start) / iters
-        self._last_decode_start, self.stats = saved
-        return elapsed
+            self.keep_sampled(out := self.sample(self.forward(*args, token_src), batch))
+            out.tokens.block_until_ready()
+        times = []
+        for _ in range(windows):
+            start = time.perf_counter()
+            for _ in range(iters):
+                self.keep_sampled(out := self.sample(self.forward(*args, token_src), batch))
+            out.tokens.block_until_ready()
+            times.append((time.perf_counter() - start) / iters)
+        self._last_decode_start, self.stats, self._prev_tokens = saved
+        return float(np.median(times))
 
     def _penalty_table(self, b: int, batch: SamplingBatch) -> jax.Array:
         """[B, V] int32 penalty table from the host's id lists, PENALTY_CHUNK ids per program call."""
