@@ -119,8 +119,8 @@ class OutputProcessor:
         if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
             self.finish(r, r.grammar.end_reason(tok))  # a stop token where the grammar may end
             return
-        stop_ids = sp.stop_ids(self.eos_ids)  # ignore_eos disables stop_token_ids too (SGLang)
-        if tok in stop_ids and len(r.output_ids) >= sp.min_new_tokens:
+        # ignore_eos disables stop_token_ids too (SGLang)
+        if sp.is_stop_token(tok, self.eos_ids) and len(r.output_ids) >= sp.min_new_tokens:
             self.finish(r, {"type": "stop", "matched": tok})
         elif r.detokenizer.stopped:
             self.finish(r, {"type": "stop", "matched": r.detokenizer.matched_stop})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -205,6 +206,10 @@ class SamplingParams:
         """Token ids that end this request: stop_token_ids plus EOS; none with ignore_eos (SGLang's rule:
         ignore_eos disables stop_token_ids too)."""
         return set() if self.ignore_eos else set(self.stop_token_ids) | set(eos_ids)
+
+    def is_stop_token(self, token: int, eos_ids: Collection[int]) -> bool:
+        """`token in self.stop_ids(eos_ids)` without building the set (checked for every sampled token)."""
+        return not self.ignore_eos and (token in eos_ids or token in self.stop_token_ids)
 
     @property
     def has_penalty(self) -> bool:

@@ -159,23 +159,29 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
         seen_ids = np.full((b, next_pow2(max(len(r.fill_ids) for r in reqs), 16)), -1, np.int32)
         output_ids = np.full((b, next_pow2(max(len(r.output_ids) for r in reqs), 16)), -1, np.int32)
     ban_lists: list[list[int]] = [[] for _ in range(b)]
+    # Column by column (one numpy assignment per field, not per row): this runs on the scheduler thread
+    # every step, beside the model on a CPU host.
+    idx = np.asarray(rows, np.intp)
+    sps = [r.params for r in reqs]
+    temperature[idx] = [0.0 if sp.greedy else sp.temperature for sp in sps]
+    top_p[idx] = [sp.top_p for sp in sps]
+    top_k[idx] = [max(sp.top_k, 0) for sp in sps]
+    min_p[idx] = [sp.min_p for sp in sps]
+    seeds[idx] = [r.seed & 0xFFFFFFFF for r in reqs]
+    steps[idx] = [r.num_output for r in reqs]  # the token in flight counts: same stream with and without overlap
+    rep[idx] = [sp.repetition_penalty for sp in sps]
+    freq[idx] = [sp.frequency_penalty for sp in sps]
+    pres[idx] = [sp.presence_penalty for sp in sps]
     for r, i in zip(reqs, rows, strict=True):
         sp = r.params
-        temperature[i] = 0.0 if sp.greedy else sp.temperature
-        top_p[i], top_k[i], min_p[i] = sp.top_p, max(sp.top_k, 0), sp.min_p
-        seeds[i] = np.uint32(r.seed & 0xFFFFFFFF)
-        steps[i] = r.num_output  # the token in flight counts: same random stream with and without overlap
-        rep[i], freq[i], pres[i] = sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
         if seen_ids is not None and output_ids is not None:
             # A token in flight is missing here; only rows without a penalty may have one (their counts
             # are not used), penalty rows run synchronously (Scheduler._can_overlap).
             assert not (r.tokens_in_flight and sp.has_penalty), f"{r.rid}: penalty row with a token in flight"
             seen_ids[i, : len(r.fill_ids)] = r.fill_ids
             output_ids[i, : len(r.output_ids)] = r.output_ids
-        bans: list[int] = []
         if r.num_output < sp.min_new_tokens:
-            bans = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
-        ban_lists[i] = bans
+            ban_lists[i] = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
     bias_ids = bias_vals = None
     biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]
     if biases:
