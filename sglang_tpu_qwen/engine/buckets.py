@@ -137,6 +137,21 @@ class BucketSet:
         return [b * self.dp for b in self.batch_sizes]
 
     @property
+    def samples_finishing_rows_only(self) -> bool:
+        """Whether an extend step samples only the rows that finish their prompt, laid out first, in the
+        smallest sampling batch holding them (ScheduleBatch.build). One DP rank only: with several, each
+        rank's rows are its own block of the batch, so the finishing rows are not one leading block."""
+        return self.dp == 1
+
+    def head_rows_pairs(self) -> list[tuple[int, int]]:
+        """(extend batch B, sampling batch b < B) pairs of the programs that take an extend step's first b
+        rows for sampling (ModelRunner.sample); none unless `samples_finishing_rows_only`."""
+        if not self.samples_finishing_rows_only:
+            return []
+        extend = sorted({bk.batch for bk in self.step_buckets() if bk.mode == "extend"})
+        return [(big, b) for big in extend for b in self.sample_batches() if b < big]
+
+    @property
     def max_decode_rows(self) -> int:
         """Most rows per rank in one decode step."""
         return self.batch_sizes[-1]

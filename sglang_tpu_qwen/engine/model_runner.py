@@ -352,18 +352,9 @@ class ModelRunner:
             keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
             keys.append(("penalty", b))
             keys.append(("keep_sampled", b))
-        keys += [("head_rows", big, b) for big, b in self.head_rows_pairs()]
+        keys += [("head_rows", big, b) for big, b in self.buckets.head_rows_pairs()]
         keys.append(("prompt_logprobs",))
         return keys
-
-    def head_rows_pairs(self) -> list[tuple[int, int]]:
-        """(extend batch B, sampling batch b < B) pairs of the `head_rows` programs: an extend step samples
-        only its rows that finish their prompt, laid out first (ScheduleBatch.build), in the smallest
-        sampling batch holding them. Single DP rank only: with several, each rank's rows are its own block."""
-        if self.dp != 1:
-            return []
-        extend = sorted({bk.batch for bk in self.buckets.step_buckets() if bk.mode == "extend"})
-        return [(big, b) for big in extend for b in self.buckets.sample_batches() if b < big]
 
     def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key[0] == "forward":
@@ -447,7 +438,7 @@ class ModelRunner:
             out = self.forward(np.zeros((b, bucket.tokens), np.int32), zeros, zeros, np.zeros((b, pages), np.int32),
                                zeros)
             (outs if bucket.mode == "decode" else extend_outs)[b] = out
-        for big, b in self.head_rows_pairs():
+        for big, b in self.buckets.head_rows_pairs():
             self._program(("head_rows", big, b))(extend_outs[big].last)
         for b in self.buckets.sample_batches():
             f32 = np.zeros(b, np.float32)
@@ -722,14 +713,19 @@ class ModelRunner:
         # the device by keep_sampled.
         token_src = np.arange(b, dtype=np.int32)
         saved = self._last_decode_start, dataclasses.replace(self.stats), self._prev_tokens
+
+        def step() -> SampleOutput:
+            out = self.sample(self.forward(*args, token_src), batch)
+            self.keep_sampled(out)
+            return out
+
         for _ in range(2):
-            self.keep_sampled(out := self.sample(self.forward(*args, token_src), batch))
-            out.tokens.block_until_ready()
+            step().tokens.block_until_ready()
         times = []
         for _ in range(windows):
             start = time.perf_counter()
             for _ in range(iters):
-                self.keep_sampled(out := self.sample(self.forward(*args, token_src), batch))
+                out = step()
             out.tokens.block_until_ready()
             times.append((time.perf_counter() - start) / iters)
         self._last_decode_start, self.stats, self._prev_tokens = saved

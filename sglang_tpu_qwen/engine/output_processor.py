@@ -119,7 +119,6 @@ class OutputProcessor:
         if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
             self.finish(r, r.grammar.end_reason(tok))  # a stop token where the grammar may end
             return
-        # ignore_eos disables stop_token_ids too (SGLang)
         if sp.is_stop_token(tok, self.eos_ids) and len(r.output_ids) >= sp.min_new_tokens:
             self.finish(r, {"type": "stop", "matched": tok})
         elif r.detokenizer.stopped:

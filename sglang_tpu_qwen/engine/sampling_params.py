@@ -202,13 +202,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
-    def stop_ids(self, eos_ids: set[int]) -> set[int]:
-        """Token ids that end this request: stop_token_ids plus EOS; none with ignore_eos (SGLang's rule:
-        ignore_eos disables stop_token_ids too)."""
-        return set() if self.ignore_eos else set(self.stop_token_ids) | set(eos_ids)
-
     def is_stop_token(self, token: int, eos_ids: Collection[int]) -> bool:
-        """`token in self.stop_ids(eos_ids)` without building the set (checked for every sampled token)."""
+        """Whether `token` ends this request: one of stop_token_ids or EOS; none with ignore_eos (SGLang's
+        rule: ignore_eos disables stop_token_ids too). Checked for every sampled token, so no set is built."""
         return not self.ignore_eos and (token in eos_ids or token in self.stop_token_ids)
 
     @property

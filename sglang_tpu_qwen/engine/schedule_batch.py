@@ -78,8 +78,8 @@ class ScheduleBatch:
         Requests must hold the pages for cached_len + n tokens and a slot, and the chunks must fit a bucket
         (the policy ensured both).
         """
-        if mode is ForwardMode.EXTEND and buckets.dp == 1:
-            # Rows that finish their prompt first: the step samples only them (rows [0, k), ModelRunner.sample).
+        finishing_only = mode is ForwardMode.EXTEND and buckets.samples_finishing_rows_only
+        if finishing_only:  # rows that finish their prompt first: the step samples rows [0, k) only
             chosen = sorted(chosen, key=lambda rn: rn[1] != rn[0].pending)
         reqs = [r for r, _ in chosen]
         lens = [n for _, n in chosen]
@@ -103,10 +103,10 @@ class ScheduleBatch:
         finishing = [i for i, (r, n) in enumerate(chosen) if n == r.pending]
         samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
         sampling = None
-        if samples and mode is ForwardMode.EXTEND and buckets.dp == 1:
-            assert finishing == list(range(len(finishing)))
-            sampling = sampling_batch(reqs[: len(finishing)], rows[: len(finishing)],
-                                      buckets.decode_bucket(len(finishing)).batch, eos_ids, vocab_size)
+        if samples and finishing_only:
+            k = len(finishing)
+            assert finishing == list(range(k))
+            sampling = sampling_batch(reqs[:k], rows[:k], buckets.decode_bucket(k).batch, eos_ids, vocab_size)
         elif samples:
             sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size)
         return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, token_src,
