@@ -97,7 +97,7 @@ def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
                 if m.group(1):
                     entry = cur
             continue
-        if line.strip() == "}":
+        if line.startswith("}"):  # also "}, execution_thread=..." (computations offloaded to the SparseCore)
             cur = None
             continue
         m = _INSTR.match(line)

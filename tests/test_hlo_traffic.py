@@ -1,6 +1,8 @@
 """Per-instruction HBM traffic from HLO text (sglang_tpu_qwen/hlo_traffic.py), on a hand-written program:
 loop bodies count once per trip, a fusion that slices a parameter pays for the slice, an in-place update
-pays for the update, a Pallas call for its declared bytes, and a conditional for its cheapest branch."""
+pays for the update, a Pallas call for its declared bytes, and a conditional for its cheapest branch. A
+computation offloaded to the SparseCore closes with ``}, execution_thread=...``: the loop body after it must
+still be found."""
 
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ HLO = """HloModule m
   ROOT %r = f32[4]{0} slice(%big), slice={[0:4]}
 }
 
+%offloaded (c0: bf16[64]) -> bf16[64] {
+  %c0 = bf16[64]{0} parameter(0)
+  ROOT %cp = bf16[64]{0} copy(%c0)
+}, execution_thread="sparsecore"
+
 %body (t: (s32[], bf16[6,1024,1024], bf16[100,8,1024])) -> (s32[], bf16[6,1024,1024], bf16[100,8,1024]) {
   %t = (s32[], bf16[6,1024,1024]{2,1,0}, bf16[100,8,1024]{2,1,0}) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
@@ -71,6 +78,7 @@ ENTRY %main (w0: bf16[6,1024,1024], kv0: bf16[100,8,1024], p: s32[], v: f32[4]) 
 def test_traffic_of_a_hand_written_program():
     ops = {o.name: o for o in program_traffic(HLO)}
     layer = 1024 * 1024 * 2
+    assert "cp" not in ops  # the offloaded computation is not called here
     assert ops["f"].count == 6 and ops["f"].bytes == 2 * layer + 4  # one layer's slice read and written
     assert ops["k"].count == 6 and ops["k"].bytes == 5000  # the kernel's declared traffic
     assert ops["up"].bytes == 2 * 8 * 1024 * 2 + 4  # the update (read, written), not the 1.6 MB buffer

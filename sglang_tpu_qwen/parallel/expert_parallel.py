@@ -2,21 +2,23 @@
 
 Per device, for its ``N`` tokens (one micro-batch at a time):
 
-1. route locally (router weights are replicated), pack each (weight, expert id) into one int32 and the
-   tokens' bits beside them, and all-gather that single int32 array over the expert axis (one collective);
-2. keep the (token, slot) pairs whose expert lives here, sort them by local expert and run the SwiGLU
-   experts as grouped matmuls (``jax.lax.ragged_dot``); rows of other devices' experts sort last, outside
-   every group, and come out as zeros;
-3. scale by the routing weight, sum each token's contributions, and reduce-scatter the ``[n * N, H]``
+1. route locally (router weights are replicated), pack each (weight, expert id) into one int32, and
+   all-gather the tokens and the packed routing over the expert axis;
+2. sort the gathered (token, slot) pairs by local expert, other devices' pairs last, and run the pairs
+   that live here through the SwiGLU experts as grouped matmuls (``jax.lax.ragged_dot`` / the FP8 kernel)
+   in chunks sized for the pairs expected here (``CAPACITY_FACTOR`` times ``k * E_local / E`` per gathered
+   token), not for all of them: one chunk in the usual step, more only when routing is skewed;
+3. scale the activations by the routing weight, sum each token's contributions, and reduce-scatter the ``[n * N, H]``
    partial sums back to the token owners (flat or hierarchical, collectives.py);
 4. add the shared expert, computed locally.
 
-Dropless: the grouped matmul has room for every gathered (token, slot) pair, so a batch in which all
-tokens pick the same expert is exact. Math of the block: HF ``Qwen3_5MoeSparseMoeBlock`` (model/moe.py).
+Dropless: the chunks cover every local pair, so a batch in which all tokens pick the same expert is exact.
+Math of the block: HF ``Qwen3_5MoeSparseMoeBlock`` (model/moe.py).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -55,17 +57,18 @@ def unpack_routing(packed: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
     return jax.lax.bitcast_convert_type(packed & ~mask, jnp.float32), packed & mask
 
 
-def _to_words(x: jax.Array) -> jax.Array:
-    """``[N, H]`` 2- or 4-byte floats -> ``[N, H * itemsize / 4]`` int32 (bit copy)."""
-    n, h = x.shape
-    per_word = 4 // x.dtype.itemsize
-    return jax.lax.bitcast_convert_type(x.reshape(n, h // per_word, per_word), jnp.int32).reshape(n, -1)
+# Rows of one chunk of local (token, expert) pairs, as a multiple of the pairs expected here under uniform
+# routing: every row of a chunk is gathered and scattered, so the factor trades bytes moved in the usual
+# step against a second chunk (exact either way) on a device whose experts get over 1.5x their share.
+CAPACITY_FACTOR = 1.5
 
 
-def _from_words(w: jax.Array, dtype: Any, h: int) -> jax.Array:
-    per_word = 4 // jnp.dtype(dtype).itemsize
-    x = jax.lax.bitcast_convert_type(w, dtype)
-    return x.reshape(w.shape[0], h) if per_word > 1 else x
+def chunk_rows(pairs: int, e_local: int, num_experts: int, factor: float = CAPACITY_FACTOR) -> int:
+    """Rows per chunk of :func:`local_experts` for ``pairs`` gathered (token, slot) pairs: ``factor`` times
+    the ``pairs * e_local / num_experts`` expected here, rounded up to a multiple of 8 (a sublane tile), at
+    most ``pairs`` (then one chunk holds every pair and the chunk loop runs once)."""
+    expected = pairs * e_local / num_experts
+    return min(pairs, -(-math.ceil(factor * expected) // 8) * 8)
 
 
 def local_experts(
@@ -77,8 +80,14 @@ def local_experts(
     w_down: jax.Array,
     first_expert: jax.Array,
     num_experts: int | None = None,
+    capacity_factor: float = CAPACITY_FACTOR,
 ) -> jax.Array:
     """Contribution of this device's experts to every token (zero for pairs routed elsewhere).
+
+    The pairs routed here are sorted by local expert and run in chunks of :func:`chunk_rows` rows (a
+    ``while_loop``; one chunk unless routing puts more than ``capacity_factor`` times the expected pairs
+    here), so the gathered rows and the expert activations are sized by the pairs this device serves, not
+    by all ``M * k`` gathered pairs. Dropless: every local pair is computed.
 
     Args:
         x: ``[M, H]`` gathered tokens.
@@ -86,27 +95,50 @@ def local_experts(
         expert_ids: ``[M, k]`` int32 global expert ids.
         w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``; dense or FP8 (parallel/fp8.py).
         first_expert: scalar int32, global id of local expert 0.
-        num_experts: E over all devices (default E_local); only XLA's cost model of the FP8 kernel uses it.
+        num_experts: E over all devices (default E_local): sizes the chunks.
+        capacity_factor: chunk rows over the pairs expected here (uniform routing).
 
     Returns:
-        ``[M, H]`` float32.
+        ``[M, H]`` in ``x.dtype``.
     """
     m, k = expert_ids.shape
     e_local = w_gate.shape[0]
     num_experts = num_experts or e_local
+    pairs = m * k
+    rows = chunk_rows(pairs, e_local, num_experts, capacity_factor)
+    n_chunks_max = -(-pairs // rows)
+    expected = min(rows, -(-pairs * e_local // num_experts))  # rows a chunk fills (XLA's cost model only)
     local = expert_ids.reshape(-1) - first_expert
     here = (local >= 0) & (local < e_local)
     key = jnp.where(here, local, e_local)  # other devices' pairs sort after every local group
     order = jnp.argsort(key, stable=True)
-    xs = x[order // k]
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-    # Of the M * k gathered pairs, E_local / E are expected here (uniform routing; XLA's cost model only).
-    here_rows = -(-m * k * e_local // num_experts)
-    gate = grouped(xs, w_gate, group_sizes, expected_rows=here_rows)
-    up = grouped(xs, w_up, group_sizes, expected_rows=here_rows)
-    ys = grouped(jax.nn.silu(gate) * up, w_down, group_sizes, out_dtype=jnp.float32, expected_rows=here_rows)
-    scale = jnp.where(here, weights.reshape(-1), 0.0)[order]
-    return jnp.zeros((m, ys.shape[-1]), jnp.float32).at[order // k].add(ys * scale[:, None])
+    group_ends = jnp.cumsum(group_sizes)
+    n_here = group_ends[-1]
+    # Padded to whole chunks; padding pairs (and other devices' pairs) have routing weight 0.
+    pad = n_chunks_max * rows - pairs
+    token = jnp.pad(order // k, (0, pad))
+    scale = jnp.pad(jnp.where(here, weights.reshape(-1), 0.0)[order], (0, pad))
+
+    def chunk(i: jax.Array, acc: jax.Array) -> jax.Array:
+        start = i * rows
+        # Each group's rows inside [start, start + rows): the window's share of the sorted groups.
+        sizes = jnp.clip(group_ends - start, 0, rows) - jnp.clip(group_ends - group_sizes - start, 0, rows)
+        tok = jax.lax.dynamic_slice_in_dim(token, start, rows)
+        xs = x[tok]
+        gate = grouped(xs, w_gate, sizes, expected_rows=expected)
+        up = grouped(xs, w_up, sizes, expected_rows=expected)
+        # The routing weight scales the activations (the down projection is linear), as in all_experts
+        # (model/moe.py): no [rows, H] product after the down projection.
+        act = jax.nn.silu(gate) * up * jax.lax.dynamic_slice_in_dim(scale, start, rows)[:, None].astype(gate.dtype)
+        return acc.at[tok].add(grouped(act, w_down, sizes, expected_rows=expected))
+
+    # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
+    acc = jnp.zeros((m, w_down.shape[-1]), x.dtype)
+    if n_chunks_max == 1:
+        return chunk(jnp.int32(0), acc)
+    n_chunks = jnp.maximum(1, -(-n_here // rows))
+    return jax.lax.fori_loop(0, n_chunks, chunk, acc)
 
 
 def ep_moe_tokens(
@@ -135,7 +167,7 @@ def ep_moe_tokens(
     Returns:
         ``[N, H]`` in ``x.dtype``.
     """
-    n_tok, h = x.shape
+    n_tok = x.shape[0]
     e = config.num_experts
     e_local = p["w_gate"].shape[0]
     if e_local * axis_size != e:
@@ -147,13 +179,14 @@ def ep_moe_tokens(
     outs = []
     for chunk in jnp.split(xp, mb):
         w, ids = route(chunk, p["router"], config.num_experts_per_tok, config.norm_topk_prob)
-        words = jnp.concatenate([_to_words(chunk), pack_routing(w, ids, e)], axis=1)
-        g = jax.lax.all_gather(words, axis_name, axis=0, tiled=True)  # [n * N_mb, W]
-        hw = g.shape[1] - ids.shape[1]
-        gw, gids = unpack_routing(g[:, hw:], e)
-        gx = _from_words(g[:, :hw], x.dtype, h)
+        # Two gathers, each array in its own dtype: packing the tokens' bits into the routing's int32
+        # words (one collective) gave the gathered tokens a non-native bf16 tiling, and XLA relaid out
+        # the [n * N_mb, H] array every layer (measured on the Ironwood prefill step: 2 GiB per layer).
+        gx = jax.lax.all_gather(chunk, axis_name, axis=0, tiled=True)  # [n * N_mb, H]
+        packed = jax.lax.all_gather(pack_routing(w, ids, e), axis_name, axis=0, tiled=True)
+        gw, gids = unpack_routing(packed, e)
         y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e)
-        outs.append(reduce_scatter(y.astype(x.dtype), axis_name, axis_size, combine))
+        outs.append(reduce_scatter(y, axis_name, axis_size, combine))
     routed = jnp.concatenate(outs, axis=0)[:n_tok]
     shared = shared_expert(p, x)
     return (routed + shared).astype(x.dtype)

@@ -89,15 +89,18 @@ def _tile(dim: int, target: int, unit: int) -> int:
     return full if full <= target else target
 
 
-def _cost(m: int, k: int, n: int, g: int, itemsize: int, expected_rows: int | None) -> pl.CostEstimate:
+def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None) -> pl.CostEstimate:
     """XLA cannot see into the kernel; this is its traffic. Weights: FP8 bytes of the groups that have rows,
     ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when ``expected_rows`` is
-    None); activations in and out once; scales once per visited group."""
+    None); scales once per visited group; activations in and out once for the row tiles the groups visit
+    (the rows they cover plus one shared tile per group boundary; tiles past the groups are not read or
+    written)."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
     weight = active * (k * n + 4 * -(-k // 128) * -(-n // 128))
+    visited = min(m, rows + int(active) * tm)
     return pl.CostEstimate(flops=2 * rows * k * n, transcendentals=0,
-                           bytes_accessed=int(weight + m * (k + n) * itemsize))
+                           bytes_accessed=int(weight + visited * (k + n) * itemsize))
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "tn", "interpret", "expected_rows"))
@@ -182,7 +185,7 @@ def fp8_grouped_matmul(
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
-        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, expected_rows),
+        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows),
     )(layer_arr, group, tile, starts, ends, total, x, q, sp)
     # Row tiles no group visits are never written.
     return jnp.where(jnp.arange(m)[:, None] < total_rows(group_sizes), out, 0).astype(x.dtype)
