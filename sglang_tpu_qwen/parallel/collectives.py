@@ -11,7 +11,6 @@ intra-chip stage has summed the pair.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 COMBINES = ("flat", "hierarchical")
 
@@ -59,8 +58,9 @@ def hierarchical_reduce_scatter(y: jax.Array, axis_name: str | tuple[str, ...], 
         # Block index j = 2 * hi + b where b is the destination's bit `bit`: split on b.
         pairs = held.reshape(held.shape[0] // 2, 2, rows, *y.shape[1:])
         mine = (me >> bit) & 1
-        keep = jnp.where(mine == 0, pairs[:, 0], pairs[:, 1])
-        send = jnp.where(mine == 0, pairs[:, 1], pairs[:, 0])
+        # Dynamic slices, not selects: a select reads both halves and writes a copy of the one it keeps.
+        keep = jax.lax.dynamic_index_in_dim(pairs, mine, axis=1, keepdims=False)
+        send = jax.lax.dynamic_index_in_dim(pairs, 1 - mine, axis=1, keepdims=False)
         perm = [(i, i ^ (1 << bit)) for i in range(n)]
         held = keep + jax.lax.ppermute(send, axis_name, perm)
         bit += 1

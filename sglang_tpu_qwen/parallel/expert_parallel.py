@@ -18,6 +18,7 @@ Math of the block: HF ``Qwen3_5MoeSparseMoeBlock`` (model/moe.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -126,12 +127,14 @@ def local_experts(
         sizes = jnp.clip(group_ends - start, 0, rows) - jnp.clip(group_ends - group_sizes - start, 0, rows)
         tok = jax.lax.dynamic_slice_in_dim(token, start, rows)
         xs = x[tok]
-        gate = grouped(xs, w_gate, sizes, expected_rows=expected)
-        up = grouped(xs, w_up, sizes, expected_rows=expected)
+        mm = functools.partial(grouped, group_sizes=sizes, expected_rows=expected, zero_tail=False)
         # The routing weight scales the activations (the down projection is linear), as in all_experts
         # (model/moe.py): no [rows, H] product after the down projection.
-        act = jax.nn.silu(gate) * up * jax.lax.dynamic_slice_in_dim(scale, start, rows)[:, None].astype(gate.dtype)
-        return acc.at[tok].add(grouped(act, w_down, sizes, expected_rows=expected))
+        act = jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up)
+        ys = mm(act * jax.lax.dynamic_slice_in_dim(scale, start, rows)[:, None].astype(act.dtype), w_down)
+        # Rows past this chunk's groups (undefined, zero_tail=False) go to row m, which the scatter drops.
+        local_row = start + jnp.arange(rows) < n_here
+        return acc.at[jnp.where(local_row, tok, m)].add(ys, mode="drop")
 
     # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
     acc = jnp.zeros((m, w_down.shape[-1]), x.dtype)

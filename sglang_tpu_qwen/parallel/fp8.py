@@ -188,7 +188,8 @@ def interpret_kernels() -> Iterator[None]:
 
 
 def _fp8_grouped(
-    x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, out_dtype: Any, interpret: bool, expected_rows: int | None
+    x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, out_dtype: Any, interpret: bool, expected_rows: int | None,
+    zero_tail: bool = True,
 ) -> jax.Array:
     interpret = interpret or _INTERPRET[-1]
 
@@ -197,7 +198,7 @@ def _fp8_grouped(
 
     def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, layer: Any) -> jax.Array:
         return fp8_grouped_matmul(x, q, scale, gs, layer, block=w.block, interpret=interpret,
-                                  expected_rows=expected_rows).astype(out_dtype)
+                                  expected_rows=expected_rows, zero_tail=zero_tail).astype(out_dtype)
 
     def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, layer: Any) -> jax.Array:
         if layer is not None:
@@ -219,6 +220,7 @@ def grouped(
     out_dtype: Any = None,
     interpret: bool = False,
     expected_rows: int | None = None,
+    zero_tail: bool = True,
 ) -> jax.Array:
     """``jax.lax.ragged_dot(x, w, group_sizes)`` for a dense ``[G, K, N]`` stack or an :class:`Fp8Weight`.
 
@@ -227,13 +229,15 @@ def grouped(
         out_dtype: result dtype (f32 accumulation either way); default ``x.dtype``.
         interpret: FP8 only: run the Pallas kernel in interpret mode (CPU tests of the TPU path).
         expected_rows: FP8 only, for XLA's cost model: rows the groups are expected to cover (default M).
+        zero_tail: False: rows past the groups may hold anything (the caller drops them; the FP8 kernel
+            then skips a pass over the output that zeroes them).
 
     Returns:
-        ``[M, N]``; rows past ``sum(group_sizes)`` are 0.
+        ``[M, N]``; rows past ``sum(group_sizes)`` are 0 (``zero_tail``) or undefined.
     """
     out_dtype = out_dtype or x.dtype
     if isinstance(w, Fp8Weight):
-        return _fp8_grouped(x, w, group_sizes, out_dtype, interpret, expected_rows)
+        return _fp8_grouped(x, w, group_sizes, out_dtype, interpret, expected_rows, zero_tail)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype).astype(out_dtype)
 
 
@@ -246,5 +250,6 @@ def linear(x: jax.Array, w: Any, *, interpret: bool = False) -> jax.Array:
     flat = x.reshape(-1, k)
     q = LayerSlice(w.q.stack[:, None], w.q.index) if isinstance(w.q, LayerSlice) else w.q[None]
     one = Fp8Weight(q=q, scale=w.scale[None], block=w.block)
-    out = _fp8_grouped(flat, one, jnp.full((1,), flat.shape[0], jnp.int32), x.dtype, interpret, None)
+    # One group covering every row: nothing past it to zero.
+    out = _fp8_grouped(flat, one, jnp.full((1,), flat.shape[0], jnp.int32), x.dtype, interpret, None, zero_tail=False)
     return out.reshape(*lead, w.shape[-1])

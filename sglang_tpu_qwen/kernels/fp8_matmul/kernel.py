@@ -103,7 +103,7 @@ def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows:
                            bytes_accessed=int(weight + visited * (k + n) * itemsize))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "tn", "interpret", "expected_rows"))
+@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "tn", "interpret", "expected_rows", "zero_tail"))
 def fp8_grouped_matmul(
     x: jax.Array,
     q: jax.Array,
@@ -117,6 +117,7 @@ def fp8_grouped_matmul(
     tn: int = 1024,
     interpret: bool = False,
     expected_rows: int | None = None,
+    zero_tail: bool = True,
 ) -> jax.Array:
     """``ragged_dot(x, q * scale, group_sizes)`` without a dequantised copy of ``q`` (module docstring).
 
@@ -132,9 +133,12 @@ def fp8_grouped_matmul(
         interpret: Pallas TPU interpret mode (CPU tests).
         expected_rows: rows the groups are expected to cover (for XLA's cost model only: weights of
             groups without rows are not read); default M.
+        zero_tail: zero the rows past the groups (see Returns).
 
     Returns:
-        ``[M, N]`` in ``x.dtype`` (f32 accumulation); rows past ``sum(group_sizes)`` are 0.
+        ``[M, N]`` in ``x.dtype`` (f32 accumulation); rows past ``sum(group_sizes)`` are 0, or undefined
+        with ``zero_tail=False`` (for callers whose groups cover every row or that drop those rows: the
+        zeroing is a pass over the whole output).
 
     Raises:
         ValueError: a shape mismatch or a block size the tiling cannot honour.
@@ -188,6 +192,8 @@ def fp8_grouped_matmul(
         cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows),
     )(layer_arr, group, tile, starts, ends, total, x, q, sp)
     # Row tiles no group visits are never written.
+    if not zero_tail:
+        return out
     return jnp.where(jnp.arange(m)[:, None] < total_rows(group_sizes), out, 0).astype(x.dtype)
 
 
