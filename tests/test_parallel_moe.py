@@ -58,6 +58,32 @@ def test_fp8_expert_parallel_moe_matches_single_device(results):
     assert results["moe dp8 ep8 hierarchical fp8"]["rel_err"] < TOL
 
 
+def test_local_experts_runs_skewed_routing_in_several_chunks():
+    """A device's pairs beyond one chunk (every token routed to its experts) run as more chunks of the
+    loop and still give the routed sum of its experts; other devices' experts contribute nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sglang_tpu_qwen.model.moe import routed_experts
+    from sglang_tpu_qwen.parallel.expert_parallel import chunk_rows, local_experts
+
+    m, k, e, e_local, h, i = 24, 2, 8, 4, 16, 8
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (m, h), jnp.float32)
+    w_gate, w_up = (jax.random.normal(kk, (e, h, i), jnp.float32) / 4 for kk in keys[1:3])
+    w_down = jax.random.normal(keys[3], (e, i, h), jnp.float32) / 4
+    weights = jax.random.uniform(keys[4], (m, k), jnp.float32)
+    ids = jnp.stack([jnp.arange(m) % 4 + 4, (jnp.arange(m) + 1) % 4 + 4], axis=1).astype(jnp.int32)  # all on 4..7
+    rows = chunk_rows(m * k, e_local, e)
+    assert -(-m * k // rows) > 1  # the device holding experts 4..7 needs several chunks
+    here = local_experts(x, weights, ids, w_gate[4:], w_up[4:], w_down[4:], jnp.int32(4), e)
+    want = routed_experts(x, weights, ids, w_gate, w_up, w_down)
+    np.testing.assert_allclose(np.asarray(here), np.asarray(want), rtol=1e-5, atol=1e-5)
+    elsewhere = local_experts(x, weights, ids, w_gate[:4], w_up[:4], w_down[:4], jnp.int32(0), e)
+    assert not np.any(np.asarray(elsewhere))
+
+
 @pytest.mark.parametrize("dp,ep", LAYOUTS)
 @pytest.mark.parametrize("combine", ["flat", "hierarchical"])
 def test_sharded_moe_matches_single_device(results, dp, ep, combine):
