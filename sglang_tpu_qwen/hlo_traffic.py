@@ -29,7 +29,7 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _FREE = frozenset({
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
     "after-all", "partition-id", "replica-id", "iota", "copy-done", "all-gather-done", "all-reduce-done",
-    "collective-permute-done", "async-done", "send-done", "recv-done", "opt-barrier",
+    "collective-permute-done", "async-done", "send-done", "recv-done", "opt-barrier", "slice-done",
 })  # fmt: skip
 _SLICING = ("dynamic-slice", "slice", "gather")
 _IN_PLACE = ("dynamic-update-slice", "scatter")
@@ -171,8 +171,10 @@ def _instr_bytes(ins: _Instr, comps: dict[str, list[_Instr]]) -> float:
     if ins.opcode in ("slice", "dynamic-slice", "gather"):
         return 2 * shape_bytes(ins.result)
     if ins.opcode in ("slice-start", "copy-start"):
-        first = _SHAPE.search(ins.result)
-        return 2 * shape_bytes(first.group(0)) if first else 0.0
+        # Result ((operand), destination, context): the destination is read from the operand and written
+        # (for a slice the operand is the whole array, of which only the destination's bytes move).
+        parts, _ = _split_operands(ins.result.strip()[1:])
+        return 2 * shape_bytes(parts[1]) if len(parts) > 1 else 0.0
     return sum(shape_bytes(op.split("%")[0]) for op in ins.operands) + shape_bytes(ins.result)
 
 

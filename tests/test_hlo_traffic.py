@@ -52,6 +52,8 @@ HLO = """HloModule m
   %f = bf16[1024,1024]{1,0} fusion(bf16[6,1024,1024]{2,1,0} %w, s32[] %i), kind=kLoop, calls=%sliced
   %k = bf16[1,8,1024]{2,1,0} custom-call(bf16[1024,1024]{1,0} %f, bf16[100,8,1024]{2,1,0} %kv), custom_call_target="tpu_custom_call", backend_config={"cost_estimate":{"bytes_accessed":"5000"}}
   %up = bf16[100,8,1024]{2,1,0} fusion(bf16[100,8,1024]{2,1,0} %kv, bf16[1,8,1024]{2,1,0} %k, s32[] %i), kind=kLoop, calls=%dus
+  %ss = ((bf16[6,1024,1024]{2,1,0}), bf16[1,1024,1024]{2,1,0:S(1)}, s32[]) slice-start(%w), slice={[0:1], [0:1024], [0:1024]}
+  %sd = bf16[1,1024,1024]{2,1,0:S(1)} slice-done(%ss)
   ROOT %o = (s32[], bf16[6,1024,1024]{2,1,0}, bf16[100,8,1024]{2,1,0}) tuple(%i, %w, %up)
 }
 
@@ -79,6 +81,7 @@ def test_traffic_of_a_hand_written_program():
     ops = {o.name: o for o in program_traffic(HLO)}
     layer = 1024 * 1024 * 2
     assert "cp" not in ops  # the offloaded computation is not called here
+    assert ops["ss"].bytes == 2 * layer  # an async slice moves the slice, not the array it slices
     assert ops["f"].count == 6 and ops["f"].bytes == 2 * layer + 4  # one layer's slice read and written
     assert ops["k"].count == 6 and ops["k"].bytes == 5000  # the kernel's declared traffic
     assert ops["up"].bytes == 2 * 8 * 1024 * 2 + 4  # the update (read, written), not the 1.6 MB buffer
