@@ -83,10 +83,6 @@ class SamplingBatch:
     bias_ids: np.ndarray | None = None  # [B, <= LOGIT_BIAS_WIDTH] int32 logit_bias ids, -1 padded
     bias_vals: np.ndarray | None = None  # [B, same] float32 logit_bias values
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool(np.all(self.temperature <= 0.0))
-
 
 @dataclass
 class StepStats:
@@ -137,7 +133,9 @@ class SampleOutput:
             toks, lp, top_lp, top_ids = jax.device_get((self.tokens, self.logprob, self.top_logprobs,
                                                         self.top_ids))
         else:  # one transfer instead of four (each costs host time on the scheduler thread)
-            toks = jax.device_get(self.tokens)
+            # np.asarray, not jax.device_get: the latter's copy_to_host_async costs ~0.15 ms more of scheduler
+            # time per step on XLA:CPU (measured), and one array gains nothing from an async copy.
+            toks = np.asarray(self.tokens)
             b = len(toks)
             lp, top_lp, top_ids = np.zeros(b, np.float32), np.zeros((b, 0), np.float32), np.zeros((b, 0), np.int32)
         if self.stats is not None:
@@ -254,17 +252,28 @@ class ModelRunner:
             last = jax.shard_map(_last_rows, mesh=self.layout.mesh, in_specs=(rows, rows), out_specs=rows,
                                  check_vma=False)
 
-        def forward_program(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids, prev_tokens,
-                            token_src):
+        # A compiled call costs scheduler-thread time per argument leaf (flattening, signature and layout
+        # checks, one host-to-device copy per host array): the programs take the parameters as their flat
+        # list of leaves (flattened once here, not a nested dict every step) and a step's host arrays as one.
+        self._param_leaves, param_def = jax.tree.flatten(self.params)
+        pages = self.buckets.pages
+
+        def forward_program(param_leaves, cache, packed, prev_tokens):
+            params = jax.tree.unflatten(param_def, param_leaves)
+            tokens, prefix_lens, new_lens, page_table, slot_ids, token_src = _unpack_step(packed, pages)
             tokens = _take_prev_tokens(tokens, prev_tokens, token_src)  # overlap: last step's ids stay on device
             hidden, cache = fwd(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids)
             return hidden, last(hidden, jnp.maximum(new_lens - 1, 0)), cache
 
         self._forward_jit = jax.jit(forward_program, donate_argnums=(1,))
-        self._sample_jits = {
-            kind: jax.jit(self._per_rank(partial(_sample_program, config=self.config, kind=kind)))
-            for kind in SAMPLE_KINDS
-        }
+        # Same for sampling: the head parameters as their leaves, the Features flags as one bool array.
+        self._head_leaves, head_def = jax.tree.flatten(self._head_params())
+
+        def sample_program(head_leaves, last, rp, flags, *, kind):
+            per_rank = self._per_rank(partial(_sample_program, config=self.config, kind=kind))
+            return per_rank(jax.tree.unflatten(head_def, head_leaves), last, rp, sampler.Features(*flags))
+
+        self._sample_jits = {kind: jax.jit(partial(sample_program, kind=kind)) for kind in SAMPLE_KINDS}
         # Not donated: the first call reads the resident zero table of _unused_inputs.
         self._penalty_jit = jax.jit(sampler.penalty_update,
                                     out_shardings=None if self.layout is None else self._row_sharding(2))
@@ -276,7 +285,7 @@ class ModelRunner:
         self._prev_tokens: jax.Array | None = None  # made on first use (the planner builds programs abstractly)
         self._programs: dict[tuple, Any] = {}
         self._unused: dict[int, sampler.RowParams] = {}  # per B: device arrays of "feature unused" inputs
-        self._flags: dict[bool, jax.Array] = {}  # resident Features scalars
+        self._flags: dict[tuple[bool, ...], jax.Array] = {}  # resident Features arrays
         self._ready = False
         self.stats = StepStats()
         self._last_decode_start: float | None = None
@@ -312,27 +321,27 @@ class ModelRunner:
             bias_vals=s((b, sampler.LOGIT_BIAS_WIDTH), f32), ban_ids=s((b, sampler.BAN_WIDTH), i32),
             bitmask=s((b, -(-v // 32)), i32))
 
-    def _feature_specs(self) -> sampler.Features:
-        return sampler.Features(*(self._spec((), jnp.bool_, replicated=True) for _ in sampler.Features._fields))
+    def _feature_specs(self) -> jax.ShapeDtypeStruct:
+        return self._spec((len(sampler.Features._fields),), jnp.bool_, replicated=True)
 
     def lower_forward(self, bucket: StepBucket) -> jax.stages.Lowered:
-        """The forward program of `bucket` lowered from abstract arguments (params, cache and the batch
-        arrays with their shardings): inputs tokens [B, T], prefix_lens / new_lens / slot_ids [B],
-        page_table [B, P] int32; outputs (hidden [B, T, H], last [B, H], cache)."""
+        """The forward program of `bucket` lowered from abstract arguments (the parameter leaves, cache and
+        the step's packed host array with their shardings): input packed [B, T + 4 + P] int32 (`_pack_step`:
+        tokens [B, T], prefix_lens, new_lens, slot_ids, token_src [B], page_table [B, P]) and the kept
+        sampled ids [prev_rows]; outputs (hidden [B, T, H], last [B, H], cache)."""
         b, t, p = bucket.batch, bucket.tokens, bucket.pages
         i32 = jnp.int32
         return self._forward_jit.lower(
-            _abstract(self.params), _abstract(self.cache), self._spec((b, t), i32), self._spec((b,), i32),
-            self._spec((b,), i32), self._spec((b, p), i32), self._spec((b,), i32),
-            self._spec((self.prev_rows,), i32, replicated=True), self._spec((b,), i32))
+            _abstract(self._param_leaves), _abstract(self.cache), self._spec((b, t + _STEP_COLUMNS + p), i32),
+            self._spec((self.prev_rows,), i32, replicated=True))
 
     def lower_sample(self, kind: SampleKind, batch: int) -> jax.stages.Lowered:
-        """Sampling program `kind` for B = `batch` rows: (params, last [B, H], RowParams, Features) ->
-        (tokens [B], logprob [B], top_logprobs [B, K], top_ids [B, K]); K = TOP_LOGPROBS_MAX for
-        "logprobs", else 0."""
+        """Sampling program `kind` for B = `batch` rows: (leaves of _head_params(), last [B, H], RowParams,
+        Features as one replicated bool array [len(Features._fields)]) -> (tokens [B], logprob [B],
+        top_logprobs [B, K], top_ids [B, K]); K = TOP_LOGPROBS_MAX for "logprobs", else 0."""
         h = self.config.hidden_size
         return self._sample_jits[kind].lower(
-            _abstract(self._head_params()), self._spec((batch, h), self.dtype), self._row_param_specs(batch),
+            _abstract(self._head_leaves), self._spec((batch, h), self.dtype), self._row_param_specs(batch),
             self._feature_specs())
 
     def _lower_penalty(self, batch: int) -> jax.stages.Lowered:
@@ -490,11 +499,13 @@ class ModelRunner:
             cached = self._unused[b] = sampler.RowParams(**arrays)
         return cached
 
-    def _flag(self, value: bool) -> jax.Array:
-        """A resident replicated bool scalar (sampler.Features): no host-to-device copy per step."""
-        if value not in self._flags:
-            self._flags[value] = jax.device_put(np.asarray(value, np.bool_), self._replicated())
-        return self._flags[value]
+    def _features(self, flags: tuple[bool, ...]) -> jax.Array:
+        """sampler.Features as a resident replicated bool array, one per combination seen: no host-to-device
+        copy per step."""
+        arr = self._flags.get(flags)
+        if arr is None:
+            arr = self._flags[flags] = jax.device_put(np.asarray(flags, np.bool_), self._replicated())
+        return arr
 
     def _head_params(self) -> dict[str, Any]:
         """The parameters the sampling and prompt-logprob programs read: the output projection (`lm_head`, or
@@ -617,14 +628,11 @@ class ModelRunner:
             self.stats.decode_steps += 1
             self.stats.decode_wall_s += now - self._last_decode_start
         self._last_decode_start = now if t == 1 else None
-        page_table = self._to_rank_local(page_table, self.num_pages)
-        slot_ids = self._to_rank_local(slot_ids, self.num_slots)
-        args = self._put([tokens.astype(np.int32), prefix_lens.astype(np.int32), new_lens.astype(np.int32),
-                          page_table.astype(np.int32), slot_ids.astype(np.int32),
-                          np.full(b, -1, np.int32) if token_src is None else token_src.astype(np.int32)])
+        packed = _pack_step(tokens, prefix_lens, new_lens, self._to_rank_local(page_table, self.num_pages),
+                            self._to_rank_local(slot_ids, self.num_slots), token_src)
         if self._prev_tokens is None:
             self._prev_tokens = jax.device_put(np.zeros(self.prev_rows, np.int32), self._replicated())
-        hidden, last, self.cache = prog(self.params, self.cache, *args[:5], self._prev_tokens, args[5])
+        hidden, last, self.cache = prog(self._param_leaves, self.cache, self._put([packed])[0], self._prev_tokens)
         return StepOutput(hidden, last, decode=t == 1)
 
     def keep_sampled(self, out: SampleOutput) -> None:
@@ -647,19 +655,18 @@ class ModelRunner:
             last = self._program(("head_rows", last.shape[0], b))(last)
         if batch.num_top_logprobs > sampler.TOP_LOGPROBS_MAX:
             raise ValueError(f"top_logprobs_num {batch.num_top_logprobs} > {sampler.TOP_LOGPROBS_MAX}")
-        unused = self._unused_inputs(b)
         sampling = batch.temperature > 0.0
-        use_bias = batch.bias_ids is not None and bool(np.any(batch.bias_ids >= 0))
-        use_bans = bool(np.any(batch.banned_ids >= 0))
+        use_bias = batch.bias_ids is not None and bool((batch.bias_ids >= 0).any())
+        use_bans = bool((batch.banned_ids >= 0).any())
         use_grammar = batch.token_bitmask is not None
         use_penalty = batch.seen_ids is not None
-        greedy = batch.all_greedy and not (use_grammar or use_penalty)
+        any_sampling = bool(sampling.any())
+        greedy = not (any_sampling or use_grammar or use_penalty)
         kind: SampleKind = "logprobs" if batch.want_logprobs else "greedy" if greedy else "sample"
-        flags = [use_grammar, use_penalty, use_bias,
-                 bool(np.any(sampling & (batch.top_k > 0))),
-                 bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
-                 bool(np.any(sampling & (batch.top_p < 1.0))), bool(np.any(sampling & (batch.min_p > 0.0)))]
-        feats = sampler.Features(*(self._flag(f) for f in flags))
+        filters = (False,) * 4 if not any_sampling else (  # the per-row filters apply to sampling rows only
+            bool(np.any(sampling & (batch.top_k > 0))), bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
+            bool(np.any(sampling & (batch.top_p < 1.0))), bool(np.any(sampling & (batch.min_p > 0.0))))
+        feats = self._features((use_grammar, use_penalty, use_bias, *filters))
         # Host-to-device copies cost scheduler-thread time every step: a greedy step sends only its bans/bias.
         rows = [] if kind == "greedy" else [
             batch.temperature.astype(np.float32), batch.top_p.astype(np.float32), batch.top_k.astype(np.int32),
@@ -679,11 +686,11 @@ class ModelRunner:
         put = self._put(rows + list(optional.values()))
         fields = dict(zip(sampler.RowParams._fields[: len(rows)], put[: len(rows)], strict=True))
         fields.update(zip(optional, put[len(rows):], strict=True))
-        for name in sampler.RowParams._fields:
-            if name != "penalty_table":
-                fields.setdefault(name, getattr(unused, name))
-        fields["penalty_table"] = self._penalty_table(b, batch) if use_penalty else unused.penalty_table
-        out = self._program(("sample", kind, b))(self._head_params(), last, sampler.RowParams(**fields), feats)
+        if use_penalty:
+            fields["penalty_table"] = self._penalty_table(b, batch)
+        # The inputs this step does not set stay the resident "unused" arrays.
+        row_params = self._unused_inputs(b)._replace(**fields)
+        out = self._program(("sample", kind, b))(self._head_leaves, last, row_params, feats)
         return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
                             stats=self.stats if step.decode else None, has_logprobs=kind == "logprobs")
 
@@ -779,7 +786,9 @@ def _pad_cols(a: np.ndarray, width: int, fill: Any, what: str) -> np.ndarray:
     """[B, w] -> [B, width] padded with `fill`; ValueError when w > width."""
     if a.shape[1] > width:
         raise ValueError(f"{a.shape[1]} {what} in one row; at most {width}")
-    return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+    out = np.full((a.shape[0], width), fill, a.dtype)  # not np.pad: ~20 us of Python per call, every step
+    out[:, : a.shape[1]] = a
+    return out
 
 
 def _bucket_summary(buckets: BucketSet) -> str:
@@ -790,6 +799,32 @@ def _bucket_summary(buckets: BucketSet) -> str:
 def _last_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
     """hidden [B, T, H], index [B] -> [B, H]: each row's hidden state at its last new token."""
     return hidden[jnp.arange(hidden.shape[0]), index]
+
+
+_STEP_COLUMNS = 4  # the [B] columns of a packed step between tokens and page_table
+
+
+def _pack_step(tokens: np.ndarray, prefix_lens: np.ndarray, new_lens: np.ndarray, page_table: np.ndarray,
+               slot_ids: np.ndarray, token_src: np.ndarray | None) -> np.ndarray:
+    """A step's host arrays as one [B, T + 4 + P] int32 array: columns tokens [T], prefix_lens, new_lens,
+    slot_ids, token_src (-1 where None), page_table [P]. One host-to-device copy instead of six."""
+    b, t = tokens.shape
+    packed = np.empty((b, t + _STEP_COLUMNS + page_table.shape[1]), np.int32)
+    packed[:, :t] = tokens
+    packed[:, t] = prefix_lens
+    packed[:, t + 1] = new_lens
+    packed[:, t + 2] = slot_ids
+    packed[:, t + 3] = -1 if token_src is None else token_src
+    packed[:, t + _STEP_COLUMNS:] = page_table
+    return packed
+
+
+def _unpack_step(packed: jax.Array, pages: int) -> tuple[jax.Array, ...]:
+    """Inverse of `_pack_step` inside a program (P = `pages`): (tokens [B, T], prefix_lens, new_lens,
+    page_table [B, P], slot_ids, token_src)."""
+    t = packed.shape[1] - _STEP_COLUMNS - pages
+    col = partial(jax.lax.index_in_dim, packed, axis=1, keepdims=False)
+    return packed[:, :t], col(t), col(t + 1), packed[:, t + _STEP_COLUMNS:], col(t + 2), col(t + 3)
 
 
 def _take_prev_tokens(tokens: jax.Array, prev: jax.Array, src: jax.Array) -> jax.Array:

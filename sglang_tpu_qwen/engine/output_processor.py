@@ -83,6 +83,8 @@ class OutputProcessor:
         now = time.perf_counter()
         for r in batch.sampling_reqs:
             r.tokens_in_flight -= 1
+        # Python ints and floats once for the whole batch (indexing numpy per row costs more, every step).
+        toks, lps = (None, None) if sampled is None else (sampled[0].tolist(), sampled[1].tolist())
         for i in batch.finishing:
             r, row = batch.reqs[i], batch.rows[i]
             if r.finished:  # finished while this step ran (overlap: one step late; abort): token discarded
@@ -90,13 +92,15 @@ class OutputProcessor:
             if r.max_new_tokens == 0 or sampled is None:  # scoring only: the prompt's logprobs are the answer
                 self.finish(r, {"type": "length", "length": 0})
                 continue
-            toks, lps, top_lps, top_ids = sampled
-            self.accept_token(r, int(toks[row]), float(lps[row]), top_lps[row], top_ids[row], now)
+            assert toks is not None and lps is not None
+            top = (sampled[2][row], sampled[3][row]) if r.top_logprobs_num else (None, None)
+            self.accept_token(r, toks[row], lps[row], *top, now)
 
     def accept_token(self, r: Request, tok: int, lp: float, top_lp: Any, top_ids: Any, now: float) -> None:
         """Append one sampled token to r (logprobs, text, grammar), then finish or stream per the stop rules.
 
-        top_lp / top_ids: the row's top alternatives ([K] arrays or lists, K >= r.top_logprobs_num).
+        top_lp / top_ids: the row's top alternatives ([K] arrays or lists, K >= r.top_logprobs_num; read only
+        when r.top_logprobs_num > 0).
         """
         if r.first_token_time is None:
             r.first_token_time = now

@@ -217,8 +217,9 @@ class SchedulePolicy:
         """One token for every decoding request, at most the largest decode bucket's rows per rank."""
         chosen: list[tuple[Request, int]] = []
         rows = [0] * len(self.ranks)
+        max_rows = self.runner.buckets.max_decode_rows
         for r in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.admit_order):
-            if r.slot is None or rows[r.rank] >= self.runner.buckets.max_decode_rows:
+            if r.slot is None or rows[r.rank] >= max_rows:
                 continue
             if r.tokens_in_flight and (r.num_output >= r.max_new_tokens
                                        or len(r.fill_ids) + r.tokens_in_flight >= self.context_length):
@@ -231,10 +232,12 @@ class SchedulePolicy:
     # ---- memory --------------------------------------------------------------------------------
     def pages_needed(self, r: Request, num_tokens: int) -> int:
         """Pages r must still get to hold num_tokens tokens."""
-        return max(0, math.ceil(num_tokens / self.page_size) - len(r.pages))
+        return max(0, -(-num_tokens // self.page_size) - len(r.pages))
 
     def _ensure_pages_or_retract(self, r: Request, num_tokens: int) -> bool:
         """Give r pages for num_tokens tokens, retracting newer requests if needed; False if r was retracted."""
+        if not self.pages_needed(r, num_tokens):  # most decode steps: the token fits r's last page
+            return True
         m = self.ranks[r.rank]
         while True:
             need = self.pages_needed(r, num_tokens)
