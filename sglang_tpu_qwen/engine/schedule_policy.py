@@ -236,15 +236,15 @@ class SchedulePolicy:
 
     def _ensure_pages_or_retract(self, r: Request, num_tokens: int) -> bool:
         """Give r pages for num_tokens tokens, retracting newer requests if needed; False if r was retracted."""
-        if not self.pages_needed(r, num_tokens):  # most decode steps: the token fits r's last page
+        need = self.pages_needed(r, num_tokens)  # fixed below: retracting others does not change r's pages
+        if not need:  # most decode steps: the token fits r's last page
             return True
         m = self.ranks[r.rank]
         while True:
-            need = self.pages_needed(r, num_tokens)
             short = need - m.kv_pool.num_free
             if short > 0 and m.prefix_cache is not None:
                 m.prefix_cache.evict_pages(short)
-            got = m.kv_pool.alloc(need) if need else []
+            got = m.kv_pool.alloc(need)
             if got is not None:
                 r.pages.extend(got)
                 return True

@@ -287,8 +287,8 @@ class Scheduler:
                 r.tokens_in_flight += 1
         for m in self.ranks:
             if m.prefix_cache is not None:
-                rows = batch.reqs if len(self.ranks) == 1 else [r for r in batch.reqs if r.rank == m.rank]
-                m.prefix_cache.after_step(rows, batch.is_extend)
+                mine = batch.reqs if len(self.ranks) == 1 else [r for r in batch.reqs if r.rank == m.rank]
+                m.prefix_cache.after_step(mine, batch.is_extend)
         return Launched(batch, sampled)
 
     def _resolve(self) -> bool:

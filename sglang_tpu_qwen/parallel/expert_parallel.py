@@ -8,8 +8,8 @@ Per device, for its ``N`` tokens (one micro-batch at a time):
    that live here through the SwiGLU experts as grouped matmuls (``jax.lax.ragged_dot`` / the FP8 kernel)
    in chunks sized for the pairs expected here (``CAPACITY_FACTOR`` times ``k * E_local / E`` per gathered
    token), not for all of them: one chunk in the usual step, more only when routing is skewed;
-3. scale the activations by the routing weight, sum each token's contributions, and reduce-scatter the ``[n * N, H]``
-   partial sums back to the token owners (flat or hierarchical, collectives.py);
+3. scale the activations by the routing weight, sum each token's contributions, and reduce-scatter the
+   ``[n * N, H]`` partial sums back to the token owners (flat or hierarchical, collectives.py);
 4. add the shared expert, computed locally.
 
 Dropless: the chunks cover every local pair, so a batch in which all tokens pick the same expert is exact.
@@ -86,9 +86,10 @@ def local_experts(
     """Contribution of this device's experts to every token (zero for pairs routed elsewhere).
 
     The pairs routed here are sorted by local expert and run in chunks of :func:`chunk_rows` rows (a
-    ``while_loop``; one chunk unless routing puts more than ``capacity_factor`` times the expected pairs
-    here), so the gathered rows and the expert activations are sized by the pairs this device serves, not
-    by all ``M * k`` gathered pairs. Dropless: every local pair is computed.
+    ``fori_loop`` with a data-dependent trip count; one chunk unless routing puts more than
+    ``capacity_factor`` times the expected pairs here), so the gathered rows and the expert activations are
+    sized by the pairs this device serves, not by all ``M * k`` gathered pairs. Dropless: every local pair
+    is computed.
 
     Args:
         x: ``[M, H]`` gathered tokens.
