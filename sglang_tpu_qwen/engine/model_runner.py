@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.engine import compilation, greedy_screen, memory_accounting, sampler
 from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket, next_pow2
+from sglang_tpu_qwen.engine.device_idle import DeviceIdleMeter
 from sglang_tpu_qwen.engine.weight_loading import load_weights
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.memory import gdn_state, kv_io
@@ -289,6 +290,7 @@ class ModelRunner:
         self._ready = False
         self.stats = StepStats()
         self._last_decode_start: float | None = None
+        self.idle_meter: DeviceIdleMeter | None = None  # set by benchmarks: device idle between decode steps
 
     def _batch_sharding(self, ndim: int = 1) -> Any:
         """Where a host array of per-row values goes: split by rows over the DP ranks, or the one device."""
@@ -624,7 +626,8 @@ class ModelRunner:
         bucket = StepBucket("decode" if t == 1 else "extend", b, t, page_table.shape[1])
         prog = self._program(("forward", bucket))
         now = time.perf_counter()
-        if t == 1 and self._last_decode_start is not None:
+        follows_decode = t == 1 and self._last_decode_start is not None
+        if follows_decode:
             self.stats.decode_steps += 1
             self.stats.decode_wall_s += now - self._last_decode_start
         self._last_decode_start = now if t == 1 else None
@@ -633,6 +636,11 @@ class ModelRunner:
         if self._prev_tokens is None:
             self._prev_tokens = jax.device_put(np.zeros(self.prev_rows, np.int32), self._replicated())
         hidden, last, self.cache = prog(self._param_leaves, self.cache, self._put([packed])[0], self._prev_tokens)
+        if self.idle_meter is not None:  # stamped once the call returned: the program is enqueued by then
+            if follows_decode:
+                self.idle_meter.dispatched(time.perf_counter())
+            else:
+                self.idle_meter.break_pair()
         return StepOutput(hidden, last, decode=t == 1)
 
     def keep_sampled(self, out: SampleOutput) -> None:
@@ -691,6 +699,8 @@ class ModelRunner:
         # The inputs this step does not set stay the resident "unused" arrays.
         row_params = self._unused_inputs(b)._replace(**fields)
         out = self._program(("sample", kind, b))(self._head_leaves, last, row_params, feats)
+        if step.decode and self.idle_meter is not None:
+            self.idle_meter.watch(out[0])
         return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
                             stats=self.stats if step.decode else None, has_logprobs=kind == "logprobs")
 
@@ -719,7 +729,8 @@ class ModelRunner:
         # As an overlapped decode step: each row's input token is the previous step's sampled id, kept on
         # the device by keep_sampled.
         token_src = np.arange(b, dtype=np.int32)
-        saved = self._last_decode_start, dataclasses.replace(self.stats), self._prev_tokens
+        saved = self._last_decode_start, dataclasses.replace(self.stats), self._prev_tokens, self.idle_meter
+        self.idle_meter = None
 
         def step() -> SampleOutput:
             out = self.sample(self.forward(*args, token_src), batch)
@@ -735,7 +746,7 @@ class ModelRunner:
                 out = step()
             out.tokens.block_until_ready()
             times.append((time.perf_counter() - start) / iters)
-        self._last_decode_start, self.stats, self._prev_tokens = saved
+        self._last_decode_start, self.stats, self._prev_tokens, self.idle_meter = saved
         return float(np.median(times))
 
     def _penalty_table(self, b: int, batch: SamplingBatch) -> jax.Array:

@@ -1,0 +1,85 @@
+"""How long the device sits idle between decode steps, waiting for the host to dispatch the next one.
+
+This is host time NOT hidden behind device time, measured directly: a step's device work ends when its
+sampled ids are ready, and the device has nothing to run until the host dispatches the next step's forward.
+With overlap scheduling the host builds step N+1 while step N runs, so the gap is zero whenever the host is
+faster than the device. A watcher thread waits on each step's sampled ids (`block_until_ready` releases the
+GIL, so the wait costs the scheduler thread nothing) and stamps when they became ready. The stamp needs the GIL
+back, which a busy scheduler thread holds for up to `sys.getswitchinterval()` (5 ms by default): the meter
+lowers the interval to SWITCH_INTERVAL_S while it runs, so a stamp is at most that late.
+
+On a CPU backend the "device" runs on the same cores as the host: host work there also slows a device step
+it overlaps; that shows in the step time, not in this gap. Benchmarks only (the runner's `idle_meter`).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from typing import Protocol
+
+SWITCH_INTERVAL_S = 2e-5  # seconds; how late a readiness stamp can be (see the module docstring)
+
+
+class Readiness(Protocol):
+    """What the meter waits on: a jax.Array (the step's sampled ids)."""
+
+    def block_until_ready(self) -> object: ...
+
+
+class DeviceIdleMeter:
+    """Sums max(0, dispatch of decode step N+1 - sampled ids of decode step N ready), seconds, over
+    consecutive decode steps. The runner calls `watch(tokens)` after dispatching a decode step's sampling
+    and `dispatched(t)` once the next decode forward's call returned (`t`: time.perf_counter() seconds);
+    `idle_s()` waits for the watched steps and returns (idle seconds, pairs counted)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, Readiness] | threading.Event] = queue.SimpleQueue()
+        self._ready_at: dict[int, float] = {}
+        self._pairs: list[tuple[int, float]] = []  # (watched step, next forward's dispatch time)
+        self._watched = 0
+        self._pending: int | None = None  # the last watched step not yet paired with a dispatch
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        threading.Thread(target=self._run, name="device-idle-meter", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            step, array = item
+            array.block_until_ready()
+            self._ready_at[step] = time.perf_counter()
+
+    def watch(self, tokens: Readiness) -> None:
+        """A decode step's last device output (its sampled ids [B] int32) was just dispatched."""
+        self._pending = self._watched
+        self._queue.put((self._watched, tokens))
+        self._watched += 1
+
+    def dispatched(self, now: float) -> None:
+        """The next decode step's forward is dispatched now; pairs it with the last watched step."""
+        if self._pending is not None:
+            self._pairs.append((self._pending, now))
+        self._pending = None
+
+    def break_pair(self) -> None:
+        """A non-decode step ran: the next decode forward does not follow a decode step."""
+        self._pending = None
+
+    def idle_s(self) -> tuple[float, int]:
+        """(seconds the device waited for the host over the paired steps, number of pairs); blocks until every
+        watched step is ready."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
+        idle = sum(max(0.0, at - self._ready_at[step]) for step, at in self._pairs)
+        return idle, len(self._pairs)
+
+    def close(self) -> None:
+        """Restore the interpreter's switch interval (the watcher thread stays parked on its empty queue)."""
+        sys.setswitchinterval(self._switch_interval)

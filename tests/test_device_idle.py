@@ -1,0 +1,84 @@
+"""DeviceIdleMeter: the device's idle time between decode steps, with step ends and host gaps set by
+construction. A step here is a gated stand-in for a step's sampled-ids array (XLA:CPU runs a program with a
+host callback synchronously at dispatch, so a real program cannot be held open by the test): its
+block_until_ready returns once the test opens the gate, as a device array's does once the device finished."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax.numpy as jnp
+
+from sglang_tpu_qwen.engine.device_idle import DeviceIdleMeter
+
+GAP_S = 0.004
+
+
+class GatedStep:
+    """A step in flight until `finish()`; block_until_ready waits for it like a device array's."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def finish(self) -> None:
+        self._done.set()
+
+    def block_until_ready(self) -> GatedStep:
+        self._done.wait()
+        return self
+
+
+def _busy(seconds: float) -> None:
+    """Hold the GIL for `seconds`, as a scheduler thread building the next batch does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_idle_is_zero_when_the_next_step_is_dispatched_while_the_device_runs():
+    meter = DeviceIdleMeter()
+    try:
+        for _ in range(5):
+            step = GatedStep()
+            meter.watch(step)
+            _busy(GAP_S)  # host work while the step is still running
+            meter.dispatched(time.perf_counter())  # the next step goes out before this one finishes
+            step.finish()
+        idle, pairs = meter.idle_s()
+    finally:
+        meter.close()
+    assert (idle, pairs) == (0.0, 5)
+
+
+def test_idle_counts_host_time_after_the_device_finished():
+    meter = DeviceIdleMeter()
+    try:
+        for i in range(5):
+            if i:
+                meter.dispatched(time.perf_counter())
+            step = GatedStep()
+            meter.watch(step)
+            step.finish()
+            step.block_until_ready()
+            _busy(GAP_S)  # synchronous scheduling: the next step is built only after reading this one
+        meter.break_pair()  # an extend step ran: the next decode step does not follow a decode step
+        meter.dispatched(time.perf_counter())
+        idle, pairs = meter.idle_s()
+    finally:
+        meter.close()
+    assert pairs == 4
+    # Each gap holds GAP_S of host work after the step finished; the watcher's stamp needs the GIL the busy
+    # loop holds, so the meter must not let the scheduler thread keep it (switch interval) to see the gap.
+    assert idle >= 4 * GAP_S * 0.9
+
+
+def test_a_real_device_array_is_watched():
+    meter = DeviceIdleMeter()
+    try:
+        meter.watch(jnp.arange(4) * 2)
+        meter.dispatched(time.perf_counter())
+        idle, pairs = meter.idle_s()
+    finally:
+        meter.close()
+    assert pairs == 1 and idle >= 0.0
