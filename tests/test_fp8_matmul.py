@@ -16,8 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul
-from sglang_tpu_qwen.kernels.fp8_matmul.reference import dequantize_blocks, fp8_grouped_matmul_reference
+from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul, fp8_grouped_swiglu
+from sglang_tpu_qwen.kernels.fp8_matmul.reference import (
+    dequantize_blocks,
+    fp8_grouped_matmul_reference,
+    fp8_grouped_swiglu_reference,
+)
 from sglang_tpu_qwen.parallel import fp8
 
 TOL = 1e-5
@@ -59,6 +63,38 @@ def test_kernel_matches_dequantised_ragged_dot(m, k, n, sizes, tiles):
         err = _rel(got, want)
         print(f"kernel vs dequantised ragged_dot {m}x{k}x{n} groups {sizes}: rel err {err:.1e}")
         assert err < TOL
+
+
+@pytest.mark.parametrize("row_scale", [False, True])
+@pytest.mark.parametrize(
+    "m,k,n,sizes,tiles",
+    [
+        # Shared 16-row tiles, an empty group, rows past the groups, partial blocks on both sides.
+        (40, 300, 200, [7, 0, 20, 5], dict(tm=16, tk=128, tn=128)),
+        # Two K tiles and two N tiles: both accumulators live across K tiles, the epilogue runs per N tile.
+        (24, 520, 300, [10, 14], dict(tk=256, tn=256)),
+    ],
+)
+def test_swiglu_kernel_matches_reference(m, k, n, sizes, tiles, row_scale):
+    """Gate and up in one pass with SwiGLU (and the routing weight) in the epilogue equal silu(gate) * up of
+    the dequantised products; rows past the groups are 0."""
+    rng = np.random.default_rng(m + k + n + row_scale)
+    wg, wu = _weights(rng, len(sizes), k, n, (128, 128)), _weights(rng, len(sizes), k, n, (128, 128))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    rs = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32) if row_scale else None
+    got = fp8_grouped_swiglu(x, wg.q, wg.scale, wu.q, wu.scale, gs, None, rs, block=(128, 128), interpret=True,
+                             **tiles)
+    want = fp8_grouped_swiglu_reference(x, wg.q, wg.scale, wu.q, wu.scale, gs, (128, 128), rs)
+    assert np.all(np.asarray(got)[sum(sizes):] == 0)
+    err = _rel(got, want)
+    print(f"swiglu kernel vs reference {m}x{k}x{n} groups {sizes} row scale {row_scale}: rel err {err:.1e}")
+    assert err < TOL
+    # The fused pass is the unfused one: silu(gate) * up from two single-weight kernel calls.
+    gate = fp8_grouped_matmul(x, wg.q, wg.scale, gs, block=(128, 128), interpret=True, **tiles)
+    up = fp8_grouped_matmul(x, wu.q, wu.scale, gs, block=(128, 128), interpret=True, **tiles)
+    unfused = jax.nn.silu(gate) * up * (1.0 if rs is None else rs[:, None])
+    assert _rel(got, unfused) < TOL
 
 
 def test_kernel_reads_one_layer_of_a_stack():

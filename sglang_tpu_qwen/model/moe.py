@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.parallel.fp8 import Fp8Weight, grouped, linear
+from sglang_tpu_qwen.parallel.fp8 import Fp8Weight, grouped, grouped_swiglu, linear
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -63,9 +63,8 @@ def routed_experts(
     tokens = order // k
     xs = x[tokens]  # [N*k, H], grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    gate = grouped(xs, w_gate, group_sizes, expected_rows=n * k)
-    up = grouped(xs, w_up, group_sizes, expected_rows=n * k)
-    ys = grouped(jax.nn.silu(gate) * up, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
+    act = grouped_swiglu(xs, w_gate, w_up, group_sizes, expected_rows=n * k)
+    ys = grouped(act, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
     ys = ys * weights.reshape(-1)[order][:, None]
     # Undo the sort (a permutation), then sum each token's k contributions.
     out = jnp.zeros_like(ys).at[order].set(ys)

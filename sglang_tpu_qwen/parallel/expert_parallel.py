@@ -18,7 +18,6 @@ Math of the block: HF ``Qwen3_5MoeSparseMoeBlock`` (model/moe.py).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.moe import route, shared_expert
 from sglang_tpu_qwen.parallel.collectives import reduce_scatter
-from sglang_tpu_qwen.parallel.fp8 import grouped
+from sglang_tpu_qwen.parallel.fp8 import grouped, grouped_swiglu
 
 
 def _id_bits(num_experts: int) -> int:
@@ -128,11 +127,11 @@ def local_experts(
         sizes = jnp.clip(group_ends - start, 0, rows) - jnp.clip(group_ends - group_sizes - start, 0, rows)
         tok = jax.lax.dynamic_slice_in_dim(token, start, rows)
         xs = x[tok]
-        mm = functools.partial(grouped, group_sizes=sizes, expected_rows=expected, zero_tail=False)
         # The routing weight scales the activations (the down projection is linear), as in all_experts
         # (model/moe.py): no [rows, H] product after the down projection.
-        act = jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up)
-        ys = mm(act * jax.lax.dynamic_slice_in_dim(scale, start, rows)[:, None].astype(act.dtype), w_down)
+        act = grouped_swiglu(xs, w_gate, w_up, sizes, jax.lax.dynamic_slice_in_dim(scale, start, rows),
+                             expected_rows=expected, zero_tail=False)
+        ys = grouped(act, w_down, sizes, expected_rows=expected, zero_tail=False)
         # Rows past this chunk's groups (undefined, zero_tail=False) go to row m, which the scatter drops.
         local_row = start + jnp.arange(rows) < n_here
         return acc.at[jnp.where(local_row, tok, m)].add(ys, mode="drop")

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul
+from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul, fp8_grouped_swiglu
 from sglang_tpu_qwen.kernels.fp8_matmul.reference import dequantize_blocks
 
 BLOCK = (128, 128)
@@ -239,6 +240,66 @@ def grouped(
     if isinstance(w, Fp8Weight):
         return _fp8_grouped(x, w, group_sizes, out_dtype, interpret, expected_rows, zero_tail)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def grouped_swiglu(
+    x: jax.Array,
+    w_gate: Any,
+    w_up: Any,
+    group_sizes: jax.Array,
+    row_scale: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+    expected_rows: int | None = None,
+    zero_tail: bool = True,
+) -> jax.Array:
+    """An expert's SwiGLU activations ``silu(x @ w_gate) * (x @ w_up)`` per group, times ``row_scale``.
+
+    Dense stacks: two :func:`grouped` products and the activation in ``x.dtype`` (the model's formula).
+    :class:`Fp8Weight` stacks: on TPU one Pallas pass reads each x tile once for both weights and applies
+    the activation and the row scale to the float32 accumulators (kernels/fp8_matmul); elsewhere the same
+    float32 epilogue on XLA's products of the dequantised weights.
+
+    Args:
+        x: ``[M, K]`` rows sorted by group; w_gate, w_up: ``[G, K, N]`` (both dense or both FP8);
+        group_sizes: ``[G]`` int32; row_scale: ``[M]`` float32 (e.g. routing weights) or None.
+        interpret, expected_rows, zero_tail: as :func:`grouped`.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``; rows past the groups 0 (``zero_tail``) or undefined.
+    """
+    if not isinstance(w_gate, Fp8Weight):
+        mm = functools.partial(grouped, group_sizes=group_sizes, expected_rows=expected_rows, zero_tail=zero_tail)
+        act = jax.nn.silu(mm(x, w_gate)) * mm(x, w_up)
+        return act if row_scale is None else act * row_scale[:, None].astype(act.dtype)
+    interpret = interpret or _INTERPRET[-1]
+    sliced = isinstance(w_gate.q, LayerSlice)
+    if sliced:
+        qg, qu, layer = w_gate.q.stack, w_up.q.stack, w_gate.q.index
+    else:
+        qg, qu, layer = w_gate.q, w_up.q, None
+    ones = jnp.ones(x.shape[0], jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
+
+    def tpu(x: jax.Array, qg: jax.Array, sg: jax.Array, qu: jax.Array, su: jax.Array, gs: jax.Array,
+            layer: Any, rs: jax.Array) -> jax.Array:
+        return fp8_grouped_swiglu(x, qg, sg, qu, su, gs, layer, None if row_scale is None else rs,
+                                  block=w_gate.block, interpret=interpret, expected_rows=expected_rows,
+                                  zero_tail=zero_tail)
+
+    def other(x: jax.Array, qg: jax.Array, sg: jax.Array, qu: jax.Array, su: jax.Array, gs: jax.Array,
+              layer: Any, rs: jax.Array) -> jax.Array:
+        def product(q: jax.Array, sc: jax.Array) -> jax.Array:
+            if layer is not None:
+                q = jax.lax.dynamic_index_in_dim(q, layer, keepdims=False)
+            dense = dequantize_blocks(q, sc, w_gate.block, x.dtype)
+            return jax.lax.ragged_dot(x, dense, gs, preferred_element_type=jnp.float32)
+
+        return (jax.nn.silu(product(qg, sg)) * product(qu, su) * rs[:, None]).astype(x.dtype)
+
+    args = (x, qg, w_gate.scale, qu, w_up.scale, group_sizes, layer, ones)
+    if interpret:
+        return tpu(*args)
+    return jax.lax.platform_dependent(*args, tpu=tpu, default=other)
 
 
 def linear(x: jax.Array, w: Any, *, interpret: bool = False) -> jax.Array:

@@ -17,11 +17,17 @@ and the accumulator lives across the visits of one tile. Visits past the last re
 indices (no DMA) and skip the compute.
 
 Grid: ``(N tiles, visits, K tiles)``; ``visits = ceil(M/tm) + G - 1`` (static upper bound).
+
+:func:`fp8_grouped_swiglu` runs an expert's gate and up projections in one pass, SwiGLU
+(Shazeer, "GLU Variants Improve Transformer", 2020) in the epilogue: each x tile is read once for both
+weights and only ``silu(x @ w_gate) * (x @ w_up)``, optionally times a per-row scale (the routing weight),
+leaves the kernel, instead of two ``[M, N]`` products read back by an elementwise pass.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +56,16 @@ def _visits(group_sizes: jax.Array, tm: int, tiles_m: int, num_visits: int) -> t
 
 def _kernel(
     _layer_ref, group_ref, tile_ref, start_ref, end_ref, total_ref,  # scalar prefetch (SMEM)
-    x_ref, q_ref, s_ref, o_ref, acc_ref,
-    *, tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int],
+    x_ref, *refs,
+    tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int], swiglu: bool, row_scale: bool,
 ):
+    """One (N tile, visit, K tile) grid step. refs: (q, scale) per weight (two for SwiGLU: gate, up), the
+    row scale [tm, 1] when given, the output, then one f32 accumulator per weight."""
+    n_w = 2 if swiglu else 1
+    weights = [refs[2 * i : 2 * i + 2] for i in range(n_w)]
+    rs_ref = refs[2 * n_w] if row_scale else None
+    o_ref = refs[2 * n_w + row_scale]
+    accs = refs[2 * n_w + row_scale + 1 :]
     t, k = pl.program_id(1), pl.program_id(2)
     b0, b1 = block
     tile, grp = tile_ref[t], group_ref[t]
@@ -60,7 +73,8 @@ def _kernel(
 
     @pl.when(jnp.logical_and(k == 0, new_tile))
     def _zero():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        for acc_ref in accs:
+            acc_ref[...] = jnp.zeros_like(acc_ref)
 
     @pl.when(t < total_ref[0])
     def _compute():
@@ -71,16 +85,21 @@ def _kernel(
             xs = x_ref[:, i * b0 : (i + 1) * b0]
             xs = jnp.where(jnp.logical_and(in_group, kcol < k_dim), xs, 0).astype(x_ref.dtype)
             krow = k * tk + i * b0 + jax.lax.broadcasted_iota(jnp.int32, (b0, tn), 0)
-            # Padding past K may hold any bits (NaN included): zero it, not just the matching x columns.
-            ws = jnp.where(krow < k_dim, q_ref[i * b0 : (i + 1) * b0, :].astype(x_ref.dtype), 0)
-            part = jnp.dot(xs, ws, preferred_element_type=jnp.float32)  # [tm, tn]
-            srow = s_ref[0, 0, pl.ds(k * (tk // b0) + i, 1), :]  # [1, tn // b1] float32
-            s = jnp.concatenate([jnp.broadcast_to(srow[:, j : j + 1], (1, b1)) for j in range(tn // b1)], axis=1)
-            acc_ref[...] += part * s
+            for (q_ref, s_ref), acc_ref in zip(weights, accs, strict=True):
+                # Padding past K may hold any bits (NaN included): zero it, not just the matching x columns.
+                ws = jnp.where(krow < k_dim, q_ref[i * b0 : (i + 1) * b0, :].astype(x_ref.dtype), 0)
+                part = jnp.dot(xs, ws, preferred_element_type=jnp.float32)  # [tm, tn]
+                srow = s_ref[0, 0, pl.ds(k * (tk // b0) + i, 1), :]  # [1, tn // b1] float32
+                s = jnp.concatenate([jnp.broadcast_to(srow[:, j : j + 1], (1, b1)) for j in range(tn // b1)],
+                                    axis=1)
+                acc_ref[...] += part * s
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _store():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        out = jax.nn.silu(accs[0][...]) * accs[1][...] if swiglu else accs[0][...]
+        if rs_ref is not None:
+            out = out * rs_ref[...]
+        o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _tile(dim: int, target: int, unit: int) -> int:
@@ -89,17 +108,18 @@ def _tile(dim: int, target: int, unit: int) -> int:
     return full if full <= target else target
 
 
-def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None) -> pl.CostEstimate:
-    """XLA cannot see into the kernel; this is its traffic. Weights: FP8 bytes of the groups that have rows,
-    ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when ``expected_rows`` is
-    None); scales once per visited group; activations in and out once for the row tiles the groups visit
-    (the rows they cover plus one shared tile per group boundary; tiles past the groups are not read or
-    written)."""
+def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None,
+          n_w: int = 1) -> pl.CostEstimate:
+    """XLA cannot see into the kernel; this is its traffic. Weights (``n_w`` of them): FP8 bytes of the groups
+    that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when
+    ``expected_rows`` is None); scales once per visited group; activations in and out once for the row tiles
+    the groups visit (the rows they cover plus one shared tile per group boundary; tiles past the groups
+    are not read or written)."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
-    weight = active * (k * n + 4 * -(-k // 128) * -(-n // 128))
+    weight = n_w * active * (k * n + 4 * -(-k // 128) * -(-n // 128))
     visited = min(m, rows + int(active) * tm)
-    return pl.CostEstimate(flops=2 * rows * k * n, transcendentals=0,
+    return pl.CostEstimate(flops=2 * n_w * rows * k * n, transcendentals=rows * n if n_w == 2 else 0,
                            bytes_accessed=int(weight + visited * (k + n) * itemsize))
 
 
@@ -143,7 +163,64 @@ def fp8_grouped_matmul(
     Raises:
         ValueError: a shape mismatch or a block size the tiling cannot honour.
     """
+    return _grouped_call(x, [(q, scale)], group_sizes, layer, None, block=block, tm=tm, tk=tk, tn=tn,
+                         interpret=interpret, expected_rows=expected_rows, zero_tail=zero_tail)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "tn", "interpret", "expected_rows", "zero_tail"))
+def fp8_grouped_swiglu(
+    x: jax.Array,
+    q_gate: jax.Array,
+    scale_gate: jax.Array,
+    q_up: jax.Array,
+    scale_up: jax.Array,
+    group_sizes: jax.Array,
+    layer: jax.Array | int | None = None,
+    row_scale: jax.Array | None = None,
+    *,
+    block: tuple[int, int] = (128, 128),
+    tm: int = 128,
+    tk: int = 2048,
+    tn: int = 1024,
+    interpret: bool = False,
+    expected_rows: int | None = None,
+    zero_tail: bool = True,
+) -> jax.Array:
+    """``silu(x @ w_gate) * (x @ w_up) * row_scale[:, None]`` per group in one pass (module docstring).
+
+    Args:
+        x: ``[M, K]`` rows sorted by group.
+        q_gate, q_up: ``[G, K, N]`` float8_e4m3fn, or ``[L, G, K, N]`` stacks with ``layer`` given.
+        scale_gate, scale_up: ``[G, ceil(K / b0), ceil(N / b1)]`` float32.
+        group_sizes: ``[G]`` int32.
+        layer: int32 scalar for 4-D stacks; None for 3-D ones.
+        row_scale: ``[M]`` float32 multiplying each row's result (in float32, before the cast), or None.
+        block, tm, tk, tn, interpret, expected_rows, zero_tail: as :func:`fp8_grouped_matmul`.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``: the product of each row's two float32 accumulators' SwiGLU; rows past the
+        groups as in :func:`fp8_grouped_matmul`.
+
+    Raises:
+        ValueError: a shape mismatch (the two weights must have one shape) or an unusable block size.
+    """
+    if q_gate.shape != q_up.shape or scale_gate.shape != scale_up.shape:
+        raise ValueError(f"gate {q_gate.shape} / {scale_gate.shape} and up {q_up.shape} / {scale_up.shape} differ")
+    if row_scale is not None and row_scale.shape != (x.shape[0],):
+        raise ValueError(f"row_scale {row_scale.shape} is not [{x.shape[0]}]")
+    return _grouped_call(x, [(q_gate, scale_gate), (q_up, scale_up)], group_sizes, layer, row_scale, block=block,
+                         tm=tm, tk=tk, tn=tn, interpret=interpret, expected_rows=expected_rows, zero_tail=zero_tail)
+
+
+def _grouped_call(
+    x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], group_sizes: jax.Array, layer: Any,
+    row_scale: jax.Array | None, *, block: tuple[int, int], tm: int, tk: int, tn: int, interpret: bool,
+    expected_rows: int | None, zero_tail: bool,
+) -> jax.Array:
+    """The pallas_call of :func:`fp8_grouped_matmul` (one weight) and :func:`fp8_grouped_swiglu` (two)."""
+    q, scale = weights[0]
     if q.ndim == 3:
+        weights = [(w[None], s) for w, s in weights]
         q, layer = q[None], 0
     elif layer is None:
         raise ValueError("a stacked q [L, G, K, N] needs its layer index")
@@ -164,24 +241,36 @@ def fp8_grouped_matmul(
     group, tile, starts, ends, total = _visits(group_sizes, tm, tiles_m, num_visits)
     # Scale per (group, N tile): [K blocks padded to the K tiles, tn // b1] (tiny; padding reads as 1).
     kb_pad, nb_pad = tiles_k * tk // b0, tiles_n * tn // b1
-    sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, kb_pad - scale.shape[1]), (0, nb_pad - scale.shape[2])),
-                 constant_values=1.0)
-    sp = sp.reshape(g, kb_pad, tiles_n, tn // b1).transpose(0, 2, 1, 3)  # [G, N tiles, Kb, tn // b1]
-    kernel = functools.partial(_kernel, tm=tm, tk=tk, tn=tn, k_dim=k_dim, block=(b0, b1))
-    vmem = 2 * (tm * tk * x.dtype.itemsize + tk * tn + tm * tn * x.dtype.itemsize) + tm * tn * 4
-    vmem += tk * tn * (x.dtype.itemsize + 4) + 2 * kb_pad * 128 * 4
+
+    def scale_tiles(sc: jax.Array) -> jax.Array:
+        sp = jnp.pad(sc.astype(jnp.float32), ((0, 0), (0, kb_pad - sc.shape[1]), (0, nb_pad - sc.shape[2])),
+                     constant_values=1.0)
+        return sp.reshape(g, kb_pad, tiles_n, tn // b1).transpose(0, 2, 1, 3)  # [G, N tiles, Kb, tn // b1]
+
+    n_w = len(weights)
+    kernel = functools.partial(_kernel, tm=tm, tk=tk, tn=tn, k_dim=k_dim, block=(b0, b1), swiglu=n_w == 2,
+                               row_scale=row_scale is not None)
+    vmem = 2 * (tm * tk * x.dtype.itemsize + n_w * tk * tn + tm * tn * x.dtype.itemsize) + n_w * tm * tn * 4
+    vmem += tk * tn * (x.dtype.itemsize + 4) + 2 * n_w * kb_pad * 128 * 4 + 2 * tm * 128 * 4
+    weight_specs = [
+        pl.BlockSpec((None, None, tk, tn), lambda j, t, kk, lay, gr, ti, *_: (lay[0], gr[t], kk, j)),
+        pl.BlockSpec((1, 1, kb_pad, tn // b1), lambda j, t, kk, lay, gr, ti, *_: (gr[t], j, 0, 0)),
+    ]
+    operands: list[jax.Array] = []
+    for wq, ws in weights:
+        operands += [wq, scale_tiles(ws)]
+    in_specs = [pl.BlockSpec((tm, tk), lambda j, t, kk, lay, gr, ti, *_: (ti[t], kk)), *weight_specs * n_w]
+    if row_scale is not None:
+        in_specs.append(pl.BlockSpec((tm, 1), lambda j, t, kk, lay, gr, ti, *_: (ti[t], 0)))
+        operands.append(row_scale.astype(jnp.float32)[:, None])
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(tiles_n, num_visits, tiles_k),
-            in_specs=[
-                pl.BlockSpec((tm, tk), lambda j, t, kk, lay, gr, ti, *_: (ti[t], kk)),
-                pl.BlockSpec((None, None, tk, tn), lambda j, t, kk, lay, gr, ti, *_: (lay[0], gr[t], kk, j)),
-                pl.BlockSpec((1, 1, kb_pad, tn // b1), lambda j, t, kk, lay, gr, ti, *_: (gr[t], j, 0, 0)),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, tn), lambda j, t, kk, lay, gr, ti, *_: (ti[t], j)),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32) for _ in range(n_w)],
         ),
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         compiler_params=pltpu.CompilerParams(
@@ -189,8 +278,8 @@ def fp8_grouped_matmul(
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
-        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows),
-    )(layer_arr, group, tile, starts, ends, total, x, q, sp)
+        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w),
+    )(layer_arr, group, tile, starts, ends, total, x, *operands)
     # Row tiles no group visits are never written.
     if not zero_tail:
         return out

@@ -26,3 +26,15 @@ def fp8_grouped_matmul_reference(
     out = jax.lax.ragged_dot(x.astype(jnp.float32), w, group_sizes, precision=jax.lax.Precision.HIGHEST)
     total = jnp.sum(group_sizes)
     return jnp.where(jnp.arange(x.shape[0])[:, None] < total, out, 0.0)
+
+
+def fp8_grouped_swiglu_reference(
+    x: jax.Array, q_gate: jax.Array, scale_gate: jax.Array, q_up: jax.Array, scale_up: jax.Array,
+    group_sizes: jax.Array, block: tuple[int, int], row_scale: jax.Array | None = None,
+) -> jax.Array:
+    """Same contract as ``kernel.fp8_grouped_swiglu`` (3-D weights), in float32: ``silu(gate) * up`` of the
+    two references, times ``row_scale`` per row."""
+    gate = fp8_grouped_matmul_reference(x, q_gate, scale_gate, group_sizes, block)
+    up = fp8_grouped_matmul_reference(x, q_up, scale_up, group_sizes, block)
+    out = jax.nn.silu(gate) * up
+    return out if row_scale is None else out * row_scale[:, None]
