@@ -73,16 +73,18 @@ class Engine:
         self.context_length = args.context_length or self.model_config.max_position_embeddings
         self.metrics = Metrics() if args.enable_metrics else None
         self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
-        # Constrained decoding; the backend (xgrammar imports torch) loads on a background thread.
+        self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
+        self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
+        # Every step shape and sampling program, before the server can report ready (engine/buckets.py).
+        self.precompile_stats = None if args.disable_precompile else self.runner.precompile()
+        # Constrained decoding; the backend (xgrammar imports torch: seconds of CPU) loads on a background
+        # thread, started after the precompile so it does not take a core from the compiler; a grammar
+        # request that comes before it finishes waits for it.
         self.grammar = create_grammar_manager(
             args.grammar_backend, self.tokenizer, self.model_config.vocab_size,
             set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids),
             any_whitespace=resolve_json_whitespace(args.constrained_json_whitespace_pattern,
                                                    args.constrained_json_disable_any_whitespace, args.grammar_backend))
-        self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
-        self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
-        # Every step shape and sampling program, before the server can report ready (engine/buckets.py).
-        self.precompile_stats = None if args.disable_precompile else self.runner.precompile()
         if self.metrics is not None:  # cache, snapshot and PD counters, read at each scrape
             self.metrics.watch(self.scheduler.memory_usage, lambda: self.disagg.stats() if self.disagg else None)
         self.scheduler.start()
