@@ -203,9 +203,11 @@ def compose_workloads(report: dict[str, Any], chip: ChipPeaks, config: Qwen35Moe
     chunk of ``prefill_tokens_per_rank`` per step), then ``output`` decode steps run all requests at the
     average context ``input + output / 2``. A decode step's bytes are the compiled step's with its KV
     read rescaled from the compiled context to that average (compiled bytes, and the minimum bytes for
-    the roofline); flops likewise through the attention term of :func:`analytic_flops_per_token`."""
+    the roofline); flops likewise through the attention term of :func:`analytic_flops_per_token`. Empty
+    unless the plan's steps are at ``CONCURRENCY`` running requests (a decode step of another batch size
+    would charge the workload's requests for rows they do not have)."""
     dec, pre = report["steps"].get("decode"), report["steps"].get("prefill")
-    if not dec or not pre or "error" in dec or "error" in pre:
+    if not dec or not pre or "error" in dec or "error" in pre or report["max_running_requests"] != CONCURRENCY:
         return []
     dp, chips = report["dp"], report["chips"]
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip

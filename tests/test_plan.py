@@ -51,3 +51,18 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
         assert s["memory"]["temp"] < 0.75 * 2**30, s["memory"]
         assert len(s["top_excess"]) >= 3 and all(e["bytes"] > 0 for e in s["top_excess"])
     assert r["fits"] and r["memory"]["fits"]
+
+
+def test_workloads_are_composed_only_at_their_concurrency():
+    """The public workloads run 64 requests: a plan of 512-row steps must not charge them a 512-row step."""
+    from sglang_tpu_qwen import plan
+
+    step = {"context": 9216, "bytes_accessed": 50e9, "min_bytes": 47e9, "compiled_time_s": 0.1, "roofline_s": 0.09}
+    report = {"steps": {"decode": step, "prefill": step}, "dp": 8, "chips": 4, "devices": 8,
+              "prefill_tokens_per_rank": 4096, "max_running_requests": plan.CONCURRENCY}
+    config = plan.Qwen35MoeConfig.from_hf_dict(plan.BUILTIN_CONFIGS["qwen3.5-397b-a17b"])
+    workloads = plan.compose_workloads(report, plan.CHIPS["tpu7x"], config, kv_per_token=1024)
+    assert [w["name"] for w in workloads] == [w["name"] for w in plan.WORKLOADS]
+    assert all(w["tok_s_chip"] > 0 for w in workloads)
+    report["max_running_requests"] = 512
+    assert plan.compose_workloads(report, plan.CHIPS["tpu7x"], config, kv_per_token=1024) == []
