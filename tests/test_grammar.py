@@ -7,11 +7,13 @@ match, schema validity, EBNF language) comes from the grammar mask. The session 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import threading
 import time
+from concurrent.futures import Future
 
 import jax.numpy as jnp
 import jsonschema
@@ -303,6 +305,37 @@ def test_compiling_request_waits_while_the_batch_runs(engine, monkeypatch) -> No
         waiter.join(timeout=120)
     assert re.fullmatch(REGEX, result[0]["text"])
     assert manager.num_live_matchers == 0
+    manager.shutdown()
+
+
+def test_constrained_request_waits_for_the_backend_load_without_blocking_the_loop(engine, monkeypatch) -> None:
+    """The backend loads in the background after the precompile: a constrained request that comes first
+    waits for it on the event loop (other requests and /health keep being served), then runs constrained."""
+    manager = _swap_backend(engine, monkeypatch, engine.grammar.backend())
+    loaded = manager._backend
+    manager._backend = pending = Future()  # a load still running
+    ticks: list[int] = []
+    at_release: list[int] = []
+
+    def release_after_the_loop_ticked() -> None:
+        deadline = time.monotonic() + 60  # only a blocked loop reaches it (then the assert below fails)
+        while len(ticks) < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        at_release.append(len(ticks))
+        pending.set_result(loaded.result())
+
+    async def scenario() -> dict:
+        task = asyncio.ensure_future(engine.async_generate(
+            text="Answer:", sampling_params={**GREEDY, "regex": REGEX, "max_new_tokens": 32}))
+        threading.Thread(target=release_after_the_loop_ticked, daemon=True).start()
+        while not task.done():
+            ticks.append(1)
+            await asyncio.sleep(0.001)
+        return task.result()
+
+    out = asyncio.run(scenario())
+    assert at_release[0] >= 5  # the event loop ran while the request waited for the backend
+    assert re.fullmatch(REGEX, out["text"])
     manager.shutdown()
 
 

@@ -29,7 +29,7 @@ from sglang_tpu_qwen.engine.sampler import TOP_LOGPROBS_MAX
 from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_qwen.engine.scheduler import Scheduler
 from sglang_tpu_qwen.grammar.manager import create_grammar_manager
-from sglang_tpu_qwen.grammar.spec import GrammarSpec
+from sglang_tpu_qwen.grammar.spec import CONSTRAINT_KEYS, GrammarSpec
 from sglang_tpu_qwen.grammar.whitespace import resolve_json_whitespace
 from sglang_tpu_qwen.model.embedded import ensure_embedded_model
 from sglang_tpu_qwen.parsers.markers import THINK_END
@@ -245,6 +245,8 @@ class Engine:
         A request that ends aborted with a status code (a failed transfer) raises that error instead.
         """
         self._check_serving()
+        if self.grammar is not None and not self.grammar.backend_loaded() and _has_constraint(sampling_params):
+            await self.grammar.wait_loaded()  # it loads after the precompile; _build would block the loop on it
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[dict] = asyncio.Queue()
         try:
@@ -394,6 +396,12 @@ class Engine:
         self.runner.close()
         if self.grammar is not None:
             self.grammar.shutdown()
+
+
+def _has_constraint(sampling_params: Any) -> bool:
+    """Whether a request's sampling_params (a dict, or a list of them for a batch) name a constraint."""
+    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    return any(isinstance(p, dict) and any(p.get(k) is not None for k in CONSTRAINT_KEYS) for p in items)
 
 
 def _raise_on_status(reply: dict) -> None:

@@ -8,6 +8,8 @@ scheduler keeps a request waiting until its grammar is compiled while the batch 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -87,6 +89,18 @@ class GrammarManager:
     def backend(self) -> GrammarBackend:
         """The backend, waiting for it to load. Raises the load's exception (e.g. the package is missing)."""
         return self._backend.result()
+
+    def backend_loaded(self) -> bool:
+        """True once the background load finished (successfully or not): `backend()` no longer blocks."""
+        return self._backend.done()
+
+    async def wait_loaded(self) -> None:
+        """Wait for the background load without blocking the event loop (an HTTP handler calls this before
+        `submit`, which would otherwise block the loop, /health included, until the load ends). A failed
+        load is not raised here: `submit` raises it with its message."""
+        with contextlib.suppress(Exception):
+            # shield: a cancelled request must not cancel the engine's one backend load.
+            await asyncio.shield(asyncio.wrap_future(self._backend))
 
     def submit(self, spec: GrammarSpec) -> Future:
         """Validate spec now and return the future of its compiled grammar (cached by spec).
