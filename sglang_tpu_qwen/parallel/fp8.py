@@ -188,24 +188,35 @@ def interpret_kernels() -> Iterator[None]:
         _INTERPRET.pop()
 
 
+def _stack_and_layer(w: Fp8Weight) -> tuple[jax.Array, Any]:
+    """(FP8 operand, layer index or None): a LayerSlice's whole stack and its index (the kernel reads that
+    layer in place), else ``w.q`` itself."""
+    return (w.q.stack, w.q.index) if isinstance(w.q, LayerSlice) else (w.q, None)
+
+
+def _dequantized_ragged_dot(x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array, layer: Any,
+                            block: tuple[int, int], out_dtype: Any) -> jax.Array:
+    """Off TPU: layer ``layer`` of the stack ``q`` (or ``q`` when None) dequantised in XLA, then ``ragged_dot``
+    accumulating in ``out_dtype``. ``[M, K]`` x ``[G, K, N]`` -> ``[M, N]`` in ``out_dtype``."""
+    if layer is not None:
+        q = jax.lax.dynamic_index_in_dim(q, layer, keepdims=False)
+    dense = dequantize_blocks(q, scale, block, x.dtype)
+    return jax.lax.ragged_dot(x, dense, group_sizes, preferred_element_type=out_dtype)
+
+
 def _fp8_grouped(
     x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, out_dtype: Any, interpret: bool, expected_rows: int | None,
     zero_tail: bool = True,
 ) -> jax.Array:
     interpret = interpret or _INTERPRET[-1]
-
-    sliced = isinstance(w.q, LayerSlice)
-    q, layer = (w.q.stack, w.q.index) if sliced else (w.q, None)
+    q, layer = _stack_and_layer(w)
 
     def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, layer: Any) -> jax.Array:
         return fp8_grouped_matmul(x, q, scale, gs, layer, block=w.block, interpret=interpret,
                                   expected_rows=expected_rows, zero_tail=zero_tail).astype(out_dtype)
 
     def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, layer: Any) -> jax.Array:
-        if layer is not None:
-            q = jax.lax.dynamic_index_in_dim(q, layer, keepdims=False)
-        dense = dequantize_blocks(q, scale, w.block, x.dtype)
-        return jax.lax.ragged_dot(x, dense, gs, preferred_element_type=out_dtype).astype(out_dtype)
+        return _dequantized_ragged_dot(x, q, scale, gs, layer, w.block, out_dtype).astype(out_dtype)
 
     if interpret:
         return tpu(x, q, w.scale, group_sizes, layer)
@@ -273,30 +284,21 @@ def grouped_swiglu(
         act = jax.nn.silu(mm(x, w_gate)) * mm(x, w_up)
         return act if row_scale is None else act * row_scale[:, None].astype(act.dtype)
     interpret = interpret or _INTERPRET[-1]
-    sliced = isinstance(w_gate.q, LayerSlice)
-    if sliced:
-        qg, qu, layer = w_gate.q.stack, w_up.q.stack, w_gate.q.index
-    else:
-        qg, qu, layer = w_gate.q, w_up.q, None
-    ones = jnp.ones(x.shape[0], jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
+    (qg, layer), (qu, _) = _stack_and_layer(w_gate), _stack_and_layer(w_up)
 
     def tpu(x: jax.Array, qg: jax.Array, sg: jax.Array, qu: jax.Array, su: jax.Array, gs: jax.Array,
-            layer: Any, rs: jax.Array) -> jax.Array:
-        return fp8_grouped_swiglu(x, qg, sg, qu, su, gs, layer, None if row_scale is None else rs,
-                                  block=w_gate.block, interpret=interpret, expected_rows=expected_rows,
-                                  zero_tail=zero_tail)
+            layer: Any, rs: jax.Array | None) -> jax.Array:
+        return fp8_grouped_swiglu(x, qg, sg, qu, su, gs, layer, rs, block=w_gate.block, interpret=interpret,
+                                  expected_rows=expected_rows, zero_tail=zero_tail)
 
     def other(x: jax.Array, qg: jax.Array, sg: jax.Array, qu: jax.Array, su: jax.Array, gs: jax.Array,
-              layer: Any, rs: jax.Array) -> jax.Array:
-        def product(q: jax.Array, sc: jax.Array) -> jax.Array:
-            if layer is not None:
-                q = jax.lax.dynamic_index_in_dim(q, layer, keepdims=False)
-            dense = dequantize_blocks(q, sc, w_gate.block, x.dtype)
-            return jax.lax.ragged_dot(x, dense, gs, preferred_element_type=jnp.float32)
+              layer: Any, rs: jax.Array | None) -> jax.Array:
+        product = functools.partial(_dequantized_ragged_dot, x, group_sizes=gs, layer=layer, block=w_gate.block,
+                                    out_dtype=jnp.float32)
+        act = jax.nn.silu(product(qg, sg)) * product(qu, su)
+        return (act if rs is None else act * rs.astype(jnp.float32)[:, None]).astype(x.dtype)
 
-        return (jax.nn.silu(product(qg, sg)) * product(qu, su) * rs[:, None]).astype(x.dtype)
-
-    args = (x, qg, w_gate.scale, qu, w_up.scale, group_sizes, layer, ones)
+    args = (x, qg, w_gate.scale, qu, w_up.scale, group_sizes, layer, row_scale)
     if interpret:
         return tpu(*args)
     return jax.lax.platform_dependent(*args, tpu=tpu, default=other)
