@@ -94,7 +94,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
     engine is shut down before returning.
     """
     from sglang_tpu_qwen.engine import compilation
-    from sglang_tpu_qwen.engine.device_idle import DeviceIdleMeter
+    from sglang_tpu_qwen.engine.device_idle import measure_device_idle
     from sglang_tpu_qwen.engine.engine import Engine
 
     engine_kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
@@ -108,16 +108,14 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
             raise RuntimeError("the prefix cache could not be flushed after the warm-up")
         runner = engine.runner
         runner.stats.reset()
-        runner.idle_meter = meter = DeviceIdleMeter()
-        compiles = compilation.jit_compilations()
-        start = time.perf_counter()
-        replies = engine.generate(input_ids=prompts, sampling_params=params)
-        elapsed = time.perf_counter() - start
-        compiles = compilation.jit_compilations() - compiles
-        stats = dataclasses.replace(runner.stats)
-        idle_s, idle_pairs = meter.idle_s()
-        runner.idle_meter = None
-        meter.close()
+        with measure_device_idle(runner) as meter:
+            compiles = compilation.jit_compilations()
+            start = time.perf_counter()
+            replies = engine.generate(input_ids=prompts, sampling_params=params)
+            elapsed = time.perf_counter() - start
+            compiles = compilation.jit_compilations() - compiles
+            stats = dataclasses.replace(runner.stats)
+            idle_s, idle_pairs = meter.idle_s()
         rows = min(len(prompts), args.max_running_requests)
         context = int(np.mean([len(p) for p in prompts])) + args.random_output_len // 2
         device_ms = 1e3 * runner.time_decode_step(rows, context)

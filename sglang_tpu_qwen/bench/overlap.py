@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One Engine; timed decode runs alternating synchronous and overlapped steps (`--rounds` of each, the
     scheduler's `overlap` switch flipped between runs, so both modes see the same machine load), each
     followed by a device-only replay. Returns per-mode medians (ms, %)."""
-    from sglang_tpu_qwen.engine.device_idle import DeviceIdleMeter
+    from sglang_tpu_qwen.engine.device_idle import measure_device_idle
     from sglang_tpu_qwen.engine.engine import Engine
 
     sargs = ServerArgs.from_kwargs(model_path=args.model_path, max_running_requests=args.batch,
@@ -105,13 +105,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 engine.scheduler.overlap = overlap  # read at every step; the engine is idle here
                 log.clear()
                 prompts = rng.integers(100, 200000, size=(args.batch, args.input_len)).tolist()
-                engine.runner.idle_meter = meter = DeviceIdleMeter()
-                t0 = time.perf_counter()
-                engine.generate(input_ids=prompts, sampling_params=sp)
-                wall = time.perf_counter() - t0
-                idle_s, pairs = meter.idle_s()
-                engine.runner.idle_meter = None
-                meter.close()
+                with measure_device_idle(engine.runner) as meter:
+                    t0 = time.perf_counter()
+                    engine.generate(input_ids=prompts, sampling_params=sp)
+                    wall = time.perf_counter() - t0
+                    idle_s, pairs = meter.idle_s()
                 full = [s for s, _, rows, mode in log if mode == "decode" and rows == args.batch]
                 mid = full[len(full) // 4 : len(full) - len(full) // 4]
                 step_s = float(np.median(np.diff(mid))) if len(mid) > 2 else float("nan")

@@ -14,11 +14,13 @@ it overlaps; that shows in the step time, not in this gap. Benchmarks only (the 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
 import time
-from typing import Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 SWITCH_INTERVAL_S = 2e-5  # seconds; how late a readiness stamp can be (see the module docstring)
 
@@ -83,3 +85,16 @@ class DeviceIdleMeter:
     def close(self) -> None:
         """Restore the interpreter's switch interval (the watcher thread stays parked on its empty queue)."""
         sys.setswitchinterval(self._switch_interval)
+
+
+@contextlib.contextmanager
+def measure_device_idle(runner: Any) -> Iterator[DeviceIdleMeter]:
+    """A meter attached to ``runner.idle_meter`` (a ModelRunner) for the block: detached, and the switch
+    interval restored, when the block ends, raising or not."""
+    meter = DeviceIdleMeter()
+    runner.idle_meter = meter
+    try:
+        yield meter
+    finally:
+        runner.idle_meter = None
+        meter.close()
