@@ -120,8 +120,10 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
         elapsed = time.perf_counter() - start
         compiles = compilation.jit_compilations() - compiles
         stats = dataclasses.replace(runner.stats)
-        # The idle meter perturbs what it measures (its watcher thread, the lowered switch interval: ~7% of
-        # the output throughput at 128 rows on the 2-core CPU), so it gets its own run of the same prompts.
+        # The idle meter can perturb what it measures (a watcher thread, the interpreter's switch interval
+        # lowered to 20 us), so it gets its own run of the same prompts. Measured at 128 rows on the 2-core CPU:
+        # alternating processes with and without it, 7% lower on average (-16% to +1%); within one process
+        # (this layout), the metered second run -7% to +8%: below the machine's noise, not zero by design.
         if not engine.flush_cache():
             raise RuntimeError("the prefix cache could not be flushed after the timed run")
         with measure_device_idle(runner) as meter:
