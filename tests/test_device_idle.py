@@ -5,14 +5,20 @@ block_until_ready returns once the test opens the gate, as a device array's does
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import jax.numpy as jnp
+import pytest
 
-from sglang_tpu_qwen.engine.device_idle import DeviceIdleMeter
+from sglang_tpu_qwen.engine.device_idle import SWITCH_INTERVAL_S, DeviceIdleMeter, measure_device_idle
 
 GAP_S = 0.004
+# Host gap after each finished step in the idle-counting test: long against the watcher thread's wake-up on a
+# loaded 2-core machine (about 1 ms each, measured), so the lower bound below holds by construction.
+LONG_GAP_S = 0.05
 
 
 class GatedStep:
@@ -53,6 +59,7 @@ def test_idle_is_zero_when_the_next_step_is_dispatched_while_the_device_runs():
 
 def test_idle_counts_host_time_after_the_device_finished():
     meter = DeviceIdleMeter()
+    start = time.perf_counter()
     try:
         for i in range(5):
             if i:
@@ -61,24 +68,41 @@ def test_idle_counts_host_time_after_the_device_finished():
             meter.watch(step)
             step.finish()
             step.block_until_ready()
-            _busy(GAP_S)  # synchronous scheduling: the next step is built only after reading this one
+            _busy(LONG_GAP_S)  # synchronous scheduling: the next step is built only after reading this one
         meter.break_pair()  # an extend step ran: the next decode step does not follow a decode step
         meter.dispatched(time.perf_counter())
         idle, pairs = meter.idle_s()
     finally:
         meter.close()
+    elapsed = time.perf_counter() - start
     assert pairs == 4
-    # Each gap holds GAP_S of host work after the step finished; the watcher's stamp needs the GIL the busy
-    # loop holds, so the meter must not let the scheduler thread keep it (switch interval) to see the gap.
-    assert idle >= 4 * GAP_S * 0.9
+    # Each gap holds LONG_GAP_S of host work after the step finished; the stamp can only be late (the watcher
+    # needs the GIL the busy loop holds), which shortens a gap, never lengthens it past the run.
+    assert 4 * LONG_GAP_S * 0.5 <= idle <= elapsed
+
+
+def test_meter_lowers_the_switch_interval_and_restores_it():
+    """The watcher's stamp needs the GIL a busy scheduler thread holds for up to the switch interval (5 ms by
+    default): the meter lowers it while it runs and puts the previous value back, also when the measured block
+    raises."""
+    before = sys.getswitchinterval()
+    assert before != SWITCH_INTERVAL_S
+    runner = SimpleNamespace(idle_meter=None)
+    with pytest.raises(RuntimeError, match="timed run failed"), measure_device_idle(runner) as meter:
+        assert runner.idle_meter is meter
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        raise RuntimeError("timed run failed")
+    assert runner.idle_meter is None
+    assert sys.getswitchinterval() == pytest.approx(before)
 
 
 def test_a_real_device_array_is_watched():
     meter = DeviceIdleMeter()
+    start = time.perf_counter()
     try:
         meter.watch(jnp.arange(4) * 2)
         meter.dispatched(time.perf_counter())
         idle, pairs = meter.idle_s()
     finally:
         meter.close()
-    assert pairs == 1 and idle >= 0.0
+    assert pairs == 1 and 0.0 <= idle <= time.perf_counter() - start
