@@ -85,3 +85,19 @@ def configure_host_allocator() -> bool:
 def host_memory_kept() -> bool:
     """Whether the settings are in effect in this process (configure_host_allocator ran and glibc took them)."""
     return _configured is True
+
+
+def run_jax_on_cpu_without_accelerator() -> bool:
+    """For entry points (server, benchmarks), before anything imports JAX: on a host with no accelerator
+    device file and `JAX_PLATFORMS` unset, set `JAX_PLATFORMS=cpu`.
+
+    Why: the project installs libtpu (jax[tpu]) for the planner's deviceless TPU compiles, and JAX, left to
+    choose, initialises it on any host: on a CPU machine that logs errors that look fatal ("could not determine
+    TPU accelerator type", "unexpected worker hostname") and takes libtpu's lockfile, so a planner started
+    while a CPU server runs fails. Returns True when it set the variable; a non-empty `JAX_PLATFORMS` is left
+    alone.
+    """
+    if os.environ.get("JAX_PLATFORMS", "").strip() or not cpu_only_host():
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return True

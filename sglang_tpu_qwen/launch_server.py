@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from sglang_tpu_qwen.host_allocator import run_jax_on_cpu_without_accelerator
 from sglang_tpu_qwen.server_args import ServerArgs, prepare_server_args
 
 logger = logging.getLogger("sglang_tpu_qwen.launch_server")
@@ -151,11 +152,14 @@ def size_cpu_thread_pool() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: parse flags, set up logging, launch."""
     size_cpu_thread_pool()
+    on_cpu = run_jax_on_cpu_without_accelerator()
     args = prepare_server_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
     )
+    if on_cpu:
+        logger.info("No accelerator device found: JAX runs on the CPU (JAX_PLATFORMS=cpu)")
     launch_server(args)
 
 

@@ -68,3 +68,16 @@ def test_cpu_only_host_follows_jax_platforms(monkeypatch: pytest.MonkeyPatch) ->
     assert not host_allocator.cpu_only_host()
     monkeypatch.setattr(host_allocator.glob, "glob", lambda pattern: [])
     assert host_allocator.cpu_only_host()
+
+
+def test_entry_points_pick_the_cpu_only_without_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert not host_allocator.run_jax_on_cpu_without_accelerator()
+    assert os.environ["JAX_PLATFORMS"] == "tpu"  # the user's choice stands
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(host_allocator.glob, "glob", lambda pattern: ["/dev/vfio/0"] if "vfio" in pattern else [])
+    assert not host_allocator.run_jax_on_cpu_without_accelerator()
+    assert "JAX_PLATFORMS" not in os.environ  # a TPU host: JAX chooses
+    monkeypatch.setattr(host_allocator.glob, "glob", lambda pattern: [])
+    assert host_allocator.run_jax_on_cpu_without_accelerator()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"

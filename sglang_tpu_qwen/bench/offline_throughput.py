@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_tpu_qwen.host_allocator import run_jax_on_cpu_without_accelerator
 from sglang_tpu_qwen.server_args import ServerArgs
 
 # Qwen3.5's ordinary (non-special) token ids are [0, 248044); ids from there up are special tokens.
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Engine / HF; ``greedy_identical`` counts prompts whose outputs match token for token.
     """
     args = parse_args(argv)
+    run_jax_on_cpu_without_accelerator()
     if args.model_path == "heldout":
         from sglang_tpu_qwen.bench.heldout_model import ensure_heldout_model
 

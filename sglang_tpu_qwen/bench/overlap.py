@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_tpu_qwen.host_allocator import run_jax_on_cpu_without_accelerator
 from sglang_tpu_qwen.server_args import ServerArgs
 
 
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per mode (alternating)")
     parser.add_argument("--disable-precompile", action="store_true")
     args = parser.parse_args(argv)
+    run_jax_on_cpu_without_accelerator()
     rows = run(args)
     print(f"{'mode':<10}{'step ms':>10}{'device ms':>11}{'step-device ms':>16}{'%':>7}{'device idle ms':>16}"
           f"{'%':>7}{'tok/s':>9}")

@@ -428,9 +428,11 @@ class ModelRunner:
                  "from_cache": compilation.cache_hits() - hits0,
                  "seconds": time.perf_counter() - start}
         stats["compiled"] = stats["programs"] - stats["from_cache"]
-        logger.info("precompiled %d programs in %.1f s (%d from the persistent cache %s, %d compiled): %d forward "
-                    "buckets %s, sampling batch sizes %s", stats["programs"], stats["seconds"],
-                    stats["from_cache"], self.cache_dir or "(off)", stats["compiled"],
+        # The bar counts the step and sampling programs; the small input and GDN slot-copy programs follow it.
+        logger.info("precompiled %d programs in %.1f s (%d from the persistent cache %s, %d compiled; %d step and "
+                    "sampling programs, %d input and slot-copy programs): %d forward buckets %s, sampling batch "
+                    "sizes %s", stats["programs"], stats["seconds"], stats["from_cache"], self.cache_dir or "(off)",
+                    stats["compiled"], len(keys), stats["programs"] - len(keys),
                     len(self.buckets.step_buckets()), _bucket_summary(self.buckets),
                     self.buckets.sample_batches())
         self._ready = True

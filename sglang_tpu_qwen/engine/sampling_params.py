@@ -122,7 +122,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.max_new_tokens is not None and (not is_int(self.max_new_tokens) or self.max_new_tokens < 0):
+        if self.max_new_tokens is not None and not is_int(self.max_new_tokens):
+            bad(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}.")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             bad(f"max_new_tokens must be at least 0, got {self.max_new_tokens!r}.")
         if self.max_new_tokens is not None and self.max_new_tokens > INT32_MAX:
             bad(f"max_new_tokens must be at most {INT32_MAX}, got {self.max_new_tokens}.")

@@ -211,7 +211,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
     logprobs: StrictInt | None = None
-    max_tokens: StrictInt = 16
+    max_tokens: StrictInt = Field(16, ge=0)  # checked here so the error names the OpenAI field
     suffix: str | None = None
     best_of: StrictInt | None = None
     temperature: float | None = 1.0
@@ -337,8 +337,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: StrictInt | None = Field(None, ge=0)  # checked here so the error names the OpenAI field
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool = True
