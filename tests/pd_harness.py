@@ -176,7 +176,7 @@ def assert_idle_and_free(server: ServerProc, timeout_s: float = 60.0) -> dict[st
         info = server.info()
         pd = info.get("disaggregation", {})
         busy = (info["num_running"] or info["num_waiting"] or pd.get("transfers_waiting", 0)
-                or pd.get("outbox_rooms", 0))
+                or pd.get("outbox_rooms", 0) or pd.get("outbox_fetches_waiting", 0))
         return None if busy else info
 
     wait_for(idle, timeout_s, f"{server.url} to go idle")

@@ -129,7 +129,7 @@ def test_mixed_workload_compiles_nothing(first_server: ServerProc) -> None:
     stats = info["precompile"]
     assert stats["programs"] >= 7 + 6 and stats["compiled"] + stats["from_cache"] == stats["programs"]
     before = _compilations(url)
-    assert before == info["jit_compilations"] or before >= stats["programs"]
+    assert before == info["jit_compilations"] >= stats["programs"]  # the counter and server_info agree
     out = _mixed_workload(url)
     _mixed_workload(url)  # again: prefix-cache hits on everything, other batch mixes
     assert _compilations(url) == before, "a request compiled a program after ready"

@@ -68,7 +68,8 @@ def test_chat_completion_stream(client, chat_reference):
 def test_completion(client, server):
     prompt = "The capital of France is"
     ref = httpx.post(server.url + "/generate", timeout=300,
-                     json={"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}).json()
+                     json={"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+                           "return_logprob": True, "return_text_in_logprobs": True}).json()
     resp = client.completions.create(model="default", prompt=prompt, temperature=0, max_tokens=4, logprobs=1)
     choice = resp.choices[0]
     assert resp.object == "text_completion"
@@ -77,6 +78,8 @@ def test_completion(client, server):
     assert resp.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4
-    assert "".join(lp.tokens) == choice.text or len(lp.tokens) == 4
+    assert lp.tokens == [text for _, _, text in ref["meta_info"]["output_token_logprobs"]]  # each token's own text
+    assert lp.token_logprobs == pytest.approx([lp_ for lp_, _, _ in ref["meta_info"]["output_token_logprobs"]],
+                                              abs=1e-5)
     assert lp.text_offset[0] == 0
     assert all(len(top) == 1 for top in lp.top_logprobs)

@@ -138,7 +138,8 @@ def test_prefill_rejection_reaches_client_as_4xx(pd):
     # Rejected by both legs (bad token id): a 400 too, and the prefill's error room is dropped at its timeout.
     r = _generate(router.url, {"input_ids": [10**9], "sampling_params": {"max_new_tokens": 4}}, timeout=60)
     assert r.status_code == 400, r.text
-    assert decode.info()["disaggregation"]["transfers_waiting"] == 0
+    # The router may answer with the first leg's 400 before the decode leg has finished rejecting.
+    wait_for(lambda: decode.info()["disaggregation"]["transfers_waiting"] == 0, 20, "the decode leg to be rejected")
     assert_idle_and_free(decode)
     assert_idle_and_free(prefill, timeout_s=PREFILL_TIMEOUT_S + 10)
 
@@ -215,7 +216,8 @@ def test_prefill_server_dies(pd, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(_generate, decode2.url, body, 60)
             wait_for(lambda: decode2.info()["disaggregation"]["transfers_waiting"] == 1, 20, "the decode leg to wait")
-            time.sleep(1.0)  # its receiver connects to the bootstrap server and waits there
+            wait_for(lambda: prefill.info()["disaggregation"]["outbox_fetches_waiting"] == 1, 20,
+                     "its receiver to wait at the bootstrap server")
             t0 = time.perf_counter()
             prefill.kill()
             r = waiting.result()

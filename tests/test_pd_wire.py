@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -88,6 +89,13 @@ def _receive(port: int, room: int, prompt: list[int], timeout: float = 10.0) -> 
     return rec
 
 
+def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def test_streamed_transfer_over_tcp_and_failures():
     outbox = Outbox(timeout_s=2.0, stage_to_host=True)
     server, port = _serve(outbox)
@@ -112,7 +120,8 @@ def test_streamed_transfer_over_tcp_and_failures():
         assert np.array_equal(st.k, k) and np.array_equal(st.v, -k)
         assert np.array_equal(st.conv, conv) and np.array_equal(st.rec, rec)
         assert (st.first_token, st.logprob, st.cached_tokens) == (42, -0.5, 2)
-        assert outbox.stats() == {"outbox_rooms": 0, "outbox_bytes": 0, "outbox_early_cancels": 0}
+        assert outbox.stats() == {"outbox_rooms": 0, "outbox_bytes": 0, "outbox_early_cancels": 0,
+                                  "outbox_fetches_waiting": 0}
 
         # The prefill server rejected the request: its status and message reach the decode side.
         outbox.fail(2, 400, "The input (300 tokens) is longer than the model's context length")
@@ -131,21 +140,19 @@ def test_streamed_transfer_over_tcp_and_failures():
 
         # Nobody fetches: the room is dropped after the timeout; a fetch of a room that never opens fails.
         outbox.open(5, _header(prompt))
-        time.sleep(3.5)
-        assert outbox.stats()["outbox_rooms"] == 0 and 5 in outbox.take_cancelled()
+        _wait_until(lambda: outbox.stats()["outbox_rooms"] == 0, "the unfetched room to be dropped")
+        assert 5 in outbox.take_cancelled()
         r = _receive(port, 6, prompt)
         assert r.status == "failed" and "timed out" in r.error.message
 
         # The decode side cancels before the prefill opens the room: the prefill leg is refused.
         done = threading.Event()
         r = TcpReceiver("127.0.0.1", port, 7, LAYOUT, prompt, 10.0, done.set).start()
-        time.sleep(0.3)
+        _wait_until(lambda: outbox.stats()["outbox_fetches_waiting"] == 1, "the receiver to wait for room 7")
         r.cancel()
         assert done.wait(5) and r.status == "waiting"  # cancelled, not failed
-        deadline = time.monotonic() + 5
-        while 7 not in outbox.take_cancelled():
-            assert time.monotonic() < deadline, "the cancel did not reach the prefill side"
-            time.sleep(0.05)
+        _wait_until(lambda: 7 in outbox.take_cancelled(), "the cancel to reach the prefill side")
+        assert outbox.stats()["outbox_fetches_waiting"] == 0
         assert not outbox.open(7, _header(prompt))
     finally:
         server.shutdown()

@@ -141,11 +141,11 @@ def test_metrics_exposition(server, singles):
 def _wait_idle(url: str, timeout_s: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        info = httpx.get(url + "/get_server_info").json()
+        info = httpx.get(url + "/get_server_info", timeout=30).json()
         if info["num_running"] == 0 and info["num_waiting"] == 0:
             # Idle: empty the prefix cache, whose pages are not free until flushed.
             httpx.post(url + "/flush_cache", timeout=60)
-            info = httpx.get(url + "/get_server_info").json()
+            info = httpx.get(url + "/get_server_info", timeout=30).json()
         mem = info["memory"]
         idle = (info["num_running"] == 0 and info["num_waiting"] == 0
                 and mem["kv_pages_free"] == mem["kv_pages_total"]

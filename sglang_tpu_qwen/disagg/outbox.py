@@ -50,6 +50,7 @@ class Outbox:
         self._rooms: dict[int, _Room] = {}
         self._cancelled: dict[int, float] = {}  # room -> expiry: cancels that arrived before the room opened
         self._new_cancels: set[int] = set()
+        self._fetches_waiting = 0  # fetches whose room has not opened yet
         self._cond = threading.Condition()
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="outbox-stage") if stage_to_host else None
         self._closed = False
@@ -107,11 +108,11 @@ class Outbox:
         (queued or running), so the wait for its next message is unbounded, with a `{"kind": "wait"}`
         keepalive every KEEPALIVE_S: the decode side's own timeout then only fires on a silent (hung or
         unreachable) prefill server, not on a busy one. Raises TransferError when the room does not open in
-        time, is cancelled or timed out meanwhile, or another fetch already holds it; `stop` set ends the
-        iteration quietly. Closing the iterator early cancels the room.
+        time, is cancelled (before or after it opened) or timed out meanwhile, or another fetch already holds
+        it; `stop` set ends the iteration quietly. Closing the iterator early cancels the room.
         """
         index = 0
-        finished = attached = False
+        finished = attached = waiting = False
         open_deadline = time.monotonic() + self.timeout_s
         try:
             while True:
@@ -119,6 +120,9 @@ class Outbox:
                     keepalive_at = time.monotonic() + KEEPALIVE_S
                     while True:
                         r = self._rooms.get(room)
+                        if waiting != (r is None and not attached):
+                            waiting = not waiting
+                            self._fetches_waiting += 1 if waiting else -1
                         if r is not None and not attached:
                             if r.fetching:
                                 finished = True  # not ours to cancel
@@ -130,6 +134,9 @@ class Outbox:
                             break
                         if r is None and attached:
                             raise TransferError(f"bootstrap_room {room} was cancelled on the prefill server")
+                        if r is None and room in self._cancelled:
+                            finished = True  # cancelled already: nothing to cancel again
+                            raise TransferError(f"bootstrap_room {room} was cancelled by the decode side")
                         if stop is not None and stop.is_set() or self._closed:
                             return
                         now = time.monotonic()
@@ -149,6 +156,9 @@ class Outbox:
                 if finished:
                     return
         finally:
+            if waiting:
+                with self._cond:
+                    self._fetches_waiting -= 1
             if not finished:
                 self.cancel(room)
 
@@ -186,12 +196,13 @@ class Outbox:
             self.reap()
 
     def stats(self) -> dict[str, int]:
-        """Rooms held, the bytes of their arrays (host or device copies), and cancels of rooms not opened yet."""
+        """Rooms held, the bytes of their arrays (host or device copies), cancels of rooms not opened yet, and
+        fetches (decode-side receivers) waiting for their room to open."""
         with self._cond:
             rooms = list(self._rooms.values())
-            early_cancels = len(self._cancelled)
+            early_cancels, fetches_waiting = len(self._cancelled), self._fetches_waiting
         return {"outbox_rooms": len(rooms), "outbox_bytes": sum(m.nbytes for r in rooms for m in r.messages),
-                "outbox_early_cancels": early_cancels}
+                "outbox_early_cancels": early_cancels, "outbox_fetches_waiting": fetches_waiting}
 
     def close(self) -> None:
         with self._cond:
