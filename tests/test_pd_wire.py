@@ -9,12 +9,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import free_port
+from pd_harness import wait_for
 
 from sglang_tpu_qwen.disagg.bootstrap_server import BootstrapServer
 from sglang_tpu_qwen.disagg.errors import TransferError
@@ -89,13 +89,6 @@ def _receive(port: int, room: int, prompt: list[int], timeout: float = 10.0) -> 
     return rec
 
 
-def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_streamed_transfer_over_tcp_and_failures():
     outbox = Outbox(timeout_s=2.0, stage_to_host=True)
     server, port = _serve(outbox)
@@ -140,7 +133,7 @@ def test_streamed_transfer_over_tcp_and_failures():
 
         # Nobody fetches: the room is dropped after the timeout; a fetch of a room that never opens fails.
         outbox.open(5, _header(prompt))
-        _wait_until(lambda: outbox.stats()["outbox_rooms"] == 0, "the unfetched room to be dropped")
+        wait_for(lambda: outbox.stats()["outbox_rooms"] == 0, 20, "the unfetched room to be dropped", 0.05)
         assert 5 in outbox.take_cancelled()
         r = _receive(port, 6, prompt)
         assert r.status == "failed" and "timed out" in r.error.message
@@ -148,10 +141,10 @@ def test_streamed_transfer_over_tcp_and_failures():
         # The decode side cancels before the prefill opens the room: the prefill leg is refused.
         done = threading.Event()
         r = TcpReceiver("127.0.0.1", port, 7, LAYOUT, prompt, 10.0, done.set).start()
-        _wait_until(lambda: outbox.stats()["outbox_fetches_waiting"] == 1, "the receiver to wait for room 7")
+        wait_for(lambda: outbox.stats()["outbox_fetches_waiting"] == 1, 20, "the receiver to wait for room 7", 0.05)
         r.cancel()
         assert done.wait(5) and r.status == "waiting"  # cancelled, not failed
-        _wait_until(lambda: 7 in outbox.take_cancelled(), "the cancel to reach the prefill side")
+        wait_for(lambda: 7 in outbox.take_cancelled(), 20, "the cancel to reach the prefill side", 0.05)
         assert outbox.stats()["outbox_fetches_waiting"] == 0
         assert not outbox.open(7, _header(prompt))
     finally:
