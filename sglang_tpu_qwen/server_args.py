@@ -69,11 +69,11 @@ class ServerArgs:
     disable_precompile: bool = field(default=False, metadata={
         "help": "Do not compile every step bucket and sampling program at startup; compile each on first use."})
     precompile_bs_paddings: list[int] | None = field(default=None, metadata={
-        "help": "Batch sizes (rows per DP rank) of the compiled buckets (default: powers of two up to "
-                "--max-running-requests per rank); the largest must hold every running request of a rank."})
+        "help": "Batch sizes (rows per DP rank) of the compiled buckets (default: 1 and the powers of two from 4 up "
+                "to --max-running-requests per rank); the largest must hold every running request of a rank."})
     precompile_token_paddings: list[int] | None = field(default=None, metadata={
-        "help": "New tokens per row of the compiled extend buckets (default: powers of two from 16 up to "
-                "--chunked-prefill-size)."})
+        "help": "New tokens per row of the compiled extend buckets (default: powers of four from 16, and "
+                "--chunked-prefill-size rounded up to a power of two)."})
     compilation_cache_dir: str | None = field(default=None, metadata={
         "help": "JAX persistent compilation cache directory (default ~/.cache/sglang_tpu_qwen/jax_cache; "
                 "'none' turns it off)."})

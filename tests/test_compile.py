@@ -165,16 +165,23 @@ def test_restart_loads_every_program_from_the_cache(first_server: ServerProc, ca
 def test_bucket_enumeration_and_mapping() -> None:
     b = BucketSet.build(max_running_requests=32, chunked_prefill_size=512, context_length=32768,
                         kv_tokens=65536, page_size=16)
-    assert b.batch_sizes == (1, 2, 4, 8, 16, 32) and b.token_sizes == (16, 32, 64, 128, 256, 512)
+    assert b.batch_sizes == (1, 4, 8, 16, 32) and b.token_sizes == (16, 64, 256, 512)
     assert b.pages == 2048 and all(x.pages == 2048 for x in b.step_buckets())
     assert all(x.batch * x.tokens <= 512 for x in b.step_buckets() if x.mode == "extend")
-    # Per token size: one prompt alone, or a full step. 6 decode + 11 extend programs.
-    assert [b.extend_batches(t) for t in b.token_sizes] == [(1, 32), (1, 16), (1, 8), (1, 4), (1, 2), (1,)]
-    assert len(b.step_buckets()) == 17
+    # Per token size: one prompt alone, or a full step (no 2-row batch size: 256 tokens has one row only).
+    # 5 decode + 6 extend programs.
+    assert [b.extend_batches(t) for t in b.token_sizes] == [(1, 32), (1, 8), (1,), (1,)]
+    assert len(b.step_buckets()) == 11
+    assert b.decode_bucket(2) == StepBucket("decode", 4, 1, 2048)
     assert b.decode_bucket(5) == StepBucket("decode", 8, 1, 2048)
-    assert b.extend_bucket(3, 100) == (StepBucket("extend", 4, 128, 2048), 100)
+    assert b.extend_bucket(1, 100) == (StepBucket("extend", 1, 256, 2048), 100)
+    assert b.extend_bucket(3, 100) == (StepBucket("extend", 8, 64, 2048), 64)
     # 8 rows of up to 100 tokens do not fit 512 padded tokens: the chunks are capped at 64 (split).
     assert b.extend_bucket(8, 100) == (StepBucket("extend", 8, 64, 2048), 64)
+    assert b.extend_bucket(9, 100) == (StepBucket("extend", 32, 16, 2048), 16)
+    small = BucketSet.build(max_running_requests=2, chunked_prefill_size=64, context_length=100, kv_tokens=64,
+                            page_size=16)
+    assert small.batch_sizes == (1, 2) and small.token_sizes == (16, 64)
     assert b.max_extend_rows == 32
     with pytest.raises(ValueError):
         b.extend_bucket(33, 1)

@@ -9,11 +9,16 @@ bucket is never compiled on the fly: the scheduler caps it (fewer rows, shorter 
 
 The enumeration (per DP rank):
 
-- batch sizes: powers of two up to next_pow2(ceil(max_running_requests / dp)), or
-  --precompile-bs-paddings;
-- extend tokens per row: powers of two from 16 up to next_pow2(chunked_prefill_size), or
-  --precompile-token-paddings; for each, two extend buckets: the smallest batch size and the largest b
-  with b * t <= the extend budget next_pow2(chunked_prefill_size) (a prefill chunk is at most
+- batch sizes: 1 and the powers of two from 4 up to next_pow2(ceil(max_running_requests / dp)), or
+  --precompile-bs-paddings. No 2: a step of 2 rows runs in the 4-row bucket; a decode step (forward and
+  greedy sampling) of 1 to 16 rows costs the same on the 2-core CPU (9-14 ms, the embedded model) and is
+  bound by the weights' bytes on a TPU, and each batch size costs a forward and two sampling programs;
+- extend tokens per row: powers of four from 16, and next_pow2(chunked_prefill_size) itself, or
+  --precompile-token-paddings (default chunk 512: 16, 64, 256, 512). A chunk pads to at most 4x its
+  length: extend time grows about linearly with the padded tokens (1.6 ms for 16 tokens, 22 ms for 512 on
+  the CPU, embedded model) but each size costs one or two forward programs, ~2.5 s of startup each on the
+  2-core CPU. For each size, two extend buckets: the smallest batch size and the largest b with
+  b * t <= the extend budget next_pow2(chunked_prefill_size) (a prefill chunk is at most
   chunked_prefill_size tokens per rank);
 - decode: every batch size with one token;
 - pages: ONE width, ceil(min(context_length, KV tokens per rank) / page_size). The page-table width is not
@@ -101,7 +106,8 @@ class BucketSet:
                 raise ValueError(f"--precompile-bs-paddings: the largest size ({batch[-1]}) must be at least the "
                                  f"running requests per DP rank ({per_rank})")
         else:
-            batch = tuple(1 << i for i in range(next_pow2(per_rank).bit_length()))
+            top = next_pow2(per_rank)
+            batch = tuple(sorted({1, top} | {1 << i for i in range(2, top.bit_length())}))
         budget = next_pow2(chunked_prefill_size)
         if token_paddings:
             tokens = tuple(sorted(set(token_paddings)))
@@ -111,7 +117,8 @@ class BucketSet:
             tokens = tuple(t for t in tokens if t <= budget and t > 1) or (max(2, tokens[-1]),)
         else:
             top = max(MIN_EXTEND_TOKENS, budget)
-            tokens = tuple(t for t in (1 << i for i in range(top.bit_length())) if MIN_EXTEND_TOKENS <= t <= top)
+            tokens = tuple(sorted({top} | {t for t in (MIN_EXTEND_TOKENS << 2 * i for i in range(top.bit_length()))
+                                           if t < top}))
             budget = max(budget, MIN_EXTEND_TOKENS)
         pages = -(-min(context_length, kv_tokens) // page_size)
         return cls(dp=dp, batch_sizes=batch, token_sizes=tokens, extend_budget=budget, pages=pages)

@@ -1,8 +1,9 @@
 """ModelRunner: owns the weights and the device cache, and runs the compiled step programs.
 
 Every program the server runs is one of a fixed set (issue 12): a forward per `StepBucket`
-(engine/buckets.py), three sampling programs per batch size (greedy, sample, logprobs; engine/sampler.py),
-one penalty-table program per batch size, one prompt-logprob program, and the GDN slot copies.
+(engine/buckets.py), two sampling programs per batch size (greedy, sample; engine/sampler.py),
+one penalty-table and one keep-sampled program per batch size, the `head_rows` programs that take an
+extend step's finishing rows, one prompt-logprob program, and the GDN slot copies.
 `precompile()` builds them all before the server reports ready (from the persistent compilation cache when
 it can, engine/compilation.py); `lower_forward` / `lower_sample` give the `jax.stages.Lowered` of each from
 abstract arguments with their shardings, for precompile and for the deviceless planner. The scheduler
@@ -42,8 +43,8 @@ from sglang_tpu_qwen.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 64  # positions per call of the prompt-logprob program
-SampleKind = Literal["greedy", "sample", "logprobs"]
-SAMPLE_KINDS: tuple[SampleKind, ...] = ("greedy", "sample", "logprobs")
+SampleKind = Literal["greedy", "sample"]
+SAMPLE_KINDS: tuple[SampleKind, ...] = ("greedy", "sample")
 
 __all__ = ["ModelRunner", "SamplingBatch", "SampleOutput", "StepOutput", "next_pow2", "resolve_dtype"]
 
@@ -125,7 +126,7 @@ class SampleOutput:
     top_ids: jax.Array
     num_top: int
     stats: StepStats | None = None  # decode steps: the blocked time is added here
-    has_logprobs: bool = True  # False: the logprob arrays are the zeros of a greedy/sample program
+    has_logprobs: bool = True  # False: the logprob arrays are zeros (greedy program, or f.logprobs off)
 
     def get(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Host copies (tokens, logprob, top_logprobs [B, num_top], top_ids [B, num_top])."""
@@ -340,7 +341,7 @@ class ModelRunner:
     def lower_sample(self, kind: SampleKind, batch: int) -> jax.stages.Lowered:
         """Sampling program `kind` for B = `batch` rows: (leaves of _head_params(), last [B, H], RowParams,
         Features as one replicated bool array [len(Features._fields)]) -> (tokens [B], logprob [B],
-        top_logprobs [B, K], top_ids [B, K]); K = TOP_LOGPROBS_MAX for "logprobs", else 0."""
+        top_logprobs [B, K], top_ids [B, K]); K = TOP_LOGPROBS_MAX for "sample", 0 for "greedy"."""
         h = self.config.hidden_size
         return self._sample_jits[kind].lower(
             _abstract(self._head_leaves), self._spec((batch, h), self.dtype), self._row_param_specs(batch),
@@ -655,7 +656,7 @@ class ModelRunner:
         (`.get()` reads). B below the step's rows samples its first B rows (a `head_rows` program).
 
         Runs the greedy program when every row is greedy and none wants logprobs, a penalty or a grammar,
-        the logprobs program when one wants logprobs, else the sample program. Raises ValueError when a
+        else the sample program (which computes logprobs when a row wants them). Raises ValueError when a
         width exceeds its bound (num_top_logprobs > TOP_LOGPROBS_MAX, more than BAN_WIDTH bans or
         LOGIT_BIAS_WIDTH bias entries).
         """
@@ -672,11 +673,11 @@ class ModelRunner:
         use_penalty = batch.seen_ids is not None
         any_sampling = bool(sampling.any())
         greedy = not (any_sampling or use_grammar or use_penalty)
-        kind: SampleKind = "logprobs" if batch.want_logprobs else "greedy" if greedy else "sample"
+        kind: SampleKind = "greedy" if greedy and not batch.want_logprobs else "sample"
         filters = (False,) * 4 if not any_sampling else (  # the per-row filters apply to sampling rows only
             bool(np.any(sampling & (batch.top_k > 0))), bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
             bool(np.any(sampling & (batch.top_p < 1.0))), bool(np.any(sampling & (batch.min_p > 0.0))))
-        feats = self._features((use_grammar, use_penalty, use_bias, *filters))
+        feats = self._features((use_grammar, use_penalty, use_bias, *filters, batch.want_logprobs))
         # Host-to-device copies cost scheduler-thread time every step: a greedy step sends only its bans/bias.
         rows = [] if kind == "greedy" else [
             batch.temperature.astype(np.float32), batch.top_p.astype(np.float32), batch.top_k.astype(np.int32),
@@ -703,8 +704,8 @@ class ModelRunner:
         out = self._program(("sample", kind, b))(self._head_leaves, last, row_params, feats)
         if step.decode and self.idle_meter is not None:
             self.idle_meter.watch(out[0])
-        return SampleOutput(*out, num_top=batch.num_top_logprobs if kind == "logprobs" else 0,
-                            stats=self.stats if step.decode else None, has_logprobs=kind == "logprobs")
+        return SampleOutput(*out, num_top=batch.num_top_logprobs if batch.want_logprobs else 0,
+                            stats=self.stats if step.decode else None, has_logprobs=batch.want_logprobs)
 
     def time_decode_step(self, rows: int, context: int, iters: int = 20, windows: int = 3) -> float:
         """Device seconds per greedy decode step (forward, sampling and keep_sampled programs, input tokens
@@ -858,23 +859,24 @@ def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
 
 def _sample_program(params, last, rp, f, *, config, kind):
     """One sampling program (params: ModelRunner._head_params()): logits of `last` [B, H] -> (tokens [B]
-    int32, logprob [B], top_logprobs [B, K], top_ids [B, K]) with K = TOP_LOGPROBS_MAX for kind "logprobs"
-    (logprobs of the raw logits, as SGLang reports them), else 0. "greedy" takes the argmax after bias and
-    bans (all rows greedy, no penalty, no grammar; screened in bfloat16 when the lm_head is float32,
-    params["lm_head_screen"]); "sample" and "logprobs" apply everything and sample each row with its
-    temperature (0: argmax), top-k, top-p and min-p."""
+    int32, logprob [B], top_logprobs [B, K], top_ids [B, K]). "greedy" takes the argmax after bias and bans
+    (all rows greedy, no penalty, no grammar, no logprobs; screened in bfloat16 when the lm_head is float32,
+    params["lm_head_screen"]) and returns K = 0. "sample" applies everything and samples each row with its
+    temperature (0: argmax), top-k, top-p and min-p; K = TOP_LOGPROBS_MAX, and the logprobs (of the raw
+    logits, as SGLang reports them) are computed only when f.logprobs (`lax.cond`; zeros otherwise): one
+    program instead of a second one with logprobs per batch size, which cost startup compile time."""
     b = last.shape[0]
-    none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
     if kind == "greedy":
+        none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
         screen = params.get("lm_head_screen")
         if screen is None:
             return (sampler.greedy_tokens(compute_logits(params, last, config=config), rp), *none)
         return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen, rp, f), *none)
     logits = compute_logits(params, last, config=config)
     tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
-    if kind == "sample":
-        return (tokens, *none)
-    return (tokens, *sampler.token_logprobs(logits, tokens, sampler.TOP_LOGPROBS_MAX))
+    k = sampler.TOP_LOGPROBS_MAX
+    skipped = (jnp.zeros(b, jnp.float32), jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32))
+    return (tokens, *jax.lax.cond(f.logprobs, lambda: sampler.token_logprobs(logits, tokens, k), lambda: skipped))
 
 
 def _prompt_logprobs(params, hidden, targets, *, config):

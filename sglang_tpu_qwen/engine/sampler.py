@@ -2,8 +2,8 @@
 top-p, min-p, per-request seeds.
 
 Everything here is jit-traced with FIXED shapes: every per-row setting is an array, so the server compiles
-three sampling programs per batch size (engine/model_runner.py: greedy, sample, logprobs) and nothing
-else. Full-vocabulary work a batch does not need (penalties, grammar mask, top-k / top-p / min-p) is
+two sampling programs per batch size (engine/model_runner.py: greedy, sample) and nothing else.
+Full-vocabulary work a batch does not need (penalties, grammar mask, top-k / top-p / min-p, logprobs) is
 skipped at run time by `lax.cond` on a feature flag computed by the host (`Features`), not by a different
 program. Fixed bounds (requests beyond them are refused with a 400 before they enter a batch,
 engine/engine.py):
@@ -44,6 +44,7 @@ class Features(NamedTuple):
     top_k_large: jax.Array  # some row has top_k > TOP_K_BOUND
     top_p: jax.Array
     min_p: jax.Array
+    logprobs: jax.Array  # some row wants logprobs (the general program computes them only then)
 
 
 class RowParams(NamedTuple):
