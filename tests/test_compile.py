@@ -236,6 +236,19 @@ def test_vocab_top_k_equals_lax_top_k_including_ties(v: int) -> None:
     assert np.asarray(sampler.greedy_ids(logits)).tolist()[:2] == [0, 5]  # lowest id on ties
 
 
+def test_raw_logprob_top_matches_token_logprobs() -> None:
+    """The sample program's logprobs (statistics of the raw logits, the chosen token's logit minus the
+    logsumexp) equal token_logprobs' (log_softmax over the whole row) within float32 rounding."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (4, 3000)) * 6
+    targets = jnp.asarray([7, 0, 2999, 1234], jnp.int32)
+    chosen, ref_top, ref_ids = sampler.token_logprobs(logits, targets, 20)
+    lse, top, ids = sampler.raw_logprob_top(logits, 20)
+    assert np.array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(top), np.asarray(ref_top), rtol=0, atol=1e-5)
+    own = np.asarray(logits)[np.arange(4), np.asarray(targets)] - np.asarray(lse)
+    np.testing.assert_allclose(own, np.asarray(chosen), rtol=0, atol=1e-5)
+
+
 def test_screened_greedy_equals_float32_argmax() -> None:
     v, h, b = 1000, 16, 64
     weight = jax.random.normal(jax.random.PRNGKey(3), (v, h)) * 0.5

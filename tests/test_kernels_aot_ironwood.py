@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from conftest import record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from sglang_tpu_qwen.engine.compilation import configure_persistent_cache  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
@@ -29,6 +30,18 @@ topologies = pytest.importorskip("jax.experimental.topologies")
 
 NQ, NKV, HD, PAGE = 32, 2, 256, 256
 HK, HV, DK, DV, KCONV = 16, 64, 128, 128, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_persistent_cache():
+    """Compile past JAX's persistent cache, which an earlier test's Engine may have turned on in this process:
+    a deviceless executable written there cannot be loaded back (no client to load it into), so every later
+    run would warn "Error reading persistent compilation cache entry" and compile again anyway."""
+    previous = jax.config.jax_compilation_cache_dir
+    configure_persistent_cache("none")
+    yield
+    if previous:
+        configure_persistent_cache(previous)
 
 
 @pytest.fixture(scope="module")

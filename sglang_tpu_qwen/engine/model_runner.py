@@ -864,7 +864,9 @@ def _sample_program(params, last, rp, f, *, config, kind):
     params["lm_head_screen"]) and returns K = 0. "sample" applies everything and samples each row with its
     temperature (0: argmax), top-k, top-p and min-p; K = TOP_LOGPROBS_MAX, and the logprobs (of the raw
     logits, as SGLang reports them) are computed only when f.logprobs (`lax.cond`; zeros otherwise): one
-    program instead of a second one with logprobs per batch size, which cost startup compile time."""
+    program instead of a second one with logprobs per batch size, which cost startup compile time. The
+    sampled token's logprob is its raw logit recomputed from its lm_head row minus the logsumexp, equal to
+    the [B, V] product's entry up to float32 summation order."""
     b = last.shape[0]
     if kind == "greedy":
         none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
@@ -872,11 +874,19 @@ def _sample_program(params, last, rp, f, *, config, kind):
         if screen is None:
             return (sampler.greedy_tokens(compute_logits(params, last, config=config), rp), *none)
         return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen, rp, f), *none)
+    weight = lm_head_weight(params, config)
+    k = sampler.TOP_LOGPROBS_MAX
+    # Only process_logits reads the [B, V] logits, so XLA updates them in place. The logprobs' statistics
+    # come from a second product inside the cond and the sampled token's raw logit from its own lm_head row:
+    # reading the raw logits after processing made XLA copy them in every step (32 MB at 32 rows, ~15% of
+    # the step), logprobs or not.
+    skipped = (jnp.zeros(b, jnp.float32), jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32))
+    lse, top_lp, top_ids = jax.lax.cond(
+        f.logprobs, lambda: sampler.raw_logprob_top(compute_logits(params, last, config=config), k), lambda: skipped)
     logits = compute_logits(params, last, config=config)
     tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
-    k = sampler.TOP_LOGPROBS_MAX
-    skipped = (jnp.zeros(b, jnp.float32), jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32))
-    return (tokens, *jax.lax.cond(f.logprobs, lambda: sampler.token_logprobs(logits, tokens, k), lambda: skipped))
+    chosen = jnp.einsum("nh,nh->n", last, weight[tokens], preferred_element_type=jnp.float32)
+    return tokens, jnp.where(f.logprobs, chosen - lse, 0.0), top_lp, top_ids
 
 
 def _prompt_logprobs(params, hidden, targets, *, config):

@@ -95,6 +95,23 @@ def token_logprobs(
     return chosen, top_vals, top_ids
 
 
+def raw_logprob_top(logits: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The log-normaliser of raw logits and their `num_top` most likely tokens, for a caller that gets the
+    chosen token's logit elsewhere (logprob = logit - lse) and must not keep the [N, V] logits alive.
+
+    Args:
+      logits: [N, V] float32 raw logits (before temperature or penalties, as SGLang reports them).
+      num_top: static count of top alternatives (> 0).
+    Returns:
+      (lse [N] float32 logsumexp, top_logprobs [N, num_top] float32, top_ids [N, num_top] int32); equal to
+      `token_logprobs`' top alternatives up to float32 rounding.
+    """
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    top_vals, top_ids = vocab_top_k(logits, num_top)
+    return lse, top_vals - lse[:, None], top_ids
+
+
 # ---- penalty table (SGLang's penalizer state, rebuilt per step from the host's token lists) ----------
 def penalty_mark(table: jax.Array, ids: jax.Array) -> jax.Array:
     """Set the seen bit of ids [B, C] (-1 padded): prompt and output tokens (repetition penalty scope).
