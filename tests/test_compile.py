@@ -249,6 +249,36 @@ def test_raw_logprob_top_matches_token_logprobs() -> None:
     np.testing.assert_allclose(own, np.asarray(chosen), rtol=0, atol=1e-5)
 
 
+def test_top_p_floor_keeps_the_sorted_cumsum_nucleus() -> None:
+    """Nucleus kept set (probs >= floor) equals the sorted-cumsum definition, on the top-K fast path (sharp
+    rows, top_p = 1 rows) and on the bisection fallback (a flat row in the batch), and the two agree."""
+    v = 5000
+    logits = jax.random.normal(jax.random.PRNGKey(5), (4, v)) * jnp.asarray([[8.0], [6.0], [0.05], [8.0]])
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p = jnp.asarray([0.9, 0.5, 0.9, 1.0], jnp.float32)
+
+    def reference(row: np.ndarray, p: float) -> np.ndarray:
+        if p >= 1.0:
+            return np.ones_like(row, bool)
+        ordered = np.sort(row)[::-1]
+        k = int(np.searchsorted(np.cumsum(ordered, dtype=np.float64), p))  # first rank with cum >= p
+        return row >= ordered[k]
+
+    for rows in ([0, 1, 3], [0, 1, 2, 3]):  # without the flat row 2: fast path only; with it: fallback
+        sub, ps = probs[jnp.asarray(rows)], top_p[jnp.asarray(rows)]
+        floor = np.asarray(sampler._top_p_floor(sub, ps))
+        kept = np.asarray(sub) >= floor[:, None]
+        for i, r in enumerate(rows):
+            assert np.array_equal(kept[i], reference(np.asarray(probs[r]), float(top_p[r]))), (rows, r)
+        if 2 not in rows:
+            assert float(floor[0]) > 0 and float(floor[-1]) == 0.0
+    # The bisection agrees where top_p < 1 (at top_p = 1 it can drop ids below 1e-9 once the float32 mass of
+    # the rest rounds to 1; the floor keeps every id there).
+    bisect = np.asarray(sampler._top_p_bisect(probs, top_p))[:3]
+    assert np.array_equal(np.asarray(probs)[:3] >= bisect[:, None],
+                          np.asarray(probs)[:3] >= np.asarray(sampler._top_p_floor(probs, top_p))[:3, None])
+
+
 def test_screened_greedy_equals_float32_argmax() -> None:
     v, h, b = 1000, 16, 64
     weight = jax.random.normal(jax.random.PRNGKey(3), (v, h)) * 0.5

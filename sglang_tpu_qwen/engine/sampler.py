@@ -212,9 +212,26 @@ def greedy_tokens(logits: jax.Array, p: RowParams) -> jax.Array:
 def _top_p_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     """Smallest probability kept by nucleus sampling (Holtzman et al. 2020), per row.
 
-    Bisection on the threshold t with mass(t) = sum(p[p >= t]) >= top_p avoids sorting the whole
-    vocabulary (248k entries) every step; the kept set equals the sorted-cumsum definition up to ties.
-    probs: [B, V] float32; top_p: [B]. Returns [B] float32.
+    Usually the threshold is among a row's TOP_K_BOUND largest probabilities (their mass reaches top_p: a
+    sharp distribution, or any row after a top-k cut of at most TOP_K_BOUND): the sorted-cumsum definition
+    over those (`vocab_top_k`, one pass over the vocabulary). Rows with top_p >= 1 keep everything (floor
+    0). Only when some row's threshold lies deeper does the step bisect (`_top_p_bisect`, 32 passes over
+    [B, V]: 42 vs 15 ms at 8 rows on the 2-core CPU). Both keep every probability >= the threshold (ties
+    included). probs: [B, V] float32, rows summing to 1; top_p: [B]. Returns [B] float32.
+    """
+    vals = vocab_top_k(probs, min(TOP_K_BOUND, probs.shape[-1]))[0]  # [B, K] descending
+    last = jnp.sum(jnp.cumsum(vals, axis=-1) < top_p[:, None], axis=-1)  # rank of the last kept value
+    found = (last < vals.shape[-1]) | (top_p >= 1.0)
+    fast = jnp.where(top_p >= 1.0, 0.0,
+                     jnp.take_along_axis(vals, jnp.minimum(last, vals.shape[-1] - 1)[:, None], axis=-1)[:, 0])
+    return jax.lax.cond(jnp.all(found), lambda: fast,
+                        lambda: jnp.where(found, fast, _top_p_bisect(probs, top_p)))
+
+
+def _top_p_bisect(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_top_p_floor` by bisection on the threshold t with mass(t) = sum(p[p >= t]) >= top_p: no sort of the
+    whole vocabulary (248k entries); the kept set equals the sorted-cumsum definition up to ties and float32
+    resolution. probs: [B, V] float32; top_p: [B]. Returns [B] float32.
     """
 
     def body(_, lo_hi):
