@@ -264,6 +264,8 @@ def test_top_p_floor_keeps_the_sorted_cumsum_nucleus() -> None:
         k = int(np.searchsorted(np.cumsum(ordered, dtype=np.float64), p))  # first rank with cum >= p
         return row >= ordered[k]
 
+    top64 = np.sort(np.asarray(probs), axis=-1)[:, ::-1][:, :64].sum(axis=-1)
+    assert top64[0] >= 0.9 and top64[1] >= 0.5 and top64[2] < 0.9  # rows 0, 1: fast path; row 2: bisection
     for rows in ([0, 1, 3], [0, 1, 2, 3]):  # without the flat row 2: fast path only; with it: fallback
         sub, ps = probs[jnp.asarray(rows)], top_p[jnp.asarray(rows)]
         floor = np.asarray(sampler._top_p_floor(sub, ps))

@@ -12,7 +12,8 @@ The enumeration (per DP rank):
 - batch sizes: 1 and the powers of two from 4 up to next_pow2(ceil(max_running_requests / dp)), or
   --precompile-bs-paddings. No 2: a step of 2 rows runs in the 4-row bucket; a decode step (forward and
   greedy sampling) of 1 to 16 rows costs the same on the 2-core CPU (9-14 ms, the embedded model) and is
-  bound by the weights' bytes on a TPU, and each batch size costs a forward and two sampling programs;
+  bound by the weights' bytes on a TPU, and each batch size costs a forward, two sampling, a penalty-table
+  and a keep-sampled program (and head-rows programs);
 - extend tokens per row: powers of four from 16, and next_pow2(chunked_prefill_size) itself, or
   --precompile-token-paddings (default chunk 512: 16, 64, 256, 512). A chunk pads to at most 4x its
   length: extend time grows about linearly with the padded tokens (1.6 ms for 16 tokens, 22 ms for 512 on

@@ -886,7 +886,8 @@ def _sample_program(params, last, rp, f, *, config, kind):
     logits = compute_logits(params, last, config=config)
     tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
     chosen = jnp.einsum("nh,nh->n", last, weight[tokens], preferred_element_type=jnp.float32)
-    return tokens, jnp.where(f.logprobs, chosen - lse, 0.0), top_lp, top_ids
+    # min: the two sums round differently, and a near-certain token must not report a logprob above 0.
+    return tokens, jnp.where(f.logprobs, jnp.minimum(chosen - lse, 0.0), 0.0), top_lp, top_ids
 
 
 def _prompt_logprobs(params, hidden, targets, *, config):

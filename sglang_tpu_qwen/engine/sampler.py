@@ -330,7 +330,9 @@ def sample(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:
     scaled = jax.lax.cond(f.top_k, lambda x: _top_k_cut(x, p.top_k, f.top_k_large), lambda x: x, scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
     probs = jax.lax.cond(
-        f.top_p, lambda q: jnp.where(q >= _top_p_floor(q, p.top_p)[:, None], q, 0.0), lambda q: q, probs)
+        # Greedy rows take no nucleus (top_p 1): a flat one of theirs would only force the slow path.
+        f.top_p, lambda q: jnp.where(q >= _top_p_floor(q, jnp.where(is_greedy, 1.0, p.top_p))[:, None], q, 0.0),
+        lambda q: q, probs)
     probs = jax.lax.cond(
         f.min_p, lambda q: jnp.where(q >= (p.min_p * jnp.max(q, axis=-1))[:, None], q, 0.0), lambda q: q, probs)
     # Inverse-CDF sampling: one uniform per row instead of V Gumbel draws (random bits dominate on CPU).

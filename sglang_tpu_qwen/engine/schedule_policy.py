@@ -169,11 +169,12 @@ class SchedulePolicy:
 
         For each extend token size t, the requests in admission order take min(their chunk, t) tokens each,
         at most the bucket's rows for t and the step's token budget per rank; the size whose step feeds the
-        most prompt tokens wins (ties: fewer rows). Every extend bucket holds the same number of token
+        most prompt tokens wins (ties: fewer rows). Every full extend bucket holds the same number of token
         slots (rows x t), and its forward costs about the same (measured on the 2-core CPU: 22-24 ms for
-        (32, 16) ... (4, 128) on the held-out model), so the fullest step is the cheapest per token. Taking
-        rows first and capping chunks afterwards left a third of the slots empty when chunks end at
-        snapshot pages (many chunks just under a bucket's width)."""
+        (32, 16) ... (4, 128) on the held-out model; 20-24 ms for (32, 16) ... (1, 512) on the embedded
+        one), so the fullest step is the cheapest per token. Taking rows first and capping chunks
+        afterwards left a third of the slots empty when chunks end at snapshot pages (many chunks just
+        under a bucket's width)."""
         buckets = self.runner.buckets
         # Prompt tokens per rank per step: --chunked-prefill-size and --max-prefill-tokens both bound the step's
         # total, as SGLang's PrefillAdder (rem_chunk_tokens, rem_input_tokens).
