@@ -8,8 +8,11 @@ collective ...) the bytes of its operands and its result, with the same two corr
 analysis makes: an operand that a fusion only slices (``dynamic-slice``, ``slice``, ``gather``) costs the
 slices, and a fusion whose root updates a buffer in place (``dynamic-update-slice``, ``scatter``) costs the
 update, not the buffer. Custom calls (Pallas kernels) are charged the traffic they declare
-(``pl.CostEstimate``, as XLA does), else the caller's figure, else their operand and result bytes. The
-figures are an estimate for ranking, not a replacement for the total.
+(``pl.CostEstimate``, as XLA does), else the caller's figure, else their operand and result bytes. Work XLA
+offloads to the SparseCore (collectives, relayouts, row gathers) is an async ``call-start`` /
+``call-done`` pair, charged once at the start (what it reads and writes; a gather the rows it gathers).
+Compiled TPU HLO names operands without their shapes; each takes the shape of the instruction defining it.
+The figures are an estimate for ranking, not a replacement for the total.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _FREE = frozenset({
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
     "after-all", "partition-id", "replica-id", "iota", "copy-done", "all-gather-done", "all-reduce-done",
-    "collective-permute-done", "async-done", "send-done", "recv-done", "opt-barrier", "slice-done",
+    "collective-permute-done", "async-done", "send-done", "recv-done", "opt-barrier", "slice-done", "call-done",
 })  # fmt: skip
 _SLICING = ("dynamic-slice", "slice", "gather")
 _IN_PLACE = ("dynamic-update-slice", "scatter")
@@ -86,6 +89,9 @@ def _split_operands(s: str) -> tuple[list[str], str]:
 
 
 def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
+    """Computations (name -> instructions) and the entry's name. Each instruction's operand texts get their
+    shapes: compiled TPU HLO prints operands as bare names (``fusion(%a, %b)``), so a bare name is given
+    the result shape of the instruction that defines it (names are unique in a module)."""
     comps: dict[str, list[_Instr]] = {}
     entry, cur = "", None
     for line in text.splitlines():
@@ -104,7 +110,19 @@ def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
         if m:
             operands, attrs = _split_operands(m.group(5))
             comps[cur].append(_Instr(m.group(2), m.group(4), m.group(3), operands, attrs, bool(m.group(1))))
+    results = {ins.name: ins.result for instrs in comps.values() for ins in instrs}
+    for instrs in comps.values():
+        for ins in instrs:
+            ins.operands = [_typed(op, results) for op in ins.operands]
     return comps, entry
+
+
+def _typed(operand: str, results: dict[str, str]) -> str:
+    """``"%name"`` -> ``"dtype[dims]{layout} %name"`` from the defining instruction; typed operands as given."""
+    if not operand.startswith("%"):
+        return operand
+    name = operand[1:].strip()
+    return f"{results[name]} {operand}" if name in results else operand
 
 
 def _attr(attrs: str, key: str) -> str | None:
@@ -170,12 +188,42 @@ def _instr_bytes(ins: _Instr, comps: dict[str, list[_Instr]]) -> float:
         return float(est.group(1))
     if ins.opcode in ("slice", "dynamic-slice", "gather"):
         return 2 * shape_bytes(ins.result)
+    if ins.opcode == "call-start":
+        return _async_call_bytes(ins, comps)
+    if ins.opcode in ("collective-permute-start", "all-gather-start"):
+        return shape_bytes(ins.result)  # (operand, destination, contexts): read once, written once
     if ins.opcode in ("slice-start", "copy-start"):
         # Result ((operand), destination, context): the destination is read from the operand and written
         # (for a slice the operand is the whole array, of which only the destination's bytes move).
         parts, _ = _split_operands(ins.result.strip()[1:])
         return 2 * shape_bytes(parts[1]) if len(parts) > 1 else 0.0
     return sum(shape_bytes(op.split("%")[0]) for op in ins.operands) + shape_bytes(ins.result)
+
+
+def _async_call_bytes(ins: _Instr, comps: dict[str, list[_Instr]]) -> float:
+    """An async call (work offloaded to the SparseCore: collectives, relayouts, gathers) is charged at its
+    start; its ``call-done`` only waits. The start's result lists the operands it reads and the outputs it
+    writes, ``((operands...), outputs..., context)``. A gather reads only the rows it gathers: its source
+    (operand 0) costs the output's bytes, not the whole array."""
+    parts, _ = _split_operands(ins.result.strip()[1:])
+    if not parts:
+        return shape_bytes(ins.result)
+    inputs, _ = _split_operands(parts[0].strip()[1:]) if parts[0].strip().startswith("(") else ([parts[0]], "")
+    outputs = sum(shape_bytes(p) for p in parts[1:])
+    if _gathers(_attr(ins.attrs, "to_apply") or "", comps) and inputs:
+        return outputs + sum(shape_bytes(p) for p in inputs[1:]) + outputs
+    return sum(shape_bytes(p) for p in inputs) + outputs
+
+
+def _gathers(name: str, comps: dict[str, list[_Instr]], depth: int = 4) -> bool:
+    """Computation ``name``, or one it calls, gathers rows (a ``gather``, or XLA's SparseCore gather offload)."""
+    for c in comps.get(name, []):
+        if c.opcode == "gather" or "gather_offload" in c.name:
+            return True
+        callee = _attr(c.attrs, "to_apply") or _attr(c.attrs, "calls")
+        if depth and callee and _gathers(callee, comps, depth - 1):
+            return True
+    return False
 
 
 def _local_bytes(name: str, comps: dict[str, list[_Instr]]) -> float:

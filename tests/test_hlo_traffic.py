@@ -2,7 +2,8 @@
 loop bodies count once per trip, a fusion that slices a parameter pays for the slice, an in-place update
 pays for the update, a Pallas call for its declared bytes, and a conditional for its cheapest branch. A
 computation offloaded to the SparseCore closes with ``}, execution_thread=...``: the loop body after it must
-still be found."""
+still be found. Compiled TPU HLO names operands bare and offloads work to the SparseCore as async calls:
+the operands are read all the same, and an async call is charged once."""
 
 from __future__ import annotations
 
@@ -87,3 +88,52 @@ def test_traffic_of_a_hand_written_program():
     assert ops["up"].bytes == 2 * 8 * 1024 * 2 + 4  # the update (read, written), not the 1.6 MB buffer
     assert "n" in ops and "big" not in ops  # the cheaper branch of the conditional
     assert ops["n"].bytes == 32
+
+
+# Compiled TPU HLO prints operands as bare names, and offloads collectives, relayouts and gathers to the
+# SparseCore as async calls whose result tuple lists what they read and write.
+COMPILED = """HloModule c
+
+%gather_sc (g0: bf16[4096,1024], g1: s32[512]) -> bf16[512,1024] {
+  %g0 = bf16[4096,1024]{1,0} parameter(0)
+  %g1 = s32[512]{0} parameter(1)
+  %gs = ((bf16[4096,1024]{1,0}, s32[512]{0}), bf16[512,1024]{1,0}, u32[]) call-start(%g0, %g1), async_execution_thread="sparsecore", to_apply=%gather_inner
+  ROOT %gd = bf16[512,1024]{1,0} call-done(%gs)
+}, execution_thread="sparsecore"
+
+%gather_inner (h0: bf16[4096,1024], h1: s32[512]) -> bf16[512,1024] {
+  %h0 = bf16[4096,1024]{1,0} parameter(0)
+  %h1 = s32[512]{0} parameter(1)
+  ROOT %gather_offload_custom_fusion.1 = bf16[512,1024]{1,0} custom-call(%h0, %h1), custom_call_target="gather"
+}, execution_thread="sparsecore"
+
+%relayout_sc (r0: bf16[4096,1024]) -> bf16[4096,1024] {
+  %r0 = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %rc = bf16[4096,1024]{1,0:T(16,128)(2,1)} copy(%r0)
+}, execution_thread="sparsecore"
+
+ENTRY %main (x: bf16[4096,1024], idx: s32[512]) -> bf16[512,1024] {
+  %x = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %idx = s32[512]{0} parameter(1)
+  %cp = bf16[4096,1024]{1,0:T(16,128)(2,1)} copy(%x)
+  %rs = ((bf16[4096,1024]{1,0:T(8,128)(2,1)}, token[]), bf16[4096,1024]{1,0:T(16,128)(2,1)}) call-start(%x), async_execution_thread="sparsecore", to_apply=%relayout_sc
+  %rd = bf16[4096,1024]{1,0:T(16,128)(2,1)} call-done(%rs)
+  %gs2 = ((bf16[4096,1024]{1,0}, s32[512]{0}, token[]), bf16[512,1024]{1,0}) call-start(%rd, %idx), async_execution_thread="sparsecore", to_apply=%gather_sc
+  %gd2 = bf16[512,1024]{1,0} call-done(%gs2)
+  %pe = (bf16[512,1024]{1,0}, bf16[512,1024]{1,0}, u32[], u32[]) collective-permute-start(%gd2), source_target_pairs={{0,1},{1,0}}
+  %pd = bf16[512,1024]{1,0} collective-permute-done(%pe)
+  ROOT %sum = bf16[512,1024]{1,0} add(%pd, %gd2)
+}
+"""
+
+
+def test_traffic_of_compiled_style_hlo():
+    ops = {o.name: o for o in program_traffic(COMPILED)}
+    big, rows = 4096 * 1024 * 2, 512 * 1024 * 2
+    assert ops["cp"].bytes == 2 * big  # a bare-named operand is read: its shape comes from its definition
+    assert ops["rs"].bytes == 2 * big  # an async relayout reads and writes the array once, at its start
+    assert ops["gs2"].bytes == 2 * rows + 512 * 4  # a gather reads the rows it gathers, not the whole source
+    assert "rd" not in ops and "gd2" not in ops  # the done only waits
+    assert ops["pe"].bytes == 2 * rows + 8  # a permute reads its operand, writes its destination (+ 2 u32 contexts)
+    assert ops["sum"].bytes == 3 * rows
+    assert "gs" not in ops and "rc" not in ops  # offloaded computations are charged at their call site
