@@ -137,11 +137,14 @@ def local_experts(
         return acc.at[jnp.where(local_row, tok, m)].add(ys, mode="drop")
 
     # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
-    acc = jnp.zeros((m, w_down.shape[-1]), x.dtype)
+    acc = chunk(jnp.int32(0), jnp.zeros((m, w_down.shape[-1]), x.dtype))
     if n_chunks_max == 1:
-        return chunk(jnp.int32(0), acc)
-    n_chunks = jnp.maximum(1, -(-n_here // rows))
-    return jax.lax.fori_loop(0, n_chunks, chunk, acc)
+        return acc
+    # The first chunk is outside the loop: in the usual step (one chunk) the [M, H] sums are written by its
+    # scatter and not carried through a loop (a loop-carried buffer was copied every layer: 0.5 GiB in the
+    # Ironwood prefill step). Skewed routing runs the rest under the cond.
+    n_chunks = -(-n_here // rows)
+    return jax.lax.cond(n_chunks > 1, lambda a: jax.lax.fori_loop(1, n_chunks, chunk, a), lambda a: a, acc)
 
 
 def ep_moe_tokens(
