@@ -236,17 +236,23 @@ def test_vocab_top_k_equals_lax_top_k_including_ties(v: int) -> None:
     assert np.asarray(sampler.greedy_ids(logits)).tolist()[:2] == [0, 5]  # lowest id on ties
 
 
-def test_raw_logprob_top_matches_token_logprobs() -> None:
-    """The sample program's logprobs (statistics of the raw logits, the chosen token's logit minus the
-    logsumexp) equal token_logprobs' (log_softmax over the whole row) within float32 rounding."""
+def test_token_logprobs_match_a_float64_log_softmax() -> None:
+    """Prompt logprobs (a target's raw logit minus raw_logprob_top's logsumexp, the sample program's
+    formula) and the top 20 equal a float64 log_softmax within float32 rounding; ids as the sorted order."""
     logits = jax.random.normal(jax.random.PRNGKey(3), (4, 3000)) * 6
     targets = jnp.asarray([7, 0, 2999, 1234], jnp.int32)
-    chosen, ref_top, ref_ids = sampler.token_logprobs(logits, targets, 20)
-    lse, top, ids = sampler.raw_logprob_top(logits, 20)
-    assert np.array_equal(np.asarray(ids), np.asarray(ref_ids))
-    np.testing.assert_allclose(np.asarray(top), np.asarray(ref_top), rtol=0, atol=1e-5)
-    own = np.asarray(logits)[np.arange(4), np.asarray(targets)] - np.asarray(lse)
-    np.testing.assert_allclose(own, np.asarray(chosen), rtol=0, atol=1e-5)
+    chosen, top, ids = sampler.token_logprobs(logits, targets, 20)
+    ref = np.asarray(logits, np.float64)
+    ref = ref - ref.max(axis=-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(axis=-1, keepdims=True))
+    want_ids = np.argsort(-ref, axis=-1, kind="stable")[:, :20]
+    assert np.array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(top), np.take_along_axis(ref, want_ids, axis=-1), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(chosen), ref[np.arange(4), np.asarray(targets)], rtol=0, atol=1e-5)
+    assert np.all(np.asarray(chosen) <= 0)
+    empty = sampler.token_logprobs(logits, targets, 0)
+    assert empty[1].shape == (4, 0) and empty[2].shape == (4, 0)
+    np.testing.assert_array_equal(np.asarray(empty[0]), np.asarray(chosen))
 
 
 def test_top_p_floor_keeps_the_sorted_cumsum_nucleus() -> None:

@@ -16,10 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul, fp8_grouped_swiglu
+from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (
+    fp8_grouped_matmul,
+    fp8_grouped_matmul_scatter_add,
+    fp8_grouped_swiglu,
+)
 from sglang_tpu_qwen.kernels.fp8_matmul.reference import (
     dequantize_blocks,
     fp8_grouped_matmul_reference,
+    fp8_grouped_matmul_scatter_add_reference,
     fp8_grouped_swiglu_reference,
 )
 from sglang_tpu_qwen.parallel import fp8
@@ -95,6 +100,47 @@ def test_swiglu_kernel_matches_reference(m, k, n, sizes, tiles, row_scale):
     up = fp8_grouped_matmul(x, wu.q, wu.scale, gs, block=(128, 128), interpret=True, **tiles)
     unfused = jax.nn.silu(gate) * up * (1.0 if rs is None else rs[:, None])
     assert _rel(got, unfused) < TOL
+
+
+def _destinations(rng: np.random.Generator, sizes: list[int], m: int, r: int) -> jax.Array:
+    """Each group's rows go to distinct accumulator rows (a token once per expert); rows of different groups
+    share destinations (a token routed to several experts); rows past the groups point anywhere."""
+    dest = [int(d) for s in sizes for d in rng.choice(r, s, replace=False)]
+    return jnp.asarray(dest + list(rng.integers(0, r, m - len(dest))), jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "m,k,n,r,sizes,tiles",
+    [
+        # Shared 16-row tiles, an empty group, rows past the groups, partial K blocks, two K tiles; 24
+        # accumulator rows for 32 covered rows: rows receive up to three products.
+        (40, 300, 256, 24, [7, 0, 20, 5], dict(tm=16, tk=128)),
+        # Default tiles: every group in one row tile, one K tile.
+        (24, 200, 384, 30, [10, 14], {}),
+    ],
+)
+def test_scatter_add_kernel_matches_reference(m, k, n, r, sizes, tiles, dtype):
+    """The down projection with the MoE combine fused: ``acc[dest[r]] += x[r] @ w`` row by row in HBM equals
+    the reference's sequential scatter-add (bitwise in float32 up to the product's rounding; one bfloat16
+    rounding per add in bfloat16), rows no group covers are untouched."""
+    rng = np.random.default_rng(m + k + n + r)
+    w = _weights(rng, len(sizes), k, n, (128, 128))
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    dest = _destinations(rng, sizes, m, r)
+    acc = jnp.asarray(rng.standard_normal((r + 3, n // 128, 128)), dtype)  # 3 rows no group points to
+    touched = np.unique(np.asarray(dest)[: sum(sizes)])
+    want = fp8_grouped_matmul_scatter_add_reference(x, w.q, w.scale, gs, dest, acc, w.block)
+    got = fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, jnp.array(acc), block=w.block, interpret=True,
+                                         **tiles)
+    untouched = np.setdiff1d(np.arange(r + 3), touched)
+    assert np.array_equal(np.asarray(got)[untouched], np.asarray(acc)[untouched])
+    err = _rel(got.astype(jnp.float32), want.astype(jnp.float32))
+    print(f"scatter-add kernel vs reference {m}x{k}x{n} -> {r} rows, {np.dtype(dtype).name}: rel err {err:.1e}")
+    assert err < (TOL if dtype == jnp.float32 else 2**-7)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, acc.reshape(r + 3, -1), block=w.block)
 
 
 def test_kernel_reads_one_layer_of_a_stack():

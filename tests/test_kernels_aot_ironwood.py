@@ -22,6 +22,7 @@ from conftest import record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from sglang_tpu_qwen.engine.compilation import configure_persistent_cache  # noqa: E402
+from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul_scatter_add  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
@@ -105,3 +106,22 @@ def test_fused_gdn_compiles_for_ironwood(device, batch: int, tokens: int, state_
         _spec((batch,), jnp.bool_, device),
     ).compile()
     _report(f"fused_gdn[{batch}x{tokens}, state {jnp.dtype(state_dtype).name}]", compiled)
+
+
+@pytest.mark.parametrize("rows", [64 * 10, 61440], ids=["decode", "prefill"])
+def test_fp8_scatter_add_compiles_for_ironwood(device, rows: int) -> None:
+    """The EP MoE down projection with the combine fused (Qwen3.5-397B: 64 local experts of a 512-expert
+    layer stack on ep8, intermediate 1024, hidden 4096; prefill: a 1.5x chunk of 8 ranks x 4096 tokens x 10
+    pairs / 8), summing into the [8 * 4096, 4096 / 128, 128] accumulator in place."""
+    layers, e_local, inter, hidden = 15, 64, 1024, 4096
+    acc_rows = 8 * (rows // 10 if rows < 4096 else 4096)
+    compiled = jax.jit(fp8_grouped_matmul_scatter_add, donate_argnums=(5,)).lower(
+        _spec((rows, inter), jnp.bfloat16, device),
+        _spec((layers, e_local, inter, hidden), jnp.float8_e4m3fn, device),
+        _spec((e_local, inter // 128, hidden // 128), jnp.float32, device),
+        _spec((e_local,), jnp.int32, device),
+        _spec((rows,), jnp.int32, device),
+        _spec((acc_rows, hidden // 128, 128), jnp.bfloat16, device),
+        _spec((), jnp.int32, device),
+    ).compile()
+    _report(f"fp8_grouped_matmul_scatter_add[{rows} rows -> {acc_rows}]", compiled)

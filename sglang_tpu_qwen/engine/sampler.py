@@ -77,22 +77,22 @@ class RowParams(NamedTuple):
 def token_logprobs(
     logits: jax.Array, target_ids: jax.Array, num_top: int = TOP_LOGPROBS_MAX
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Log-probabilities of chosen tokens and of the `num_top` most likely ones.
+    """Log-probabilities of chosen tokens and of the `num_top` most likely ones (prompt logprobs): the
+    target's raw logit minus :func:`raw_logprob_top`'s logsumexp, as the sample program computes a sampled
+    token's, so a token scored in the prompt and sampled in the output reports one value.
 
     Args:
       logits: [N, V] float32 raw logits (before temperature or penalties, as SGLang reports them).
       target_ids: [N] int32 token whose logprob is wanted.
       num_top: static count of top alternatives (0 gives empty [N, 0] arrays).
     Returns:
-      (logprob [N] float32, top_logprobs [N, num_top] float32, top_ids [N, num_top] int32).
+      (logprob [N] float32, at most 0; top_logprobs [N, num_top] float32, top_ids [N, num_top] int32).
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, target_ids[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    if num_top == 0:
-        n = logits.shape[0]
-        return chosen, jnp.zeros((n, 0), jnp.float32), jnp.zeros((n, 0), jnp.int32)
-    top_vals, top_ids = vocab_top_k(logp, num_top)
-    return chosen, top_vals, top_ids
+    logits = logits.astype(jnp.float32)
+    lse, top_vals, top_ids = raw_logprob_top(logits, num_top)
+    chosen = jnp.take_along_axis(logits, target_ids[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    # min: a near-certain token's logit and the logsumexp round differently (~1e-7 above 0 otherwise).
+    return jnp.minimum(chosen - lse, 0.0), top_vals, top_ids
 
 
 def raw_logprob_top(logits: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -101,13 +101,15 @@ def raw_logprob_top(logits: jax.Array, num_top: int) -> tuple[jax.Array, jax.Arr
 
     Args:
       logits: [N, V] float32 raw logits (before temperature or penalties, as SGLang reports them).
-      num_top: static count of top alternatives (> 0).
+      num_top: static count of top alternatives (0 gives empty [N, 0] arrays).
     Returns:
-      (lse [N] float32 logsumexp, top_logprobs [N, num_top] float32, top_ids [N, num_top] int32); equal to
-      `token_logprobs`' top alternatives up to float32 rounding.
+      (lse [N] float32 logsumexp, top_logprobs [N, num_top] float32, top_ids [N, num_top] int32).
     """
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
+    if num_top == 0:
+        n = logits.shape[0]
+        return lse, jnp.zeros((n, 0), jnp.float32), jnp.zeros((n, 0), jnp.int32)
     top_vals, top_ids = vocab_top_k(logits, num_top)
     return lse, top_vals - lse[:, None], top_ids
 

@@ -8,8 +8,9 @@ Per device, for its ``N`` tokens (one micro-batch at a time):
    that live here through the SwiGLU experts as grouped matmuls (``jax.lax.ragged_dot`` / the FP8 kernel)
    in chunks sized for the pairs expected here (``CAPACITY_FACTOR`` times ``k * E_local / E`` per gathered
    token), not for all of them: one chunk in the usual step, more only when routing is skewed;
-3. scale the activations by the routing weight, sum each token's contributions, and reduce-scatter the
-   ``[n * N, H]`` partial sums back to the token owners (flat or hierarchical, collectives.py);
+3. scale the activations by the routing weight, add each pair's down projection into its token's row of
+   the ``[n * N, H]`` partial sums (inside the FP8 kernel on TPU: no ``[pairs, H]`` product is written),
+   and reduce-scatter them back to the token owners (flat or hierarchical, collectives.py);
 4. add the shared expert, computed locally.
 
 Dropless: the chunks cover every local pair, so a batch in which all tokens pick the same expert is exact.
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.moe import route, shared_expert
 from sglang_tpu_qwen.parallel.collectives import reduce_scatter
-from sglang_tpu_qwen.parallel.fp8 import grouped, grouped_swiglu
+from sglang_tpu_qwen.parallel.fp8 import grouped_scatter_add, grouped_swiglu, row_tiled
 
 
 def _id_bits(num_experts: int) -> int:
@@ -100,7 +101,9 @@ def local_experts(
         capacity_factor: chunk rows over the pairs expected here (uniform routing).
 
     Returns:
-        ``[M, H]`` in ``x.dtype``.
+        ``[M, *row_tiled(H)]`` in ``x.dtype`` (parallel/fp8.py: ``[M, H]`` as rows of 128-lane tiles that the
+        FP8 kernel adds into one by one; reshaping it to ``[M, H]`` is a relayout on TPU, so callers reduce
+        it first).
     """
     m, k = expert_ids.shape
     e_local = w_gate.shape[0]
@@ -131,13 +134,11 @@ def local_experts(
         # (model/moe.py): no [rows, H] product after the down projection.
         act = grouped_swiglu(xs, w_gate, w_up, sizes, jax.lax.dynamic_slice_in_dim(scale, start, rows),
                              expected_rows=expected, zero_tail=False)
-        ys = grouped(act, w_down, sizes, expected_rows=expected, zero_tail=False)
-        # Rows past this chunk's groups (undefined, zero_tail=False) go to row m, which the scatter drops.
-        local_row = start + jnp.arange(rows) < n_here
-        return acc.at[jnp.where(local_row, tok, m)].add(ys, mode="drop")
+        # The down projection adds each pair's row into its token's row (rows past the groups are skipped).
+        return grouped_scatter_add(act, w_down, sizes, tok, acc, expected_rows=expected)
 
     # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
-    acc = chunk(jnp.int32(0), jnp.zeros((m, w_down.shape[-1]), x.dtype))
+    acc = chunk(jnp.int32(0), jnp.zeros((m, *row_tiled(w_down.shape[-1])), x.dtype))
     if n_chunks_max == 1:
         return acc
     # The first chunk is outside the loop: in the usual step (one chunk) the [M, H] sums are written by its
@@ -192,7 +193,8 @@ def ep_moe_tokens(
         packed = jax.lax.all_gather(pack_routing(w, ids, e), axis_name, axis=0, tiled=True)
         gw, gids = unpack_routing(packed, e)
         y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e)
-        outs.append(reduce_scatter(y, axis_name, axis_size, combine))
+        # Reduced in the row-tiled shape; only this device's N_mb rows are relaid out to [N_mb, H].
+        outs.append(reduce_scatter(y, axis_name, axis_size, combine).reshape(chunk.shape[0], -1))
     routed = jnp.concatenate(outs, axis=0)[:n_tok]
     shared = shared_expert(p, x)
     return (routed + shared).astype(x.dtype)

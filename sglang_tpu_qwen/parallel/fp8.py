@@ -21,7 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul, fp8_grouped_swiglu
+from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (
+    fp8_grouped_matmul,
+    fp8_grouped_matmul_scatter_add,
+    fp8_grouped_swiglu,
+)
 from sglang_tpu_qwen.kernels.fp8_matmul.reference import dequantize_blocks
 
 BLOCK = (128, 128)
@@ -299,6 +303,69 @@ def grouped_swiglu(
         return (act if rs is None else act * rs.astype(jnp.float32)[:, None]).astype(x.dtype)
 
     args = (x, qg, w_gate.scale, qu, w_up.scale, group_sizes, layer, row_scale)
+    if interpret:
+        return tpu(*args)
+    return jax.lax.platform_dependent(*args, tpu=tpu, default=other)
+
+
+def row_tiled(n: int) -> tuple[int, int]:
+    """Trailing shape of a row-tiled ``[R, *row_tiled(N)]`` accumulator for :func:`grouped_scatter_add`:
+    ``(N // 128, 128)``, whose rows the FP8 kernel can address one by one (kernels/fp8_matmul), when 128
+    divides N; else ``(1, N)`` (the XLA path only). Either is a reshape of ``[R, N]``."""
+    return (n // 128, 128) if n % 128 == 0 else (1, n)
+
+
+def grouped_scatter_add(
+    x: jax.Array,
+    w: Any,
+    group_sizes: jax.Array,
+    dest: jax.Array,
+    acc: jax.Array,
+    *,
+    interpret: bool = False,
+    expected_rows: int | None = None,
+) -> jax.Array:
+    """``acc[dest[r]] += grouped(x, w, group_sizes)[r]`` for the rows the groups cover: an expert's down
+    projection summed into its tokens' rows (the MoE combine) without an ``[M, N]`` product in between.
+
+    On TPU an :class:`Fp8Weight` goes to the Pallas kernel, which adds each row's product into its HBM row
+    in place; elsewhere (and for dense weights) the product is computed and scatter-added in XLA. Each
+    product is rounded to ``acc.dtype`` before its add, on both paths.
+
+    Args:
+        x: ``[M, K]`` rows sorted by group; w: ``[G, K, N]`` dense or FP8; group_sizes: ``[G]`` int32.
+        dest: ``[M]`` int32 row of ``acc`` for each x row, distinct within a group.
+        acc: ``[R, *row_tiled(N)]`` accumulator.
+        interpret: FP8 only: the Pallas kernel in interpret mode (CPU tests of the TPU path).
+        expected_rows: FP8 only, for XLA's cost model: rows the groups are expected to cover.
+
+    Returns:
+        The updated ``acc``, same shape and dtype.
+    """
+    r, n = acc.shape[0], w.shape[-1]
+
+    def xla(product: jax.Array, acc: jax.Array) -> jax.Array:
+        covered = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+        flat = acc.reshape(r, n).at[jnp.where(covered, dest, r)].add(product.astype(acc.dtype), mode="drop")
+        return flat.reshape(acc.shape)
+
+    if not isinstance(w, Fp8Weight):
+        return xla(grouped(x, w, group_sizes, out_dtype=acc.dtype, zero_tail=False), acc)
+    interpret = interpret or _INTERPRET[-1]
+    q, layer = _stack_and_layer(w)
+
+    def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, acc: jax.Array,
+            layer: Any) -> jax.Array:
+        return fp8_grouped_matmul_scatter_add(x, q, scale, gs, dest, acc, layer, block=w.block, interpret=interpret,
+                                              expected_rows=expected_rows)
+
+    def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, acc: jax.Array,
+              layer: Any) -> jax.Array:
+        return xla(_dequantized_ragged_dot(x, q, scale, gs, layer, w.block, acc.dtype), acc)
+
+    args = (x, q, w.scale, group_sizes, dest, acc, layer)
+    if acc.shape[1:] != (n // 128, 128):
+        return other(*args)  # the kernel addresses rows of 128-lane tiles only
     if interpret:
         return tpu(*args)
     return jax.lax.platform_dependent(*args, tpu=tpu, default=other)

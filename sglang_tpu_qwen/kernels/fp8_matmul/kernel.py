@@ -22,6 +22,14 @@ Grid: ``(N tiles, visits, K tiles)``; ``visits = ceil(M/tm) + G - 1`` (static up
 (Shazeer, "GLU Variants Improve Transformer", 2020) in the epilogue: each x tile is read once for both
 weights and only ``silu(x @ w_gate) * (x @ w_up)``, optionally times a per-row scale (the routing weight),
 leaves the kernel, instead of two ``[M, N]`` products read back by an elementwise pass.
+
+:func:`fp8_grouped_matmul_scatter_add` adds each row's product into row ``dest[r]`` of an accumulator in
+HBM (the MoE combine of expert-parallel layers: an expert's down projection summed into its token's row).
+The rows of a visit are read from HBM by one DMA each, the product added in VMEM and written back before
+the next visit (a token routed to two experts of this device is added twice, in two visits), so no
+``[M, N]`` product is written for a scatter to read back. Mosaic slices an HBM array only at tile
+boundaries of its two minor dims, so the accumulator is ``[R, N / 128, 128]``: each row its own run of
+``(*, 128)`` tiles, addressable by a DMA.
 """
 
 from __future__ import annotations
@@ -57,15 +65,18 @@ def _visits(group_sizes: jax.Array, tm: int, tiles_m: int, num_visits: int) -> t
 def _kernel(
     _layer_ref, group_ref, tile_ref, start_ref, end_ref, total_ref,  # scalar prefetch (SMEM)
     x_ref, *refs,
-    tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int], swiglu: bool, row_scale: bool,
+    tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int], swiglu: bool, row_scale: bool, scatter: bool,
 ):
     """One (N tile, visit, K tile) grid step. refs: (q, scale) per weight (two for SwiGLU: gate, up), the
-    row scale [tm, 1] when given, the output, then one f32 accumulator per weight."""
+    row scale [tm, 1] when given, for a scatter the tile's destination rows (SMEM) and the accumulator's
+    input (aliased to the output), the output, one f32 accumulator per weight, for a scatter a VMEM row
+    buffer and two DMA semaphores."""
     n_w = 2 if swiglu else 1
     weights = [refs[2 * i : 2 * i + 2] for i in range(n_w)]
-    rs_ref = refs[2 * n_w] if row_scale else None
-    o_ref = refs[2 * n_w + row_scale]
-    accs = refs[2 * n_w + row_scale + 1 :]
+    refs = refs[2 * n_w :]
+    rs_ref, refs = (refs[0], refs[1:]) if row_scale else (None, refs)
+    dest_ref, refs = (refs[0], refs[2:]) if scatter else (None, refs)
+    o_ref, accs, rest = refs[0], refs[1 : 1 + n_w], refs[1 + n_w :]
     t, k = pl.program_id(1), pl.program_id(2)
     b0, b1 = block
     tile, grp = tile_ref[t], group_ref[t]
@@ -94,12 +105,49 @@ def _kernel(
                                     axis=1)
                 acc_ref[...] += part * s
 
+    if scatter:
+        @pl.when(jnp.logical_and(k == pl.num_programs(2) - 1, t < total_ref[0]))
+        def _scatter():
+            base = tile * tm
+            _scatter_add_rows(accs[0], dest_ref, tile & 7, o_ref, *rest, jnp.clip(start_ref[grp] - base, 0, tm),
+                              jnp.clip(end_ref[grp] - base, 0, tm))
+        return
+
     @pl.when(k == pl.num_programs(2) - 1)
     def _store():
         out = jax.nn.silu(accs[0][...]) * accs[1][...] if swiglu else accs[0][...]
         if rs_ref is not None:
             out = out * rs_ref[...]
         o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _scatter_add_rows(acc_ref: Any, dest_ref: Any, dest_row: jax.Array, out_hbm: Any, buf_ref: Any, sem: Any,
+                      lo: jax.Array, hi: jax.Array) -> None:
+    """``out_hbm[dest[dest_row, r]] += acc[r]`` for the tile rows ``r`` in ``[lo, hi)`` (the visit's group), each
+    product rounded to the output dtype first (as an unfused product would be before a scatter-add).
+    All reads are issued before the first wait, all writes before the first wait; each row is read,
+    summed and written by this visit alone (its rows belong to one group, and a group holds a token once)."""
+    def copy(r: jax.Array, read: bool) -> Any:
+        hbm, vmem = out_hbm.at[dest_ref[dest_row, r]], buf_ref.at[r]
+        return pltpu.make_async_copy(hbm, vmem, sem.at[0]) if read else pltpu.make_async_copy(vmem, hbm, sem.at[1])
+
+    def copies(read: bool) -> None:
+        @pl.loop(lo, hi)
+        def _start(r):
+            copy(r, read).start()
+
+        @pl.loop(lo, hi)
+        def _wait(r):
+            copy(r, read).wait()
+
+    copies(read=True)
+
+    @pl.loop(lo, hi)
+    def _add(r):
+        part = acc_ref[pl.ds(r, 1), :].astype(buf_ref.dtype).astype(jnp.float32)
+        buf_ref[r] = (buf_ref[r].astype(jnp.float32) + part.reshape(buf_ref.shape[1:])).astype(buf_ref.dtype)
+
+    copies(read=False)
 
 
 def _tile(dim: int, target: int, unit: int) -> int:
@@ -109,18 +157,19 @@ def _tile(dim: int, target: int, unit: int) -> int:
 
 
 def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None,
-          n_w: int = 1) -> pl.CostEstimate:
+          n_w: int = 1, scatter: bool = False) -> pl.CostEstimate:
     """XLA cannot see into the kernel; this is its traffic. Weights (``n_w`` of them): FP8 bytes of the groups
     that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when
     ``expected_rows`` is None); scales once per visited group; activations in and out once for the row tiles
     the groups visit (the rows they cover plus one shared tile per group boundary; tiles past the groups
-    are not read or written)."""
+    are not read or written). A scatter reads and writes each covered row's destination instead."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
     weight = n_w * active * (k * n + 4 * -(-k // 128) * -(-n // 128))
     visited = min(m, rows + int(active) * tm)
+    acts = visited * k * itemsize + (2 * rows * n * itemsize if scatter else visited * n * itemsize)
     return pl.CostEstimate(flops=2 * n_w * rows * k * n, transcendentals=rows * n if n_w == 2 else 0,
-                           bytes_accessed=int(weight + visited * (k + n) * itemsize))
+                           bytes_accessed=int(weight + acts))
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "tn", "interpret", "expected_rows", "zero_tail"))
@@ -212,12 +261,56 @@ def fp8_grouped_swiglu(
                          tm=tm, tk=tk, tn=tn, interpret=interpret, expected_rows=expected_rows, zero_tail=zero_tail)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "interpret", "expected_rows"),
+                   donate_argnames=("acc",))
+def fp8_grouped_matmul_scatter_add(
+    x: jax.Array,
+    q: jax.Array,
+    scale: jax.Array,
+    group_sizes: jax.Array,
+    dest: jax.Array,
+    acc: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    block: tuple[int, int] = (128, 128),
+    tm: int = 128,
+    tk: int = 2048,
+    interpret: bool = False,
+    expected_rows: int | None = None,
+) -> jax.Array:
+    """``acc[dest[r]] += x[r] @ w[group(r)]`` for every row ``r`` the groups cover (module docstring).
+
+    Args:
+        x: ``[M, K]`` rows sorted by group; q, scale, group_sizes, layer: as :func:`fp8_grouped_matmul`.
+        dest: ``[M]`` int32 accumulator row of each x row, in ``[0, R)``; distinct within a group (rows past
+            the groups are not read).
+        acc: ``[R, N // 128, 128]``, the accumulator (donated: updated in place). Each product is rounded to
+            ``acc.dtype`` and added in float32, as ``acc.at[dest].add(product.astype(acc.dtype))``; a row's
+            products from several groups are added in group order.
+        block, tm, tk, interpret, expected_rows: as :func:`fp8_grouped_matmul` (the N tile is all of N).
+
+    Returns:
+        The updated ``acc``.
+
+    Raises:
+        ValueError: a shape mismatch, N not a multiple of 128, or an unusable block size.
+    """
+    n = q.shape[-1]
+    if n % 128 or acc.shape[1:] != (n // 128, 128):
+        raise ValueError(f"acc {acc.shape} is not [R, {n} // 128, 128] (N must be a multiple of 128)")
+    if dest.shape != (x.shape[0],):
+        raise ValueError(f"dest {dest.shape} is not [{x.shape[0]}]")
+    return _grouped_call(x, [(q, scale)], group_sizes, layer, None, block=block, tm=tm, tk=tk, tn=n,
+                         interpret=interpret, expected_rows=expected_rows, zero_tail=False, scatter=(dest, acc))
+
+
 def _grouped_call(
     x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], group_sizes: jax.Array, layer: Any,
     row_scale: jax.Array | None, *, block: tuple[int, int], tm: int, tk: int, tn: int, interpret: bool,
-    expected_rows: int | None, zero_tail: bool,
+    expected_rows: int | None, zero_tail: bool, scatter: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """The pallas_call of :func:`fp8_grouped_matmul` (one weight) and :func:`fp8_grouped_swiglu` (two)."""
+    """The pallas_call of :func:`fp8_grouped_matmul` (one weight), :func:`fp8_grouped_swiglu` (two) and
+    :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc)``)."""
     q, scale = weights[0]
     if q.ndim == 3:
         weights = [(w[None], s) for w, s in weights]
@@ -249,7 +342,7 @@ def _grouped_call(
 
     n_w = len(weights)
     kernel = functools.partial(_kernel, tm=tm, tk=tk, tn=tn, k_dim=k_dim, block=(b0, b1), swiglu=n_w == 2,
-                               row_scale=row_scale is not None)
+                               row_scale=row_scale is not None, scatter=scatter is not None)
     vmem = 2 * (tm * tk * x.dtype.itemsize + n_w * tk * tn + tm * tn * x.dtype.itemsize) + n_w * tm * tn * 4
     vmem += tk * tn * (x.dtype.itemsize + 4) + 2 * n_w * kb_pad * 128 * 4 + 2 * tm * 128 * 4
     weight_specs = [
@@ -263,23 +356,44 @@ def _grouped_call(
     if row_scale is not None:
         in_specs.append(pl.BlockSpec((tm, 1), lambda j, t, kk, lay, gr, ti, *_: (ti[t], 0)))
         operands.append(row_scale.astype(jnp.float32)[:, None])
+    scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(n_w)]
+    out_spec = pl.BlockSpec((tm, tn), lambda j, t, kk, lay, gr, ti, *_: (ti[t], j))
+    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+    aliases: dict[int, int] = {}
+    if scatter is not None:
+        dest, acc = scatter
+        # The destinations in SMEM (scalar addresses of the row DMAs) as [row tiles, tm], in blocks of 8 row
+        # tiles (Mosaic's block rule for a 2-D block; a 1-D block of tm rows is refused).
+        groups_of_8 = -(-tiles_m // 8) * 8
+        in_specs += [pl.BlockSpec((8, tm), lambda j, t, kk, lay, gr, ti, *_: (ti[t] >> 3, 0),
+                                  memory_space=pltpu.SMEM),
+                     pl.BlockSpec(memory_space=pl.ANY)]
+        operands += [jnp.pad(dest.astype(jnp.int32), (0, groups_of_8 * tm - m)).reshape(groups_of_8, tm), acc]
+        aliases = {6 + 1 + len(operands) - 1: 0}  # scalar prefetch, x, then the operands: acc is the last
+        out_spec, out_shape = pl.BlockSpec(memory_space=pl.ANY), jax.ShapeDtypeStruct(acc.shape, acc.dtype)
+        scratch += [pltpu.VMEM((tm, *acc.shape[1:]), acc.dtype), pltpu.SemaphoreType.DMA((2,))]
+        vmem += 2 * tm * tn * acc.dtype.itemsize  # the row buffer (rows padded to a whole tile of sublanes)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(tiles_n, num_visits, tiles_k),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, tn), lambda j, t, kk, lay, gr, ti, *_: (ti[t], j)),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32) for _ in range(n_w)],
+            out_specs=out_spec,
+            scratch_shapes=scratch,
         ),
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            # A scatter's visits read and write HBM rows another visit may touch: one sequential walk.
+            dimension_semantics=("arbitrary" if scatter is not None else "parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
-        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w),
+        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None),
     )(layer_arr, group, tile, starts, ends, total, x, *operands)
+    if scatter is not None:
+        return out
     # Row tiles no group visits are never written.
     if not zero_tail:
         return out
