@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (
     fp8_grouped_matmul,
@@ -132,8 +133,11 @@ def test_scatter_add_kernel_matches_reference(m, k, n, r, sizes, tiles, dtype):
     acc = jnp.asarray(rng.standard_normal((r + 3, n // 128, 128)), dtype)  # 3 rows no group points to
     touched = np.unique(np.asarray(dest)[: sum(sizes)])
     want = fp8_grouped_matmul_scatter_add_reference(x, w.q, w.scale, gs, dest, acc, w.block)
-    got = fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, jnp.array(acc), block=w.block, interpret=True,
-                                         **tiles)
+    # DMAs executed only when waited for: a read issued before the previous visit's write of the same row
+    # was waited for, or a write never waited for, shows as a wrong sum.
+    on_wait = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
+    got = fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, jnp.array(acc), block=w.block,
+                                         interpret=on_wait, **tiles)
     untouched = np.setdiff1d(np.arange(r + 3), touched)
     assert np.array_equal(np.asarray(got)[untouched], np.asarray(acc)[untouched])
     err = _rel(got.astype(jnp.float32), want.astype(jnp.float32))

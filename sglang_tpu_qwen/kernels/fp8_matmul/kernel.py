@@ -25,9 +25,10 @@ leaves the kernel, instead of two ``[M, N]`` products read back by an elementwis
 
 :func:`fp8_grouped_matmul_scatter_add` adds each row's product into row ``dest[r]`` of an accumulator in
 HBM (the MoE combine of expert-parallel layers: an expert's down projection summed into its token's row).
-The rows of a visit are read from HBM by one DMA each, the product added in VMEM and written back before
-the next visit (a token routed to two experts of this device is added twice, in two visits), so no
-``[M, N]`` product is written for a scatter to read back. Mosaic slices an HBM array only at tile
+The rows of a visit are read from HBM by one DMA each while its matmul runs, the product added in VMEM and
+written back while the next visit's matmul runs (that visit waits for the writes before reading: a token
+routed to two experts of this device is added twice, in two visits), so no ``[M, N]`` product is written
+for a scatter to read back. Mosaic slices an HBM array only at tile
 boundaries of its two minor dims, so the accumulator is ``[R, N / 128, 128]``: each row its own run of
 ``(*, 128)`` tiles, addressable by a DMA.
 """
@@ -106,11 +107,8 @@ def _kernel(
                 acc_ref[...] += part * s
 
     if scatter:
-        @pl.when(jnp.logical_and(k == pl.num_programs(2) - 1, t < total_ref[0]))
-        def _scatter():
-            base = tile * tm
-            _scatter_add_rows(accs[0], dest_ref, tile & 7, o_ref, *rest, jnp.clip(start_ref[grp] - base, 0, tm),
-                              jnp.clip(end_ref[grp] - base, 0, tm))
+        _scatter_add_rows(accs[0], dest_ref, o_ref, *rest, group_ref, tile_ref, start_ref, end_ref, total_ref[0],
+                          t, k, pl.num_programs(2) - 1, tm)
         return
 
     @pl.when(k == pl.num_programs(2) - 1)
@@ -121,33 +119,48 @@ def _kernel(
         o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _scatter_add_rows(acc_ref: Any, dest_ref: Any, dest_row: jax.Array, out_hbm: Any, buf_ref: Any, sem: Any,
-                      lo: jax.Array, hi: jax.Array) -> None:
-    """``out_hbm[dest[dest_row, r]] += acc[r]`` for the tile rows ``r`` in ``[lo, hi)`` (the visit's group), each
-    product rounded to the output dtype first (as an unfused product would be before a scatter-add).
-    All reads are issued before the first wait, all writes before the first wait; each row is read,
-    summed and written by this visit alone (its rows belong to one group, and a group holds a token once)."""
+def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, sem: Any, group_ref: Any,
+                      tile_ref: Any, start_ref: Any, end_ref: Any, total: jax.Array, t: jax.Array, k: jax.Array,
+                      last_k: jax.Array, tm: int) -> None:
+    """``out_hbm[dest[r]] += acc[r]`` for the rows of visit ``t``'s group in its tile, each product rounded to
+    the output dtype first (as an unfused product would be before a scatter-add).
+
+    One DMA per row, overlapped with the matmuls: at the visit's first K step the previous visit's writes
+    are waited for (this visit may read a row it wrote: a token routed to two of these experts) and this
+    visit's reads are started; at its last K step the reads are waited for, the products added in VMEM and
+    the writes started, to land during the next visit's matmul (the last visit waits for its own)."""
+    def rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        base, g = tile_ref[v] * tm, group_ref[v]
+        return jnp.clip(start_ref[g] - base, 0, tm), jnp.clip(end_ref[g] - base, 0, tm)
+
     def copy(r: jax.Array, read: bool) -> Any:
-        hbm, vmem = out_hbm.at[dest_ref[dest_row, r]], buf_ref.at[r]
+        hbm, vmem = out_hbm.at[dest_ref[tile_ref[t] & 7, r]], buf_ref.at[r]
         return pltpu.make_async_copy(hbm, vmem, sem.at[0]) if read else pltpu.make_async_copy(vmem, hbm, sem.at[1])
 
-    def copies(read: bool) -> None:
-        @pl.loop(lo, hi)
-        def _start(r):
-            copy(r, read).start()
+    def each(lo: jax.Array, hi: jax.Array, fn: Any) -> None:
+        pl.loop(lo, hi)(fn)
 
-        @pl.loop(lo, hi)
-        def _wait(r):
-            copy(r, read).wait()
+    def wait_writes(v: jax.Array) -> None:
+        # Every write moves one row: any row's descriptor waits for one of them.
+        each(*rows(v), lambda r: pltpu.make_async_copy(buf_ref.at[0], out_hbm.at[0], sem.at[1]).wait())
 
-    copies(read=True)
-
-    @pl.loop(lo, hi)
-    def _add(r):
+    def add(r: jax.Array) -> None:
         part = acc_ref[pl.ds(r, 1), :].astype(buf_ref.dtype).astype(jnp.float32)
         buf_ref[r] = (buf_ref[r].astype(jnp.float32) + part.reshape(buf_ref.shape[1:])).astype(buf_ref.dtype)
 
-    copies(read=False)
+    lo, hi = rows(t)
+
+    @pl.when(jnp.logical_and(t < total, k == 0))
+    def _fetch():
+        pl.when(t > 0)(lambda: wait_writes(t - 1))  # runs when traced (pl.when calls its function)
+        each(lo, hi, lambda r: copy(r, read=True).start())
+
+    @pl.when(jnp.logical_and(t < total, k == last_k))
+    def _add_back():
+        each(lo, hi, lambda r: copy(r, read=True).wait())
+        each(lo, hi, add)
+        each(lo, hi, lambda r: copy(r, read=False).start())
+        pl.when(t == total - 1)(lambda: wait_writes(t))
 
 
 def _tile(dim: int, target: int, unit: int) -> int:
@@ -275,7 +288,7 @@ def fp8_grouped_matmul_scatter_add(
     block: tuple[int, int] = (128, 128),
     tm: int = 128,
     tk: int = 2048,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
     expected_rows: int | None = None,
 ) -> jax.Array:
     """``acc[dest[r]] += x[r] @ w[group(r)]`` for every row ``r`` the groups cover (module docstring).
@@ -287,7 +300,9 @@ def fp8_grouped_matmul_scatter_add(
         acc: ``[R, N // 128, 128]``, the accumulator (donated: updated in place). Each product is rounded to
             ``acc.dtype`` and added in float32, as ``acc.at[dest].add(product.astype(acc.dtype))``; a row's
             products from several groups are added in group order.
-        block, tm, tk, interpret, expected_rows: as :func:`fp8_grouped_matmul` (the N tile is all of N).
+        block, tm, tk, expected_rows: as :func:`fp8_grouped_matmul` (the N tile is all of N).
+        interpret: as :func:`fp8_grouped_matmul`, or the ``pltpu.InterpretParams`` to interpret with (tests:
+            DMAs executed only when waited for, so a missing wait shows as a wrong sum).
 
     Returns:
         The updated ``acc``.
@@ -306,8 +321,9 @@ def fp8_grouped_matmul_scatter_add(
 
 def _grouped_call(
     x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], group_sizes: jax.Array, layer: Any,
-    row_scale: jax.Array | None, *, block: tuple[int, int], tm: int, tk: int, tn: int, interpret: bool,
-    expected_rows: int | None, zero_tail: bool, scatter: tuple[jax.Array, jax.Array] | None = None,
+    row_scale: jax.Array | None, *, block: tuple[int, int], tm: int, tk: int, tn: int,
+    interpret: bool | pltpu.InterpretParams, expected_rows: int | None, zero_tail: bool,
+    scatter: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """The pallas_call of :func:`fp8_grouped_matmul` (one weight), :func:`fp8_grouped_swiglu` (two) and
     :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc)``)."""
@@ -389,7 +405,8 @@ def _grouped_call(
             dimension_semantics=("arbitrary" if scatter is not None else "parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
+            pltpu.InterpretParams() if interpret else False),
         cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None),
     )(layer_arr, group, tile, starts, ends, total, x, *operands)
     if scatter is not None:
