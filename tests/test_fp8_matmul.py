@@ -147,6 +147,42 @@ def test_scatter_add_kernel_matches_reference(m, k, n, r, sizes, tiles, dtype):
         fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, acc.reshape(r + 3, -1), block=w.block)
 
 
+@pytest.mark.parametrize(
+    "m,k,n,s,sizes,tiles",
+    [
+        # Shared 16-row tiles, an empty group, rows past the groups, two N tiles (the prefetch crosses from
+        # the last visit of one N tile to the first of the next).
+        (40, 256, 256, 50, [7, 0, 20, 5], dict(tm=16, tn=128)),
+        # Default tiles: every group in one row tile.
+        (24, 384, 200, 30, [10, 14], {}),
+    ],
+)
+def test_swiglu_kernel_gathers_its_rows(m, k, n, s, sizes, tiles):
+    """With row ids the kernel reads each row from the [S, K / 128, 128] source by DMA, double-buffered
+    across visits; the result equals the kernel on the rows gathered beforehand, bitwise (interpreted with
+    DMAs executed only at their wait, so a wait missing or out of order fails)."""
+    rng = np.random.default_rng(m + k + n + s)
+    wg, wu = _weights(rng, len(sizes), k, n, (128, 128)), _weights(rng, len(sizes), k, n, (128, 128))
+    src = jnp.asarray(rng.standard_normal((s, k)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, s, m), jnp.int32)  # repeats allowed: a token of several experts
+    gs = jnp.asarray(sizes, jnp.int32)
+    rs = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    on_wait = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
+    got = fp8_grouped_swiglu(src.reshape(s, k // 128, 128), wg.q, wg.scale, wu.q, wu.scale, gs, None, rs, ids,
+                             block=(128, 128), interpret=on_wait, **tiles)
+    want = fp8_grouped_swiglu(src[ids], wg.q, wg.scale, wu.q, wu.scale, gs, None, rs, block=(128, 128),
+                              interpret=True, tk=k, **tiles)
+    covered = sum(sizes)
+    np.testing.assert_array_equal(np.asarray(got)[:covered], np.asarray(want)[:covered])
+    assert np.all(np.asarray(got)[covered:] == 0)
+    ref = fp8_grouped_swiglu_reference(src[ids], wg.q, wg.scale, wu.q, wu.scale, gs, (128, 128), rs)
+    assert _rel(got, ref) < TOL
+    # The XLA path (parallel/fp8.py) gathers the same rows from the same source.
+    w_gate, w_up = wg, wu
+    xla = fp8.grouped_swiglu(src.reshape(s, k // 128, 128), w_gate, w_up, gs, rs, row_ids=ids)
+    assert _rel(xla[:covered], ref[:covered]) < TOL
+
+
 def test_kernel_reads_one_layer_of_a_stack():
     """A stacked ``q [L, G, K, N]`` with a traced layer index reads that layer (the forward's scan)."""
     rng = np.random.default_rng(7)

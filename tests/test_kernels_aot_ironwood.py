@@ -22,7 +22,10 @@ from conftest import record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from sglang_tpu_qwen.engine.compilation import configure_persistent_cache  # noqa: E402
-from sglang_tpu_qwen.kernels.fp8_matmul.kernel import fp8_grouped_matmul_scatter_add  # noqa: E402
+from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
+    fp8_grouped_matmul_scatter_add,
+    fp8_grouped_swiglu,
+)
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
@@ -125,3 +128,28 @@ def test_fp8_scatter_add_compiles_for_ironwood(device, rows: int) -> None:
         _spec((), jnp.int32, device),
     ).compile()
     _report(f"fp8_grouped_matmul_scatter_add[{rows} rows -> {acc_rows}]", compiled)
+
+
+@pytest.mark.parametrize("rows", [64 * 10, 61440], ids=["decode", "prefill"])
+def test_fp8_swiglu_row_gather_compiles_for_ironwood(device, rows: int) -> None:
+    """The EP MoE gate/up projection reading its (token, expert) rows from the all-gathered tokens by DMA
+    (Qwen3.5-397B on ep8: 64 local experts, hidden 4096, intermediate 1024; the same row counts as above)."""
+    layers, e_local, inter, hidden = 15, 64, 1024, 4096
+    src_rows = 8 * (rows // 10 if rows < 4096 else 4096)
+    fn = functools.partial(fp8_grouped_swiglu, block=(128, 128))
+    compiled = jax.jit(fn).lower(
+        _spec((src_rows, hidden // 128, 128), jnp.bfloat16, device),
+        _spec((layers, e_local, hidden, inter), jnp.float8_e4m3fn, device),
+        _spec((e_local, hidden // 128, inter // 128), jnp.float32, device),
+        _spec((layers, e_local, hidden, inter), jnp.float8_e4m3fn, device),
+        _spec((e_local, hidden // 128, inter // 128), jnp.float32, device),
+        _spec((e_local,), jnp.int32, device),
+        _spec((), jnp.int32, device),
+        _spec((rows,), jnp.float32, device),
+        _spec((rows,), jnp.int32, device),
+    ).compile()
+    mem = compiled.memory_analysis()
+    record("Pallas kernels compiled for Ironwood (tpu7x:2x2x1, one device)",
+           f"fp8_grouped_swiglu[{rows} rows gathered from {src_rows}]: args {mem.argument_size_in_bytes / 2**20:.1f}"
+           f" MiB, out {mem.output_size_in_bytes / 2**20:.1f} MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB")
+    assert mem.temp_size_in_bytes < 64 * 2**20  # no gathered copy of the rows

@@ -79,8 +79,8 @@ def test_local_experts_runs_skewed_routing_in_several_chunks():
     assert -(-m * k // rows) > 1  # the device holding experts 4..7 needs several chunks
     here = local_experts(x, weights, ids, w_gate[4:], w_up[4:], w_down[4:], jnp.int32(4), e)
     want = routed_experts(x, weights, ids, w_gate, w_up, w_down)
-    assert here.shape == (m, 1, h)  # row-tiled (parallel/fp8.row_tiled): 16 is not a multiple of 128
-    np.testing.assert_allclose(np.asarray(here).reshape(m, h), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert here.shape == (m, h)  # dense experts: plain rows (parallel/fp8.kernel_rows)
+    np.testing.assert_allclose(np.asarray(here), np.asarray(want), rtol=1e-5, atol=1e-5)
     elsewhere = local_experts(x, weights, ids, w_gate[:4], w_up[:4], w_down[:4], jnp.int32(0), e)
     assert not np.any(np.asarray(elsewhere))
 

@@ -5,7 +5,8 @@ Per device, for its ``N`` tokens (one micro-batch at a time):
 1. route locally (router weights are replicated), pack each (weight, expert id) into one int32, and
    all-gather the tokens and the packed routing over the expert axis;
 2. sort the gathered (token, slot) pairs by local expert, other devices' pairs last, and run the pairs
-   that live here through the SwiGLU experts as grouped matmuls (``jax.lax.ragged_dot`` / the FP8 kernel)
+   that live here through the SwiGLU experts as grouped matmuls (``jax.lax.ragged_dot`` / the FP8 kernel,
+   which reads each pair's token row from the gathered tokens itself)
    in chunks sized for the pairs expected here (``CAPACITY_FACTOR`` times ``k * E_local / E`` per gathered
    token), not for all of them: one chunk in the usual step, more only when routing is skewed;
 3. scale the activations by the routing weight, add each pair's down projection into its token's row of
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.moe import route, shared_expert
 from sglang_tpu_qwen.parallel.collectives import reduce_scatter
-from sglang_tpu_qwen.parallel.fp8 import grouped_scatter_add, grouped_swiglu, row_tiled
+from sglang_tpu_qwen.parallel.fp8 import grouped_scatter_add, grouped_swiglu, kernel_rows
 
 
 def _id_bits(num_experts: int) -> int:
@@ -92,7 +93,8 @@ def local_experts(
     is computed.
 
     Args:
-        x: ``[M, H]`` gathered tokens.
+        x: ``[M, *kernel_rows(w_gate, H)]`` gathered tokens (parallel/fp8.py: with FP8 experts, rows the
+            kernel reads one DMA each, so no gathered copy of the pairs' rows is written).
         weights: ``[M, k]`` float32 routing weights.
         expert_ids: ``[M, k]`` int32 global expert ids.
         w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``; dense or FP8 (parallel/fp8.py).
@@ -101,9 +103,9 @@ def local_experts(
         capacity_factor: chunk rows over the pairs expected here (uniform routing).
 
     Returns:
-        ``[M, *row_tiled(H)]`` in ``x.dtype`` (parallel/fp8.py: ``[M, H]`` as rows of 128-lane tiles that the
-        FP8 kernel adds into one by one; reshaping it to ``[M, H]`` is a relayout on TPU, so callers reduce
-        it first).
+        ``[M, *kernel_rows(w_down, H)]`` in ``x.dtype`` (with FP8 experts ``[M, H / 128, 128]``, rows the
+        kernel adds into one by one; reshaping it to ``[M, H]`` is a relayout on TPU, so callers reduce it
+        first).
     """
     m, k = expert_ids.shape
     e_local = w_gate.shape[0]
@@ -129,16 +131,15 @@ def local_experts(
         # Each group's rows inside [start, start + rows): the window's share of the sorted groups.
         sizes = jnp.clip(group_ends - start, 0, rows) - jnp.clip(group_ends - group_sizes - start, 0, rows)
         tok = jax.lax.dynamic_slice_in_dim(token, start, rows)
-        xs = x[tok]
         # The routing weight scales the activations (the down projection is linear), as in all_experts
         # (model/moe.py): no [rows, H] product after the down projection.
-        act = grouped_swiglu(xs, w_gate, w_up, sizes, jax.lax.dynamic_slice_in_dim(scale, start, rows),
+        act = grouped_swiglu(x, w_gate, w_up, sizes, jax.lax.dynamic_slice_in_dim(scale, start, rows), row_ids=tok,
                              expected_rows=expected, zero_tail=False)
         # The down projection adds each pair's row into its token's row (rows past the groups are skipped).
         return grouped_scatter_add(act, w_down, sizes, tok, acc, expected_rows=expected)
 
     # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
-    acc = chunk(jnp.int32(0), jnp.zeros((m, *row_tiled(w_down.shape[-1])), x.dtype))
+    acc = chunk(jnp.int32(0), jnp.zeros((m, *kernel_rows(w_down, w_down.shape[-1])), x.dtype))
     if n_chunks_max == 1:
         return acc
     # The first chunk is outside the loop: in the usual step (one chunk) the [M, H] sums are written by its
@@ -189,7 +190,9 @@ def ep_moe_tokens(
         # Two gathers, each array in its own dtype: packing the tokens' bits into the routing's int32
         # words (one collective) gave the gathered tokens a non-native bf16 tiling, and XLA relaid out
         # the [n * N_mb, H] array every layer (measured on the Ironwood prefill step: 2 GiB per layer).
-        gx = jax.lax.all_gather(chunk, axis_name, axis=0, tiled=True)  # [n * N_mb, H]
+        # In the rows the gate/up kernel reads by DMA (kernel_rows): only this device's N_mb rows are relaid out.
+        rows = chunk.reshape(chunk.shape[0], *kernel_rows(p["w_gate"], chunk.shape[1]))
+        gx = jax.lax.all_gather(rows, axis_name, axis=0, tiled=True)  # [n * N_mb, *kernel_rows]
         packed = jax.lax.all_gather(pack_routing(w, ids, e), axis_name, axis=0, tiled=True)
         gw, gids = unpack_routing(packed, e)
         y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e)

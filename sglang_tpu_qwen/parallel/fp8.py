@@ -264,6 +264,7 @@ def grouped_swiglu(
     group_sizes: jax.Array,
     row_scale: jax.Array | None = None,
     *,
+    row_ids: jax.Array | None = None,
     interpret: bool = False,
     expected_rows: int | None = None,
     zero_tail: bool = True,
@@ -276,13 +277,19 @@ def grouped_swiglu(
     float32 epilogue on XLA's products of the dequantised weights.
 
     Args:
-        x: ``[M, K]`` rows sorted by group; w_gate, w_up: ``[G, K, N]`` (both dense or both FP8);
-        group_sizes: ``[G]`` int32; row_scale: ``[M]`` float32 (e.g. routing weights) or None.
+        x: ``[M, K]`` rows sorted by group; or, with ``row_ids``, the ``[S, *kernel_rows(w_gate, K)]``
+            rows they index (gathered inside the FP8 kernel on TPU: no ``[M, K]`` copy is written).
+        w_gate, w_up: ``[G, K, N]`` (both dense or both FP8); group_sizes: ``[G]`` int32.
+        row_scale: ``[M]`` float32 (e.g. routing weights) or None.
+        row_ids: ``[M]`` int32 rows of ``x``, or None.
         interpret, expected_rows, zero_tail: as :func:`grouped`.
 
     Returns:
         ``[M, N]`` in ``x.dtype``; rows past the groups 0 (``zero_tail``) or undefined.
     """
+    k_dim = w_gate.shape[-2]
+    if row_ids is not None and not (isinstance(w_gate, Fp8Weight) and x.shape[1:] == (k_dim // 128, 128)):
+        x, row_ids = x.reshape(x.shape[0], k_dim)[row_ids], None  # the kernel gathers 128-lane tiled rows only
     if not isinstance(w_gate, Fp8Weight):
         mm = functools.partial(grouped, group_sizes=group_sizes, expected_rows=expected_rows, zero_tail=zero_tail)
         act = jax.nn.silu(mm(x, w_gate)) * mm(x, w_up)
@@ -291,28 +298,32 @@ def grouped_swiglu(
     (qg, layer), (qu, _) = _stack_and_layer(w_gate), _stack_and_layer(w_up)
 
     def tpu(x: jax.Array, qg: jax.Array, sg: jax.Array, qu: jax.Array, su: jax.Array, gs: jax.Array,
-            layer: Any, rs: jax.Array | None) -> jax.Array:
-        return fp8_grouped_swiglu(x, qg, sg, qu, su, gs, layer, rs, block=w_gate.block, interpret=interpret,
+            layer: Any, rs: jax.Array | None, ids: jax.Array | None) -> jax.Array:
+        return fp8_grouped_swiglu(x, qg, sg, qu, su, gs, layer, rs, ids, block=w_gate.block, interpret=interpret,
                                   expected_rows=expected_rows, zero_tail=zero_tail)
 
     def other(x: jax.Array, qg: jax.Array, sg: jax.Array, qu: jax.Array, su: jax.Array, gs: jax.Array,
-              layer: Any, rs: jax.Array | None) -> jax.Array:
+              layer: Any, rs: jax.Array | None, ids: jax.Array | None) -> jax.Array:
+        if ids is not None:
+            x = x.reshape(x.shape[0], k_dim)[ids]
         product = functools.partial(_dequantized_ragged_dot, x, group_sizes=gs, layer=layer, block=w_gate.block,
                                     out_dtype=jnp.float32)
         act = jax.nn.silu(product(qg, sg)) * product(qu, su)
         return (act if rs is None else act * rs.astype(jnp.float32)[:, None]).astype(x.dtype)
 
-    args = (x, qg, w_gate.scale, qu, w_up.scale, group_sizes, layer, row_scale)
+    args = (x, qg, w_gate.scale, qu, w_up.scale, group_sizes, layer, row_scale, row_ids)
     if interpret:
         return tpu(*args)
     return jax.lax.platform_dependent(*args, tpu=tpu, default=other)
 
 
-def row_tiled(n: int) -> tuple[int, int]:
-    """Trailing shape of a row-tiled ``[R, *row_tiled(N)]`` accumulator for :func:`grouped_scatter_add`:
-    ``(N // 128, 128)``, whose rows the FP8 kernel can address one by one (kernels/fp8_matmul), when 128
-    divides N; else ``(1, N)`` (the XLA path only). Either is a reshape of ``[R, N]``."""
-    return (n // 128, 128) if n % 128 == 0 else (1, n)
+def kernel_rows(w: Any, n: int) -> tuple[int, ...]:
+    """Trailing shape of the rows :func:`grouped_scatter_add` adds into and :func:`grouped_swiglu` gathers
+    from (``row_ids``) for weight ``w`` and row width ``n``: ``(n // 128, 128)`` for an :class:`Fp8Weight`
+    when 128 divides n, the layout in which the Pallas kernel addresses one row per DMA (Mosaic slices HBM
+    only at tile boundaries of the two minor dims), else ``(n,)``. ``[R, n]`` and ``[R, n // 128, 128]``
+    differ in TPU memory: converting between them is a relayout, so an array stays in one of them."""
+    return (n // 128, 128) if isinstance(w, Fp8Weight) and n % 128 == 0 else (n,)
 
 
 def grouped_scatter_add(
@@ -335,7 +346,7 @@ def grouped_scatter_add(
     Args:
         x: ``[M, K]`` rows sorted by group; w: ``[G, K, N]`` dense or FP8; group_sizes: ``[G]`` int32.
         dest: ``[M]`` int32 row of ``acc`` for each x row, distinct within a group.
-        acc: ``[R, *row_tiled(N)]`` accumulator.
+        acc: ``[R, *kernel_rows(w, N)]`` accumulator.
         interpret: FP8 only: the Pallas kernel in interpret mode (CPU tests of the TPU path).
         expected_rows: FP8 only, for XLA's cost model: rows the groups are expected to cover.
 
@@ -365,7 +376,7 @@ def grouped_scatter_add(
 
     args = (x, q, w.scale, group_sizes, dest, acc, layer)
     if acc.shape[1:] != (n // 128, 128):
-        return other(*args)  # the kernel addresses rows of 128-lane tiles only
+        return other(*args)  # the kernel addresses rows of 128-lane tiles only (kernel_rows)
     if interpret:
         return tpu(*args)
     return jax.lax.platform_dependent(*args, tpu=tpu, default=other)

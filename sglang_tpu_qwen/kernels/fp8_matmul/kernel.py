@@ -67,20 +67,28 @@ def _kernel(
     _layer_ref, group_ref, tile_ref, start_ref, end_ref, total_ref,  # scalar prefetch (SMEM)
     x_ref, *refs,
     tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int], swiglu: bool, row_scale: bool, scatter: bool,
+    gather: bool,
 ):
     """One (N tile, visit, K tile) grid step. refs: (q, scale) per weight (two for SwiGLU: gate, up), the
-    row scale [tm, 1] when given, for a scatter the tile's destination rows (SMEM) and the accumulator's
-    input (aliased to the output), the output, one f32 accumulator per weight, for a scatter a VMEM row
-    buffer and two DMA semaphores."""
+    row scale [tm, 1] when given, for a gather the row ids of this visit's and the next visit's tiles
+    (SMEM), for a scatter the tile's destination rows (SMEM) and the accumulator's input (aliased to the
+    output), the output, one f32 accumulator per weight, then for a scatter a VMEM row buffer and two DMA
+    semaphores, for a gather two slots of gathered rows, the rows as a [tm, K] matrix and two DMA
+    semaphores. With a gather, ``x_ref`` is the row source in HBM."""
     n_w = 2 if swiglu else 1
     weights = [refs[2 * i : 2 * i + 2] for i in range(n_w)]
     refs = refs[2 * n_w :]
     rs_ref, refs = (refs[0], refs[1:]) if row_scale else (None, refs)
+    ids_refs, refs = (refs[:2], refs[2:]) if gather else (None, refs)
     dest_ref, refs = (refs[0], refs[2:]) if scatter else (None, refs)
     o_ref, accs, rest = refs[0], refs[1 : 1 + n_w], refs[1 + n_w :]
     t, k = pl.program_id(1), pl.program_id(2)
     b0, b1 = block
     tile, grp = tile_ref[t], group_ref[t]
+    x_in = x_ref
+    if gather:
+        x_in = rest[1]
+        _gather_rows(x_ref, *ids_refs, *rest, group_ref, tile_ref, start_ref, end_ref, total_ref[0], tm)
     new_tile = jnp.logical_or(t == 0, tile_ref[jnp.maximum(t - 1, 0)] != tile)
 
     @pl.when(jnp.logical_and(k == 0, new_tile))
@@ -94,7 +102,7 @@ def _kernel(
         in_group = jnp.logical_and(rows >= start_ref[grp], rows < end_ref[grp])
         for i in range(tk // b0):
             kcol = k * tk + i * b0 + jax.lax.broadcasted_iota(jnp.int32, (tm, b0), 1)
-            xs = x_ref[:, i * b0 : (i + 1) * b0]
+            xs = x_in[:, i * b0 : (i + 1) * b0]
             xs = jnp.where(jnp.logical_and(in_group, kcol < k_dim), xs, 0).astype(x_ref.dtype)
             krow = k * tk + i * b0 + jax.lax.broadcasted_iota(jnp.int32, (b0, tn), 0)
             for (q_ref, s_ref), acc_ref in zip(weights, accs, strict=True):
@@ -117,6 +125,41 @@ def _kernel(
         if rs_ref is not None:
             out = out * rs_ref[...]
         o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _gather_rows(x_hbm: Any, ids_ref: Any, next_ids_ref: Any, xbuf: Any, x2d: Any, sem: Any, group_ref: Any,
+                 tile_ref: Any, start_ref: Any, end_ref: Any, total: jax.Array, tm: int) -> None:
+    """Put the rows of visit ``t``'s group (``x_hbm[ids[r]]``, one DMA per row) into ``x2d`` rows ``r``; rows
+    of other groups hold stale values, which the matmul masks. Double-buffered: each grid step waits for its
+    own rows, fetched by the step before (the first step fetches its own), and starts the next real visit's
+    (the next visit of this N tile, or visit 0 of the next N tile) into the other slot, to land during this
+    step's matmul. The grid's K axis has one step (the rows are whole)."""
+    j, t, n_j, n_t = pl.program_id(0), pl.program_id(1), pl.num_programs(0), pl.num_programs(1)
+    step = j * n_t + t
+    nxt = jnp.where(t + 1 < total, t + 1, 0)
+    has_next = jnp.logical_or(t + 1 < total, jnp.logical_and(t == total - 1, j + 1 < n_j))
+
+    def rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        base, g = tile_ref[v] * tm, group_ref[v]
+        return jnp.clip(start_ref[g] - base, 0, tm), jnp.clip(end_ref[g] - base, 0, tm)
+
+    def copies(v: jax.Array, ids: Any, slot: jax.Array, start: bool) -> None:
+        def one(r: jax.Array) -> None:
+            dma = pltpu.make_async_copy(x_hbm.at[ids[tile_ref[v] & 7, r]], xbuf.at[slot, r], sem.at[slot])
+            dma.start() if start else dma.wait()
+
+        pl.loop(*rows(v))(one)
+
+    pl.when(jnp.logical_and(step == 0, t < total))(lambda: copies(t, ids_ref, step & 1, start=True))
+    pl.when(has_next)(lambda: copies(nxt, next_ids_ref, 1 - (step & 1), start=True))
+
+    @pl.when(t < total)
+    def _land():
+        copies(t, ids_ref, step & 1, start=False)
+
+        @pl.loop(*rows(t))
+        def _(r):
+            x2d[pl.ds(r, 1), :] = xbuf[step & 1, r].astype(jnp.float32).reshape(1, x2d.shape[1])
 
 
 def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, sem: Any, group_ref: Any,
@@ -170,17 +213,18 @@ def _tile(dim: int, target: int, unit: int) -> int:
 
 
 def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None,
-          n_w: int = 1, scatter: bool = False) -> pl.CostEstimate:
+          n_w: int = 1, scatter: bool = False, gather: bool = False) -> pl.CostEstimate:
     """XLA cannot see into the kernel; this is its traffic. Weights (``n_w`` of them): FP8 bytes of the groups
     that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when
     ``expected_rows`` is None); scales once per visited group; activations in and out once for the row tiles
     the groups visit (the rows they cover plus one shared tile per group boundary; tiles past the groups
-    are not read or written). A scatter reads and writes each covered row's destination instead."""
+    are not read or written). A gather reads the covered rows only; a scatter reads and writes each covered
+    row's destination instead of writing the output."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
     weight = n_w * active * (k * n + 4 * -(-k // 128) * -(-n // 128))
     visited = min(m, rows + int(active) * tm)
-    acts = visited * k * itemsize + (2 * rows * n * itemsize if scatter else visited * n * itemsize)
+    acts = (rows if gather else visited) * k * itemsize + (2 * rows if scatter else visited) * n * itemsize
     return pl.CostEstimate(flops=2 * n_w * rows * k * n, transcendentals=rows * n if n_w == 2 else 0,
                            bytes_accessed=int(weight + acts))
 
@@ -239,25 +283,33 @@ def fp8_grouped_swiglu(
     group_sizes: jax.Array,
     layer: jax.Array | int | None = None,
     row_scale: jax.Array | None = None,
+    row_ids: jax.Array | None = None,
     *,
     block: tuple[int, int] = (128, 128),
     tm: int = 128,
     tk: int = 2048,
     tn: int = 1024,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
     expected_rows: int | None = None,
     zero_tail: bool = True,
 ) -> jax.Array:
     """``silu(x @ w_gate) * (x @ w_up) * row_scale[:, None]`` per group in one pass (module docstring).
 
+    With ``row_ids``, row ``r`` of the input is ``x[row_ids[r]]``, gathered inside the kernel: each visit's
+    rows are read from HBM by one DMA each while the previous visit's matmul runs, so no gathered ``[M, K]``
+    copy is written. ``x`` is then the ``[S, K / 128, 128]`` row source (each row its own run of tiles, as
+    for the scatter accumulator) and the K tile is all of K.
+
     Args:
-        x: ``[M, K]`` rows sorted by group.
+        x: ``[M, K]`` rows sorted by group, or the ``[S, K // 128, 128]`` source of ``row_ids``.
         q_gate, q_up: ``[G, K, N]`` float8_e4m3fn, or ``[L, G, K, N]`` stacks with ``layer`` given.
         scale_gate, scale_up: ``[G, ceil(K / b0), ceil(N / b1)]`` float32.
         group_sizes: ``[G]`` int32.
         layer: int32 scalar for 4-D stacks; None for 3-D ones.
         row_scale: ``[M]`` float32 multiplying each row's result (in float32, before the cast), or None.
-        block, tm, tk, tn, interpret, expected_rows, zero_tail: as :func:`fp8_grouped_matmul`.
+        row_ids: ``[M]`` int32 rows of ``x`` (rows past the groups are not read), or None.
+        block, tm, tk, tn, interpret, expected_rows, zero_tail: as :func:`fp8_grouped_matmul` (and
+            :func:`fp8_grouped_matmul_scatter_add` for ``interpret``).
 
     Returns:
         ``[M, N]`` in ``x.dtype``: the product of each row's two float32 accumulators' SwiGLU; rows past the
@@ -268,10 +320,14 @@ def fp8_grouped_swiglu(
     """
     if q_gate.shape != q_up.shape or scale_gate.shape != scale_up.shape:
         raise ValueError(f"gate {q_gate.shape} / {scale_gate.shape} and up {q_up.shape} / {scale_up.shape} differ")
-    if row_scale is not None and row_scale.shape != (x.shape[0],):
-        raise ValueError(f"row_scale {row_scale.shape} is not [{x.shape[0]}]")
+    m = x.shape[0] if row_ids is None else row_ids.shape[0]
+    if row_scale is not None and row_scale.shape != (m,):
+        raise ValueError(f"row_scale {row_scale.shape} is not [{m}]")
+    if row_ids is not None and (x.ndim != 3 or x.shape[2] != 128 or row_ids.ndim != 1):
+        raise ValueError(f"x {x.shape} is not a [S, K // 128, 128] row source, or row_ids {row_ids.shape} not [M]")
     return _grouped_call(x, [(q_gate, scale_gate), (q_up, scale_up)], group_sizes, layer, row_scale, block=block,
-                         tm=tm, tk=tk, tn=tn, interpret=interpret, expected_rows=expected_rows, zero_tail=zero_tail)
+                         tm=tm, tk=tk, tn=tn, interpret=interpret, expected_rows=expected_rows, zero_tail=zero_tail,
+                         gather=row_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "interpret", "expected_rows"),
@@ -323,10 +379,10 @@ def _grouped_call(
     x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], group_sizes: jax.Array, layer: Any,
     row_scale: jax.Array | None, *, block: tuple[int, int], tm: int, tk: int, tn: int,
     interpret: bool | pltpu.InterpretParams, expected_rows: int | None, zero_tail: bool,
-    scatter: tuple[jax.Array, jax.Array] | None = None,
+    scatter: tuple[jax.Array, jax.Array] | None = None, gather: jax.Array | None = None,
 ) -> jax.Array:
-    """The pallas_call of :func:`fp8_grouped_matmul` (one weight), :func:`fp8_grouped_swiglu` (two) and
-    :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc)``)."""
+    """The pallas_call of :func:`fp8_grouped_matmul` (one weight), :func:`fp8_grouped_swiglu` (two; ``gather``
+    = its row ids) and :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc)``)."""
     q, scale = weights[0]
     if q.ndim == 3:
         weights = [(w[None], s) for w, s in weights]
@@ -334,7 +390,9 @@ def _grouped_call(
     elif layer is None:
         raise ValueError("a stacked q [L, G, K, N] needs its layer index")
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    m, k_dim = x.shape
+    m, k_dim = (x.shape[0], x.shape[1]) if gather is None else (gather.shape[0], x.shape[1] * x.shape[2])
+    if gather is not None:
+        tk = k_dim  # whole rows: one DMA each
     _, g, kq, n = q.shape
     b0, b1 = block
     if kq != k_dim or scale.shape != (g, -(-k_dim // b0), -(-n // b1)):
@@ -358,7 +416,8 @@ def _grouped_call(
 
     n_w = len(weights)
     kernel = functools.partial(_kernel, tm=tm, tk=tk, tn=tn, k_dim=k_dim, block=(b0, b1), swiglu=n_w == 2,
-                               row_scale=row_scale is not None, scatter=scatter is not None)
+                               row_scale=row_scale is not None, scatter=scatter is not None,
+                               gather=gather is not None)
     vmem = 2 * (tm * tk * x.dtype.itemsize + n_w * tk * tn + tm * tn * x.dtype.itemsize) + n_w * tm * tn * 4
     vmem += tk * tn * (x.dtype.itemsize + 4) + 2 * n_w * kb_pad * 128 * 4 + 2 * tm * 128 * 4
     weight_specs = [
@@ -372,6 +431,21 @@ def _grouped_call(
     if row_scale is not None:
         in_specs.append(pl.BlockSpec((tm, 1), lambda j, t, kk, lay, gr, ti, *_: (ti[t], 0)))
         operands.append(row_scale.astype(jnp.float32)[:, None])
+    if gather is not None:
+        # The row source stays in HBM; the row ids of this visit's tile and of the next visit's, in SMEM as
+        # [row tiles, tm] blocks of 8 tiles (as the scatter's destinations, below).
+        eights = -(-tiles_m // 8) * 8
+        in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
+
+        def ids_block(nxt: bool) -> pl.BlockSpec:
+            def index(j, t, kk, lay, gr, ti, st, en, tot):
+                return (ti[jnp.where(t + 1 < tot[0], t + 1, 0) if nxt else t] >> 3, 0)
+
+            return pl.BlockSpec((8, tm), index, memory_space=pltpu.SMEM)
+
+        in_specs += [ids_block(False), ids_block(True)]
+        ids = jnp.pad(gather.astype(jnp.int32), (0, eights * tm - m)).reshape(eights, tm)
+        operands += [ids, ids]
     scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(n_w)]
     out_spec = pl.BlockSpec((tm, tn), lambda j, t, kk, lay, gr, ti, *_: (ti[t], j))
     out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
@@ -389,6 +463,10 @@ def _grouped_call(
         out_spec, out_shape = pl.BlockSpec(memory_space=pl.ANY), jax.ShapeDtypeStruct(acc.shape, acc.dtype)
         scratch += [pltpu.VMEM((tm, *acc.shape[1:]), acc.dtype), pltpu.SemaphoreType.DMA((2,))]
         vmem += 2 * tm * tn * acc.dtype.itemsize  # the row buffer (rows padded to a whole tile of sublanes)
+    if gather is not None:
+        scratch += [pltpu.VMEM((2, tm, *x.shape[1:]), x.dtype), pltpu.VMEM((tm, k_dim), jnp.float32),
+                    pltpu.SemaphoreType.DMA((2,))]
+        vmem += 2 * tm * k_dim * x.dtype.itemsize + tm * k_dim * 4
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -407,7 +485,8 @@ def _grouped_call(
         ),
         interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
             pltpu.InterpretParams() if interpret else False),
-        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None),
+        cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None,
+                            gather is not None),
     )(layer_arr, group, tile, starts, ends, total, x, *operands)
     if scatter is not None:
         return out
