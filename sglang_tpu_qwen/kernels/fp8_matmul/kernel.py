@@ -213,18 +213,19 @@ def _tile(dim: int, target: int, unit: int) -> int:
 
 
 def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None,
-          n_w: int = 1, scatter: bool = False, gather: bool = False) -> pl.CostEstimate:
+          n_w: int = 1, scatter: bool = False, gather: bool = False, tiles_n: int = 1) -> pl.CostEstimate:
     """XLA cannot see into the kernel; this is its traffic. Weights (``n_w`` of them): FP8 bytes of the groups
     that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when
-    ``expected_rows`` is None); scales once per visited group; activations in and out once for the row tiles
-    the groups visit (the rows they cover plus one shared tile per group boundary; tiles past the groups
-    are not read or written). A gather reads the covered rows only; a scatter reads and writes each covered
-    row's destination instead of writing the output."""
+    ``expected_rows`` is None); scales once per visited group; activations for the row tiles the groups
+    visit (the rows they cover plus one shared tile per group boundary; tiles past the groups are not read
+    or written): read once per N tile (the grid walks the row tiles again for each), written once. A gather
+    reads the covered rows only; a scatter reads and writes each covered row's destination instead of
+    writing the output."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
     weight = n_w * active * (k * n + 4 * -(-k // 128) * -(-n // 128))
     visited = min(m, rows + int(active) * tm)
-    acts = (rows if gather else visited) * k * itemsize + (2 * rows if scatter else visited) * n * itemsize
+    acts = tiles_n * (rows if gather else visited) * k * itemsize + (2 * rows if scatter else visited) * n * itemsize
     return pl.CostEstimate(flops=2 * n_w * rows * k * n, transcendentals=rows * n if n_w == 2 else 0,
                            bytes_accessed=int(weight + acts))
 
@@ -486,7 +487,7 @@ def _grouped_call(
         interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
             pltpu.InterpretParams() if interpret else False),
         cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None,
-                            gather is not None),
+                            gather is not None, tiles_n),
     )(layer_arr, group, tile, starts, ends, total, x, *operands)
     if scatter is not None:
         return out
