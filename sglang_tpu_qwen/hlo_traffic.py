@@ -130,19 +130,68 @@ def _attr(attrs: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _fusion_bytes(ins: _Instr, fused: list[_Instr]) -> float:
-    """Bytes of a fusion: operands (sliced ones: their slices) + result (in-place: the update)."""
-    params: dict[int, str] = {}
+def _params(fused: list[_Instr]) -> dict[int, str]:
+    """Parameter number -> instruction name in a fused computation."""
+    out: dict[int, str] = {}
     for f in fused:
         if f.opcode == "parameter":
             m = re.match(r"\s*(\d+)", f.operands[0] if f.operands else "")
             if m:
-                params[int(m.group(1))] = f.name
-    users: dict[str, list[_Instr]] = defaultdict(list)
-    for f in fused:
-        for op in f.operands:
-            ref = op.split("%")[-1].strip() if "%" in op else op.strip()
-            users[ref].append(f)
+                out[int(m.group(1))] = f.name
+    return out
+
+
+def _refs(ins: _Instr) -> list[str]:
+    return [op.split("%")[-1].strip() if "%" in op else op.strip() for op in ins.operands]
+
+
+_PASS_THROUGH = ("copy", "bitcast", "reshape", "transpose")
+
+
+def _is_copy_fusion(ins: _Instr, comps: dict[str, list[_Instr]]) -> bool:
+    """A nested fusion of one operand whose root only moves it (a relayout: XLA's ``copy_fusion``)."""
+    if ins.opcode != "fusion" or len(ins.operands) != 1:
+        return False
+    inner = comps.get(_attr(ins.attrs, "calls") or "", [])
+    root = next((f for f in inner if f.root), None)
+    return root is not None and root.opcode in _PASS_THROUGH and all(
+        f.opcode in (*_PASS_THROUGH, "parameter") for f in inner)
+
+
+def _sliced_read(pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]], depth: int = 4) -> float | None:
+    """Bytes a fused computation reads of its parameter ``pname`` when every use only slices it (directly,
+    or as the operand of a nested fusion that only slices it: XLA nests the slice of a stacked layer's
+    weights in the fusion of the dot using it); None when some use reads the whole operand."""
+    uses = [f for f in fused if pname in _refs(f)]
+    if not uses:
+        return None
+    total = 0.0
+    for u in uses:
+        refs = _refs(u)
+        if refs.count(pname) != 1:
+            return None
+        if u.opcode in _SLICING and refs[0] == pname:
+            total += shape_bytes(u.result)
+            continue
+        if depth and (u.opcode in _PASS_THROUGH or _is_copy_fusion(u, comps)):
+            # A relayout or bitcast inside the fusion is computed only where its result is read.
+            read = _sliced_read(u.name, fused, comps, depth - 1)
+            if read is None:
+                return None
+            total += read
+            continue
+        inner = comps.get(_attr(u.attrs, "calls") or "", []) if u.opcode == "fusion" and depth else []
+        inner_param = _params(inner).get(refs.index(pname))
+        read = _sliced_read(inner_param, inner, comps, depth - 1) if inner_param else None
+        if read is None:
+            return None
+        total += read
+    return total
+
+
+def _fusion_bytes(ins: _Instr, fused: list[_Instr], comps: dict[str, list[_Instr]]) -> float:
+    """Bytes of a fusion: operands (sliced ones: their slices) + result (in-place: the update)."""
+    params = _params(fused)
     root = next((f for f in fused if f.root), None)
     in_place_buf = None
     if root is not None and root.opcode in _IN_PLACE and root.operands:
@@ -150,14 +199,10 @@ def _fusion_bytes(ins: _Instr, fused: list[_Instr]) -> float:
     total = 0.0
     for i, op in enumerate(ins.operands):
         pname = params.get(i)
-        us = users.get(pname or "", [])
         if pname is not None and pname == in_place_buf:
             continue  # the buffer updated in place: only the update moves
-        if us and all(u.opcode in _SLICING and u.operands and u.operands[0].split("%")[-1].strip() == pname
-                      for u in us):
-            total += sum(shape_bytes(u.result) for u in us)
-        else:
-            total += shape_bytes(op.split("%")[0])
+        sliced = _sliced_read(pname, fused, comps) if pname is not None else None
+        total += sliced if sliced is not None else shape_bytes(op.split("%")[0])
     if in_place_buf is not None and root is not None and len(root.operands) > 1:
         upd = root.operands[1] if root.opcode == "dynamic-update-slice" else root.operands[-1]
         name = upd.split("%")[-1].strip()
@@ -183,7 +228,7 @@ def _instr_bytes(ins: _Instr, comps: dict[str, list[_Instr]]) -> float:
     if ins.opcode in _FREE:
         return 0.0
     if ins.opcode == "fusion":
-        return _fusion_bytes(ins, comps.get(_attr(ins.attrs, "calls") or "", []))
+        return _fusion_bytes(ins, comps.get(_attr(ins.attrs, "calls") or "", []), comps)
     if ins.opcode == "custom-call" and (est := re.search(r'"bytes_accessed":"?(\d+)', ins.attrs)):
         return float(est.group(1))
     if ins.opcode in ("slice", "dynamic-slice", "gather"):

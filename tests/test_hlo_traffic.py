@@ -112,9 +112,35 @@ COMPILED = """HloModule c
   ROOT %rc = bf16[4096,1024]{1,0:T(16,128)(2,1)} copy(%r0)
 }, execution_thread="sparsecore"
 
-ENTRY %main (x: bf16[4096,1024], idx: s32[512]) -> bf16[512,1024] {
+%relayout (r1: bf16[6,1024,1024]) -> bf16[6,1024,1024] {
+  %r1 = bf16[6,1024,1024]{2,1,0:T(16,128)(2,1)} parameter(0)
+  ROOT %rcp = bf16[6,1024,1024]{2,1,0:T(8,128)(2,1)} copy(%r1)
+}
+
+%slice_layer (s0: bf16[6,1024,1024], s1: s32[]) -> bf16[1024,1024] {
+  %s0 = bf16[6,1024,1024]{2,1,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  %z0 = s32[] constant(0)
+  %lay = bf16[6,1024,1024]{2,1,0:T(8,128)(2,1)} fusion(%s0), kind=kLoop, calls=%relayout
+  %sl = bf16[1,1024,1024]{2,1,0} dynamic-slice(%lay, %s1, %z0, %z0), dynamic_slice_sizes={1,1024,1024}
+  ROOT %sb = bf16[1024,1024]{1,0} bitcast(%sl)
+}
+
+%dot_layer (d0: bf16[8,1024], d1: bf16[6,1024,1024], d2: s32[]) -> bf16[8,1024] {
+  %d0 = bf16[8,1024]{1,0} parameter(0)
+  %d1 = bf16[6,1024,1024]{2,1,0} parameter(1)
+  %d2 = s32[] parameter(2)
+  %wl = bf16[1024,1024]{1,0} fusion(%d1, %d2), kind=kLoop, calls=%slice_layer
+  ROOT %dd = bf16[8,1024]{1,0} convolution(%d0, %wl), dim_labels=bf_io->bf
+}
+
+ENTRY %main (x: bf16[4096,1024], idx: s32[512], xs: bf16[8,1024], stack: bf16[6,1024,1024], li: s32[]) -> bf16[512,1024] {
   %x = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(0)
   %idx = s32[512]{0} parameter(1)
+  %xs = bf16[8,1024]{1,0} parameter(2)
+  %stack = bf16[6,1024,1024]{2,1,0} parameter(3)
+  %li = s32[] parameter(4)
+  %nd = bf16[8,1024]{1,0} fusion(%xs, %stack, %li), kind=kOutput, calls=%dot_layer
   %cp = bf16[4096,1024]{1,0:T(16,128)(2,1)} copy(%x)
   %rs = ((bf16[4096,1024]{1,0:T(8,128)(2,1)}, token[]), bf16[4096,1024]{1,0:T(16,128)(2,1)}) call-start(%x), async_execution_thread="sparsecore", to_apply=%relayout_sc
   %rd = bf16[4096,1024]{1,0:T(16,128)(2,1)} call-done(%rs)
@@ -137,3 +163,6 @@ def test_traffic_of_compiled_style_hlo():
     assert ops["pe"].bytes == 2 * rows + 8  # a permute reads its operand, writes its destination (+ 2 u32 contexts)
     assert ops["sum"].bytes == 3 * rows
     assert "gs" not in ops and "rc" not in ops  # offloaded computations are charged at their call site
+    # A dot's fusion reads one layer of a stacked weight through a nested fusion that relays the stack out
+    # and slices it (XLA computes the relayout only where the slice reads it): the layer.
+    assert ops["nd"].bytes == 8 * 1024 * 2 + 1024 * 1024 * 2 + 4 + 8 * 1024 * 2
