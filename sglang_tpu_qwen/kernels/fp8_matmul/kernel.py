@@ -384,6 +384,8 @@ def _grouped_call(
 ) -> jax.Array:
     """The pallas_call of :func:`fp8_grouped_matmul` (one weight), :func:`fp8_grouped_swiglu` (two; ``gather``
     = its row ids) and :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc)``)."""
+    if scatter is not None and gather is not None:
+        raise ValueError("a call gathers its rows or scatters its products, not both")
     q, scale = weights[0]
     if q.ndim == 3:
         weights = [(w[None], s) for w, s in weights]
@@ -480,8 +482,10 @@ def _grouped_call(
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
-            # A scatter's visits read and write HBM rows another visit may touch: one sequential walk.
-            dimension_semantics=("arbitrary" if scatter is not None else "parallel", "arbitrary", "arbitrary"),
+            # A scatter's visits read and write HBM rows another visit may touch, and a gather's prefetch runs
+            # from one N tile into the next: one sequential walk (no split of the N tiles across cores).
+            dimension_semantics=("parallel" if scatter is None and gather is None else "arbitrary", "arbitrary",
+                                 "arbitrary"),
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
         interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
