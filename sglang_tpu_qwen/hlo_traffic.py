@@ -195,7 +195,7 @@ def _fusion_bytes(ins: _Instr, fused: list[_Instr], comps: dict[str, list[_Instr
     root = next((f for f in fused if f.root), None)
     in_place_buf = None
     if root is not None and root.opcode in _IN_PLACE and root.operands:
-        in_place_buf = root.operands[0].split("%")[-1].strip()
+        in_place_buf = _refs(root)[0]
     total = 0.0
     for i, op in enumerate(ins.operands):
         pname = params.get(i)

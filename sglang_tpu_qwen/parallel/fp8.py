@@ -291,8 +291,12 @@ def grouped_swiglu(
         ``[M, N]`` in ``x.dtype``; rows past the groups 0 (``zero_tail``) or undefined.
     """
     k_dim = w_gate.shape[-2]
+
+    def gather(x: jax.Array, ids: jax.Array) -> jax.Array:  # in XLA, from either row layout
+        return x.reshape(x.shape[0], k_dim)[ids]
+
     if row_ids is not None and not (isinstance(w_gate, Fp8Weight) and x.shape[1:] == (k_dim // 128, 128)):
-        x, row_ids = x.reshape(x.shape[0], k_dim)[row_ids], None  # the kernel gathers 128-lane tiled rows only
+        x, row_ids = gather(x, row_ids), None  # the kernel gathers 128-lane tiled rows only
     if not isinstance(w_gate, Fp8Weight):
         mm = functools.partial(grouped, group_sizes=group_sizes, expected_rows=expected_rows, zero_tail=zero_tail)
         act = jax.nn.silu(mm(x, w_gate)) * mm(x, w_up)
@@ -308,7 +312,7 @@ def grouped_swiglu(
     def other(x: jax.Array, qg: jax.Array, sg: jax.Array, qu: jax.Array, su: jax.Array, gs: jax.Array,
               layer: Any, rs: jax.Array | None, ids: jax.Array | None) -> jax.Array:
         if ids is not None:
-            x = x.reshape(x.shape[0], k_dim)[ids]
+            x = gather(x, ids)
         product = functools.partial(_dequantized_ragged_dot, x, group_sizes=gs, layer=layer, block=w_gate.block,
                                     out_dtype=jnp.float32)
         act = jax.nn.silu(product(qg, sg)) * product(qu, su)

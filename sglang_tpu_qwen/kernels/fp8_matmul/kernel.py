@@ -127,6 +127,13 @@ def _kernel(
         o_ref[...] = out.astype(o_ref.dtype)
 
 
+def _visit_rows(v: jax.Array, group_ref: Any, tile_ref: Any, start_ref: Any, end_ref: Any,
+                tm: int) -> tuple[jax.Array, jax.Array]:
+    """``[lo, hi)``: the rows of visit ``v``'s tile that belong to its group (tile-relative)."""
+    base, g = tile_ref[v] * tm, group_ref[v]
+    return jnp.clip(start_ref[g] - base, 0, tm), jnp.clip(end_ref[g] - base, 0, tm)
+
+
 def _gather_rows(x_hbm: Any, ids_ref: Any, next_ids_ref: Any, xbuf: Any, x2d: Any, sem: Any, group_ref: Any,
                  tile_ref: Any, start_ref: Any, end_ref: Any, total: jax.Array, tm: int) -> None:
     """Put the rows of visit ``t``'s group (``x_hbm[ids[r]]``, one DMA per row) into ``x2d`` rows ``r``; rows
@@ -139,9 +146,8 @@ def _gather_rows(x_hbm: Any, ids_ref: Any, next_ids_ref: Any, xbuf: Any, x2d: An
     nxt = jnp.where(t + 1 < total, t + 1, 0)
     has_next = jnp.logical_or(t + 1 < total, jnp.logical_and(t == total - 1, j + 1 < n_j))
 
-    def rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        base, g = tile_ref[v] * tm, group_ref[v]
-        return jnp.clip(start_ref[g] - base, 0, tm), jnp.clip(end_ref[g] - base, 0, tm)
+    rows = functools.partial(_visit_rows, group_ref=group_ref, tile_ref=tile_ref, start_ref=start_ref,
+                             end_ref=end_ref, tm=tm)
 
     def copies(v: jax.Array, ids: Any, slot: jax.Array, start: bool) -> None:
         def one(r: jax.Array) -> None:
@@ -172,9 +178,8 @@ def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, s
     are waited for (this visit may read a row it wrote: a token routed to two of these experts) and this
     visit's reads are started; at its last K step the reads are waited for, the products added in VMEM and
     the writes started, to land during the next visit's matmul (the last visit waits for its own)."""
-    def rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        base, g = tile_ref[v] * tm, group_ref[v]
-        return jnp.clip(start_ref[g] - base, 0, tm), jnp.clip(end_ref[g] - base, 0, tm)
+    rows = functools.partial(_visit_rows, group_ref=group_ref, tile_ref=tile_ref, start_ref=start_ref,
+                             end_ref=end_ref, tm=tm)
 
     def copy(r: jax.Array, read: bool) -> Any:
         hbm, vmem = out_hbm.at[dest_ref[tile_ref[t] & 7, r]], buf_ref.at[r]
@@ -434,34 +439,33 @@ def _grouped_call(
     if row_scale is not None:
         in_specs.append(pl.BlockSpec((tm, 1), lambda j, t, kk, lay, gr, ti, *_: (ti[t], 0)))
         operands.append(row_scale.astype(jnp.float32)[:, None])
+    # Row ids (gather) and destinations (scatter) are the scalar addresses of row DMAs: in SMEM, as
+    # [row tiles, tm] in blocks of 8 row tiles (Mosaic's block rule for a 2-D block; a 1-D block of tm rows
+    # is refused); the kernel reads row (tile & 7) of its block.
+    eights = -(-tiles_m // 8) * 8
+
+    def per_tile(v: jax.Array) -> jax.Array:
+        return jnp.pad(v.astype(jnp.int32), (0, eights * tm - m)).reshape(eights, tm)
+
+    def tile_block(nxt: bool) -> pl.BlockSpec:  # this visit's tile, or the next real visit's
+        def index(j, t, kk, lay, gr, ti, st, en, tot):
+            return (ti[jnp.where(t + 1 < tot[0], t + 1, 0) if nxt else t] >> 3, 0)
+
+        return pl.BlockSpec((8, tm), index, memory_space=pltpu.SMEM)
+
     if gather is not None:
-        # The row source stays in HBM; the row ids of this visit's tile and of the next visit's, in SMEM as
-        # [row tiles, tm] blocks of 8 tiles (as the scatter's destinations, below).
-        eights = -(-tiles_m // 8) * 8
+        # The row source stays in HBM; the row ids of this visit's tile and of the next visit's.
         in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
-
-        def ids_block(nxt: bool) -> pl.BlockSpec:
-            def index(j, t, kk, lay, gr, ti, st, en, tot):
-                return (ti[jnp.where(t + 1 < tot[0], t + 1, 0) if nxt else t] >> 3, 0)
-
-            return pl.BlockSpec((8, tm), index, memory_space=pltpu.SMEM)
-
-        in_specs += [ids_block(False), ids_block(True)]
-        ids = jnp.pad(gather.astype(jnp.int32), (0, eights * tm - m)).reshape(eights, tm)
-        operands += [ids, ids]
+        in_specs += [tile_block(False), tile_block(True)]
+        operands += [per_tile(gather)] * 2
     scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(n_w)]
     out_spec = pl.BlockSpec((tm, tn), lambda j, t, kk, lay, gr, ti, *_: (ti[t], j))
     out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
     aliases: dict[int, int] = {}
     if scatter is not None:
         dest, acc = scatter
-        # The destinations in SMEM (scalar addresses of the row DMAs) as [row tiles, tm], in blocks of 8 row
-        # tiles (Mosaic's block rule for a 2-D block; a 1-D block of tm rows is refused).
-        groups_of_8 = -(-tiles_m // 8) * 8
-        in_specs += [pl.BlockSpec((8, tm), lambda j, t, kk, lay, gr, ti, *_: (ti[t] >> 3, 0),
-                                  memory_space=pltpu.SMEM),
-                     pl.BlockSpec(memory_space=pl.ANY)]
-        operands += [jnp.pad(dest.astype(jnp.int32), (0, groups_of_8 * tm - m)).reshape(groups_of_8, tm), acc]
+        in_specs += [tile_block(False), pl.BlockSpec(memory_space=pl.ANY)]
+        operands += [per_tile(dest), acc]
         aliases = {6 + 1 + len(operands) - 1: 0}  # scalar prefetch, x, then the operands: acc is the last
         out_spec, out_shape = pl.BlockSpec(memory_space=pl.ANY), jax.ShapeDtypeStruct(acc.shape, acc.dtype)
         scratch += [pltpu.VMEM((tm, *acc.shape[1:]), acc.dtype), pltpu.SemaphoreType.DMA((2,))]
