@@ -95,7 +95,11 @@ def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens
 def test_fused_gdn_compiles_for_ironwood(device, batch: int, tokens: int, state_dtype) -> None:
     layers, slots = 45, 33
     conv_dim = 2 * HK * DK + HV * DV
-    fn = functools.partial(fused_gdn, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV)
+    # The serving form: the gated output norm fused (gate and norm weight the last two arguments).
+    def fn(*args):
+        *args, gate, weight = args
+        return fused_gdn(*args, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV, gate=gate, norm_weight=weight)
+
     compiled = jax.jit(fn, donate_argnums=(4, 5)).lower(
         _spec((batch, tokens, conv_dim), jnp.bfloat16, device),
         _spec((conv_dim, KCONV), jnp.bfloat16, device),
@@ -107,6 +111,8 @@ def test_fused_gdn_compiles_for_ironwood(device, batch: int, tokens: int, state_
         _spec((batch,), jnp.int32, device),
         _spec((batch,), jnp.int32, device),
         _spec((batch,), jnp.bool_, device),
+        _spec((batch, tokens, HV * DV), jnp.bfloat16, device),
+        _spec((DV,), jnp.bfloat16, device),
     ).compile()
     _report(f"fused_gdn[{batch}x{tokens}, state {jnp.dtype(state_dtype).name}]", compiled)
 

@@ -134,3 +134,33 @@ def test_rejects_bad_dims() -> None:
     with pytest.raises(ValueError, match="bad GDN dims"):
         fused_gdn(mixed, jnp.zeros((CONV_DIM, K)), g, beta, conv, rec, 0, jnp.zeros(1, jnp.int32), lens,
                   jnp.zeros(1, bool), num_k_heads=HK, head_k_dim=DK + 1, head_v_dim=DV, interpret=True)
+
+
+@pytest.mark.parametrize(("gate_dtype", "weight_dtype"), [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
+                                                          (jnp.float32, jnp.float32)])
+@pytest.mark.parametrize(("lens", "t"), [([1, 1, 0], 1), ([150, 70], 150)], ids=["decode", "prefill"])
+def test_fused_output_norm_matches_reference(gate_dtype, weight_dtype, lens, t) -> None:
+    """With ``gate`` the kernel returns the gated RMSNorm of its output (the model's ``gated_rms_norm``) in
+    the gate's dtype: within one rounding of that dtype of the reference (the float32 outputs before the
+    norm differ by up to TOL, which can move a value across a bf16 rounding boundary)."""
+    rng = np.random.default_rng(16)
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    conv, rec = _pools(rng)
+    mixed, g, beta, lens = _step(rng, lens, t)
+    slots = jnp.asarray([3, 6, 0][: len(lens)], jnp.int32)
+    fresh = jnp.zeros(len(lens), bool)
+    gate = jnp.asarray(rng.standard_normal((len(lens), t, HV * DV)) * 2, gate_dtype)
+    weight = jnp.asarray(1 + rng.standard_normal(DV) * 0.3, weight_dtype)
+    norm = dict(gate=gate, norm_weight=weight, norm_eps=1e-6)
+    o_r, *_ = fused_gdn_reference(mixed, conv_w, g, beta, conv, rec, 1, slots, lens, fresh, **norm, **DIMS)
+    o_k, *_ = fused_gdn(mixed, conv_w, g, beta, jnp.array(conv, copy=True), jnp.array(rec, copy=True), 1, slots,
+                        lens, fresh, block_t=64, interpret=True, **norm, **DIMS)
+    assert o_k.dtype == o_r.dtype == gate_dtype and o_k.shape == o_r.shape == (len(lens), t, HV, DV)
+    valid = np.arange(t)[None, :] < np.asarray(lens)[:, None]
+    o_r, o_k = np.asarray(o_r, np.float32)[valid], np.asarray(o_k, np.float32)[valid]
+    ulp = 2.0**-7 if gate_dtype == jnp.bfloat16 else 1e-5
+    assert np.abs(o_k - o_r).max() <= ulp * np.abs(o_r).max()
+    # Most values agree exactly in bf16: the norm is the reference's, op for op.
+    assert np.mean(o_k == o_r) >= (0.99 if gate_dtype == jnp.bfloat16 else 0.0)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_gdn(mixed, conv_w, g, beta, conv, rec, 1, slots, lens, fresh, gate=gate, interpret=True, **DIMS)

@@ -287,12 +287,15 @@ def gdn_layer_pooled(
     Returns:
         ``(out [B, T, H] in x.dtype, conv_pool, rec_pool)``.
     """
+    bsz, t, _ = x.shape
     mixed, z, g, beta = gdn_projections(p, x, valid, config)
+    # The gated output norm runs inside pooled_mix (its epilogue), as gdn_output would run it.
     o, conv_pool, rec_pool = pooled_mix(
         mixed, p["conv1d"], g, beta, conv_pool, rec_pool, layer, slot_ids, new_lens, fresh,
         num_k_heads=config.linear_num_key_heads, head_k_dim=config.linear_key_head_dim,
-        head_v_dim=config.linear_value_head_dim)
-    return gdn_output(p, o, z, x.dtype, config), conv_pool, rec_pool
+        head_v_dim=config.linear_value_head_dim, gate=z.reshape(bsz, t, -1).astype(x.dtype), norm_weight=p["norm"],
+        norm_eps=config.rms_norm_eps)
+    return linear(o.reshape(bsz, t, -1), p["out_proj"]), conv_pool, rec_pool
 
 
 def gdn_layer_on_pools(

@@ -72,13 +72,27 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
+def _gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, out_dtype, round_product: bool):
+    """``model.norms.gated_rms_norm`` of one head's ``[rows, dv]`` float32 output, op for op (same roundings)."""
+    x = o.astype(out_dtype).astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    y = weight * x.astype(out_dtype).astype(jnp.float32)  # exact in f32: both factors have <= 8-bit mantissas
+    if round_product:  # the reference multiplies in out_dtype
+        y = y.astype(out_dtype).astype(jnp.float32)
+    return (y * jax.nn.silu(gate)).astype(out_dtype)
+
+
 def _kernel(
     _layer_ref, _slot_ref, len_ref, fresh_ref,  # scalar prefetch (layer and slots feed the index map)
-    xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, g_ref, beta_ref, cq_in, ck_in, cv_in, rec_in,  # inputs
-    o_ref, cq, ck, cv, rec_ref,  # outputs (rec_ref aliased to the recurrent pool)
-    sq, sk, sv, qn, kn, vn,  # scratch
-    *, dk: int, dv: int, r: int, chunk: int,
+    *refs, dk: int, dv: int, r: int, chunk: int, norm: tuple[float, bool] | None,
 ):
+    # Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the
+    # recurrent pool), scratch (acc: the block's float32 output before the norm).
+    n_in = 14 if norm else 12
+    xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, g_ref, beta_ref, cq_in, ck_in, cv_in, rec_in = refs[:12]
+    gate_ref, nw_ref = refs[12:n_in] if norm else (None, None)
+    o_out, cq, ck, cv, rec_ref = refs[n_in : n_in + 5]
+    sq, sk, sv, qn, kn, vn, o_ref = refs[n_in + 5 :]
     b, tb = pl.program_id(0), pl.program_id(2)
     block_t = xq_ref.shape[0]
     fresh = fresh_ref[b] != 0
@@ -124,6 +138,12 @@ def _kernel(
                                                                         refs=(qn, kn, vn, g_ref, beta_ref, o_ref)),
                 s0)
         rec_ref[h] = s.astype(rec_ref.dtype)
+        if norm:
+            gate = gate_ref[:, lanes].astype(jnp.float32)
+            o_out[:, lanes] = _gated_rms_norm(o_ref[:, lanes], gate, nw_ref[...].astype(jnp.float32), norm[0],
+                                              o_out.dtype, norm[1])
+    if not norm:
+        o_out[...] = o_ref[...]
 
 
 def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
@@ -159,7 +179,7 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "block_t", "interpret"),
+    jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t", "interpret"),
     donate_argnums=(4, 5))
 def fused_gdn(
     mixed: jax.Array,
@@ -176,10 +196,14 @@ def fused_gdn(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    gate: jax.Array | None = None,
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 1e-6,
     block_t: int = 256,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Conv1d + L2 norm + gated delta rule of a batch, updating the state pools in place (module docstring).
+    """Conv1d + L2 norm + gated delta rule of a batch, updating the state pools in place (module docstring);
+    with ``gate``, also the block's output norm (``model.norms.gated_rms_norm``, HF ``Qwen3_5MoeRMSNormGated``).
 
     Args:
         mixed: ``[B, T, conv_dim]`` pre-conv channels, ``conv_dim = 2 * Hk * dk + Hv * dv``; 0 at padding.
@@ -191,15 +215,22 @@ def fused_gdn(
         new_lens: ``[B]`` int32 valid tokens per row.
         fresh: ``[B]`` bool, read the row's states as zeros (a sequence's first tokens).
         num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv (Hv comes from ``g``).
+        gate: ``[B, T, Hv * dv]`` the ``z`` projection, or None. With it the kernel applies the gated RMSNorm
+            per value head in its epilogue and returns it in ``gate.dtype``: the float32 core output never
+            reaches HBM (at prefill XLA relaid it out and converted it around a separate norm, ~1 GiB per
+            layer at 4096 tokens).
+        norm_weight: ``[dv]`` the norm's weight (required with ``gate``); norm_eps: its epsilon.
         block_t: tokens per grid step when T > 1 (rounded to a multiple of the 64-token chunk).
         interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
 
     Returns:
-        ``(o [B, T, Hv, dv] float32, conv_pool, rec_pool)``. ``T == 1`` uses the recurrent form.
+        ``(o [B, T, Hv, dv], conv_pool, rec_pool)``: ``o`` float32, or normed in ``gate.dtype`` with ``gate``.
+        ``T == 1`` uses the recurrent form.
 
     Raises:
         ValueError: when Hv is not a multiple of Hk, or the v channels of a key-head group do not start on a
-            multiple of the group's width (``2 * Hk * dk % (r * dv) != 0``).
+            multiple of the group's width (``2 * Hk * dk % (r * dv) != 0``), or ``gate`` comes without
+            ``norm_weight``.
     """
     bsz, t, conv_dim = mixed.shape
     hv = g.shape[-1]
@@ -209,6 +240,8 @@ def fused_gdn(
     r = hv // hk
     if (2 * hk * dk) % (r * dv):
         raise ValueError("v channels of a key-head group must start at a multiple of r * dv")
+    if gate is not None and norm_weight is None:
+        raise ValueError("a fused output norm needs norm_weight")
     v_base = 2 * hk * dk // (r * dv)
     km1 = conv_weight.shape[1] - 1
     if t == 1:
@@ -220,6 +253,7 @@ def fused_gdn(
         mixed = jnp.pad(mixed, ((0, 0), (0, tp - t), (0, 0)))
         g = jnp.pad(g, ((0, 0), (0, tp - t), (0, 0)))
         beta = jnp.pad(beta, ((0, 0), (0, tp - t), (0, 0)))
+        gate = None if gate is None else jnp.pad(gate, ((0, 0), (0, tp - t), (0, 0)))
 
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     slot_ids = slot_ids.astype(jnp.int32)
@@ -232,7 +266,17 @@ def fused_gdn(
     # XLA relayout (copy) the whole pool around the call. The gather/scatter moves only B x K-1 x conv_dim.
     conv_rows = jnp.swapaxes(conv_pool[layer, slot_ids], 1, 2)
 
-    kernel = functools.partial(_kernel, dk=dk, dv=dv, r=r, chunk=CHUNK_SIZE)
+    norm = None
+    norm_in_specs, norm_args = [], []
+    out_dtype = jnp.float32
+    if gate is not None:
+        out_dtype = gate.dtype
+        # The reference multiplies weight and normed output in their promoted dtype, then the gate in f32.
+        norm = (float(norm_eps), jnp.promote_types(norm_weight.dtype, out_dtype) != jnp.float32)
+        norm_in_specs = [pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)),
+                         pl.BlockSpec((1, dv), lambda b, h, t, *_: (0, 0))]
+        norm_args = [gate, norm_weight.reshape(1, dv)]
+    kernel = functools.partial(_kernel, dk=dk, dv=dv, r=r, chunk=CHUNK_SIZE, norm=norm)
     state_spec = pl.BlockSpec((None, None, r, dk, dv), lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
     win_in_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
@@ -253,7 +297,7 @@ def fused_gdn(
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (h, 0)),
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (hk + h, 0)),
                 pl.BlockSpec((r * dv, km1 + 1), lambda b, h, t, *_: (v_base + h, 0)),
-                gb_spec, gb_spec, *win_in_specs, state_spec,
+                gb_spec, gb_spec, *win_in_specs, state_spec, *norm_in_specs,
             ],
             out_specs=[pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)), *win_out_specs, state_spec],
             scratch_shapes=[
@@ -263,9 +307,10 @@ def fused_gdn(
                 pltpu.VMEM((bt, dk), jnp.float32),
                 pltpu.VMEM((bt, dk), jnp.float32),
                 pltpu.VMEM((bt, r * dv), jnp.float32),
+                pltpu.VMEM((bt, r * dv), jnp.float32),
             ],
         ),
-        out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv * dv), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv * dv), out_dtype),
                    jax.ShapeDtypeStruct((bsz, km1, hk * dk), conv_pool.dtype),
                    jax.ShapeDtypeStruct((bsz, km1, hk * dk), conv_pool.dtype),
                    jax.ShapeDtypeStruct((bsz, km1, hv * dv), conv_pool.dtype),
@@ -278,12 +323,14 @@ def fused_gdn(
         # read and written once (not the whole pool operand).
         cost_estimate=pl.CostEstimate(
             flops=int(bsz * tp * hv * dk * dv * 6), transcendentals=int(bsz * tp * hv * 2),
-            bytes_accessed=int(bsz * tp * (conv_dim * mixed.dtype.itemsize + 4 * hv * (dv + 2))
+            bytes_accessed=int(bsz * tp * (conv_dim * mixed.dtype.itemsize + 8 * hv
+                                           + hv * dv * jnp.dtype(out_dtype).itemsize * (2 if norm else 1))
                                + 3 * bsz * km1 * conv_dim * conv_pool.dtype.itemsize
                                + 2 * bsz * hv * dk * dv * rec_pool.dtype.itemsize)),
     )(
         layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
         conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
+        *norm_args,
     )
     conv_new = jnp.swapaxes(jnp.concatenate([cq, ck, cv], axis=-1), 1, 2)
     conv_pool = conv_pool.at[layer, slot_ids].set(conv_new)

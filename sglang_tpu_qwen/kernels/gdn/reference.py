@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.gated_deltanet import gdn_mix
+from sglang_tpu_qwen.model.norms import gated_rms_norm
 
 
 def fused_gdn_reference(
@@ -30,6 +31,9 @@ def fused_gdn_reference(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    gate: jax.Array | None = None,
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of ``fused_gdn`` (shapes as the kernel).
 
@@ -38,9 +42,10 @@ def fused_gdn_reference(
         conv_pool: ``[L, S, conv_dim, K-1]``; rec_pool: ``[L, S, Hv, dk, dv]``.
         layer: GDN-layer index; slot_ids, new_lens: ``[B]`` int32; fresh: ``[B]`` bool.
         num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv.
+        gate: ``[B, T, Hv * dv]`` or None; norm_weight: ``[dv]``; norm_eps: the output norm (as the kernel).
 
     Returns:
-        ``(o [B, T, Hv, dv] float32, conv_pool, rec_pool)``.
+        ``(o [B, T, Hv, dv], conv_pool, rec_pool)``: ``o`` float32, or normed in ``gate.dtype`` with ``gate``.
     """
     t = mixed.shape[1]
     hv = g.shape[-1]
@@ -53,4 +58,6 @@ def fused_gdn_reference(
     conv_s = jnp.where(fresh, 0, conv_pool[layer, slot_ids])
     rec_s = jnp.where(fresh[..., None], 0, rec_pool[layer, slot_ids])
     o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims)  # type: ignore[arg-type]
+    if gate is not None:
+        o = gated_rms_norm(o.astype(gate.dtype), gate.reshape(o.shape), norm_weight, norm_eps)
     return o, conv_pool.at[layer, slot_ids].set(conv_s), rec_pool.at[layer, slot_ids].set(rec_s)
