@@ -108,8 +108,10 @@ def test_sharded_forward_matches_single_device(results, dp, ep, combine, phase):
 
 
 def test_hierarchical_reduce_scatter_equals_psum_scatter(results):
-    r = results["reduce_scatter"]
-    assert r["max_abs_err"] < 1e-5, r
+    """The two-stage combine on operands in its block order gives each device the flat one's block."""
+    for n in (4, 8):
+        r = results[f"reduce_scatter {n}"]
+        assert r["max_abs_err"] < 1e-5, r
 
 
 # ---------------------------------------------------------------- child process (8 emulated devices)
@@ -146,17 +148,25 @@ def _child() -> None:  # noqa: C901 - one linear script
         print(json.dumps({"case": case, "max_abs_err": err, "rel_err": err / max(scale, 1e-30), **extra}),
               flush=True)
 
-    # Hierarchical reduce-scatter vs psum_scatter on the expert axis of a dp2-ep4 mesh.
-    lay = make_layout(2, 4)
-    y = jax.random.normal(jax.random.key(1), (2 * 4 * 12, 5))
+    # Hierarchical reduce-scatter (operand blocks in its order) vs psum_scatter on the expert axis of a
+    # dp2-ep4 and a dp1-ep8 mesh; each device's operand differs.
+    for dp, ep in ((2, 4), (1, 8)):
+        lay = make_layout(dp, ep)
+        y = jax.random.normal(jax.random.key(1), (dp, ep, ep * 12, 5))
+        order = collectives.block_order("hierarchical", ep)
+        assert sorted(order) == list(range(ep)) and list(order) != list(range(ep))
+        # Device d's rows (block d of the flat operand) moved to block order[d].
+        y_hier = jnp.zeros_like(y).reshape(dp, ep, ep, 12, 5).at[:, :, order].set(y.reshape(dp, ep, ep, 12, 5))
 
-    def rs(fn):
-        return jax.jit(jax.shard_map(fn, mesh=lay.mesh, in_specs=P("data"), out_specs=P(("data", EXPERT)),
-                                     check_vma=False))(y)
+        def rs(v, combine, lay=lay, ep=ep):
+            return jax.jit(jax.shard_map(
+                lambda a: collectives.reduce_scatter(a.reshape(-1, 5), EXPERT, ep, combine), mesh=lay.mesh,
+                in_specs=P("data", EXPERT), out_specs=P(("data", EXPERT)), check_vma=False))(v)
 
-    flat = rs(lambda v: collectives.flat_reduce_scatter(v, EXPERT))
-    hier = rs(lambda v: collectives.hierarchical_reduce_scatter(v, EXPERT, 4))
-    emit("reduce_scatter", np.asarray(hier), np.asarray(flat))
+        flat, hier = rs(y, "flat"), rs(y_hier.reshape(y.shape), "hierarchical")
+        want = y.sum(axis=1).reshape(dp * ep * 12, 5)
+        assert np.abs(np.asarray(flat) - np.asarray(want)).max() < 1e-5
+        emit(f"reduce_scatter {ep}", np.asarray(hier), np.asarray(flat))
 
     # MoE block alone.
     moe_p = jax.tree.map(lambda a: a[0], params["layers"][0]["moe"])  # layer 0 (group 0 of stack 0)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.moe import route, shared_expert
-from sglang_tpu_qwen.parallel.collectives import reduce_scatter
+from sglang_tpu_qwen.parallel.collectives import block_order, reduce_scatter
 from sglang_tpu_qwen.parallel.fp8 import grouped_scatter_add, grouped_swiglu, kernel_rows
 
 
@@ -83,6 +83,7 @@ def local_experts(
     first_expert: jax.Array,
     num_experts: int | None = None,
     capacity_factor: float = CAPACITY_FACTOR,
+    out_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Contribution of this device's experts to every token (zero for pairs routed elsewhere).
 
@@ -101,6 +102,8 @@ def local_experts(
         first_expert: scalar int32, global id of local expert 0.
         num_experts: E over all devices (default E_local): sizes the chunks.
         capacity_factor: chunk rows over the pairs expected here (uniform routing).
+        out_rows: ``[M]`` int32, the result row each token's contributions are added into (a permutation;
+            default the token's own row): the reduce-scatter's block order.
 
     Returns:
         ``[M, *kernel_rows(w_down, H)]`` in ``x.dtype`` (with FP8 experts ``[M, H / 128, 128]``, rows the
@@ -131,12 +134,13 @@ def local_experts(
         # Each group's rows inside [start, start + rows): the window's share of the sorted groups.
         sizes = jnp.clip(group_ends - start, 0, rows) - jnp.clip(group_ends - group_sizes - start, 0, rows)
         tok = jax.lax.dynamic_slice_in_dim(token, start, rows)
+        dest = tok if out_rows is None else out_rows[tok]
         # The routing weight scales the activations (the down projection is linear), as in all_experts
         # (model/moe.py): no [rows, H] product after the down projection.
         act = grouped_swiglu(x, w_gate, w_up, sizes, jax.lax.dynamic_slice_in_dim(scale, start, rows), row_ids=tok,
                              expected_rows=expected, zero_tail=False)
         # The down projection adds each pair's row into its token's row (rows past the groups are skipped).
-        return grouped_scatter_add(act, w_down, sizes, tok, acc, expected_rows=expected)
+        return grouped_scatter_add(act, w_down, sizes, dest, acc, expected_rows=expected)
 
     # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
     acc = chunk(jnp.int32(0), jnp.zeros((m, *kernel_rows(w_down, w_down.shape[-1])), x.dtype))
@@ -195,7 +199,11 @@ def ep_moe_tokens(
         gx = jax.lax.all_gather(rows, axis_name, axis=0, tiled=True)  # [n * N_mb, *kernel_rows]
         packed = jax.lax.all_gather(pack_routing(w, ids, e), axis_name, axis=0, tiled=True)
         gw, gids = unpack_routing(packed, e)
-        y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e)
+        # Each token's sums go straight to the row the combine expects (its device's block in block_order).
+        n_mb = chunk.shape[0]
+        gathered = jnp.arange(axis_size * n_mb, dtype=jnp.int32)
+        out_rows = jnp.asarray(block_order(combine, axis_size))[gathered // n_mb] * n_mb + gathered % n_mb
+        y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e, out_rows=out_rows)
         # Reduced in the row-tiled shape; only this device's N_mb rows are relaid out to [N_mb, H].
         outs.append(reduce_scatter(y, axis_name, axis_size, combine).reshape(chunk.shape[0], -1))
     routed = jnp.concatenate(outs, axis=0)[:n_tok]
