@@ -12,6 +12,7 @@ update, not the buffer. Custom calls (Pallas kernels) are charged the traffic th
 offloads to the SparseCore (collectives, relayouts, row gathers) is an async ``call-start`` /
 ``call-done`` pair, charged once at the start (what it reads and writes; a gather the rows it gathers).
 Compiled TPU HLO names operands without their shapes; each takes the shape of the instruction defining it.
+Only HBM counts: a buffer XLA placed in VMEM (layout ``S(1)``) is read and written on chip.
 The figures are an estimate for ranking, not a replacement for the total.
 """
 
@@ -26,7 +27,9 @@ _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2,
     "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "s4": 0.5, "u4": 0.5,
 }  # fmt: skip
-_SHAPE = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
+# dtype[dims] and its layout, if printed ({minor_to_major:tiling...S(memory space)}).
+_SHAPE = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\](\{[^}]*\})?")
+_OFF_HBM = re.compile(r"S\([1-9]\d*\)")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _FREE = frozenset({
@@ -38,9 +41,12 @@ _SLICING = ("dynamic-slice", "slice", "gather")
 _IN_PLACE = ("dynamic-update-slice", "scatter")
 
 
-def shape_bytes(text: str) -> float:
-    """Bytes of every ``dtype[dims]`` in ``text`` (a shape or a tuple of shapes)."""
-    return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _SHAPE.findall(text))
+def shape_bytes(text: str, hbm_only: bool = True) -> float:
+    """Bytes of every ``dtype[dims]`` in ``text`` (a shape or a tuple of shapes). With ``hbm_only`` a shape
+    whose layout names a memory space other than 0 (``S(1)``: VMEM, where XLA's memory-space assignment puts
+    buffers it prefetches or keeps on chip; ``S(2)``: SMEM) is not HBM traffic and counts 0."""
+    return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x)
+               for d, dims, layout in _SHAPE.findall(text) if not (hbm_only and _OFF_HBM.search(layout)))
 
 
 @dataclasses.dataclass
@@ -238,10 +244,14 @@ def _instr_bytes(ins: _Instr, comps: dict[str, list[_Instr]]) -> float:
     if ins.opcode in ("collective-permute-start", "all-gather-start"):
         return shape_bytes(ins.result)  # (operand, destination, contexts): read once, written once
     if ins.opcode in ("slice-start", "copy-start"):
-        # Result ((operand), destination, context): the destination is read from the operand and written
-        # (for a slice the operand is the whole array, of which only the destination's bytes move).
         parts, _ = _split_operands(ins.result.strip()[1:])
-        return 2 * shape_bytes(parts[1]) if len(parts) > 1 else 0.0
+        if len(parts) < 2:
+            return 0.0
+        if ins.opcode == "copy-start":  # (destination, source, context): each side costs where it is HBM
+            return shape_bytes(parts[0]) + shape_bytes(parts[1])
+        # ((operand), destination, context): the destination's bytes are read from the operand (in HBM; the
+        # rest of it does not move) and written (free into VMEM, where XLA puts its prefetches).
+        return shape_bytes(parts[1], hbm_only=False) + shape_bytes(parts[1])
     return sum(shape_bytes(op.split("%")[0]) for op in ins.operands) + shape_bytes(ins.result)
 
 

@@ -82,7 +82,7 @@ def test_traffic_of_a_hand_written_program():
     ops = {o.name: o for o in program_traffic(HLO)}
     layer = 1024 * 1024 * 2
     assert "cp" not in ops  # the offloaded computation is not called here
-    assert ops["ss"].bytes == 2 * layer  # an async slice moves the slice, not the array it slices
+    assert ops["ss"].bytes == layer  # an async slice reads the slice, not the array; it writes VMEM (S(1))
     assert ops["f"].count == 6 and ops["f"].bytes == 2 * layer + 4  # one layer's slice read and written
     assert ops["k"].count == 6 and ops["k"].bytes == 5000  # the kernel's declared traffic
     assert ops["up"].bytes == 2 * 8 * 1024 * 2 + 4  # the update (read, written), not the 1.6 MB buffer
@@ -148,7 +148,12 @@ ENTRY %main (x: bf16[4096,1024], idx: s32[512], xs: bf16[8,1024], stack: bf16[6,
   %gd2 = bf16[512,1024]{1,0} call-done(%gs2)
   %pe = (bf16[512,1024]{1,0}, bf16[512,1024]{1,0}, u32[], u32[]) collective-permute-start(%gd2), source_target_pairs={{0,1},{1,0}}
   %pd = bf16[512,1024]{1,0} collective-permute-done(%pe)
-  ROOT %sum = bf16[512,1024]{1,0} add(%pd, %gd2)
+  %pf = (bf16[512,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[512,1024]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%pd)
+  %pfd = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} copy-done(%pf)
+  %vm = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} multiply(%pfd, %gd2)
+  %ss = ((bf16[6,1024,1024]{2,1,0}), bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%stack), slice={[0:1],[0:1024],[0:1024]}
+  %sd = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
+  ROOT %sum = bf16[512,1024]{1,0} add(%vm, %gd2)
 }
 """
 
@@ -161,7 +166,10 @@ def test_traffic_of_compiled_style_hlo():
     assert ops["gs2"].bytes == 2 * rows + 512 * 4  # a gather reads the rows it gathers, not the whole source
     assert "rd" not in ops and "gd2" not in ops  # the done only waits
     assert ops["pe"].bytes == 2 * rows + 8  # a permute reads its operand, writes its destination (+ 2 u32 contexts)
-    assert ops["sum"].bytes == 3 * rows
+    # VMEM (S(1)) is not HBM: a prefetch reads its source only, an async slice into VMEM reads its slice,
+    # an instruction whose operand or result is in VMEM moves only its HBM side.
+    assert ops["pf"].bytes == rows and ops["ss"].bytes == 1024 * 1024 * 2
+    assert ops["vm"].bytes == rows and ops["sum"].bytes == 2 * rows
     assert "gs" not in ops and "rc" not in ops  # offloaded computations are charged at their call site
     # A dot's fusion reads one layer of a stacked weight through a nested fusion that relays the stack out
     # and slices it (XLA computes the relayout only where the slice reads it): the layer.
