@@ -110,6 +110,7 @@ def _destinations(rng: np.random.Generator, sizes: list[int], m: int, r: int) ->
     return jnp.asarray(dest + list(rng.integers(0, r, m - len(dest))), jnp.int32)
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite_first"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     "m,k,n,r,sizes,tiles",
@@ -121,25 +122,33 @@ def _destinations(rng: np.random.Generator, sizes: list[int], m: int, r: int) ->
         (24, 200, 384, 30, [10, 14], {}),
     ],
 )
-def test_scatter_add_kernel_matches_reference(m, k, n, r, sizes, tiles, dtype):
+def test_scatter_add_kernel_matches_reference(m, k, n, r, sizes, tiles, dtype, overwrite):
     """The down projection with the MoE combine fused: ``acc[dest[r]] += x[r] @ w`` row by row in HBM equals
     the reference's sequential scatter-add (bitwise in float32 up to the product's rounding; one bfloat16
-    rounding per add in bfloat16), rows no group covers are untouched."""
+    rounding per add in bfloat16), rows no group covers are untouched. With ``overwrite`` on each
+    destination's first row (the MoE's use: that row is still zero), those rows start as NaN: a read of one
+    would leak into the sum."""
     rng = np.random.default_rng(m + k + n + r)
     w = _weights(rng, len(sizes), k, n, (128, 128))
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     gs = jnp.asarray(sizes, jnp.int32)
     dest = _destinations(rng, sizes, m, r)
     acc = jnp.asarray(rng.standard_normal((r + 3, n // 128, 128)), dtype)  # 3 rows no group points to
-    touched = np.unique(np.asarray(dest)[: sum(sizes)])
-    want = fp8_grouped_matmul_scatter_add_reference(x, w.q, w.scale, gs, dest, acc, w.block)
+    touched, first = np.unique(np.asarray(dest)[: sum(sizes)], return_index=True)
+    flags = None
+    if overwrite:
+        flags = jnp.zeros(m, bool).at[first].set(True)
+        acc = acc.at[touched].set(jnp.nan)
+    want = fp8_grouped_matmul_scatter_add_reference(x, w.q, w.scale, gs, dest, acc, w.block, flags)
+    assert np.all(np.isfinite(np.asarray(want, np.float32)[touched]))
     # DMAs executed only when waited for: a read issued before the previous visit's write of the same row
     # was waited for, or a write never waited for, shows as a wrong sum.
     on_wait = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
-    got = fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, jnp.array(acc), block=w.block,
+    got = fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, jnp.array(acc), overwrite=flags, block=w.block,
                                          interpret=on_wait, **tiles)
     untouched = np.setdiff1d(np.arange(r + 3), touched)
     assert np.array_equal(np.asarray(got)[untouched], np.asarray(acc)[untouched])
+    assert np.all(np.isfinite(np.asarray(got, np.float32)[touched]))
     err = _rel(got.astype(jnp.float32), want.astype(jnp.float32))
     print(f"scatter-add kernel vs reference {m}x{k}x{n} -> {r} rows, {np.dtype(dtype).name}: rel err {err:.1e}")
     assert err < (TOL if dtype == jnp.float32 else 2**-7)

@@ -339,12 +339,15 @@ def grouped_scatter_add(
     group_sizes: jax.Array,
     dest: jax.Array,
     acc: jax.Array,
+    overwrite: jax.Array | None = None,
     *,
     interpret: bool = False,
     expected_rows: int | None = None,
+    expected_overwrites: int = 0,
 ) -> jax.Array:
-    """``acc[dest[r]] += grouped(x, w, group_sizes)[r]`` for the rows the groups cover: an expert's down
-    projection summed into its tokens' rows (the MoE combine) without an ``[M, N]`` product in between.
+    """``acc[dest[r]] += grouped(x, w, group_sizes)[r]`` for the rows the groups cover (``=`` where
+    ``overwrite[r]``): an expert's down projection summed into its tokens' rows (the MoE combine) without an
+    ``[M, N]`` product in between.
 
     On TPU an :class:`Fp8Weight` goes to the Pallas kernel, which adds each row's product into its HBM row
     in place; elsewhere (and for dense weights) the product is computed and scatter-added in XLA. Each
@@ -354,8 +357,12 @@ def grouped_scatter_add(
         x: ``[M, K]`` rows sorted by group; w: ``[G, K, N]`` dense or FP8; group_sizes: ``[G]`` int32.
         dest: ``[M]`` int32 row of ``acc`` for each x row, distinct within a group.
         acc: ``[R, *kernel_rows(w, N)]`` accumulator.
+        overwrite: ``[M]`` bool or None, set only on a destination's first covered row (in row order): that
+            row's product replaces ``acc[dest[r]]`` and the FP8 kernel does not read it (the caller's first
+            write into a zeroed row).
         interpret: FP8 only: the Pallas kernel in interpret mode (CPU tests of the TPU path).
-        expected_rows: FP8 only, for XLA's cost model: rows the groups are expected to cover.
+        expected_rows, expected_overwrites: FP8 only, for XLA's cost model: rows the groups are expected to
+            cover, and how many of them overwrite.
 
     Returns:
         The updated ``acc``, same shape and dtype.
@@ -364,7 +371,10 @@ def grouped_scatter_add(
 
     def xla(product: jax.Array, acc: jax.Array) -> jax.Array:
         covered = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
-        flat = acc.reshape(r, n).at[jnp.where(covered, dest, r)].add(product.astype(acc.dtype), mode="drop")
+        flat = acc.reshape(r, n)
+        if overwrite is not None:  # on first rows only: clearing beforehand equals replacing
+            flat = flat.at[jnp.where(covered & overwrite, dest, r)].set(0, mode="drop")
+        flat = flat.at[jnp.where(covered, dest, r)].add(product.astype(acc.dtype), mode="drop")
         return flat.reshape(acc.shape)
 
     if not isinstance(w, Fp8Weight):
@@ -374,8 +384,9 @@ def grouped_scatter_add(
 
     def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, acc: jax.Array,
             layer: Any) -> jax.Array:
-        return fp8_grouped_matmul_scatter_add(x, q, scale, gs, dest, acc, layer, block=w.block, interpret=interpret,
-                                              expected_rows=expected_rows)
+        return fp8_grouped_matmul_scatter_add(x, q, scale, gs, dest, acc, layer, overwrite, block=w.block,
+                                              interpret=interpret, expected_rows=expected_rows,
+                                              expected_overwrites=expected_overwrites)
 
     def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, acc: jax.Array,
               layer: Any) -> jax.Array:

@@ -172,7 +172,8 @@ def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, s
                       tile_ref: Any, start_ref: Any, end_ref: Any, total: jax.Array, t: jax.Array, k: jax.Array,
                       last_k: jax.Array, tm: int) -> None:
     """``out_hbm[dest[r]] += acc[r]`` for the rows of visit ``t``'s group in its tile, each product rounded to
-    the output dtype first (as an unfused product would be before a scatter-add).
+    the output dtype first (as an unfused product would be before a scatter-add). A destination stored as
+    ``-1 - dest`` is overwritten: its row is not read (nor waited for), the product is written.
 
     One DMA per row, overlapped with the matmuls: at the visit's first K step the previous visit's writes
     are waited for (this visit may read a row it wrote: a token routed to two of these experts) and this
@@ -181,9 +182,16 @@ def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, s
     rows = functools.partial(_visit_rows, group_ref=group_ref, tile_ref=tile_ref, start_ref=start_ref,
                              end_ref=end_ref, tm=tm)
 
+    def overwrite(r: jax.Array) -> jax.Array:
+        return dest_ref[tile_ref[t] & 7, r] < 0
+
     def copy(r: jax.Array, read: bool) -> Any:
-        hbm, vmem = out_hbm.at[dest_ref[tile_ref[t] & 7, r]], buf_ref.at[r]
+        d = dest_ref[tile_ref[t] & 7, r]
+        hbm, vmem = out_hbm.at[jnp.where(d < 0, -1 - d, d)], buf_ref.at[r]
         return pltpu.make_async_copy(hbm, vmem, sem.at[0]) if read else pltpu.make_async_copy(vmem, hbm, sem.at[1])
+
+    def if_read(fn: Any) -> Any:  # fn(r) for the rows whose destination is read (not overwritten)
+        return lambda r: pl.when(jnp.logical_not(overwrite(r)))(lambda: fn(r))
 
     def each(lo: jax.Array, hi: jax.Array, fn: Any) -> None:
         pl.loop(lo, hi)(fn)
@@ -194,18 +202,19 @@ def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, s
 
     def add(r: jax.Array) -> None:
         part = acc_ref[pl.ds(r, 1), :].astype(buf_ref.dtype).astype(jnp.float32)
-        buf_ref[r] = (buf_ref[r].astype(jnp.float32) + part.reshape(buf_ref.shape[1:])).astype(buf_ref.dtype)
+        prev = jnp.where(overwrite(r), 0.0, buf_ref[r].astype(jnp.float32))  # a select: stale bits never add
+        buf_ref[r] = (prev + part.reshape(buf_ref.shape[1:])).astype(buf_ref.dtype)
 
     lo, hi = rows(t)
 
     @pl.when(jnp.logical_and(t < total, k == 0))
     def _fetch():
         pl.when(t > 0)(lambda: wait_writes(t - 1))  # runs when traced (pl.when calls its function)
-        each(lo, hi, lambda r: copy(r, read=True).start())
+        each(lo, hi, if_read(lambda r: copy(r, read=True).start()))
 
     @pl.when(jnp.logical_and(t < total, k == last_k))
     def _add_back():
-        each(lo, hi, lambda r: copy(r, read=True).wait())
+        each(lo, hi, if_read(lambda r: copy(r, read=True).wait()))
         each(lo, hi, add)
         each(lo, hi, lambda r: copy(r, read=False).start())
         pl.when(t == total - 1)(lambda: wait_writes(t))
@@ -218,19 +227,21 @@ def _tile(dim: int, target: int, unit: int) -> int:
 
 
 def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None,
-          n_w: int = 1, scatter: bool = False, gather: bool = False, tiles_n: int = 1) -> pl.CostEstimate:
+          n_w: int = 1, scatter: bool = False, gather: bool = False, tiles_n: int = 1,
+          overwrites: int = 0) -> pl.CostEstimate:
     """XLA cannot see into the kernel; this is its traffic. Weights (``n_w`` of them): FP8 bytes of the groups
     that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when
     ``expected_rows`` is None); scales once per visited group; activations for the row tiles the groups
     visit (the rows they cover plus one shared tile per group boundary; tiles past the groups are not read
     or written): read once per N tile (the grid walks the row tiles again for each), written once. A gather
     reads the covered rows only; a scatter reads and writes each covered row's destination instead of
-    writing the output."""
+    writing the output (``overwrites`` of them only written)."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
     weight = n_w * active * (k * n + 4 * -(-k // 128) * -(-n // 128))
     visited = min(m, rows + int(active) * tm)
-    acts = tiles_n * (rows if gather else visited) * k * itemsize + (2 * rows if scatter else visited) * n * itemsize
+    out_rows = 2 * rows - min(overwrites, rows) if scatter else visited
+    acts = tiles_n * (rows if gather else visited) * k * itemsize + out_rows * n * itemsize
     return pl.CostEstimate(flops=2 * n_w * rows * k * n, transcendentals=rows * n if n_w == 2 else 0,
                            bytes_accessed=int(weight + acts))
 
@@ -336,7 +347,7 @@ def fp8_grouped_swiglu(
                          gather=row_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "interpret", "expected_rows"),
+@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "interpret", "expected_rows", "expected_overwrites"),
                    donate_argnames=("acc",))
 def fp8_grouped_matmul_scatter_add(
     x: jax.Array,
@@ -346,14 +357,17 @@ def fp8_grouped_matmul_scatter_add(
     dest: jax.Array,
     acc: jax.Array,
     layer: jax.Array | int | None = None,
+    overwrite: jax.Array | None = None,
     *,
     block: tuple[int, int] = (128, 128),
     tm: int = 128,
     tk: int = 2048,
     interpret: bool | pltpu.InterpretParams = False,
     expected_rows: int | None = None,
+    expected_overwrites: int = 0,
 ) -> jax.Array:
-    """``acc[dest[r]] += x[r] @ w[group(r)]`` for every row ``r`` the groups cover (module docstring).
+    """``acc[dest[r]] += x[r] @ w[group(r)]`` for every row ``r`` the groups cover (module docstring), or
+    ``=`` where ``overwrite[r]``.
 
     Args:
         x: ``[M, K]`` rows sorted by group; q, scale, group_sizes, layer: as :func:`fp8_grouped_matmul`.
@@ -362,7 +376,10 @@ def fp8_grouped_matmul_scatter_add(
         acc: ``[R, N // 128, 128]``, the accumulator (donated: updated in place). Each product is rounded to
             ``acc.dtype`` and added in float32, as ``acc.at[dest].add(product.astype(acc.dtype))``; a row's
             products from several groups are added in group order.
+        overwrite: ``[M]`` bool or None: row ``r``'s product replaces ``acc[dest[r]]`` (not read: a caller
+            that knows the row is still zero, its first write, saves the read).
         block, tm, tk, expected_rows: as :func:`fp8_grouped_matmul` (the N tile is all of N).
+        expected_overwrites: XLA's cost model only: covered rows expected to have ``overwrite`` set.
         interpret: as :func:`fp8_grouped_matmul`, or the ``pltpu.InterpretParams`` to interpret with (tests:
             DMAs executed only when waited for, so a missing wait shows as a wrong sum).
 
@@ -377,15 +394,20 @@ def fp8_grouped_matmul_scatter_add(
         raise ValueError(f"acc {acc.shape} is not [R, {n} // 128, 128] (N must be a multiple of 128)")
     if dest.shape != (x.shape[0],):
         raise ValueError(f"dest {dest.shape} is not [{x.shape[0]}]")
+    if overwrite is not None:
+        if overwrite.shape != dest.shape:
+            raise ValueError(f"overwrite {overwrite.shape} is not [{x.shape[0]}]")
+        dest = jnp.where(overwrite, -1 - dest, dest)  # the kernel's encoding (_scatter_add_rows)
     return _grouped_call(x, [(q, scale)], group_sizes, layer, None, block=block, tm=tm, tk=tk, tn=n,
-                         interpret=interpret, expected_rows=expected_rows, zero_tail=False, scatter=(dest, acc))
+                         interpret=interpret, expected_rows=expected_rows, zero_tail=False, scatter=(dest, acc),
+                         overwrites=expected_overwrites if overwrite is not None else 0)
 
 
 def _grouped_call(
     x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], group_sizes: jax.Array, layer: Any,
     row_scale: jax.Array | None, *, block: tuple[int, int], tm: int, tk: int, tn: int,
     interpret: bool | pltpu.InterpretParams, expected_rows: int | None, zero_tail: bool,
-    scatter: tuple[jax.Array, jax.Array] | None = None, gather: jax.Array | None = None,
+    scatter: tuple[jax.Array, jax.Array] | None = None, gather: jax.Array | None = None, overwrites: int = 0,
 ) -> jax.Array:
     """The pallas_call of :func:`fp8_grouped_matmul` (one weight), :func:`fp8_grouped_swiglu` (two; ``gather``
     = its row ids) and :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc)``)."""
@@ -495,7 +517,7 @@ def _grouped_call(
         interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
             pltpu.InterpretParams() if interpret else False),
         cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None,
-                            gather is not None, tiles_n),
+                            gather is not None, tiles_n, overwrites),
     )(layer_arr, group, tile, starts, ends, total, x, *operands)
     if scatter is not None:
         return out

@@ -42,15 +42,17 @@ def fp8_grouped_swiglu_reference(
 
 def fp8_grouped_matmul_scatter_add_reference(
     x: jax.Array, q: jax.Array, scale: jax.Array, group_sizes: jax.Array, dest: jax.Array, acc: jax.Array,
-    block: tuple[int, int],
+    block: tuple[int, int], overwrite: jax.Array | None = None,
 ) -> jax.Array:
     """Same contract as ``kernel.fp8_grouped_matmul_scatter_add`` (3-D weights): the float32 reference
-    product of each covered row, rounded to ``acc.dtype``, added into ``acc[dest[r]]`` one row at a time
-    in row order (the kernel's order: rows are sorted by group)."""
+    product of each covered row, rounded to ``acc.dtype``, added into ``acc[dest[r]]`` (or replacing it where
+    ``overwrite[r]``) one row at a time in row order (the kernel's order: rows are sorted by group)."""
     product = fp8_grouped_matmul_reference(x, q, scale, group_sizes, block).astype(acc.dtype)
     flat = acc.reshape(acc.shape[0], -1)
+    keep = jnp.ones(dest.shape, bool) if overwrite is None else jnp.logical_not(overwrite)
 
     def add(r: jax.Array, a: jax.Array) -> jax.Array:
-        return a.at[dest[r]].set((a[dest[r]].astype(jnp.float32) + product[r].astype(jnp.float32)).astype(a.dtype))
+        prev = jnp.where(keep[r], a[dest[r]].astype(jnp.float32), 0.0)
+        return a.at[dest[r]].set((prev + product[r].astype(jnp.float32)).astype(a.dtype))
 
     return jax.lax.fori_loop(0, jnp.sum(group_sizes), add, flat).reshape(acc.shape)
