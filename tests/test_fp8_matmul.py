@@ -157,6 +157,37 @@ def test_scatter_add_kernel_matches_reference(m, k, n, r, sizes, tiles, dtype, o
 
 
 @pytest.mark.parametrize(
+    "m,k,n,r,sizes,tiles",
+    [(40, 300, 256, 24, [7, 0, 20, 5], dict(tm=16, tk=128)), (24, 200, 384, 30, [10, 14], {})],
+)
+def test_scatter_add_kernel_into_a_new_accumulator(m, k, n, r, sizes, tiles):
+    """``acc=None``: the kernel's output is a fresh buffer nothing zeroes (interpreted with uninitialised
+    memory as NaN); each destination's first row overwrites, ``zero_rows`` (the rows no product touches, in
+    random order with -1 padding) are zeroed: the result equals the scatter-add into zeros, every row defined."""
+    rng = np.random.default_rng(m + k + n + r + 1)
+    w = _weights(rng, len(sizes), k, n, (128, 128))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    dest = _destinations(rng, sizes, m, r)
+    rows = r + 3
+    touched, first = np.unique(np.asarray(dest)[: sum(sizes)], return_index=True)
+    flags = jnp.zeros(m, bool).at[first].set(True)
+    untouched = rng.permutation(np.setdiff1d(np.arange(rows), touched))
+    zero_rows = jnp.asarray(np.concatenate([untouched, [-1, -1]]), jnp.int32)
+    zeros = jnp.zeros((rows, n // 128, 128), jnp.bfloat16)
+    want = fp8_grouped_matmul_scatter_add_reference(x, w.q, w.scale, gs, dest, zeros, w.block)
+    params = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True, uninitialized_memory="nan")
+    got = fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, None, overwrite=flags, zero_rows=zero_rows,
+                                         num_rows=rows, block=w.block, interpret=params, **tiles)
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert np.all(np.asarray(got, np.float32)[untouched] == 0)
+    assert _rel(got.astype(jnp.float32), want.astype(jnp.float32)) < 2**-7
+    with pytest.raises(ValueError, match="num_rows"):
+        fp8_grouped_matmul_scatter_add(x, w.q, w.scale, gs, dest, None, block=w.block)
+
+
+@pytest.mark.parametrize(
     "m,k,n,s,sizes,tiles",
     [
         # Shared 16-row tiles, an empty group, rows past the groups, two N tiles (the prefetch crosses from

@@ -62,12 +62,12 @@ def _spec(shape, dtype, dev):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev))
 
 
-def _report(name: str, compiled) -> None:
+def _report(name: str, compiled, in_place: bool = True) -> None:
     mem = compiled.memory_analysis()
     record("Pallas kernels compiled for Ironwood (tpu7x:2x2x1, one device)",
            f"{name}: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, out {mem.output_size_in_bytes / 2**20:.1f} "
            f"MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, alias {mem.alias_size_in_bytes / 2**20:.1f} MiB")
-    assert mem.alias_size_in_bytes > 0  # the caches / states are updated in place
+    assert (mem.alias_size_in_bytes > 0) == in_place  # the caches / states are updated in place
     # No copy of a cache or state pool around the kernel (a relayout would show up here as GiBs).
     assert mem.temp_size_in_bytes < 64 * 2**20
 
@@ -134,6 +134,19 @@ def test_fp8_scatter_add_compiles_for_ironwood(device, rows: int) -> None:
         _spec((), jnp.int32, device),
     ).compile()
     _report(f"fp8_grouped_matmul_scatter_add[{rows} rows -> {acc_rows}]", compiled)
+    # The first chunk's form: a new accumulator, first rows overwritten, untouched rows zeroed by the kernel.
+    fresh = functools.partial(fp8_grouped_matmul_scatter_add, num_rows=acc_rows)
+    compiled = jax.jit(lambda x, q, s, g, d, lay, o, z: fresh(x, q, s, g, d, None, lay, o, z)).lower(
+        _spec((rows, inter), jnp.bfloat16, device),
+        _spec((layers, e_local, inter, hidden), jnp.float8_e4m3fn, device),
+        _spec((e_local, inter // 128, hidden // 128), jnp.float32, device),
+        _spec((e_local,), jnp.int32, device),
+        _spec((rows,), jnp.int32, device),
+        _spec((), jnp.int32, device),
+        _spec((rows,), jnp.bool_, device),
+        _spec((acc_rows,), jnp.int32, device),
+    ).compile()
+    _report(f"fp8_grouped_matmul_scatter_add[{rows} rows -> new {acc_rows}, zeroing]", compiled, in_place=False)
 
 
 @pytest.mark.parametrize("rows", [64 * 10, 61440], ids=["decode", "prefill"])

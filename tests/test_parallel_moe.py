@@ -85,6 +85,45 @@ def test_local_experts_runs_skewed_routing_in_several_chunks():
     assert not np.any(np.asarray(elsewhere))
 
 
+def test_local_experts_fp8_kernels_in_several_chunks():
+    """The same with FP8 experts through the Pallas kernels (interpret mode, uninitialised memory read as
+    NaN): the first chunk writes a new accumulator (each token's first pair overwrites its row, rows of
+    tokens with no local pair are zeroed by the kernel), the later chunks add into it; a device none of whose
+    experts is picked returns zeros, not uninitialised rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sglang_tpu_qwen.model.moe import routed_experts
+    from sglang_tpu_qwen.parallel import fp8
+    from sglang_tpu_qwen.parallel.expert_parallel import chunk_rows, local_experts
+
+    m, k, e, e_local, h, i = 24, 2, 8, 4, 128, 128
+    keys = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(keys[0], (m, h), jnp.float32)
+    stacks = [fp8.quantize(jax.random.normal(kk, shape, jnp.float32) / 8)
+              for kk, shape in zip(keys[1:4], [(e, h, i), (e, h, i), (e, i, h)], strict=True)]
+    weights = jax.random.uniform(keys[4], (m, k), jnp.float32)
+    # Tokens 0..19 on experts 4..7 (several chunks there); 20..23 on experts 4 and 0 (one local pair each).
+    ids = jnp.stack([jnp.arange(m) % 4 + 4, jnp.where(jnp.arange(m) < 20, (jnp.arange(m) + 1) % 4 + 4, 0)], axis=1)
+    assert -(-int(jnp.sum(ids >= 4)) // chunk_rows(m * k, e_local, e)) > 1
+
+    def experts(lo: int) -> list[fp8.Fp8Weight]:
+        return [fp8.Fp8Weight(q=w.q[lo : lo + e_local], scale=w.scale[lo : lo + e_local], block=w.block)
+                for w in stacks]
+
+    rows = x.reshape(m, h // 128, 128)  # the kernels' row layout (parallel/fp8.kernel_rows)
+    with fp8.interpret_kernels():
+        here = local_experts(rows, weights, ids.astype(jnp.int32), *experts(4), jnp.int32(4), e)
+        empty_ids = jnp.full((m, k), 4, jnp.int32).at[:, 1].set(5)
+        nothing = local_experts(rows, weights, empty_ids, *experts(0), jnp.int32(0), e)
+    local_w = jnp.where(ids >= 4, weights, 0.0)
+    want = routed_experts(x, local_w, ids.astype(jnp.int32), *(fp8.dequantize(w, jnp.float32) for w in stacks))
+    assert here.shape == (m, h // 128, 128)
+    np.testing.assert_allclose(np.asarray(here).reshape(m, h), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert np.array_equal(np.asarray(nothing), np.zeros((m, h // 128, 128), np.float32))
+
+
 @pytest.mark.parametrize("dp,ep", LAYOUTS)
 @pytest.mark.parametrize("combine", ["flat", "hierarchical"])
 def test_sharded_moe_matches_single_device(results, dp, ep, combine):

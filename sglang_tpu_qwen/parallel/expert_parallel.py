@@ -133,10 +133,16 @@ def local_experts(
     key_tk = key.reshape(m, k)
     first = (key_tk == key_tk.min(axis=1, keepdims=True)) & here.reshape(m, k)
     overwrite = jnp.pad(first.reshape(-1)[order], (0, pad))
-    # Tokens with at least one local expert under uniform routing (XLA's cost model only).
-    expected_first = min(expected, int(m * (1.0 - (1.0 - e_local / num_experts) ** k)))
+    # The first chunk writes a new [M, H] accumulator that nothing zeroes beforehand: the rows of tokens with
+    # no local expert are zeroed by the kernel, the others are written by their first pair (a 256 MiB zero
+    # fill per layer at the Ironwood prefill step, gone).
+    token_rows = jnp.arange(m, dtype=jnp.int32) if out_rows is None else out_rows
+    zero_rows = jnp.where(here.reshape(m, k).any(axis=1), -1, token_rows)
+    # Tokens with at least one local expert, and with none, under uniform routing (XLA's cost model only).
+    p_none = (1.0 - e_local / num_experts) ** k
+    expected_first, expected_zero = min(expected, int(m * (1.0 - p_none))), int(m * p_none)
 
-    def chunk(i: jax.Array, acc: jax.Array) -> jax.Array:
+    def chunk(i: jax.Array, acc: jax.Array | None) -> jax.Array:
         start = i * rows
         # Each group's rows inside [start, start + rows): the window's share of the sorted groups.
         sizes = jnp.clip(group_ends - start, 0, rows) - jnp.clip(group_ends - group_sizes - start, 0, rows)
@@ -148,10 +154,11 @@ def local_experts(
                              expected_rows=expected, zero_tail=False)
         # The down projection adds each pair's row into its token's row (rows past the groups are skipped).
         return grouped_scatter_add(act, w_down, sizes, dest, acc, jax.lax.dynamic_slice_in_dim(overwrite, start, rows),
-                                   expected_rows=expected, expected_overwrites=expected_first)
+                                   zero_rows if acc is None else None, num_rows=m, expected_rows=expected,
+                                   expected_overwrites=expected_first, expected_zero_rows=expected_zero)
 
     # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
-    acc = chunk(jnp.int32(0), jnp.zeros((m, *kernel_rows(w_down, w_down.shape[-1])), x.dtype))
+    acc = chunk(jnp.int32(0), None)
     if n_chunks_max == 1:
         return acc
     # The first chunk is outside the loop: in the usual step (one chunk) the [M, H] sums are written by its

@@ -338,12 +338,15 @@ def grouped_scatter_add(
     w: Any,
     group_sizes: jax.Array,
     dest: jax.Array,
-    acc: jax.Array,
+    acc: jax.Array | None,
     overwrite: jax.Array | None = None,
+    zero_rows: jax.Array | None = None,
     *,
+    num_rows: int | None = None,
     interpret: bool = False,
     expected_rows: int | None = None,
     expected_overwrites: int = 0,
+    expected_zero_rows: int = 0,
 ) -> jax.Array:
     """``acc[dest[r]] += grouped(x, w, group_sizes)[r]`` for the rows the groups cover (``=`` where
     ``overwrite[r]``): an expert's down projection summed into its tokens' rows (the MoE combine) without an
@@ -356,18 +359,30 @@ def grouped_scatter_add(
     Args:
         x: ``[M, K]`` rows sorted by group; w: ``[G, K, N]`` dense or FP8; group_sizes: ``[G]`` int32.
         dest: ``[M]`` int32 row of ``acc`` for each x row, distinct within a group.
-        acc: ``[R, *kernel_rows(w, N)]`` accumulator.
+        acc: ``[R, *kernel_rows(w, N)]`` accumulator, or None for a new one of ``num_rows`` rows in
+            ``x.dtype`` whose rows are zero where nothing is added: the FP8 kernel writes it without zeroing
+            it first (each destination's first row must then be marked in ``overwrite``, and the rows no row
+            reaches listed in ``zero_rows``); elsewhere it starts from zeros.
         overwrite: ``[M]`` bool or None, set only on a destination's first covered row (in row order): that
             row's product replaces ``acc[dest[r]]`` and the FP8 kernel does not read it (the caller's first
             write into a zeroed row).
+        zero_rows: ``[Z]`` int32 or None, with ``acc`` None: the rows no covered row reaches (-1 entries
+            skipped), which the FP8 kernel zeroes.
+        num_rows: R when ``acc`` is None.
         interpret: FP8 only: the Pallas kernel in interpret mode (CPU tests of the TPU path).
-        expected_rows, expected_overwrites: FP8 only, for XLA's cost model: rows the groups are expected to
-            cover, and how many of them overwrite.
+        expected_rows, expected_overwrites, expected_zero_rows: FP8 only, for XLA's cost model: rows the
+            groups are expected to cover, how many of them overwrite, and real entries of ``zero_rows``.
 
     Returns:
         The updated ``acc``, same shape and dtype.
     """
-    r, n = acc.shape[0], w.shape[-1]
+    n = w.shape[-1]
+    if acc is None:
+        if num_rows is None:
+            raise ValueError("a new accumulator (acc None) needs num_rows")
+        r, acc_shape = num_rows, (num_rows, *kernel_rows(w, n))
+    else:
+        r, acc_shape = acc.shape[0], acc.shape
 
     def xla(product: jax.Array, acc: jax.Array) -> jax.Array:
         covered = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
@@ -377,23 +392,30 @@ def grouped_scatter_add(
         flat = flat.at[jnp.where(covered, dest, r)].add(product.astype(acc.dtype), mode="drop")
         return flat.reshape(acc.shape)
 
+    def zeros() -> jax.Array:
+        return jnp.zeros(acc_shape, x.dtype) if acc is None else acc
+
     if not isinstance(w, Fp8Weight):
-        return xla(grouped(x, w, group_sizes, out_dtype=acc.dtype, zero_tail=False), acc)
+        return xla(grouped(x, w, group_sizes, out_dtype=zeros().dtype, zero_tail=False), zeros())
     interpret = interpret or _INTERPRET[-1]
     q, layer = _stack_and_layer(w)
 
-    def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, acc: jax.Array,
-            layer: Any) -> jax.Array:
-        return fp8_grouped_matmul_scatter_add(x, q, scale, gs, dest, acc, layer, overwrite, block=w.block,
+    # The accumulator (when given) is the last argument: platform_dependent takes arrays only.
+    def tpu(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, layer: Any,
+            *acc_in: jax.Array) -> jax.Array:
+        return fp8_grouped_matmul_scatter_add(x, q, scale, gs, dest, acc_in[0] if acc_in else None, layer, overwrite,
+                                              zero_rows if not acc_in else None, num_rows=r, block=w.block,
                                               interpret=interpret, expected_rows=expected_rows,
-                                              expected_overwrites=expected_overwrites)
+                                              expected_overwrites=expected_overwrites,
+                                              expected_zero_rows=expected_zero_rows if not acc_in else 0)
 
-    def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, acc: jax.Array,
-              layer: Any) -> jax.Array:
-        return xla(_dequantized_ragged_dot(x, q, scale, gs, layer, w.block, acc.dtype), acc)
+    def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, layer: Any,
+              *acc_in: jax.Array) -> jax.Array:
+        start = acc_in[0] if acc_in else zeros()
+        return xla(_dequantized_ragged_dot(x, q, scale, gs, layer, w.block, start.dtype), start)
 
-    args = (x, q, w.scale, group_sizes, dest, acc, layer)
-    if acc.shape[1:] != (n // 128, 128):
+    args = (x, q, w.scale, group_sizes, dest, layer, *([] if acc is None else [acc]))
+    if acc_shape[1:] != (n // 128, 128):
         return other(*args)  # the kernel addresses rows of 128-lane tiles only (kernel_rows)
     if interpret:
         return tpu(*args)

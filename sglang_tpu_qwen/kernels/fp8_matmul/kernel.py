@@ -67,20 +67,24 @@ def _kernel(
     _layer_ref, group_ref, tile_ref, start_ref, end_ref, total_ref,  # scalar prefetch (SMEM)
     x_ref, *refs,
     tm: int, tk: int, tn: int, k_dim: int, block: tuple[int, int], swiglu: bool, row_scale: bool, scatter: bool,
-    gather: bool,
+    gather: bool, acc_in: bool = False, zeroing: bool = False,
 ):
     """One (N tile, visit, K tile) grid step. refs: (q, scale) per weight (two for SwiGLU: gate, up), the
     row scale [tm, 1] when given, for a gather the row ids of this visit's and the next visit's tiles
-    (SMEM), for a scatter the tile's destination rows (SMEM) and the accumulator's input (aliased to the
-    output), the output, one f32 accumulator per weight, then for a scatter a VMEM row buffer and two DMA
-    semaphores, for a gather two slots of gathered rows, the rows as a [tm, K] matrix and two DMA
-    semaphores. With a gather, ``x_ref`` is the row source in HBM."""
+    (SMEM), for a scatter the tile's destination rows (SMEM), the accumulator's input (``acc_in``: aliased
+    to the output) and the rows this visit zeroes (``zeroing``, SMEM), the output, one f32 accumulator per
+    weight, then for a scatter a VMEM row buffer, a zero row and three DMA semaphores, for a gather two slots
+    of gathered rows, the rows as a [tm, K] matrix and two DMA semaphores. With a gather, ``x_ref`` is the
+    row source in HBM."""
     n_w = 2 if swiglu else 1
     weights = [refs[2 * i : 2 * i + 2] for i in range(n_w)]
     refs = refs[2 * n_w :]
     rs_ref, refs = (refs[0], refs[1:]) if row_scale else (None, refs)
     ids_refs, refs = (refs[:2], refs[2:]) if gather else (None, refs)
-    dest_ref, refs = (refs[0], refs[2:]) if scatter else (None, refs)
+    dest_ref, zero_ref = None, None
+    if scatter:
+        dest_ref, refs = refs[0], refs[2 if acc_in else 1 :]
+        zero_ref, refs = (refs[0], refs[1:]) if zeroing else (None, refs)
     o_ref, accs, rest = refs[0], refs[1 : 1 + n_w], refs[1 + n_w :]
     t, k = pl.program_id(1), pl.program_id(2)
     b0, b1 = block
@@ -117,6 +121,8 @@ def _kernel(
     if scatter:
         _scatter_add_rows(accs[0], dest_ref, o_ref, *rest, group_ref, tile_ref, start_ref, end_ref, total_ref[0],
                           t, k, pl.num_programs(2) - 1, tm)
+        if zeroing:
+            _zero_rows(zero_ref, o_ref, *rest, t, k, pl.num_programs(2) - 1)
         return
 
     @pl.when(k == pl.num_programs(2) - 1)
@@ -168,7 +174,29 @@ def _gather_rows(x_hbm: Any, ids_ref: Any, next_ids_ref: Any, xbuf: Any, x2d: An
             x2d[pl.ds(r, 1), :] = xbuf[step & 1, r].astype(jnp.float32).reshape(1, x2d.shape[1])
 
 
-def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, sem: Any, group_ref: Any,
+def _zero_rows(zero_ref: Any, out_hbm: Any, _buf_ref: Any, zrow: Any, sem: Any, t: jax.Array, k: jax.Array,
+               last_k: jax.Array) -> None:
+    """``out_hbm[row] = 0`` for the rows listed for visit ``t`` (``zero_ref[t & 7]``, -1 = none): one DMA each
+    from a zero row in VMEM, started at the visit's first K step and waited for at its last. The listed rows
+    are ones no product touches, so these writes never meet the scatter's."""
+    def each(fn: Any) -> None:
+        @pl.loop(0, zero_ref.shape[1])
+        def _(j):
+            row = zero_ref[t & 7, j]
+            pl.when(row >= 0)(lambda: fn(row))
+
+    def copy(row: jax.Array) -> Any:
+        return pltpu.make_async_copy(zrow, out_hbm.at[pl.ds(row, 1)], sem.at[2])
+
+    @pl.when(jnp.logical_and(t == 0, k == 0))
+    def _():
+        zrow[...] = jnp.zeros_like(zrow)
+
+    pl.when(k == 0)(lambda: each(lambda row: copy(row).start()))
+    pl.when(k == last_k)(lambda: each(lambda row: copy(row).wait()))
+
+
+def _scatter_add_rows(acc_ref: Any, dest_ref: Any, out_hbm: Any, buf_ref: Any, _zrow: Any, sem: Any, group_ref: Any,
                       tile_ref: Any, start_ref: Any, end_ref: Any, total: jax.Array, t: jax.Array, k: jax.Array,
                       last_k: jax.Array, tm: int) -> None:
     """``out_hbm[dest[r]] += acc[r]`` for the rows of visit ``t``'s group in its tile, each product rounded to
@@ -228,19 +256,19 @@ def _tile(dim: int, target: int, unit: int) -> int:
 
 def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None,
           n_w: int = 1, scatter: bool = False, gather: bool = False, tiles_n: int = 1,
-          overwrites: int = 0) -> pl.CostEstimate:
+          overwrites: int = 0, zeros: int = 0) -> pl.CostEstimate:
     """XLA cannot see into the kernel; this is its traffic. Weights (``n_w`` of them): FP8 bytes of the groups
     that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when
     ``expected_rows`` is None); scales once per visited group; activations for the row tiles the groups
     visit (the rows they cover plus one shared tile per group boundary; tiles past the groups are not read
     or written): read once per N tile (the grid walks the row tiles again for each), written once. A gather
     reads the covered rows only; a scatter reads and writes each covered row's destination instead of
-    writing the output (``overwrites`` of them only written)."""
+    writing the output (``overwrites`` of them only written), and writes the ``zeros`` rows it zeroes."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
     weight = n_w * active * (k * n + 4 * -(-k // 128) * -(-n // 128))
     visited = min(m, rows + int(active) * tm)
-    out_rows = 2 * rows - min(overwrites, rows) if scatter else visited
+    out_rows = 2 * rows - min(overwrites, rows) + zeros if scatter else visited
     acts = tiles_n * (rows if gather else visited) * k * itemsize + out_rows * n * itemsize
     return pl.CostEstimate(flops=2 * n_w * rows * k * n, transcendentals=rows * n if n_w == 2 else 0,
                            bytes_accessed=int(weight + acts))
@@ -347,24 +375,27 @@ def fp8_grouped_swiglu(
                          gather=row_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "tm", "tk", "interpret", "expected_rows", "expected_overwrites"),
-                   donate_argnames=("acc",))
+@functools.partial(jax.jit, static_argnames=("num_rows", "block", "tm", "tk", "interpret", "expected_rows",
+                                             "expected_overwrites", "expected_zero_rows"), donate_argnames=("acc",))
 def fp8_grouped_matmul_scatter_add(
     x: jax.Array,
     q: jax.Array,
     scale: jax.Array,
     group_sizes: jax.Array,
     dest: jax.Array,
-    acc: jax.Array,
+    acc: jax.Array | None,
     layer: jax.Array | int | None = None,
     overwrite: jax.Array | None = None,
+    zero_rows: jax.Array | None = None,
     *,
+    num_rows: int | None = None,
     block: tuple[int, int] = (128, 128),
     tm: int = 128,
     tk: int = 2048,
     interpret: bool | pltpu.InterpretParams = False,
     expected_rows: int | None = None,
     expected_overwrites: int = 0,
+    expected_zero_rows: int = 0,
 ) -> jax.Array:
     """``acc[dest[r]] += x[r] @ w[group(r)]`` for every row ``r`` the groups cover (module docstring), or
     ``=`` where ``overwrite[r]``.
@@ -375,11 +406,17 @@ def fp8_grouped_matmul_scatter_add(
             the groups are not read).
         acc: ``[R, N // 128, 128]``, the accumulator (donated: updated in place). Each product is rounded to
             ``acc.dtype`` and added in float32, as ``acc.at[dest].add(product.astype(acc.dtype))``; a row's
-            products from several groups are added in group order.
+            products from several groups are added in group order. None: a new ``[num_rows, N // 128, 128]``
+            accumulator in ``x.dtype`` that nothing zeroes first: defined only in the rows the call writes
+            (an ``overwrite`` row before any add, ``zero_rows``).
         overwrite: ``[M]`` bool or None: row ``r``'s product replaces ``acc[dest[r]]`` (not read: a caller
             that knows the row is still zero, its first write, saves the read).
+        zero_rows: ``[Z]`` int32 or None: rows set to zero (-1 entries are skipped), one DMA each spread over
+            the visits; none of them may be a destination of a covered row.
+        num_rows: R when ``acc`` is None.
         block, tm, tk, expected_rows: as :func:`fp8_grouped_matmul` (the N tile is all of N).
-        expected_overwrites: XLA's cost model only: covered rows expected to have ``overwrite`` set.
+        expected_overwrites, expected_zero_rows: XLA's cost model only: covered rows expected to have
+            ``overwrite`` set, and real entries of ``zero_rows``.
         interpret: as :func:`fp8_grouped_matmul`, or the ``pltpu.InterpretParams`` to interpret with (tests:
             DMAs executed only when waited for, so a missing wait shows as a wrong sum).
 
@@ -390,27 +427,36 @@ def fp8_grouped_matmul_scatter_add(
         ValueError: a shape mismatch, N not a multiple of 128, or an unusable block size.
     """
     n = q.shape[-1]
-    if n % 128 or acc.shape[1:] != (n // 128, 128):
-        raise ValueError(f"acc {acc.shape} is not [R, {n} // 128, 128] (N must be a multiple of 128)")
+    if acc is None:
+        if num_rows is None:
+            raise ValueError("a new accumulator (acc None) needs num_rows")
+        acc_shape = (num_rows, n // 128, 128)
+    else:
+        acc_shape = acc.shape
+    if n % 128 or acc_shape[1:] != (n // 128, 128):
+        raise ValueError(f"acc {acc_shape} is not [R, {n} // 128, 128] (N must be a multiple of 128)")
     if dest.shape != (x.shape[0],):
         raise ValueError(f"dest {dest.shape} is not [{x.shape[0]}]")
     if overwrite is not None:
         if overwrite.shape != dest.shape:
             raise ValueError(f"overwrite {overwrite.shape} is not [{x.shape[0]}]")
         dest = jnp.where(overwrite, -1 - dest, dest)  # the kernel's encoding (_scatter_add_rows)
+    counts = (expected_overwrites if overwrite is not None else 0, expected_zero_rows if zero_rows is not None else 0)
     return _grouped_call(x, [(q, scale)], group_sizes, layer, None, block=block, tm=tm, tk=tk, tn=n,
-                         interpret=interpret, expected_rows=expected_rows, zero_tail=False, scatter=(dest, acc),
-                         overwrites=expected_overwrites if overwrite is not None else 0)
+                         interpret=interpret, expected_rows=expected_rows, zero_tail=False,
+                         scatter=(dest, acc, acc_shape[0], zero_rows), scatter_counts=counts)
 
 
 def _grouped_call(
     x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], group_sizes: jax.Array, layer: Any,
     row_scale: jax.Array | None, *, block: tuple[int, int], tm: int, tk: int, tn: int,
     interpret: bool | pltpu.InterpretParams, expected_rows: int | None, zero_tail: bool,
-    scatter: tuple[jax.Array, jax.Array] | None = None, gather: jax.Array | None = None, overwrites: int = 0,
+    scatter: tuple[jax.Array, jax.Array | None, int, jax.Array | None] | None = None, gather: jax.Array | None = None,
+    scatter_counts: tuple[int, int] = (0, 0),
 ) -> jax.Array:
     """The pallas_call of :func:`fp8_grouped_matmul` (one weight), :func:`fp8_grouped_swiglu` (two; ``gather``
-    = its row ids) and :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc)``)."""
+    = its row ids) and :func:`fp8_grouped_matmul_scatter_add` (one, ``scatter = (dest, acc or None, rows,
+    zero_rows or None)``; ``scatter_counts``: its expected overwrites and zeroed rows, for the cost)."""
     if scatter is not None and gather is not None:
         raise ValueError("a call gathers its rows or scatters its products, not both")
     q, scale = weights[0]
@@ -447,7 +493,8 @@ def _grouped_call(
     n_w = len(weights)
     kernel = functools.partial(_kernel, tm=tm, tk=tk, tn=tn, k_dim=k_dim, block=(b0, b1), swiglu=n_w == 2,
                                row_scale=row_scale is not None, scatter=scatter is not None,
-                               gather=gather is not None)
+                               gather=gather is not None, acc_in=scatter is not None and scatter[1] is not None,
+                               zeroing=scatter is not None and scatter[3] is not None)
     vmem = 2 * (tm * tk * x.dtype.itemsize + n_w * tk * tn + tm * tn * x.dtype.itemsize) + n_w * tm * tn * 4
     vmem += tk * tn * (x.dtype.itemsize + 4) + 2 * n_w * kb_pad * 128 * 4 + 2 * tm * 128 * 4
     weight_specs = [
@@ -485,13 +532,27 @@ def _grouped_call(
     out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
     aliases: dict[int, int] = {}
     if scatter is not None:
-        dest, acc = scatter
-        in_specs += [tile_block(False), pl.BlockSpec(memory_space=pl.ANY)]
-        operands += [per_tile(dest), acc]
-        aliases = {6 + 1 + len(operands) - 1: 0}  # scalar prefetch, x, then the operands: acc is the last
-        out_spec, out_shape = pl.BlockSpec(memory_space=pl.ANY), jax.ShapeDtypeStruct(acc.shape, acc.dtype)
-        scratch += [pltpu.VMEM((tm, *acc.shape[1:]), acc.dtype), pltpu.SemaphoreType.DMA((2,))]
-        vmem += 2 * tm * tn * acc.dtype.itemsize  # the row buffer (rows padded to a whole tile of sublanes)
+        dest, acc, acc_rows, zero_rows = scatter
+        acc_dtype = x.dtype if acc is None else acc.dtype
+        in_specs.append(tile_block(False))
+        operands.append(per_tile(dest))
+        if acc is not None:
+            in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+            operands.append(acc)
+            aliases = {6 + 1 + len(operands) - 1: 0}  # scalar prefetch, x, then the operands: acc is the last
+        if zero_rows is not None:
+            # Spread over the visits: visit t zeroes row (t & 7) of its 8-visit SMEM block (as per_tile).
+            per_visit = max(1, -(-zero_rows.shape[0] // num_visits))
+            visits8 = -(-num_visits // 8) * 8
+            table = jnp.pad(zero_rows.astype(jnp.int32), (0, visits8 * per_visit - zero_rows.shape[0]),
+                            constant_values=-1).reshape(visits8, per_visit)
+            in_specs.append(pl.BlockSpec((8, per_visit), lambda j, t, kk, *_: (t >> 3, 0), memory_space=pltpu.SMEM))
+            operands.append(table)
+        row_shape = (n // 128, 128)
+        out_spec, out_shape = pl.BlockSpec(memory_space=pl.ANY), jax.ShapeDtypeStruct((acc_rows, *row_shape), acc_dtype)
+        scratch += [pltpu.VMEM((tm, *row_shape), acc_dtype), pltpu.VMEM((1, *row_shape), acc_dtype),
+                    pltpu.SemaphoreType.DMA((3,))]
+        vmem += 2 * tm * tn * jnp.dtype(acc_dtype).itemsize  # the row buffer (rows padded to whole sublane tiles)
     if gather is not None:
         scratch += [pltpu.VMEM((2, tm, *x.shape[1:]), x.dtype), pltpu.VMEM((tm, k_dim), jnp.float32),
                     pltpu.SemaphoreType.DMA((2,))]
@@ -517,7 +578,7 @@ def _grouped_call(
         interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
             pltpu.InterpretParams() if interpret else False),
         cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None,
-                            gather is not None, tiles_n, overwrites),
+                            gather is not None, tiles_n, *scatter_counts),
     )(layer_arr, group, tile, starts, ends, total, x, *operands)
     if scatter is not None:
         return out
