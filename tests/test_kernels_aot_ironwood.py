@@ -105,7 +105,7 @@ def test_fused_gdn_compiles_for_ironwood(device, batch: int, tokens: int, state_
         _spec((conv_dim, KCONV), jnp.bfloat16, device),
         _spec((batch, tokens, HV), jnp.float32, device),
         _spec((batch, tokens, HV), jnp.float32, device),
-        _spec((layers, slots, conv_dim, KCONV - 1), state_dtype, device),
+        _spec((layers, slots * (KCONV - 1), conv_dim), state_dtype, device),
         _spec((layers, slots, HV, DK, DV), state_dtype, device),
         _spec((), jnp.int32, device),
         _spec((batch,), jnp.int32, device),

@@ -111,7 +111,7 @@ def _gdn_case(mix: Mix, small: bool, dtype) -> tuple[tuple, dict, float, float]:
             jnp.asarray(rng.standard_normal((conv_dim, 4)) * 0.5, dtype),
             jnp.asarray(-rng.uniform(0, 0.5, (b, t, hv)) * valid, jnp.float32),
             jnp.asarray(rng.uniform(0, 1, (b, t, hv)) * valid, jnp.float32),
-            jnp.zeros((1, b + 1, conv_dim, 3), jnp.float32), jnp.zeros((1, b + 1, hv, dk, dv), jnp.float32),
+            jnp.zeros((1, (b + 1) * 3, conv_dim), jnp.float32), jnp.zeros((1, b + 1, hv, dk, dv), jnp.float32),
             jnp.int32(0), jnp.arange(1, b + 1, dtype=jnp.int32), jnp.asarray(lens),
             jnp.asarray(np.asarray(mix.prefix) == 0))
     dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)

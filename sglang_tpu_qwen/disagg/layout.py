@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.disagg.errors import TransferError
+from sglang_tpu_qwen.model import conv_pool
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 PROTOCOL_VERSION = 1
@@ -46,7 +47,7 @@ class StateLayout:
             kv_dtype=np.dtype(k.dtype).name,
             state_dtype=np.dtype(conv.dtype).name,
             kv_token_shape=(k.shape[0], k.shape[3], k.shape[4]),
-            conv_shape=(conv.shape[0], conv.shape[2], conv.shape[3]),
+            conv_shape=(conv.shape[0], conv.shape[2], conv_pool.taps_of(conv, rec.shape[1])),
             rec_shape=(rec.shape[0], rec.shape[2], rec.shape[3], rec.shape[4]),
         )
 

@@ -235,7 +235,8 @@ class PrefixCache:
 
     def _demote(self, sid: int, key: tuple[int, ...]) -> None:
         cache = self.runner.cache
-        nbytes = sum(cache[k].nbytes // cache[k].shape[1] for k in ("conv", "rec"))  # one slot, all GDN layers
+        # One slot, all GDN layers (the rec pool's dim 1 is its slots; the conv pool holds K-1 rows per slot).
+        nbytes = sum(cache[k].nbytes for k in ("conv", "rec")) // cache["rec"].shape[1]
         if not self.host.fits(nbytes):  # decided before reading: no device copy for a snapshot the host cannot hold
             return
         conv, rec = self.runner.read_slot(sid)

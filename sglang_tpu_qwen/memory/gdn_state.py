@@ -1,10 +1,11 @@
 """Device-side operations on GDN state slots: copy (snapshot <-> running), NaN-fill, host transfer.
 
-The GDN state of one sequence is the conv window and the recurrent state of every GDN layer:
-cache["conv"][:, slot] ([n_gdn_layers, conv_dim, K-1]) and cache["rec"][:, slot]
-([n_gdn_layers, Hv, dk, dv]). Running requests and prefix-cache snapshots both live in these arrays;
-only the id pools that hand slots out tell them apart. Each function here touches all GDN layers in
-one jitted scatter, with the cache donated so it is updated in place.
+The GDN state of one sequence is the conv window and the recurrent state of every GDN layer: the slot's
+K-1 rows of cache["conv"] ([n_gdn_layers, slots * (K-1), conv_dim], model/conv_pool.py; a host copy is
+[n_gdn_layers, conv_dim, K-1]) and cache["rec"][:, slot] ([n_gdn_layers, Hv, dk, dv]). Running requests
+and prefix-cache snapshots both live in these arrays; only the id pools that hand slots out tell them
+apart. Each function here touches all GDN layers in one jitted scatter, with the cache donated so it is
+updated in place.
 
 With data-parallel attention the slot axis is split over the mesh's batch axes (parallel/sharding.py) and
 callers pass global slot ids; a copy never crosses ranks (a rank's snapshots hold its own requests'
@@ -25,29 +26,39 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sglang_tpu_qwen.model import conv_pool
 from sglang_tpu_qwen.utils import next_pow2
 
 GDN_KEYS = ("conv", "rec")
 
 
+def _taps(cache: dict) -> int:
+    return conv_pool.taps_of(cache["conv"], cache["rec"].shape[1])
+
+
+def _index(cache: dict, key: str, slots: jax.Array) -> jax.Array:
+    """Indices along dim 1 of ``cache[key]`` for ``slots``: the slots themselves, or the conv pool's rows."""
+    return conv_pool.slot_rows(slots, _taps(cache)) if key == "conv" else slots
+
+
 def _copy_body(cache: dict, src: jax.Array, dst: jax.Array) -> dict:
     out = dict(cache)
     for key in GDN_KEYS:  # out-of-range destinations (per-rank padding) are dropped
-        out[key] = cache[key].at[:, dst].set(cache[key][:, src], mode="drop")
+        out[key] = cache[key].at[:, _index(cache, key, dst)].set(cache[key][:, _index(cache, key, src)], mode="drop")
     return out
 
 
 def _fill_nan_body(cache: dict, slots: jax.Array) -> dict:
     out = dict(cache)
     for key in GDN_KEYS:
-        out[key] = cache[key].at[:, slots].set(jnp.nan, mode="drop")
+        out[key] = cache[key].at[:, _index(cache, key, slots)].set(jnp.nan, mode="drop")
     return out
 
 
 def _write_body(cache: dict, slot: jax.Array, conv: jax.Array, rec: jax.Array) -> dict:
     slot = slot.reshape(())  # a scalar, or this rank's one-element block of ids under shard_map
     out = dict(cache)
-    out["conv"] = cache["conv"].at[:, slot].set(conv, mode="drop")
+    out["conv"] = conv_pool.write_slot(cache["conv"], slot, conv)
     out["rec"] = cache["rec"].at[:, slot].set(rec, mode="drop")
     return out
 
@@ -88,7 +99,7 @@ def _rank_split(cache: dict) -> _RankSplit | None:
     ranks = math.prod(sharding.mesh.shape[a] for a in axes)
     if ranks == 1:
         return None
-    return _RankSplit(sharding.mesh, axes, ranks, cache["conv"].shape[1] // ranks)
+    return _RankSplit(sharding.mesh, axes, ranks, cache["rec"].shape[1] // ranks)
 
 
 def _per_rank(split: _RankSplit, columns: list[list[int]], fill: int) -> list[np.ndarray]:
@@ -157,17 +168,23 @@ def fill_nan(cache: dict, slots: list[int]) -> dict:
 
 def read_slot(cache: dict, slot: int) -> tuple[np.ndarray, np.ndarray]:
     """Host copies of one slot's state: (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv])."""
+    taps = _taps(cache)
     if _rank_split(cache) is not None:  # read from the device holding the slot, no collective
-        return _read_local(cache["conv"], slot), _read_local(cache["rec"], slot)
-    return np.asarray(cache["conv"][:, slot]), np.asarray(cache["rec"][:, slot])
+        return _read_local(cache["conv"], slot, taps), _read_local(cache["rec"], slot)
+    return np.asarray(conv_pool.read_slot(cache["conv"], slot, taps)), np.asarray(cache["rec"][:, slot])
 
 
-def _read_local(arr: jax.Array, slot: int) -> np.ndarray:
+def _read_local(arr: jax.Array, slot: int, taps: int | None = None) -> np.ndarray:
+    """Slot ``slot`` of ``arr`` from the shard holding it (the conv pool's rows when ``taps`` is given)."""
+    row = slot if taps is None else slot * taps
     for shard in arr.addressable_shards:
         block = shard.index[1]
         start, stop = block.start or 0, arr.shape[1] if block.stop is None else block.stop
-        if start <= slot < stop:
-            return np.asarray(shard.data[:, slot - start])
+        if start <= row < stop:
+            local = np.asarray(shard.data)
+            if taps is None:
+                return local[:, row - start]
+            return conv_pool.host_slot(local, (row - start) // taps, taps)
     raise ValueError(f"slot {slot} is not held by this process")
 
 

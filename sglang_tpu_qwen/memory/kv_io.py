@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sglang_tpu_qwen.model import conv_pool
 from sglang_tpu_qwen.utils import next_pow2
 
 
@@ -43,7 +44,8 @@ def gather_kv(cache: dict, pages: list[int], page_size: int, start: int, end: in
 
 def read_gdn(cache: dict, slot: int) -> tuple[jax.Array, jax.Array]:
     """GDN state of one slot: (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv]) device arrays."""
-    return cache["conv"][:, slot], cache["rec"][:, slot]
+    taps = conv_pool.taps_of(cache["conv"], cache["rec"].shape[1])
+    return conv_pool.read_slot(cache["conv"], slot, taps), cache["rec"][:, slot]
 
 
 def _scatter_impl(cache: dict, pages: jax.Array, k_tok: jax.Array, v_tok: jax.Array) -> dict:
@@ -57,7 +59,7 @@ def _scatter_impl(cache: dict, pages: jax.Array, k_tok: jax.Array, v_tok: jax.Ar
 
 def _write_gdn_impl(cache: dict, slot: jax.Array, conv: jax.Array, rec: jax.Array) -> dict:
     out = dict(cache)
-    out["conv"] = cache["conv"].at[:, slot].set(conv.astype(cache["conv"].dtype))
+    out["conv"] = conv_pool.write_slot(cache["conv"], slot, conv)
     out["rec"] = cache["rec"].at[:, slot].set(rec.astype(cache["rec"].dtype))
     return out
 

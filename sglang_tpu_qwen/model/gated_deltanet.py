@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.model.norms import gated_rms_norm, l2_normalize
 from sglang_tpu_qwen.parallel.fp8 import linear
 
@@ -280,7 +281,8 @@ def gdn_layer_pooled(
 
     Args:
         p, x, valid, new_lens, config: as :func:`gdn_layer`.
-        conv_pool: ``[L_gdn, S, conv_dim, K-1]``; rec_pool: ``[L_gdn, S, Hv, dk, dv]`` (all GDN layers).
+        conv_pool: ``[L_gdn, S * (K-1), conv_dim]`` (model/conv_pool.py); rec_pool: ``[L_gdn, S, Hv, dk, dv]``
+            (all GDN layers).
         layer: GDN-layer index; slot_ids: ``[B]`` int32; fresh: ``[B]`` bool (read the states as zeros).
         pooled_mix: ``kernels.gdn.kernel.fused_gdn`` (or its reference) with ``interpret`` bound.
 
@@ -314,7 +316,8 @@ def gdn_layer_on_pools(
     """:func:`gdn_layer` reading and writing each row's state in the slot pools (jnp reference path).
 
     Args:
-        conv: ``[n_gdn_layers, num_slots, conv_dim, K-1]``; rec: ``[n_gdn_layers, num_slots, Hv, dk, dv]``.
+        conv: ``[n_gdn_layers, num_slots * (K-1), conv_dim]`` (model/conv_pool.py); rec: ``[n_gdn_layers,
+            num_slots, Hv, dk, dv]``.
         layer: index of this layer among the GDN layers; slot_ids: ``[B]`` int32.
         fresh: ``[B]`` bool, rows starting a sequence: their slot is read as zeros (whatever it holds).
         Others as in :func:`gdn_layer`.
@@ -323,7 +326,8 @@ def gdn_layer_on_pools(
         ``(out [B, T, H], conv, rec)`` with the rows' new states written to their slots.
     """
     f = fresh[:, None, None]
-    conv_s = jnp.where(f, 0, conv[layer, slot_ids])
+    taps = config.linear_conv_kernel_dim - 1
+    conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, slot_ids, taps), 1, 2))  # [B, C, K-1]
     rec_s = jnp.where(f[..., None], 0, rec[layer, slot_ids])
     out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, valid, new_lens, config, recurrent)
-    return out, conv.at[layer, slot_ids].set(conv_s), rec.at[layer, slot_ids].set(rec_s)
+    return out, scatter_windows(conv, layer, slot_ids, jnp.swapaxes(conv_s, 1, 2)), rec.at[layer, slot_ids].set(rec_s)

@@ -24,18 +24,17 @@ normalised once for all of them. Inputs are read straight from the model's array
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
     conv_weight  [conv_dim, K]
     g, beta      [B, T, Hv] float32  log-decay and write strength (0 at padded tokens)
-    conv_pool    [L, S, conv_dim, K-1]   all GDN layers' conv states (docs/internals.md)
+    conv_pool    [L, S * (K-1), conv_dim]   all GDN layers' conv windows (model/conv_pool.py)
     rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
     layer, slot_ids [B], new_lens [B], fresh [B]: scalar-prefetched (SMEM)
 
 The recurrent state block of (layer, slot_ids[b], kh) is selected by the BlockSpec index map from the
 prefetched slot ids and stays resident in VMEM across the token blocks (its index does not depend on the
 token axis), so each state is read once and written once per call, in place. The conv window (K-1
-inputs per channel) enters as the rows' ``[B, K-1, conv_dim]`` slice of the pool, gathered and transposed
-by XLA (taps-major is lane-dense; the pool's ``[conv_dim, K-1]`` tiles would pad K-1 to 128 lanes, and
-handing the pool itself to Mosaic made XLA copy all of it around the call: 8.9 GiB at 45 layers x 33
-slots). The window lives in a resident output block across token blocks and XLA scatters it back into the
-pool (B x 3 x conv_dim values per layer, <0.3% of a row's state bytes).
+inputs per channel) enters as the batch's ``[B, K-1, conv_dim]`` rows of the pool (taps-major,
+lane-dense), gathered by XLA (handing the pool itself to Mosaic made XLA copy all of it around the call:
+8.9 GiB at 45 layers x 33 slots). The window lives in a resident output block across token blocks and XLA
+scatters it back into the pool (B x 3 x conv_dim values per layer, <0.3% of a row's state bytes).
 
 ``block_t`` (default 256, a multiple of C) bounds VMEM: at Qwen3.5-397B shapes (dk = dv = 128, r = 4) a
 step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving room
@@ -55,6 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from sglang_tpu_qwen.model.conv_pool import gather_windows, scatter_windows
 
 CHUNK_SIZE = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -209,7 +210,8 @@ def fused_gdn(
         mixed: ``[B, T, conv_dim]`` pre-conv channels, ``conv_dim = 2 * Hk * dk + Hv * dv``; 0 at padding.
         conv_weight: ``[conv_dim, K]`` depthwise kernel.
         g, beta: ``[B, T, Hv]`` float32, 0 at padded tokens.
-        conv_pool: ``[L, S, conv_dim, K-1]``, donated. rec_pool: ``[L, S, Hv, dk, dv]``, donated.
+        conv_pool: ``[L, S * (K-1), conv_dim]`` (model/conv_pool.py), donated. rec_pool: ``[L, S, Hv, dk, dv]``,
+            donated.
         layer: GDN-layer index (int32 scalar, may be traced).
         slot_ids: ``[B]`` int32 state slot per row (padding rows use trash slot 0).
         new_lens: ``[B]`` int32 valid tokens per row.
@@ -261,10 +263,9 @@ def fused_gdn(
     def by_group(a: jax.Array) -> jax.Array:  # [B, Tp, Hv] -> [B, Hk, Tp, r]
         return a.astype(jnp.float32).reshape(bsz, tp, hk, r).transpose(0, 2, 1, 3)
 
-    # The conv window goes through XLA as [B, K-1, conv_dim] (taps-major, lane-dense): the pool's
-    # [.., conv_dim, K-1] layout would be padded from K-1 to 128 lanes if it were a Mosaic operand, making
-    # XLA relayout (copy) the whole pool around the call. The gather/scatter moves only B x K-1 x conv_dim.
-    conv_rows = jnp.swapaxes(conv_pool[layer, slot_ids], 1, 2)
+    # The conv windows go through XLA as [B, K-1, conv_dim], the rows of the batch's slots: a Mosaic operand
+    # of the whole pool would make XLA copy it around the call. The gather/scatter moves B x K-1 x conv_dim.
+    conv_rows = gather_windows(conv_pool, layer, slot_ids, km1)
 
     norm = None
     norm_in_specs, norm_args = [], []
@@ -332,6 +333,5 @@ def fused_gdn(
         conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
         *norm_args,
     )
-    conv_new = jnp.swapaxes(jnp.concatenate([cq, ck, cv], axis=-1), 1, 2)
-    conv_pool = conv_pool.at[layer, slot_ids].set(conv_new)
+    conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1))
     return o.reshape(bsz, tp, hv, dv)[:, :t], conv_pool, rec_pool

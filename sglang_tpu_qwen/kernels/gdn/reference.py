@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.model.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.model.gated_deltanet import gdn_mix
 from sglang_tpu_qwen.model.norms import gated_rms_norm
 
@@ -39,7 +40,7 @@ def fused_gdn_reference(
 
     Args:
         mixed: ``[B, T, conv_dim]``; conv_weight: ``[conv_dim, K]``; g, beta: ``[B, T, Hv]`` float32.
-        conv_pool: ``[L, S, conv_dim, K-1]``; rec_pool: ``[L, S, Hv, dk, dv]``.
+        conv_pool: ``[L, S * (K-1), conv_dim]`` (model/conv_pool.py); rec_pool: ``[L, S, Hv, dk, dv]``.
         layer: GDN-layer index; slot_ids, new_lens: ``[B]`` int32; fresh: ``[B]`` bool.
         num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv.
         gate: ``[B, T, Hv * dv]`` or None; norm_weight: ``[dv]``; norm_eps: the output norm (as the kernel).
@@ -55,9 +56,11 @@ def fused_gdn_reference(
         linear_value_head_dim=head_v_dim, gdn_key_dim=num_k_heads * head_k_dim)
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < new_lens[:, None]
     fresh = fresh[:, None, None]
-    conv_s = jnp.where(fresh, 0, conv_pool[layer, slot_ids])
+    taps = conv_weight.shape[1] - 1
+    conv_s = jnp.where(fresh, 0, jnp.swapaxes(gather_windows(conv_pool, layer, slot_ids, taps), 1, 2))
     rec_s = jnp.where(fresh[..., None], 0, rec_pool[layer, slot_ids])
     o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims)  # type: ignore[arg-type]
     if gate is not None:
         o = gated_rms_norm(o.astype(gate.dtype), gate.reshape(o.shape), norm_weight, norm_eps)
-    return o, conv_pool.at[layer, slot_ids].set(conv_s), rec_pool.at[layer, slot_ids].set(rec_s)
+    conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.swapaxes(conv_s, 1, 2))
+    return o, conv_pool, rec_pool.at[layer, slot_ids].set(rec_s)
