@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_qwen.model import conv_pool
+from sglang_tpu_qwen.kernels.gdn import conv_pool
 
 L, S, TAPS, C = 3, 5, 3, 16
 

@@ -67,7 +67,7 @@ def _main() -> None:
         want = np.asarray(plain[key])
         got = np.asarray(split[key])
         np.testing.assert_array_equal(got, want)  # NaNs compare equal here
-        # Slot-indexed views: the conv pool holds K-1 rows per slot (model/conv_pool.py).
+        # Slot-indexed views: the conv pool holds K-1 rows per slot (kernels/gdn/conv_pool.py).
         if key == "conv":
             want = want.reshape(want.shape[0], -1, taps, want.shape[-1])
             host[key] = host[key].reshape(want.shape)

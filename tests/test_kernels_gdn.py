@@ -25,7 +25,7 @@ TOL = 1e-4
 
 
 def _pools(rng, layers=2, slots=8, dtype=jnp.float32):
-    conv = jnp.asarray(rng.standard_normal((layers, slots * (K - 1), CONV_DIM)), dtype)  # model/conv_pool.py
+    conv = jnp.asarray(rng.standard_normal((layers, slots * (K - 1), CONV_DIM)), dtype)  # kernels/gdn/conv_pool.py
     rec = jnp.asarray(rng.standard_normal((layers, slots, HV, DK, DV)) * 0.1, dtype)
     return conv, rec
 

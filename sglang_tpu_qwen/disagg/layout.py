@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.disagg.errors import TransferError
-from sglang_tpu_qwen.model import conv_pool
+from sglang_tpu_qwen.kernels.gdn import conv_pool
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 PROTOCOL_VERSION = 1

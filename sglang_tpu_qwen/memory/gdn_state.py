@@ -1,7 +1,7 @@
 """Device-side operations on GDN state slots: copy (snapshot <-> running), NaN-fill, host transfer.
 
 The GDN state of one sequence is the conv window and the recurrent state of every GDN layer: the slot's
-K-1 rows of cache["conv"] ([n_gdn_layers, slots * (K-1), conv_dim], model/conv_pool.py; a host copy is
+K-1 rows of cache["conv"] ([n_gdn_layers, slots * (K-1), conv_dim], kernels/gdn/conv_pool.py; a host copy is
 [n_gdn_layers, conv_dim, K-1]) and cache["rec"][:, slot] ([n_gdn_layers, Hv, dk, dv]). Running requests
 and prefix-cache snapshots both live in these arrays; only the id pools that hand slots out tell them
 apart. Each function here touches all GDN layers in one jitted scatter, with the cache donated so it is
@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sglang_tpu_qwen.model import conv_pool
+from sglang_tpu_qwen.kernels.gdn import conv_pool
 from sglang_tpu_qwen.utils import next_pow2
 
 GDN_KEYS = ("conv", "rec")

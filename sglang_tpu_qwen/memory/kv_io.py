@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_qwen.model import conv_pool
+from sglang_tpu_qwen.kernels.gdn import conv_pool
 from sglang_tpu_qwen.utils import next_pow2
 
 

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, gdn_kernel
+from sglang_tpu_qwen.kernels.gdn.conv_pool import pool_shape
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.conv_pool import pool_shape
 from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_pooled
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
@@ -45,7 +45,7 @@ def init_cache(
 
     Returns:
         ``{"k", "v": [n_attn_layers, num_pages, page_size, nkv, hd] kv_dtype,
-        "conv": [n_gdn_layers, num_slots * (K-1), conv_dim] state_dtype (model/conv_pool.py),
+        "conv": [n_gdn_layers, num_slots * (K-1), conv_dim] state_dtype (kernels/gdn/conv_pool.py),
         "rec": [n_gdn_layers, num_slots, Hv, dk, dv] state_dtype}``. Page 0 and slot 0 are trash targets.
     """
     kv_shape = (config.num_attn_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.model.norms import gated_rms_norm, l2_normalize
 from sglang_tpu_qwen.parallel.fp8 import linear
 
@@ -281,7 +281,7 @@ def gdn_layer_pooled(
 
     Args:
         p, x, valid, new_lens, config: as :func:`gdn_layer`.
-        conv_pool: ``[L_gdn, S * (K-1), conv_dim]`` (model/conv_pool.py); rec_pool: ``[L_gdn, S, Hv, dk, dv]``
+        conv_pool: ``[L_gdn, S * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec_pool: ``[L_gdn, S, Hv, dk, dv]``
             (all GDN layers).
         layer: GDN-layer index; slot_ids: ``[B]`` int32; fresh: ``[B]`` bool (read the states as zeros).
         pooled_mix: ``kernels.gdn.kernel.fused_gdn`` (or its reference) with ``interpret`` bound.
@@ -316,7 +316,7 @@ def gdn_layer_on_pools(
     """:func:`gdn_layer` reading and writing each row's state in the slot pools (jnp reference path).
 
     Args:
-        conv: ``[n_gdn_layers, num_slots * (K-1), conv_dim]`` (model/conv_pool.py); rec: ``[n_gdn_layers,
+        conv: ``[n_gdn_layers, num_slots * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec: ``[n_gdn_layers,
             num_slots, Hv, dk, dv]``.
         layer: index of this layer among the GDN layers; slot_ids: ``[B]`` int32.
         fresh: ``[B]`` bool, rows starting a sequence: their slot is read as zeros (whatever it holds).

@@ -24,7 +24,7 @@ normalised once for all of them. Inputs are read straight from the model's array
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
     conv_weight  [conv_dim, K]
     g, beta      [B, T, Hv] float32  log-decay and write strength (0 at padded tokens)
-    conv_pool    [L, S * (K-1), conv_dim]   all GDN layers' conv windows (model/conv_pool.py)
+    conv_pool    [L, S * (K-1), conv_dim]   all GDN layers' conv windows (kernels/gdn/conv_pool.py)
     rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
     layer, slot_ids [B], new_lens [B], fresh [B]: scalar-prefetched (SMEM)
 
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sglang_tpu_qwen.model.conv_pool import gather_windows, scatter_windows
+from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 
 CHUNK_SIZE = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -210,7 +210,7 @@ def fused_gdn(
         mixed: ``[B, T, conv_dim]`` pre-conv channels, ``conv_dim = 2 * Hk * dk + Hv * dv``; 0 at padding.
         conv_weight: ``[conv_dim, K]`` depthwise kernel.
         g, beta: ``[B, T, Hv]`` float32, 0 at padded tokens.
-        conv_pool: ``[L, S * (K-1), conv_dim]`` (model/conv_pool.py), donated. rec_pool: ``[L, S, Hv, dk, dv]``,
+        conv_pool: ``[L, S * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py), donated. rec_pool: ``[L, S, Hv, dk, dv]``,
             donated.
         layer: GDN-layer index (int32 scalar, may be traced).
         slot_ids: ``[B]`` int32 state slot per row (padding rows use trash slot 0).

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.model.conv_pool import gather_windows, scatter_windows
+from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.model.gated_deltanet import gdn_mix
 from sglang_tpu_qwen.model.norms import gated_rms_norm
 
@@ -40,7 +40,7 @@ def fused_gdn_reference(
 
     Args:
         mixed: ``[B, T, conv_dim]``; conv_weight: ``[conv_dim, K]``; g, beta: ``[B, T, Hv]`` float32.
-        conv_pool: ``[L, S * (K-1), conv_dim]`` (model/conv_pool.py); rec_pool: ``[L, S, Hv, dk, dv]``.
+        conv_pool: ``[L, S * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec_pool: ``[L, S, Hv, dk, dv]``.
         layer: GDN-layer index; slot_ids, new_lens: ``[B]`` int32; fresh: ``[B]`` bool.
         num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv.
         gate: ``[B, T, Hv * dv]`` or None; norm_weight: ``[dv]``; norm_eps: the output norm (as the kernel).
