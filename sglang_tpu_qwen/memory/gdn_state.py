@@ -180,11 +180,10 @@ def _read_local(arr: jax.Array, slot: int, taps: int | None = None) -> np.ndarra
     for shard in arr.addressable_shards:
         block = shard.index[1]
         start, stop = block.start or 0, arr.shape[1] if block.stop is None else block.stop
-        if start <= row < stop:
-            local = np.asarray(shard.data)
+        if start <= row < stop:  # sliced on the device: only the slot's bytes cross to the host
             if taps is None:
-                return local[:, row - start]
-            return conv_pool.host_slot(local, (row - start) // taps, taps)
+                return np.asarray(shard.data[:, row - start])
+            return np.asarray(conv_pool.read_slot(shard.data, (row - start) // taps, taps))
     raise ValueError(f"slot {slot} is not held by this process")
 
 

@@ -380,9 +380,9 @@ def grouped_scatter_add(
     if acc is None:
         if num_rows is None:
             raise ValueError("a new accumulator (acc None) needs num_rows")
-        r, acc_shape = num_rows, (num_rows, *kernel_rows(w, n))
+        r, acc_shape, acc_dtype = num_rows, (num_rows, *kernel_rows(w, n)), x.dtype
     else:
-        r, acc_shape = acc.shape[0], acc.shape
+        r, acc_shape, acc_dtype = acc.shape[0], acc.shape, acc.dtype
 
     def xla(product: jax.Array, acc: jax.Array) -> jax.Array:
         covered = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
@@ -392,11 +392,11 @@ def grouped_scatter_add(
         flat = flat.at[jnp.where(covered, dest, r)].add(product.astype(acc.dtype), mode="drop")
         return flat.reshape(acc.shape)
 
-    def zeros() -> jax.Array:
-        return jnp.zeros(acc_shape, x.dtype) if acc is None else acc
+    def start() -> jax.Array:  # the accumulator to add into off the kernel
+        return jnp.zeros(acc_shape, acc_dtype) if acc is None else acc
 
     if not isinstance(w, Fp8Weight):
-        return xla(grouped(x, w, group_sizes, out_dtype=zeros().dtype, zero_tail=False), zeros())
+        return xla(grouped(x, w, group_sizes, out_dtype=acc_dtype, zero_tail=False), start())
     interpret = interpret or _INTERPRET[-1]
     q, layer = _stack_and_layer(w)
 
@@ -407,12 +407,12 @@ def grouped_scatter_add(
                                               zero_rows if not acc_in else None, num_rows=r, block=w.block,
                                               interpret=interpret, expected_rows=expected_rows,
                                               expected_overwrites=expected_overwrites,
-                                              expected_zero_rows=expected_zero_rows if not acc_in else 0)
+                                              expected_zero_rows=expected_zero_rows)
 
     def other(x: jax.Array, q: jax.Array, scale: jax.Array, gs: jax.Array, dest: jax.Array, layer: Any,
               *acc_in: jax.Array) -> jax.Array:
-        start = acc_in[0] if acc_in else zeros()
-        return xla(_dequantized_ragged_dot(x, q, scale, gs, layer, w.block, start.dtype), start)
+        product = _dequantized_ragged_dot(x, q, scale, gs, layer, w.block, acc_dtype)
+        return xla(product, acc_in[0] if acc_in else start())
 
     args = (x, q, w.scale, group_sizes, dest, layer, *([] if acc is None else [acc]))
     if acc_shape[1:] != (n // 128, 128):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def pool_shape(num_layers: int, num_slots: int, conv_dim: int, taps: int) -> tuple[int, int, int]:
@@ -61,8 +60,3 @@ def write_slot(conv_pool: jax.Array, slot: int | jax.Array, conv: jax.Array) -> 
     taps = conv.shape[2]
     rows = slot_rows(jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), taps)
     return conv_pool.at[:, rows].set(jnp.swapaxes(conv, 1, 2).astype(conv_pool.dtype), mode="drop")
-
-
-def host_slot(conv_pool: np.ndarray, slot: int, taps: int) -> np.ndarray:
-    """:func:`read_slot` of a host (numpy) pool or pool shard: ``[n_gdn_layers, conv_dim, K-1]``."""
-    return np.swapaxes(np.asarray(conv_pool[:, slot * taps : (slot + 1) * taps]), 1, 2)
