@@ -90,8 +90,12 @@ def _receive(port: int, room: int, prompt: list[int], timeout: float = 10.0) -> 
 
 
 def test_streamed_transfer_over_tcp_and_failures():
-    outbox = Outbox(timeout_s=2.0, stage_to_host=True)
+    # Rooms here are fetched as soon as they open; a 60 s idle timeout keeps a loaded machine (a receiver
+    # attaching late) from dropping one. The two timeout cases run on a second outbox with a short one.
+    outbox = Outbox(timeout_s=60.0, stage_to_host=True)
     server, port = _serve(outbox)
+    short = Outbox(timeout_s=0.5, stage_to_host=True)
+    short_server, short_port = _serve(short)
     try:
         prompt = list(range(5))
         k = np.random.default_rng(0).standard_normal((2, 5, 1, 4)).astype(np.float32)
@@ -132,10 +136,10 @@ def test_streamed_transfer_over_tcp_and_failures():
         assert r.status == "failed" and r.error.status == 400
 
         # Nobody fetches: the room is dropped after the timeout; a fetch of a room that never opens fails.
-        outbox.open(5, _header(prompt))
-        wait_for(lambda: outbox.stats()["outbox_rooms"] == 0, 20, "the unfetched room to be dropped", 0.05)
-        assert 5 in outbox.take_cancelled()
-        r = _receive(port, 6, prompt)
+        short.open(5, _header(prompt))
+        wait_for(lambda: short.stats()["outbox_rooms"] == 0, 20, "the unfetched room to be dropped", 0.05)
+        assert 5 in short.take_cancelled()
+        r = _receive(short_port, 6, prompt)
         assert r.status == "failed" and "timed out" in r.error.message
 
         # The decode side cancels before the prefill opens the room: the prefill leg is refused.
@@ -145,8 +149,10 @@ def test_streamed_transfer_over_tcp_and_failures():
         r.cancel()
         assert done.wait(5) and r.status == "waiting"  # cancelled, not failed
         wait_for(lambda: 7 in outbox.take_cancelled(), 20, "the cancel to reach the prefill side", 0.05)
-        assert outbox.stats()["outbox_fetches_waiting"] == 0
+        # The cancel wakes the waiting fetch; it ends (and leaves the count) when its thread next runs.
+        wait_for(lambda: outbox.stats()["outbox_fetches_waiting"] == 0, 20, "the waiting fetch to end", 0.05)
         assert not outbox.open(7, _header(prompt))
     finally:
-        server.shutdown()
-        outbox.close()
+        for srv, box in ((server, outbox), (short_server, short)):
+            srv.shutdown()
+            box.close()
