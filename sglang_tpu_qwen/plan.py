@@ -18,7 +18,8 @@ workloads of the public Ironwood figures (module constant ``WORKLOADS``).
 
 Step shapes: decode = every running request (``max_running_requests``, split over the DP ranks) adds one
 token at the full context length; prefill = each DP rank prefills one fresh sequence of
-``--prefill-tokens`` tokens (the server's ``--chunked-prefill-size``). The KV pool holds
+``--chunked-prefill-size`` tokens (the server's flag, per DP rank; default
+``DEFAULT_CHUNKED_PREFILL_PER_RANK``). The KV pool holds
 ``max_running_requests * context_length`` tokens; GDN slots are the server's (one per running request
 plus its default prefix-cache snapshots, plus each rank's trash slot).
 """
@@ -44,6 +45,14 @@ from sglang_tpu_qwen.model.weights import param_specs
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.parallel.fp8 import fp8_specs
 from sglang_tpu_qwen.parallel.mesh import make_layout
+
+# Prompt tokens one DP rank prefills per step: SGLang's default --chunked-prefill-size on accelerators with
+# 90 GB or more (8192 tokens per step) split over 8 DP ranks, as SGLang splits it under DP attention. A larger
+# chunk buys little: at 64 requests the 8k in / 1k out workload plans 9119 tok/s/chip at 1024 tokens per rank,
+# 9207 at 2048 and 9191 at 4096, while the step's activation traffic (the expert-parallel MoE's all-gathered
+# tokens, pair rows and partial sums, ~1.1 GiB per layer at 4096) grows with the chunk and the weights it
+# amortises do not (README, Performance).
+DEFAULT_CHUNKED_PREFILL_PER_RANK = 1024
 
 # Qwen3.5-397B-A17B text model, from its public config (HF reference). The shared
 # expert width (1024) is the released config's value.
@@ -244,7 +253,7 @@ def plan(
     fp8: bool = False,
     block: tuple[int, int] = (128, 128),
     page_size: int = 64,
-    prefill_tokens: int = 4096,
+    prefill_tokens: int = DEFAULT_CHUNKED_PREFILL_PER_RANK,
     combine: str = "hierarchical",
     steps: tuple[str, ...] = ("decode", "prefill"),
     max_gdn_snapshots: int | None = None,
@@ -429,7 +438,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--context-length", type=int, default=9216)
-    ap.add_argument("--prefill-tokens", type=int, default=4096, help="tokens one DP rank prefills per step")
+    ap.add_argument("--chunked-prefill-size", "--prefill-tokens", dest="prefill_tokens", type=int,
+                    default=DEFAULT_CHUNKED_PREFILL_PER_RANK,
+                    help="server flag: prompt tokens one DP rank prefills per step (the prefill step's bucket)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--moe-combine", choices=("flat", "hierarchical"), default="hierarchical")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (dequantised per tile in the matmuls)")
