@@ -18,8 +18,8 @@ workloads of the public Ironwood figures (module constant ``WORKLOADS``).
 
 Step shapes: decode = every running request (``max_running_requests``, split over the DP ranks) adds one
 token at the full context length; prefill = each DP rank prefills one fresh sequence of
-``--chunked-prefill-size`` tokens (the server's flag, per DP rank; default
-``DEFAULT_CHUNKED_PREFILL_PER_RANK``). The KV pool holds
+its share of ``--chunked-prefill-size`` (the server's flag and default on TPU: 8192 tokens per step over
+the DP ranks, 1024 per rank at dp 8). The KV pool holds
 ``max_running_requests * context_length`` tokens; GDN slots are the server's (one per running request
 plus its default prefix-cache snapshots, plus each rank's trash slot).
 """
@@ -45,14 +45,6 @@ from sglang_tpu_qwen.model.weights import param_specs
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.parallel.fp8 import fp8_specs
 from sglang_tpu_qwen.parallel.mesh import make_layout
-
-# Prompt tokens one DP rank prefills per step: SGLang's default --chunked-prefill-size on accelerators with
-# 90 GB or more (8192 tokens per step) split over 8 DP ranks, as SGLang splits it under DP attention. A larger
-# chunk buys little: at 64 requests the 8k in / 1k out workload plans 9119 tok/s/chip at 1024 tokens per rank,
-# 9207 at 2048 and 9191 at 4096, while the step's activation traffic (the expert-parallel MoE's all-gathered
-# tokens, pair rows and partial sums, ~1.1 GiB per layer at 4096) grows with the chunk and the weights it
-# amortises do not (README, Performance).
-DEFAULT_CHUNKED_PREFILL_PER_RANK = 1024
 
 # Qwen3.5-397B-A17B text model, from its public config (HF reference). The shared
 # expert width (1024) is the released config's value.
@@ -165,6 +157,7 @@ def abstract_runner(config: Qwen35MoeConfig, args: Any, layout: Any, *, fp8: boo
     cshard = sharding.shardings(sharding.cache_pspecs(layout), layout)
     r.cache = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cshard[k]) for k, v in cache.items()}
     r.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform="tpu")
+    args.resolve_chunked_prefill_size("tpu")
     r._build_buckets(args)
     r.debug_nan_fill = False
     r.has_prefix_cache = r.num_snapshot_slots > 0
@@ -253,7 +246,7 @@ def plan(
     fp8: bool = False,
     block: tuple[int, int] = (128, 128),
     page_size: int = 64,
-    prefill_tokens: int = DEFAULT_CHUNKED_PREFILL_PER_RANK,
+    chunked_prefill_size: int | None = None,
     combine: str = "hierarchical",
     steps: tuple[str, ...] = ("decode", "prefill"),
     max_gdn_snapshots: int | None = None,
@@ -278,7 +271,7 @@ def plan(
         raise ValueError(f"--max-running-requests {max_running_requests} is not a multiple of dp={dp}")
     rows_per_rank = max_running_requests // dp
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
-                      context_length=context_length, page_size=page_size, chunked_prefill_size=prefill_tokens,
+                      context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                       max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
                       max_gdn_snapshots=max_gdn_snapshots)
     runner = abstract_runner(config, args, layout, fp8=fp8, block=block)
@@ -300,14 +293,15 @@ def plan(
 
     buckets = {
         "decode": runner.buckets.decode_bucket(rows_per_rank),
-        "prefill": runner.buckets.extend_bucket(1, prefill_tokens)[0],
+        "prefill": runner.buckets.extend_bucket(1, args.chunked_prefill_per_rank)[0],
     }
     report: dict[str, Any] = {
         "model": {"layers": c.num_hidden_layers, "experts": c.num_experts, "top_k": c.num_experts_per_tok,
                   "hidden": c.hidden_size, "fp8": fp8, "fp8_block": list(block)},
         "topology": topology, "devices": n_dev, "chips": n_dev // chip.devices_per_chip, "dp": dp, "ep": ep,
         "moe_combine": combine, "max_running_requests": max_running_requests, "context_length": context_length,
-        "page_size": page_size, "prefill_tokens_per_rank": prefill_tokens,
+        "page_size": page_size, "chunked_prefill_size": args.chunked_prefill_size,
+        "prefill_tokens_per_rank": args.chunked_prefill_per_rank,
         "kernels": {"attention": runner.backends.attention, "gdn": runner.backends.gdn,
                     "fp8_matmul": "pallas" if fp8 else None},
         "chip": dataclasses.asdict(chip),
@@ -438,9 +432,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--context-length", type=int, default=9216)
-    ap.add_argument("--chunked-prefill-size", "--prefill-tokens", dest="prefill_tokens", type=int,
-                    default=DEFAULT_CHUNKED_PREFILL_PER_RANK,
-                    help="server flag: prompt tokens one DP rank prefills per step (the prefill step's bucket)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None,
+                    help="server flag: prompt tokens per prefill step over all DP ranks (default: the server's on "
+                         "TPU, 8192)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--moe-combine", choices=("flat", "hierarchical"), default="hierarchical")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (dequantised per tile in the matmuls)")
@@ -454,8 +448,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     block = (hf_block[1], hf_block[0])  # HF [out, in] blocks; our matrices are [in, out]
     report = plan(
         load_model_config(a.model_config), a.topology, a.dp, a.ep, a.max_running_requests, a.context_length,
-        fp8=a.fp8, block=block, page_size=a.page_size, prefill_tokens=a.prefill_tokens, combine=a.moe_combine,
-        steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
+        fp8=a.fp8, block=block, page_size=a.page_size, chunked_prefill_size=a.chunked_prefill_size,
+        combine=a.moe_combine, steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
     )
     print(format_report(report))
     print(json.dumps(report))

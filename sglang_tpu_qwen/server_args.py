@@ -54,11 +54,15 @@ class ServerArgs:
     dp_size: int = field(default=1, metadata={"help": "Data-parallel (attention) size."})
     ep_size: int = field(default=1, metadata={"help": "Expert-parallel size."})
     page_size: int = field(default=16, metadata={"help": "Tokens per KV page."})
-    chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step."})
+    chunked_prefill_size: int | None = field(default=None, metadata={
+        "help": "Max prompt tokens per prefill step over all DP ranks; each rank prefills its 1/--dp-size share "
+                "(SGLang's rule under DP attention). Default 8192 on TPU/GPU (SGLang's for devices of 90 GB or "
+                "more), 512 on CPU."})
     max_running_requests: int = field(default=32, metadata={"help": "Max requests decoding at once."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
     max_prefill_tokens: int = field(default=2048, metadata={
-        "help": "Max prompt tokens per prefill step (with --chunked-prefill-size, the smaller bounds the step)."})
+        "help": "Max prompt tokens per prefill step of a DP rank (with --chunked-prefill-size's share, the smaller "
+                "bounds the step)."})
     mem_fraction_static: float = field(
         default=0.8, metadata={"help": "Fraction of device memory for weights + KV pool (accelerators)."}
     )
@@ -73,7 +77,7 @@ class ServerArgs:
                 "to --max-running-requests per rank); the largest must hold every running request of a rank."})
     precompile_token_paddings: list[int] | None = field(default=None, metadata={
         "help": "New tokens per row of the compiled extend buckets (default: powers of four from 16, and "
-                "--chunked-prefill-size rounded up to a power of two)."})
+                "a DP rank's share of --chunked-prefill-size rounded up to a power of two)."})
     compilation_cache_dir: str | None = field(default=None, metadata={
         "help": "JAX persistent compilation cache directory (default ~/.cache/sglang_tpu_qwen/jax_cache; "
                 "'none' turns it off)."})
@@ -138,10 +142,12 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"--page-size must be positive, got {self.page_size}")
-        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "chunked_prefill_size",
-                     "max_prefill_tokens"):
+        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.dp_size:
+            raise ValueError(f"--chunked-prefill-size {self.chunked_prefill_size} leaves a DP rank no prompt token "
+                             f"per step: it is split over the {self.dp_size} ranks (at least --dp-size)")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
                    "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
                    "grammar_backend": ("xgrammar", "llguidance", "none")}
@@ -164,6 +170,22 @@ class ServerArgs:
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         self._check_disaggregation()
+
+    def resolve_chunked_prefill_size(self, backend: str) -> None:
+        """Fill in --chunked-prefill-size's default for the JAX backend ("cpu", "tpu", "gpu"), as SGLang fills in
+        its defaults at start: 8192 on an accelerator, 512 on CPU (XLA:CPU compiles and runs an 8192-token
+        step slowly, and the embedded model needs no more)."""
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = max(512 if backend == "cpu" else 8192, self.dp_size)
+
+    @property
+    def chunked_prefill_per_rank(self) -> int:
+        """Prompt tokens one DP rank prefills per step: --chunked-prefill-size // --dp-size (SGLang divides it
+        so under DP attention; every --dp-size here is DP attention). Raises ValueError before
+        resolve_chunked_prefill_size."""
+        if self.chunked_prefill_size is None:
+            raise ValueError("--chunked-prefill-size is not resolved yet (resolve_chunked_prefill_size)")
+        return self.chunked_prefill_size // self.dp_size
 
     def _check_disaggregation(self) -> None:
         modes = ("null", "prefill", "decode", "colocated-split")

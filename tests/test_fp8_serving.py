@@ -126,7 +126,9 @@ def _serve(model_dir: str, **parallel: int) -> dict[str, Any]:
     from sglang_tpu_qwen.engine.engine import Engine
     from sglang_tpu_qwen.parallel.fp8 import QUANTISED_LEAVES, Fp8Weight
 
-    eng = Engine(model_path=model_dir, tokenizer_path=str(ensure_embedded_model()), **ENGINE_ARGS, **parallel)
+    # --chunked-prefill-size is split over the DP ranks (SGLang's rule): each rank prefills 64 tokens per step.
+    args = {**ENGINE_ARGS, "chunked_prefill_size": 64 * parallel.get("dp_size", 1), **parallel}
+    eng = Engine(model_path=model_dir, tokenizer_path=str(ensure_embedded_model()), **args)
     try:
         replies = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW,
                                                                    "ignore_eos": True})

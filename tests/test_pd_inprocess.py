@@ -25,7 +25,9 @@ def split(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd_inprocess")
     bport, dport = free_port(), free_port()
     # Each engine: data-parallel attention over its 4 devices, experts split 4 ways (docs/internals.md, "parallel/").
+    # --chunked-prefill-size is split over the DP ranks (SGLang's rule): 256 keeps SMALL's 64 tokens per rank.
     server = ServerProc.start(logs, "split", [*SMALL, "--dp-size", "4", "--ep-size", "4",
+                                              "--chunked-prefill-size", "256",
                                               "--disaggregation-mode", "colocated-split",
                                               "--disaggregation-prefill-devices", "4",
                                               "--disaggregation-decode-port", str(dport),

@@ -25,6 +25,24 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_chunked_prefill_size_is_split_over_dp_ranks():
+    """As SGLang under DP attention: the flag is the step's total, each rank prefills size // dp_size."""
+    args = ServerArgs(dp_size=8, chunked_prefill_size=8192)
+    assert args.chunked_prefill_per_rank == 1024
+    default = ServerArgs(dp_size=8)
+    with pytest.raises(ValueError, match="not resolved"):
+        _ = default.chunked_prefill_per_rank
+    default.resolve_chunked_prefill_size("tpu")
+    assert (default.chunked_prefill_size, default.chunked_prefill_per_rank) == (8192, 1024)
+    cpu = ServerArgs()
+    cpu.resolve_chunked_prefill_size("cpu")
+    assert (cpu.chunked_prefill_size, cpu.chunked_prefill_per_rank) == (512, 512)
+    args.resolve_chunked_prefill_size("cpu")  # a given size is kept
+    assert args.chunked_prefill_size == 8192
+    with pytest.raises(ValueError, match="leaves a DP rank no prompt token"):
+        ServerArgs(dp_size=8, chunked_prefill_size=4)
+
+
 def test_engine_kwargs_reject_unknown_names():
     with pytest.raises(TypeError, match="bogus_flag"):
         ServerArgs.from_kwargs(bogus_flag=1)

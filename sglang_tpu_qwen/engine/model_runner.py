@@ -165,6 +165,10 @@ class ModelRunner:
         self.cache_dir = compilation.configure_persistent_cache(args.compilation_cache_dir)
         self.config: Qwen35MoeConfig = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype)
+        args.resolve_chunked_prefill_size(jax.default_backend())
+        if args.dp_size > 1:
+            logger.info("--chunked-prefill-size %d is split over the %d DP ranks: %d prompt tokens per rank per step",
+                        args.chunked_prefill_size, args.dp_size, args.chunked_prefill_per_rank)
         # Data-parallel attention + expert-parallel MoE (docs/internals.md, "parallel/"): one mesh; each DP rank owns
         # a contiguous block of num_pages pages and num_slots slots of the global cache.
         self.dp = args.dp_size
@@ -236,7 +240,7 @@ class ModelRunner:
         """The compiled step shapes (engine/buckets.py) for this runner's pool; needs num_pages set."""
         self.context_length = args.context_length or self.config.max_position_embeddings
         self.buckets = BucketSet.build(
-            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_per_rank,
             context_length=self.context_length, kv_tokens=(self.num_pages - 1) * self.page_size,
             page_size=self.page_size, dp=self.dp, bs_paddings=args.precompile_bs_paddings,
             token_paddings=args.precompile_token_paddings)

@@ -97,7 +97,7 @@ class SchedulePolicy:
 
     def _choose_rank_for(self, r: Request) -> RankMemory | None:
         """The rank to admit r to (see choose_rank), needing pages for r's first prefill chunk."""
-        first_chunk = min(r.pending, self.args.chunked_prefill_size)
+        first_chunk = min(r.pending, self.args.chunked_prefill_per_rank)
         return self.choose_rank(self.pages_needed(r, r.cached_len + first_chunk), r)
 
     def choose_rank(self, pages_needed: int, prefix_of: Request | None = None) -> RankMemory | None:
@@ -176,9 +176,9 @@ class SchedulePolicy:
         afterwards left a third of the slots empty when chunks end at snapshot pages (many chunks just
         under a bucket's width)."""
         buckets = self.runner.buckets
-        # Prompt tokens per rank per step: --chunked-prefill-size and --max-prefill-tokens both bound the step's
-        # total, as SGLang's PrefillAdder (rem_chunk_tokens, rem_input_tokens).
-        step_budget = min(self.args.chunked_prefill_size, self.args.max_prefill_tokens)
+        # Prompt tokens per rank per step: the rank's share of --chunked-prefill-size and --max-prefill-tokens both
+        # bound the step's total, as SGLang's PrefillAdder (rem_chunk_tokens, rem_input_tokens).
+        step_budget = min(self.args.chunked_prefill_per_rank, self.args.max_prefill_tokens)
         wanted: list[tuple[Request, int]] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
             n = r.pending
