@@ -60,9 +60,9 @@ class ServerArgs:
                 "more), 512 on CPU."})
     max_running_requests: int = field(default=32, metadata={"help": "Max requests decoding at once."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
-    max_prefill_tokens: int = field(default=2048, metadata={
+    max_prefill_tokens: int = field(default=16384, metadata={
         "help": "Max prompt tokens per prefill step of a DP rank (with --chunked-prefill-size's share, the smaller "
-                "bounds the step)."})
+                "bounds the step). Default 16384, SGLang's."})
     mem_fraction_static: float = field(
         default=0.8, metadata={"help": "Fraction of device memory for weights + KV pool (accelerators)."}
     )
