@@ -18,8 +18,8 @@ workloads of the public Ironwood figures (module constant ``WORKLOADS``).
 
 Step shapes: decode = every running request (``max_running_requests``, split over the DP ranks) adds one
 token at the full context length; prefill = each DP rank prefills one fresh sequence of
-its share of ``--chunked-prefill-size`` (the server's flag and default on TPU: 8192 tokens per step over
-the DP ranks, 1024 per rank at dp 8). The KV pool holds
+its share of ``--chunked-prefill-size`` (the server's flag, and its default for the topology's device
+memory: 8192 tokens per step for a 96 GiB Ironwood TensorCore, 1024 per rank at dp 8). The KV pool holds
 ``max_running_requests * context_length`` tokens; GDN slots are the server's (one per running request
 plus its default prefix-cache snapshots, plus each rank's trash slot).
 """
@@ -131,10 +131,12 @@ WORKLOADS = (
 CONCURRENCY = 64
 
 
-def abstract_runner(config: Qwen35MoeConfig, args: Any, layout: Any, *, fp8: bool, block: tuple[int, int]) -> Any:
+def abstract_runner(config: Qwen35MoeConfig, args: Any, layout: Any, *, fp8: bool, block: tuple[int, int],
+                    hbm_bytes: int | None = None) -> Any:
     """The server's ``ModelRunner`` with abstract parameters and cache (ShapeDtypeStructs carrying their
     shardings on ``layout``'s mesh) and the kernels the server picks on TPU. Its programs are the
-    server's (``lower_forward`` / ``lower_sample``); nothing is read or allocated.
+    server's (``lower_forward`` / ``lower_sample``); nothing is read or allocated. ``hbm_bytes``: one
+    device's memory, for the defaults the server derives from it (``--chunked-prefill-size``).
 
     Mirrors ``ModelRunner.__init__`` after weight loading (the sizes the server computes from ``args``).
     """
@@ -157,7 +159,7 @@ def abstract_runner(config: Qwen35MoeConfig, args: Any, layout: Any, *, fp8: boo
     cshard = sharding.shardings(sharding.cache_pspecs(layout), layout)
     r.cache = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cshard[k]) for k, v in cache.items()}
     r.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform="tpu")
-    args.resolve_chunked_prefill_size("tpu")
+    args.resolve_chunked_prefill_size("tpu", hbm_bytes)
     r._build_buckets(args)
     r.debug_nan_fill = False
     r.has_prefix_cache = r.num_snapshot_slots > 0
@@ -274,7 +276,8 @@ def plan(
                       context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                       max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
                       max_gdn_snapshots=max_gdn_snapshots)
-    runner = abstract_runner(config, args, layout, fp8=fp8, block=block)
+    hbm_dev = chip.hbm_bytes / chip.devices_per_chip
+    runner = abstract_runner(config, args, layout, fp8=fp8, block=block, hbm_bytes=int(hbm_dev))
     c = config
     n_dev = layout.mesh.devices.size
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.params)
@@ -283,7 +286,6 @@ def plan(
     gdn_dev = _nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // dp
     kv_per_token = 2 * c.num_attn_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
     state_per_req = _nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // (dp * runner.num_slots)
-    hbm_dev = chip.hbm_bytes / chip.devices_per_chip
     # Read once per step on each device: the replicated weights but the embedding (only the rows of the
     # step's tokens), and each local expert if any token of the step picks it (uniform routing: a token
     # picks a given expert with probability k / E).
@@ -433,8 +435,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--context-length", type=int, default=9216)
     ap.add_argument("--chunked-prefill-size", type=int, default=None,
-                    help="server flag: prompt tokens per prefill step over all DP ranks (default: the server's on "
-                         "TPU, 8192)")
+                    help="server flag: prompt tokens per prefill step over all DP ranks (default: the server's for "
+                         "the device memory, 8192 on tpu7x)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--moe-combine", choices=("flat", "hierarchical"), default="hierarchical")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (dequantised per tile in the matmuls)")

@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+# Fewest prompt tokens a DP rank prefills per step: the smallest compiled extend size (engine/buckets.py).
+MIN_PREFILL_CHUNK = 16
+
 
 @dataclass
 class ServerArgs:
@@ -56,9 +59,11 @@ class ServerArgs:
     page_size: int = field(default=16, metadata={"help": "Tokens per KV page."})
     chunked_prefill_size: int | None = field(default=None, metadata={
         "help": "Max prompt tokens per prefill step over all DP ranks; each rank prefills its 1/--dp-size share "
-                "(SGLang's rule under DP attention). Default 8192 on TPU/GPU (SGLang's for devices of 90 GB or "
-                "more), 512 on CPU."})
-    max_running_requests: int = field(default=32, metadata={"help": "Max requests decoding at once."})
+                "(SGLang's rule under DP attention), at least 16 tokens. Default by device memory as SGLang: 8192 "
+                "on a 60-160 GB device (an Ironwood TensorCore has 96 GiB), 16384 above, 4096 / 2048 below; 512 "
+                "on CPU. Chunking cannot be turned off (every step runs in a compiled bucket)."})
+    max_running_requests: int = field(default=32, metadata={
+        "help": "Max requests running at once, over all DP ranks."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
     max_prefill_tokens: int = field(default=16384, metadata={
         "help": "Max prompt tokens per prefill step of a DP rank (with --chunked-prefill-size's share, the smaller "
@@ -145,9 +150,13 @@ class ServerArgs:
         for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.dp_size:
-            raise ValueError(f"--chunked-prefill-size {self.chunked_prefill_size} leaves a DP rank no prompt token "
-                             f"per step: it is split over the {self.dp_size} ranks (at least --dp-size)")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            raise ValueError(f"--chunked-prefill-size must be positive, got {self.chunked_prefill_size}: chunked "
+                             "prefill cannot be turned off here (every prefill step runs in a compiled bucket)")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size // self.dp_size < MIN_PREFILL_CHUNK:
+            raise ValueError(f"--chunked-prefill-size {self.chunked_prefill_size} is split over the {self.dp_size} "
+                             f"DP ranks: each rank needs at least {MIN_PREFILL_CHUNK} prompt tokens per step, so "
+                             f"at least {MIN_PREFILL_CHUNK * self.dp_size}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
                    "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
                    "grammar_backend": ("xgrammar", "llguidance", "none")}
@@ -171,12 +180,26 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         self._check_disaggregation()
 
-    def resolve_chunked_prefill_size(self, backend: str) -> None:
-        """Fill in --chunked-prefill-size's default for the JAX backend ("cpu", "tpu", "gpu"), as SGLang fills in
-        its defaults at start: 8192 on an accelerator, 512 on CPU (XLA:CPU compiles and runs an 8192-token
-        step slowly, and the embedded model needs no more)."""
-        if self.chunked_prefill_size is None:
-            self.chunked_prefill_size = max(512 if backend == "cpu" else 8192, self.dp_size)
+    def resolve_chunked_prefill_size(self, backend: str, device_bytes: int | None) -> None:
+        """Fill in --chunked-prefill-size's default when the devices are known, as SGLang does at start.
+
+        Args:
+            backend: the JAX backend, "cpu", "tpu" or "gpu". CPU: 512 (XLA:CPU compiles and runs an 8192-token
+                step slowly, and the embedded model needs no more).
+            device_bytes: one device's memory (its ``bytes_limit``), None when unknown. Accelerators take
+                SGLang's table (srt/arg_groups/memory_hook.py): under 20 GB 2048, under 60 GB 4096, under
+                160 GB 8192, else 16384; unknown memory 8192.
+        """
+        if self.chunked_prefill_size is not None:
+            return
+        if backend == "cpu":
+            size = 512
+        elif device_bytes is None:
+            size = 8192
+        else:
+            gib = device_bytes / 2**30
+            size = 2048 if gib < 20 else 4096 if gib < 60 else 8192 if gib < 160 else 16384
+        self.chunked_prefill_size = max(size, MIN_PREFILL_CHUNK * self.dp_size)
 
     @property
     def chunked_prefill_per_rank(self) -> int:

@@ -26,21 +26,29 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
 
 
 def test_chunked_prefill_size_is_split_over_dp_ranks():
-    """As SGLang under DP attention: the flag is the step's total, each rank prefills size // dp_size."""
+    """As SGLang under DP attention: the flag is the step's total, each rank prefills size // dp_size; the
+    default follows the device memory as SGLang's table does."""
     args = ServerArgs(dp_size=8, chunked_prefill_size=8192)
     assert args.chunked_prefill_per_rank == 1024
     default = ServerArgs(dp_size=8)
     with pytest.raises(ValueError, match="not resolved"):
         _ = default.chunked_prefill_per_rank
-    default.resolve_chunked_prefill_size("tpu")
+    default.resolve_chunked_prefill_size("tpu", 96 * 2**30)  # an Ironwood TensorCore
     assert (default.chunked_prefill_size, default.chunked_prefill_per_rank) == (8192, 1024)
-    cpu = ServerArgs()
-    cpu.resolve_chunked_prefill_size("cpu")
-    assert (cpu.chunked_prefill_size, cpu.chunked_prefill_per_rank) == (512, 512)
-    args.resolve_chunked_prefill_size("cpu")  # a given size is kept
+    for backend, mem, want in (("gpu", 192 * 2**30, 16384), ("gpu", 40 * 2**30, 4096), ("gpu", 16 * 2**30, 2048),
+                               ("tpu", None, 8192), ("cpu", None, 512)):
+        a = ServerArgs()
+        a.resolve_chunked_prefill_size(backend, mem)
+        assert (a.chunked_prefill_size, a.chunked_prefill_per_rank) == (want, want), (backend, mem)
+    args.resolve_chunked_prefill_size("cpu", None)  # a given size is kept
     assert args.chunked_prefill_size == 8192
-    with pytest.raises(ValueError, match="leaves a DP rank no prompt token"):
-        ServerArgs(dp_size=8, chunked_prefill_size=4)
+    wide = ServerArgs(dp_size=64)
+    wide.resolve_chunked_prefill_size("cpu", None)  # the default still leaves each rank its smallest chunk
+    assert wide.chunked_prefill_per_rank == 16
+    with pytest.raises(ValueError, match="each rank needs at least 16 prompt tokens per step, so at least 128"):
+        ServerArgs(dp_size=8, chunked_prefill_size=100)
+    with pytest.raises(ValueError, match="cannot be turned off"):
+        ServerArgs(chunked_prefill_size=-1)
 
 
 def test_engine_kwargs_reject_unknown_names():
