@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-# Fewest prompt tokens a DP rank prefills per step: the smallest compiled extend size (engine/buckets.py).
+# Fewest prompt tokens a DP rank's prefill step may be bounded to: the smallest compiled extend size
+# (engine/buckets.py MIN_EXTEND_TOKENS is this value); a smaller budget would pad every step to it.
 MIN_PREFILL_CHUNK = 16
 
 

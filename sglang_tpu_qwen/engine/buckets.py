@@ -37,9 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from sglang_tpu_qwen.server_args import MIN_PREFILL_CHUNK
 from sglang_tpu_qwen.utils import next_pow2
 
-MIN_EXTEND_TOKENS = 16  # smallest extend bucket: shorter chunks pad to it (one program for all short prompts)
+# Smallest extend bucket: shorter chunks pad to it (one program for all short prompts); also the least a DP
+# rank's share of --chunked-prefill-size may be (ServerArgs checks it).
+MIN_EXTEND_TOKENS = MIN_PREFILL_CHUNK
 
 Mode = Literal["extend", "decode"]
 

@@ -60,6 +60,11 @@ def bytes_per_device(tree: Any) -> dict[Any, int]:
     return dict(out)
 
 
+def device_memory_limit(device: Any) -> int | None:
+    """Bytes of memory the runtime lets ``device`` use (its ``bytes_limit``); None where it reports none (CPU)."""
+    return (device.memory_stats() or {}).get("bytes_limit")
+
+
 def kv_pool_tokens(
     device: Any, mem_fraction_static: float, weight_bytes: int, num_slots: int, units: CacheUnits
 ) -> int:
@@ -72,7 +77,7 @@ def kv_pool_tokens(
     Raises:
         ValueError: fewer than 4 pages fit (message has the figures).
     """
-    limit = (device.memory_stats() or {}).get("bytes_limit")
+    limit = device_memory_limit(device)
     if not limit:
         return DEFAULT_KV_TOKENS_WITHOUT_LIMIT
     budget = int(limit * mem_fraction_static) - weight_bytes - num_slots * units.gdn_per_slot

@@ -166,7 +166,7 @@ class ModelRunner:
         self.config: Qwen35MoeConfig = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype)
         first = (devices or jax.devices())[0]
-        args.resolve_chunked_prefill_size(jax.default_backend(), (first.memory_stats() or {}).get("bytes_limit"))
+        args.resolve_chunked_prefill_size(jax.default_backend(), memory_accounting.device_memory_limit(first))
         if args.dp_size > 1:
             logger.info("--chunked-prefill-size %d is split over the %d DP ranks: %d prompt tokens per rank per step",
                         args.chunked_prefill_size, args.dp_size, args.chunked_prefill_per_rank)
