@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_tpu_qwen.host_allocator import configure_host_allocator
+from sglang_tpu_qwen.utils.host_allocator import configure_host_allocator
 
 __all__ = ["Engine"]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import uvicorn
 
-from sglang_tpu_qwen.host_allocator import run_jax_on_cpu_without_accelerator
-from sglang_tpu_qwen.server_args import ServerArgs, prepare_server_args
+from sglang_tpu_qwen.args.server_args import ServerArgs, prepare_server_args
+from sglang_tpu_qwen.utils.host_allocator import run_jax_on_cpu_without_accelerator
 
 logger = logging.getLogger("sglang_tpu_qwen.launch_server")
 
@@ -118,10 +118,11 @@ def launch_server(args: ServerArgs) -> None:
     if args.disaggregation_transfer_backend == "inprocess":
         raise SystemExit("--disaggregation-transfer-backend inprocess needs --disaggregation-mode colocated-split "
                          "(both engines in one process); use tcp between servers")
+    from sglang_tpu_qwen.disagg import roles
     from sglang_tpu_qwen.engine.engine import Engine
     from sglang_tpu_qwen.server.app import create_app
 
-    engine = Engine(args)
+    engine = Engine(args, role=roles.setup)
     failures: list[str] = []
     try:
         engine.set_warmed_up(False)  # /health is 503 until the warm-up request passed

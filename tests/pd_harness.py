@@ -32,7 +32,7 @@ SMALL = ["--max-running-requests", "4", "--context-length", "256", "--chunked-pr
 def compile_cache_env() -> dict[str, str]:
     """JAX's persistent compilation cache for the server subprocesses, beside the embedded checkpoint: the
     PD servers compile the same step shapes, so each shape compiles once per machine, not once per server."""
-    from sglang_tpu_qwen.model.embedded import default_cache_root
+    from sglang_tpu_qwen.embedded.checkpoint import default_cache_root
 
     return {"JAX_COMPILATION_CACHE_DIR": str(default_cache_root() / "jax_compilation_cache"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

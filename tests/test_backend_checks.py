@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
+from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends, gdn_pallas_unsupported, resolve_backends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.embedded import embedded_config_dict
 
 ODD_HEADS = {"linear_key_head_dim": 16, "linear_value_head_dim": 24}
 
@@ -44,8 +44,8 @@ def test_auto_falls_back_to_reference_with_a_warning(caplog):
 
 def test_engine_refuses_at_startup(tmp_path):
     """The real startup path: an Engine over such a checkpoint with --gdn-backend pallas fails before serving."""
+    from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model, init_embedded_params
     from sglang_tpu_qwen.engine.engine import Engine
-    from sglang_tpu_qwen.model.embedded import ensure_embedded_model, init_embedded_params
     from sglang_tpu_qwen.model.weights import save_checkpoint, to_hf_state_dict
 
     d = embedded_config_dict()

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from pd_harness import ServerProc, assert_idle_and_free, compile_cache_env
 
-from sglang_tpu_qwen.engine import greedy_screen, sampler
-from sglang_tpu_qwen.engine.buckets import BucketSet, StepBucket
+from sglang_tpu_qwen.engine.runner import greedy_screen, sampler
+from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 
 CHUNK = 32
 # 2 running requests, 32-token chunks, 128-token context: 7 forward buckets, 6 sampling programs.

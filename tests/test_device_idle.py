@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import pytest
 
-from sglang_tpu_qwen.engine.device_idle import SWITCH_INTERVAL_S, DeviceIdleMeter, measure_device_idle
+from sglang_tpu_qwen.engine.runner.device_idle import SWITCH_INTERVAL_S, DeviceIdleMeter, measure_device_idle
 
 GAP_S = 0.004
 # Host gap after each finished step in the idle-counting test: long against the watcher thread's wake-up on a

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sglang_tpu_qwen.engine.engine import Engine
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
 
 GREEDY = {"temperature": 0.0}
 

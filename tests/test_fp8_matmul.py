@@ -1,4 +1,4 @@
-"""Block-FP8 matmuls (parallel/fp8.py, kernels/fp8_matmul): the Pallas grouped matmul (interpret mode) and
+"""Block-FP8 matmuls (quant/fp8.py, kernels/fp8_matmul): the Pallas grouped matmul (interpret mode) and
 the XLA path equal dequantise-then-matmul, with partial edge blocks, empty groups, row tiles shared by
 groups and rows past the groups; the model's forward with FP8 weights through the Pallas kernel equals
 the forward on the dequantised weights.
@@ -28,7 +28,7 @@ from sglang_tpu_qwen.kernels.fp8_matmul.reference import (
     fp8_grouped_matmul_scatter_add_reference,
     fp8_grouped_swiglu_reference,
 )
-from sglang_tpu_qwen.parallel import fp8
+from sglang_tpu_qwen.quant import fp8
 
 TOL = 1e-5
 
@@ -217,7 +217,7 @@ def test_swiglu_kernel_gathers_its_rows(m, k, n, s, sizes, tiles):
     assert np.all(np.asarray(got)[covered:] == 0)
     ref = fp8_grouped_swiglu_reference(src[ids], wg.q, wg.scale, wu.q, wu.scale, gs, (128, 128), rs)
     assert _rel(got, ref) < TOL
-    # The XLA path (parallel/fp8.py) gathers the same rows from the same source.
+    # The XLA path (quant/fp8.py) gathers the same rows from the same source.
     w_gate, w_up = wg, wu
     xla = fp8.grouped_swiglu(src.reshape(s, k // 128, 128), w_gate, w_up, gs, rs, row_ids=ids)
     assert _rel(xla[:covered], ref[:covered]) < TOL
@@ -267,8 +267,8 @@ def test_quantize_partial_blocks():
 def test_fp8_forward_through_kernel_is_the_model():
     """``forward_step`` with FP8 weights and every FP8 matmul in the Pallas kernel (interpret mode) equals
     ``forward_step`` on the dequantised weights (a prefill step of two rows, one of them padded)."""
+    from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict, init_embedded_params
     from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-    from sglang_tpu_qwen.model.embedded import embedded_config_dict, init_embedded_params
     from sglang_tpu_qwen.model.forward import forward_step, init_cache
 
     d = embedded_config_dict()

@@ -23,9 +23,9 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import record  # noqa: E402
 
-from sglang_tpu_qwen.model.embedded import ensure_embedded_model  # noqa: E402
-from sglang_tpu_qwen.model.fp8_blocks import dequantize, quantize  # noqa: E402
+from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.model.weights import save_checkpoint  # noqa: E402
+from sglang_tpu_qwen.quant.fp8_blocks import dequantize, quantize  # noqa: E402
 
 BLOCK = (128, 128)
 QUANTISATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -124,7 +124,7 @@ ENGINE_ARGS = dict(dtype="float32", context_length=128, max_total_tokens=512, ma
 def _serve(model_dir: str, **parallel: int) -> dict[str, Any]:
     """Greedy tokens of our Engine on the FP8 checkpoint, and what its devices hold."""
     from sglang_tpu_qwen.engine.engine import Engine
-    from sglang_tpu_qwen.parallel.fp8 import QUANTISED_LEAVES, Fp8Weight
+    from sglang_tpu_qwen.quant.fp8 import QUANTISED_LEAVES, Fp8Weight
 
     # --chunked-prefill-size is split over the DP ranks (SGLang's rule): each rank prefills 64 tokens per step.
     args = {**ENGINE_ARGS, "chunked_prefill_size": 64 * parallel.get("dp_size", 1), **parallel}

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_qwen.model import gated_deltanet as gdn
-from sglang_tpu_qwen.model.norms import l2_normalize
+from sglang_tpu_qwen.kernels.gdn import delta_rule as gdn
+from sglang_tpu_qwen.kernels.gdn.delta_rule import l2_normalize
 
 # Jitted once per shape: eager op-by-op dispatch of these functions is far slower than compiling them.
 recurrent_gated_delta_rule = jax.jit(gdn.recurrent_gated_delta_rule)

@@ -31,9 +31,9 @@ def _main() -> None:
     import jax
     import numpy as np
 
+    from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
     from sglang_tpu_qwen.memory import gdn_state
     from sglang_tpu_qwen.model.config import load_config
-    from sglang_tpu_qwen.model.embedded import ensure_embedded_model
     from sglang_tpu_qwen.model.forward import init_cache
     from sglang_tpu_qwen.parallel.mesh import make_layout
     from sglang_tpu_qwen.parallel.sharding import shard_cache

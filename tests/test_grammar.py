@@ -20,8 +20,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
-from sglang_tpu_qwen.engine.sampler import apply_token_bitmask
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.runner.sampler import apply_token_bitmask
 from sglang_tpu_qwen.grammar import (
     GrammarBackend,
     GrammarError,
@@ -229,7 +229,7 @@ def test_invalid_grammars_raise_with_compiler_message(engine) -> None:
 def test_retraction_keeps_the_matcher_consistent(engine, caplog) -> None:
     """Two constrained requests outgrow the free pages: the newer is retracted mid-decode, re-prefills its
     prompt + output and must continue the grammar where it stopped (not re-feed those tokens to it)."""
-    caplog.set_level(logging.INFO, logger="sglang_tpu_qwen.engine.scheduler")
+    caplog.set_level(logging.INFO, logger="sglang_tpu_qwen.engine.scheduler.scheduler")
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 240000, size=20).tolist() for _ in range(2)]
     params = {**GREEDY, "regex": "[0-9]{40}", "max_new_tokens": 48}  # digits are single tokens: 41 with EOS

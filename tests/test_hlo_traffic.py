@@ -1,4 +1,4 @@
-"""Per-instruction HBM traffic from HLO text (sglang_tpu_qwen/hlo_traffic.py), on a hand-written program:
+"""Per-instruction HBM traffic from HLO text (sglang_tpu_qwen/tools/hlo_traffic.py), on a hand-written program:
 loop bodies count once per trip, a fusion that slices a parameter pays for the slice, an in-place update
 pays for the update, a Pallas call for its declared bytes, and a conditional for its cheapest branch. A
 computation offloaded to the SparseCore closes with ``}, execution_thread=...``: the loop body after it must
@@ -7,7 +7,7 @@ the operands are read all the same, and an async call is charged once."""
 
 from __future__ import annotations
 
-from sglang_tpu_qwen.hlo_traffic import program_traffic
+from sglang_tpu_qwen.tools.hlo_traffic import program_traffic
 
 # ruff: noqa: E501 (HLO instructions are one line each)
 

@@ -1,4 +1,4 @@
-"""The host allocator settings (sglang_tpu_qwen/host_allocator.py): a CPU step's large buffers are reused
+"""The host allocator settings (sglang_tpu_qwen/utils/host_allocator.py): a CPU step's large buffers are reused
 instead of being faulted in page by page on every call. Counted in minor page faults, not timed."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from sglang_tpu_qwen import host_allocator
+from sglang_tpu_qwen.utils import host_allocator
 
 # A fresh process per setting: glibc's settings and XLA's threads are per process. The 64 MiB result
 # is above glibc's largest mmap threshold (32 MiB), so by default every call maps fresh pages.
 PROBE = """
 import resource, sys
 import sglang_tpu_qwen
-from sglang_tpu_qwen import host_allocator
+from sglang_tpu_qwen.utils import host_allocator
 import jax, jax.numpy as jnp
 x = jnp.ones(16 * 1024 * 1024, jnp.float32)
 f = jax.jit(lambda x: x * 2.0)

@@ -1,8 +1,9 @@
-"""The package's imports point down its layers, and no module imports itself back (no cycles).
+"""The package's folders import downward only, and no two folders import each other (docs/internals.md).
 
 Parses every module of sglang_tpu_qwen with `ast` (nothing is imported) and checks each
 `import sglang_tpu_qwen...` / `from sglang_tpu_qwen... import ...` statement, including those inside
-functions and under TYPE_CHECKING, against LAYERS. Relative imports are not used in the package.
+functions and under TYPE_CHECKING, against LAYERS. A module belongs to the folder that holds it: the unit
+of this test is the folder (a package directory), never a single module. Relative imports are not used.
 """
 
 from __future__ import annotations
@@ -12,69 +13,61 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sglang_tpu_qwen"
 
-# Top to bottom; a module may import from its own layer or any layer below, never above. A module's layer
-# is that of the longest prefix listed (module paths relative to sglang_tpu_qwen, "" = the package).
+# Top to bottom: a folder may import from its own folder or any folder on a lower line, never from a folder
+# above it; folders on one line do not import each other. "" is the package root (the entry points).
 LAYERS: list[tuple[str, ...]] = [
-    # entry points: CLIs, benchmarks, the planner, the colocated PD launcher
-    ("", "launch_server", "bench_offline_throughput", "bench_serving", "bench", "plan", "disagg.colocated"),
-    ("server",),  # HTTP: FastAPI app, OpenAI API, error mapping
-    ("engine.engine",),  # the in-process API (sgl.Engine shape); wires the PD role into the scheduler
-    ("disagg",),  # prefill/decode roles: the hooks of engine/scheduler_role.py
-    ("engine",),  # scheduler, policy, batch, output processor, model runner, requests
+    ("",),  # entry points: launch_server, the bench_* shims
+    ("bench", "tools"),  # benchmarks; the planner, HLO traffic, weight manifests
+    ("disagg",),  # prefill/decode roles, composed onto an engine by the launcher
+    ("server",),  # HTTP: FastAPI app, OpenAI routes, SSE, error mapping
+    ("engine",),  # Engine: the in-process API
+    ("engine.scheduler",),  # scheduler, policy, ScheduleBatch, output processor, failures, prefix cache
+    ("engine.observability",),  # metrics, health, profiler
+    ("engine.io",),  # requests, sampling params, engine errors
+    ("engine.runner",),  # ModelRunner: program table, device state, step executor, sampling programs
+    ("embedded",),  # the embedded default checkpoint (built from code)
     ("grammar",),  # constrained decoding (per-request matchers, token bitmasks)
-    ("memory", "radix_cache"),  # id pools, GDN slot operations, host snapshots, the radix tree
-    # the model's layers composed over a mesh; the kernels' pure-jnp oracles written with the model's math
-    ("parallel.sharded_forward", "parallel.scan_forward", "parallel.expert_parallel",
-     "kernels.gdn.reference", "kernels.ragged_paged_attention.reference"),
-    ("model",),  # Qwen3.5-MoE config, weights, forward
-    ("kernels", "parallel"),  # Pallas kernels and their dispatch; mesh, sharding, FP8 leaves
-    ("server_args",),  # flags (names of the chat parsers come from parsers/)
+    ("memory", "radix_cache"),  # id pools, GDN slot operations, host snapshots; the radix tree
+    ("parallel",),  # the model over a mesh: DP attention, EP MoE, sharding, collectives
+    ("model",),  # Qwen3.5 config, layers, the one forward, weight loading
+    ("quant",),  # FP8 block-quantised weights and their matmuls
+    ("kernels",),  # the kernel choice per layer kind and platform (dispatch)
+    ("kernels.fp8_matmul", "kernels.gdn", "kernels.ragged_paged_attention"),  # Pallas kernels + jnp references
+    ("args",),  # ServerArgs (names of the chat parsers come from parsers/)
     ("parsers",),  # reasoning and tool-call parsers
     ("tokenizer",),
-    ("errors", "utils", "host_allocator"),  # exception types, small helpers, process settings: any layer may use
+    ("utils",),  # exception types, shape helpers, process settings: any folder may use them
 ]
 
 
-def _layer_of(module: str) -> int:
-    best, best_len = None, -1
-    for i, prefixes in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".") or p == "") and len(p) > best_len:
-                best, best_len = i, len(p)
-    assert best is not None, f"{module} is in no layer: add it to LAYERS"
-    return best
+def _folder_of(module: str, is_package: bool) -> str:
+    parts = module.split(".") if module else []
+    return ".".join(parts if is_package else parts[:-1])
 
 
-def _modules() -> dict[str, Path]:
+def _layer_of(folder: str) -> int:
+    for i, folders in enumerate(LAYERS):
+        if folder in folders:
+            return i
+    raise AssertionError(f"folder {folder!r} is in no layer: add it to LAYERS")
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """module name -> (file, whether it is a package's __init__)."""
     out = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE).with_suffix("").parts
-        if parts[-1] == "__init__":
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
             parts = parts[:-1]
-        out[".".join(parts)] = path
+        out[".".join(parts)] = (path, is_pkg)
     return out
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes under `if TYPE_CHECKING:` (imports for annotations only, never run)."""
-    out: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return out
-
-
-def _imports(path: Path, known: set[str], runtime_only: bool = False) -> set[str]:
-    """Modules of the package imported by the file at path (a `from m import x` of submodule m.x counts x).
-
-    runtime_only: leave out imports under `if TYPE_CHECKING:`.
-    """
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Modules of the package imported by the file at path (a `from m import x` of submodule m.x counts x)."""
     found: set[str] = set()
-    tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_nodes(tree) if runtime_only else set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -90,29 +83,36 @@ def _imports(path: Path, known: set[str], runtime_only: bool = False) -> set[str
     return found
 
 
-def _graph(runtime_only: bool = False) -> dict[str, set[str]]:
+def folder_graph() -> dict[str, set[str]]:
+    """folder -> the other folders its modules import (a package importing only its own parent is dropped:
+    Python imports every parent package implicitly)."""
     mods = _modules()
     known = set(mods)
-    return {m: _imports(p, known, runtime_only) - {m} for m, p in mods.items()}
+    graph: dict[str, set[str]] = {}
+    for mod, (path, is_pkg) in mods.items():
+        src = _folder_of(mod, is_pkg)
+        deps = graph.setdefault(src, set())
+        for dep in _imports(path, known):
+            dst = _folder_of(dep, mods[dep][1])
+            if dst != src and not (mods[dep][1] and src.startswith(dst + ".") if dst else False):
+                deps.add(dst)
+    return graph
 
 
-def test_every_module_has_a_layer() -> None:
-    for m in _modules():
-        _layer_of(m)
+def test_every_folder_has_a_layer() -> None:
+    for folder in folder_graph():
+        _layer_of(folder)
 
 
-def test_imports_point_down() -> None:
-    upward = [f"{a} (layer {_layer_of(a)}) imports {b} (layer {_layer_of(b)})"
-              for a, deps in _graph().items() for b in sorted(deps) if _layer_of(b) < _layer_of(a)]
-    assert not upward, "upward imports:\n" + "\n".join(upward)
+def test_folders_import_down() -> None:
+    upward = [f"{a or '(root)'} (layer {_layer_of(a)}) imports {b or '(root)'} (layer {_layer_of(b)})"
+              for a, deps in folder_graph().items() for b in sorted(deps) if _layer_of(b) <= _layer_of(a)]
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
 
 
-def test_no_import_cycles() -> None:
-    """No module imports (at run time) a module that imports it back, directly or through others."""
-    graph = _graph(runtime_only=True)
-    # A package's __init__ importing its own submodules is not a cycle of meaning; the parent package of
-    # every module is imported implicitly, so drop parent -> child edges.
-    graph = {a: {b for b in deps if not b.startswith(a + ".") and a != ""} for a, deps in graph.items()}
+def test_no_folder_cycles() -> None:
+    """No folder imports a folder that imports it back, directly or through others."""
+    graph = folder_graph()
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[str] = []
@@ -131,4 +131,4 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m)
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+    assert not cycles, "folder cycles:\n" + "\n".join(cycles)

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from conftest import record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from sglang_tpu_qwen.engine.compilation import configure_persistent_cache  # noqa: E402
+from sglang_tpu_qwen.engine.runner.compilation import configure_persistent_cache  # noqa: E402
 from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
     fp8_grouped_matmul_scatter_add,
     fp8_grouped_swiglu,

@@ -16,7 +16,7 @@ import httpx
 from conftest import free_port
 from pd_harness import compile_cache_env
 
-from sglang_tpu_qwen.engine.faults import ENV
+from sglang_tpu_qwen.engine.scheduler.faults import ENV
 
 SMALL = ["--max-running-requests", "4", "--context-length", "256", "--chunked-prefill-size", "256",
          "--grammar-backend", "none", "--disable-radix-cache", "--log-level", "info"]

@@ -1,4 +1,4 @@
-"""Memory accounting (engine/memory_accounting.py): the KV pool is what is left after the weights and the
+"""Memory accounting (engine/runner/memory_accounting.py): the KV pool is what is left after the weights and the
 GDN slots, from the dtypes in use; /get_server_info reports memory_usage per device as SGLang does."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_qwen.engine import memory_accounting
-from sglang_tpu_qwen.engine.memory_accounting import GB, CacheUnits, cache_units, kv_pool_tokens
+from sglang_tpu_qwen.engine.runner import memory_accounting
+from sglang_tpu_qwen.engine.runner.memory_accounting import GB, CacheUnits, cache_units, kv_pool_tokens
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 

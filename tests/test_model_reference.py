@@ -23,10 +23,10 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import record  # noqa: E402
 
+from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn import conv_pool  # noqa: E402
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config  # noqa: E402
-from sglang_tpu_qwen.model.embedded import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache  # noqa: E402
 from sglang_tpu_qwen.model.weights import load_params  # noqa: E402
 

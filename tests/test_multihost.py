@@ -25,8 +25,8 @@ def _setup():
     import jax
     import jax.numpy as jnp
 
+    from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict, init_embedded_params
     from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-    from sglang_tpu_qwen.model.embedded import embedded_config_dict, init_embedded_params
 
     d = embedded_config_dict()
     d["text_config"].update(vocab_size=512, num_experts=16, num_experts_per_tok=4)

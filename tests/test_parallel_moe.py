@@ -95,8 +95,8 @@ def test_local_experts_fp8_kernels_in_several_chunks():
     import numpy as np
 
     from sglang_tpu_qwen.model.moe import routed_experts
-    from sglang_tpu_qwen.parallel import fp8
     from sglang_tpu_qwen.parallel.expert_parallel import chunk_rows, local_experts
+    from sglang_tpu_qwen.quant import fp8
 
     m, k, e, e_local, h, i = 24, 2, 8, 4, 128, 128
     keys = jax.random.split(jax.random.key(1), 5)
@@ -165,8 +165,8 @@ def _child() -> None:  # noqa: C901 - one linear script
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
+    from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict, init_embedded_params
     from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-    from sglang_tpu_qwen.model.embedded import embedded_config_dict, init_embedded_params
     from sglang_tpu_qwen.model.forward import forward_step, init_cache
     from sglang_tpu_qwen.model.moe import moe_block
     from sglang_tpu_qwen.parallel import collectives, sharding
@@ -232,7 +232,7 @@ def _child() -> None:  # noqa: C901 - one linear script
 
     # FP8 experts and shared expert through the Pallas grouped matmul (interpret mode) inside the
     # expert-parallel shard_map, against the single-device block on the same FP8 weights (XLA path).
-    from sglang_tpu_qwen.parallel import fp8
+    from sglang_tpu_qwen.quant import fp8
 
     q = fp8.quantize_params(moe_p)
     lay = make_layout(8, 8)

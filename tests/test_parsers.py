@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from sglang_tpu_qwen.model.embedded import ensure_embedded_model
+from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
 from sglang_tpu_qwen.parsers import ChatOutputParser
 from sglang_tpu_qwen.parsers.chat_output import accumulate
 from sglang_tpu_qwen.parsers.qwen3_coder import Qwen3CoderParser

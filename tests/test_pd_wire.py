@@ -17,13 +17,13 @@ from conftest import free_port
 from pd_harness import wait_for
 
 from sglang_tpu_qwen.disagg.bootstrap_server import BootstrapServer
-from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.disagg.layout import PROTOCOL_VERSION, StateLayout, prompt_digest
 from sglang_tpu_qwen.disagg.outbox import Outbox
 from sglang_tpu_qwen.disagg.receiver import TcpReceiver
 from sglang_tpu_qwen.disagg.roles import targets_for
 from sglang_tpu_qwen.disagg.wire import Message, recv_message, send_message
-from sglang_tpu_qwen.engine.sampling_params import SamplingParams
+from sglang_tpu_qwen.engine.io.sampling_params import SamplingParams
+from sglang_tpu_qwen.utils.errors import TransferError
 
 LAYOUT = StateLayout(fingerprint="abc", kv_dtype="float32", state_dtype="float32", kv_token_shape=(2, 1, 4),
                      conv_shape=(3, 8, 3), rec_shape=(3, 2, 4, 4))

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reas
 
 def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
     out = tmp_path / "plan.json"
-    cmd = [sys.executable, "-m", "sglang_tpu_qwen.plan", "--model-config", "qwen3.5-397b-a17b",
+    cmd = [sys.executable, "-m", "sglang_tpu_qwen.tools.plan", "--model-config", "qwen3.5-397b-a17b",
            "--topology", "tpu7x:2x2x1", "--dp", "8", "--ep", "8", "--max-running-requests", "64",
            "--context-length", "9216", "--fp8", "--json", str(out)]
     # A child process: the TPU (deviceless) backend must not become the suite's default backend.
@@ -57,7 +57,7 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
 
 def test_workloads_are_composed_only_at_their_concurrency():
     """The public workloads run 64 requests: a plan of 512-row steps must not charge them a 512-row step."""
-    from sglang_tpu_qwen import plan
+    from sglang_tpu_qwen.tools import plan
 
     step = {"context": 9216, "bytes_accessed": 50e9, "min_bytes": 47e9, "compiled_time_s": 0.1, "roofline_s": 0.09}
     report = {"steps": {"decode": step, "prefill": step}, "dp": 8, "chips": 4, "devices": 8,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from sglang_tpu_qwen.bench import serving
-from sglang_tpu_qwen.engine.profiler import ProfileConfig, ProfileError
+from sglang_tpu_qwen.engine.observability.profiler import ProfileConfig, ProfileError
 
 STEP_NAME = re.compile(r"(EXTEND|DECODE) bs=(\d+) tokens=(\d+)")
 

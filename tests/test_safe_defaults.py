@@ -11,9 +11,9 @@ import httpx
 import pytest
 from conftest import serve_app
 
+from sglang_tpu_qwen.args.server_args import ServerArgs, prepare_server_args
 from sglang_tpu_qwen.launch_server import exposure_warning
 from sglang_tpu_qwen.server.app import create_app
-from sglang_tpu_qwen.server_args import ServerArgs, prepare_server_args
 
 MARKER = "Zanzibar quokka violet 4817"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tpu_qwen.server_args import ServerArgs, prepare_server_args
+from sglang_tpu_qwen.args.server_args import ServerArgs, prepare_server_args
 
 
 def test_sglang_flag_names_parse():

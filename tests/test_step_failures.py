@@ -1,4 +1,4 @@
-"""Failure semantics (docs/internals.md, "Failures and health"), driven by the fault hook (engine/faults.py).
+"""Failure semantics (docs/internals.md, "Failures and health"), driven by the fault hook (engine/scheduler/faults.py).
 
 A request the server fails is a 500 error object (non-streamed) or an error event then [DONE] (streamed);
 a request whose step breaks is isolated and fails alone while the others finish with the tokens they
@@ -199,7 +199,7 @@ def test_health_is_503_before_warm_up_and_during_a_stalled_step(server, faults):
 def test_dead_scheduler_thread_is_unhealthy_and_refuses(server):
     """A scheduler thread that dies (here: a BaseException out of its loop) makes /health 503 and new requests
     503 at once, instead of hanging. Runs on a second scheduler over the same model (no step ever runs)."""
-    from sglang_tpu_qwen.engine.scheduler import Scheduler
+    from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
     from sglang_tpu_qwen.server.app import create_app
 
     eng = server.engine

@@ -1,4 +1,4 @@
-"""HF safetensors <-> parameter pytree (model/weights.py) and the embedded checkpoint (model/embedded.py)."""
+"""HF safetensors <-> parameter pytree (model/weights.py) and the embedded checkpoint (embedded/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from sglang_tpu_qwen.embedded.checkpoint import MODEL_DIRNAME, build_embedded_model, ensure_embedded_model
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
-from sglang_tpu_qwen.model.embedded import MODEL_DIRNAME, build_embedded_model, ensure_embedded_model
 from sglang_tpu_qwen.model.safetensors_file import SafetensorsFile
 from sglang_tpu_qwen.model.stacking import unstack_layers, unstack_params
 from sglang_tpu_qwen.model.weights import (
@@ -386,7 +386,7 @@ _BLOCK = (16, 12)  # [rows, cols] of the HF [out, in] tensors: partial edge bloc
 
 def _fp8_checkpoint(config: Qwen35MoeConfig, fused: bool, seed: int = 5) -> dict[str, np.ndarray]:
     """HF tensors with every quantised linear weight in block FP8 (scale beside it)."""
-    from sglang_tpu_qwen.model.fp8_blocks import quantize
+    from sglang_tpu_qwen.quant.fp8_blocks import quantize
 
     tensors = to_hf_state_dict(random_params(config, seed), config, fused_experts=fused)
     for name in list(tensors):
@@ -459,9 +459,9 @@ def test_fp8_stays_fp8(tmp_path: Path, fused: bool) -> None:
     """keep_fp8: every quantised weight is an Fp8Weight leaf holding the checkpoint's own q and scales,
     transposed into [in, out] with the block transposed (16 x 12 -> 12 x 16, partial edge blocks);
     without keep_fp8 the same checkpoint loads as its offline-dequantised twin."""
-    from sglang_tpu_qwen.model.fp8_blocks import dequantize
-    from sglang_tpu_qwen.parallel.fp8 import Fp8Weight
-    from sglang_tpu_qwen.parallel.fp8 import dequantize as device_dequantize
+    from sglang_tpu_qwen.quant.fp8 import Fp8Weight
+    from sglang_tpu_qwen.quant.fp8 import dequantize as device_dequantize
+    from sglang_tpu_qwen.quant.fp8_blocks import dequantize
 
     config = small_config()
     tensors = _fp8_checkpoint(config, fused)
@@ -511,7 +511,7 @@ def test_fp8_stays_fp8(tmp_path: Path, fused: bool) -> None:
 def test_quantization_fp8_on_load(tmp_path: Path) -> None:
     """quantization='fp8' turns a bf16 checkpoint's linear weights into 128 x 128-block Fp8Weight leaves
     (one partial block here) whose dequantised values are within e4m3's rounding of the originals."""
-    from sglang_tpu_qwen.parallel.fp8 import QUANTISED_LEAVES, Fp8Weight, dequantize
+    from sglang_tpu_qwen.quant.fp8 import QUANTISED_LEAVES, Fp8Weight, dequantize
 
     config = small_config()
     params = random_params(config)
@@ -608,8 +608,8 @@ def test_file_digest_out_of_order_reads(tmp_path: Path) -> None:
 def test_server_refuses_to_start_on_manifest_mismatch(embedded_dir: Path, tmp_path: Path) -> None:
     """--weights-manifest reaches the loader: the model runner (what the server builds at start) raises,
     naming the file; with the right manifest it loads."""
-    from sglang_tpu_qwen.engine.model_runner import ModelRunner
-    from sglang_tpu_qwen.server_args import ServerArgs
+    from sglang_tpu_qwen.args.server_args import ServerArgs
+    from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
     from sglang_tpu_qwen.tools.weights_manifest import build_manifest
 
     manifest = build_manifest(embedded_dir)
@@ -642,9 +642,9 @@ def _streaming_child(model_dir: str) -> None:
     """Run in a process with 4 emulated devices: the stacked, sharded FP8 load equals the single-device
     per-layer load, and each device holds the replicated leaves plus exactly 1/4 of every expert stack."""
     from sglang_tpu_qwen.model.stacking import layer_period
-    from sglang_tpu_qwen.parallel.fp8 import Fp8Weight
     from sglang_tpu_qwen.parallel.mesh import make_layout
     from sglang_tpu_qwen.parallel.sharding import EXPERT_LEAVES, param_pspecs, shardings
+    from sglang_tpu_qwen.quant.fp8 import Fp8Weight
 
     assert len(jax.devices()) == 4
     config = _stack_config()
@@ -697,7 +697,7 @@ def test_streaming_stacked_load_on_4_devices(tmp_path: Path) -> None:
     for name in [n for n in tensors if ".layers.3.mlp.experts." in n and not n.endswith("_scale_inv")]:
         del tensors[name]  # layer 3 stores its experts fused (and FP8): both layouts in one stack
         del tensors[name + "_scale_inv"]
-    from sglang_tpu_qwen.model.fp8_blocks import quantize
+    from sglang_tpu_qwen.quant.fp8_blocks import quantize
 
     fused = to_hf_state_dict(random_params(config, 6), config, fused_experts=True)
     for k in ("gate_up_proj", "down_proj"):

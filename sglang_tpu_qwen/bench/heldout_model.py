@@ -1,7 +1,7 @@
 """The held-out benchmark checkpoint of issue 12: a random Qwen3.5-MoE of hidden 96, 6 layers, 12 experts
 top-3 and the real 248320-row vocabulary.
 
-Built like the embedded model (same initialisation, same files and tokenizer; model/embedded.py) but with
+Built like the embedded model (same initialisation, same files and tokenizer; embedded/checkpoint.py) but with
 other sizes, so a benchmark on it is not tuned to the default checkpoint. Layers follow the release's
 pattern (three Gated DeltaNet layers, then one attention layer): linear x3, full, linear x2.
 
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sglang_tpu_qwen.model import embedded
+from sglang_tpu_qwen.embedded import checkpoint as embedded
 
 MODEL_DIRNAME = "Qwen3.5-Heldout-H96-L6-E12"
 

@@ -5,13 +5,13 @@ seeded random prompts is generated greedily with ``min_new_tokens == max_new_tok
 prompt yields exactly ``--random-output-len`` tokens in both systems. The Engine gets the whole
 batch at once (its scheduler batches up to ``--max-running-requests``); HF gets left-padded batches
 of ``--hf-batch-size`` with an attention mask. The Engine compiles its fixed program set at startup
-(engine/buckets.py), then warms up on DIFFERENT prompts from the same distribution (seed + 1), flushes
+(engine/runner/buckets.py), then warms up on DIFFERENT prompts from the same distribution (seed + 1), flushes
 its prefix cache, and times fresh prompts: nothing in the timed run is a cache hit, and the number of
 compilations during it is printed (it must be 0). HF warms up on one batch. The decode step is split into
 wall time per step, device time per step (the step's compiled programs replayed back to back on the
 idle engine at the run's batch size and mean context), wall - device, and host time not hidden behind the
 device measured directly: the time the device sat idle between the end of one decode step (its sampled ids
-ready) and the dispatch of the next (engine/device_idle.py), on a second run of the same prompts: the meter
+ready) and the dispatch of the next (engine/runner/device_idle.py), on a second run of the same prompts: the meter
 costs throughput itself, so the throughput figures come from the run without it. On a CPU backend the two
 differ: the host's work runs on the cores the "device" uses, so it slows the device step while it overlaps
 it (wall - device counts that; the idle time does not).
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.host_allocator import run_jax_on_cpu_without_accelerator
-from sglang_tpu_qwen.server_args import ServerArgs
+from sglang_tpu_qwen.args.server_args import ServerArgs
+from sglang_tpu_qwen.utils.host_allocator import run_jax_on_cpu_without_accelerator
 
 # Qwen3.5's ordinary (non-special) token ids are [0, 248044); ids from there up are special tokens.
 NORMAL_ID_LIMIT = 248044
@@ -97,9 +97,9 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
     measured on a second run of the same prompts (cache flushed) with the idle meter attached, whose output
     throughput is ``metered_output_throughput``. The engine is shut down before returning.
     """
-    from sglang_tpu_qwen.engine import compilation
-    from sglang_tpu_qwen.engine.device_idle import measure_device_idle
     from sglang_tpu_qwen.engine.engine import Engine
+    from sglang_tpu_qwen.engine.runner import compilation
+    from sglang_tpu_qwen.engine.runner.device_idle import measure_device_idle
 
     engine_kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
     engine = Engine(model_path=args.model_path, **engine_kwargs)

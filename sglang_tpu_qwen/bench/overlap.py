@@ -7,7 +7,7 @@ are timed from the scheduler thread; the steady state is the middle half of the 
 After each run the same decode program (forward + greedy sampling, one bucket) is replayed back to back
 without the scheduler, which gives the device time of one step; step time - device time is shown as a share
 of the step. Host time not hidden behind the device is also measured directly: the time the device sat idle
-between one decode step's sampled ids being ready and the next step's dispatch (engine/device_idle.py). On
+between one decode step's sampled ids being ready and the next step's dispatch (engine/runner/device_idle.py). On
 a CPU backend "device" work runs on the same cores as the host, so host work slows the device step while it
 overlaps it: step - replay counts that slowdown, the idle time does not.
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.host_allocator import run_jax_on_cpu_without_accelerator
-from sglang_tpu_qwen.server_args import ServerArgs
+from sglang_tpu_qwen.args.server_args import ServerArgs
+from sglang_tpu_qwen.utils.host_allocator import run_jax_on_cpu_without_accelerator
 
 
 def _timed_steps(engine: Any) -> list[tuple[float, float, int, str]]:
@@ -56,7 +56,7 @@ def _device_step_s(engine: Any, rows: int, repeats: int) -> float:
     fastest of 5 windows of `repeats` steps."""
     import jax
 
-    from sglang_tpu_qwen.engine.model_runner import SamplingBatch
+    from sglang_tpu_qwen.engine.runner.model_runner import SamplingBatch
 
     runner = engine.runner
     bucket = runner.buckets.decode_bucket(-(-rows // runner.dp))
@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One Engine; timed decode runs alternating synchronous and overlapped steps (`--rounds` of each, the
     scheduler's `overlap` switch flipped between runs, so both modes see the same machine load), each
     followed by a device-only replay. Returns per-mode medians (ms, %)."""
-    from sglang_tpu_qwen.engine.device_idle import measure_device_idle
     from sglang_tpu_qwen.engine.engine import Engine
+    from sglang_tpu_qwen.engine.runner.device_idle import measure_device_idle
 
     sargs = ServerArgs.from_kwargs(model_path=args.model_path, max_running_requests=args.batch,
                                    chunked_prefill_size=max(args.batch * args.input_len, 256),

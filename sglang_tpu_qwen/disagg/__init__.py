@@ -38,6 +38,6 @@ Backends: `tcp` (across processes and hosts; bulk bytes leave the device through
 device groups of one process; arrays move with `jax.device_put`, colocated.py).
 """
 
-from sglang_tpu_qwen.disagg.errors import TransferError
+from sglang_tpu_qwen.utils.errors import TransferError
 
 __all__ = ["TransferError"]

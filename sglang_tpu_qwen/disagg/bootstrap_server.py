@@ -13,10 +13,10 @@ import socket
 import socketserver
 import threading
 
-from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.disagg.layout import PROTOCOL_VERSION
 from sglang_tpu_qwen.disagg.outbox import Outbox
 from sglang_tpu_qwen.disagg.wire import Message, recv_message, send_message
+from sglang_tpu_qwen.utils.errors import TransferError
 
 logger = logging.getLogger(__name__)
 

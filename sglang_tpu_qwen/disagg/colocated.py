@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from sglang_tpu_qwen.server_args import ServerArgs
+from sglang_tpu_qwen.args.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ def launch_colocated_split(args: ServerArgs, warm_up_and_announce: Callable[...,
     """
     import uvicorn
 
+    from sglang_tpu_qwen.disagg import roles
     from sglang_tpu_qwen.engine.engine import Engine
     from sglang_tpu_qwen.server.app import create_app
 
@@ -68,8 +69,8 @@ def launch_colocated_split(args: ServerArgs, warm_up_and_announce: Callable[...,
                 prefill_args.port, decode_devs, decode_args.port)
     engines = []
     try:
-        engines.append(Engine(prefill_args, devices=prefill_devs))
-        engines.append(Engine(decode_args, devices=decode_devs))
+        engines.append(Engine(prefill_args, devices=prefill_devs, role=roles.setup))
+        engines.append(Engine(decode_args, devices=decode_devs, role=roles.setup))
         servers = []
         for engine, eargs in zip(engines, (prefill_args, decode_args), strict=True):
             config = uvicorn.Config(create_app(engine), host=eargs.host, port=eargs.port,

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.disagg.layout import StateLayout
 from sglang_tpu_qwen.disagg.receiver import Receiver
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
-from sglang_tpu_qwen.engine.request import Request
-from sglang_tpu_qwen.engine.scheduler import Scheduler
-from sglang_tpu_qwen.engine.scheduler_role import SchedulerRole
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
+from sglang_tpu_qwen.engine.scheduler.scheduler_role import SchedulerRole
+from sglang_tpu_qwen.utils.errors import TransferError
 
 logger = logging.getLogger(__name__)
 

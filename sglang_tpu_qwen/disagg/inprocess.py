@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from sglang_tpu_qwen.disagg.errors import TransferError
+from sglang_tpu_qwen.utils.errors import TransferError
 
 _LOCK = threading.Lock()
 _PREFILL: dict[int, Any] = {}

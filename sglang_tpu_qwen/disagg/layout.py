@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.kernels.gdn import conv_pool
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.utils.errors import TransferError
 
 PROTOCOL_VERSION = 1
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.disagg.wire import Message
+from sglang_tpu_qwen.utils.errors import TransferError
 
 logger = logging.getLogger(__name__)
 

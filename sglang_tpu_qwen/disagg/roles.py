@@ -1,9 +1,10 @@
 """Wiring a disaggregation role into an Engine, and the room of each sequence of a request.
 
 `setup(engine)` builds the role of `--disaggregation-mode` (None for `null`), starts its transport (the
-TCP bootstrap server, or the in-process registry entry) and hooks it into the scheduler.
-`targets_for(...)` maps a request body's bootstrap fields onto its sequences (rules in the package
-docstring); `attach(...)` is what Engine.async_generate calls with them.
+TCP bootstrap server, or the in-process registry entry) and hooks it into the scheduler; the launcher
+composes it onto the engine as `Engine(args, role=setup)`. `targets_for(...)` maps a request body's
+bootstrap fields onto its sequences (rules in the package docstring); `attach(...)` is what
+Engine.async_generate calls with them, through the role's method.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from typing import Any
 from sglang_tpu_qwen.disagg import inprocess
 from sglang_tpu_qwen.disagg.bootstrap_server import BootstrapServer
 from sglang_tpu_qwen.disagg.decode import DecodeRole
-from sglang_tpu_qwen.disagg.errors import TransferError
 from sglang_tpu_qwen.disagg.layout import StateLayout
 from sglang_tpu_qwen.disagg.outbox import Outbox
 from sglang_tpu_qwen.disagg.prefill import PrefillRole
 from sglang_tpu_qwen.disagg.receiver import InProcessReceiver, Receiver, TcpReceiver
-from sglang_tpu_qwen.engine.errors import InvalidRequestError
-from sglang_tpu_qwen.engine.request import Request
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.utils.errors import TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,14 @@ class _Roles:
         if self.server is not None:
             self.server.shutdown()
         inprocess.unregister(self.port, self.role)
+
+    def attach(self, reqs: list[Request], host: Any, port: Any, room: Any) -> None:
+        """See :func:`attach`."""
+        attach(self, reqs, host, port, room)
+
+    def reject_call(self, text: Any, input_ids: Any, sampling_params: Any, room: Any, message: str) -> None:
+        """See :func:`reject_call`."""
+        reject_call(self, text, input_ids, sampling_params, room, message)
 
     def stats(self) -> dict[str, Any]:
         return {**self.role.stats(), "bootstrap_port": self.port, "transfer_backend": self.backend,
@@ -130,13 +139,11 @@ def targets_for(reqs: list[Request], host: Any, port: Any, room: Any) -> list[Ta
     return out
 
 
-def attach(roles: _Roles | None, reqs: list[Request], host: Any, port: Any, room: Any) -> None:
-    """Turn the requests of one call into transfer legs of this server's role (no-op without a room or role).
+def attach(roles: _Roles, reqs: list[Request], host: Any, port: Any, room: Any) -> None:
+    """Turn the requests of one call into transfer legs of this server's role (no-op without a room).
 
     Raises InvalidRequestError for malformed bootstrap fields or a room already in use.
     """
-    if roles is None:
-        return
     targets = targets_for(reqs, host, port, room)
     if targets is None:
         return
@@ -146,12 +153,12 @@ def attach(roles: _Roles | None, reqs: list[Request], host: Any, port: Any, room
         raise InvalidRequestError(e.message) from e
 
 
-def reject_call(roles: _Roles | None, text: Any, input_ids: Any, sampling_params: Any, room: Any,
+def reject_call(roles: _Roles, text: Any, input_ids: Any, sampling_params: Any, room: Any,
                 message: str) -> None:
     """A call refused before it became Requests (bad input): on a prefill server, post a 400 with `message`
     to every room the call's sequences would have used, so the decode legs waiting on them fail too.
     """
-    if roles is None or room is None:
+    if room is None:
         return
     if isinstance(text, list):
         num_prompts = len(text)

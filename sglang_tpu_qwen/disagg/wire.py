@@ -28,7 +28,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from sglang_tpu_qwen.disagg.errors import TransferError
+from sglang_tpu_qwen.utils.errors import TransferError
 
 MAGIC = b"SGQD"
 _HEAD = struct.Struct("!4sIQ")

@@ -14,33 +14,48 @@ import queue
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
-from sglang_tpu_qwen.disagg import roles as disagg_roles
-from sglang_tpu_qwen.disagg.errors import TransferError
-from sglang_tpu_qwen.engine import compilation
-from sglang_tpu_qwen.engine.errors import InvalidRequestError, RequestFailedError, failed_status
-from sglang_tpu_qwen.engine.health import HealthSnapshot
-from sglang_tpu_qwen.engine.metrics import Metrics
-from sglang_tpu_qwen.engine.model_runner import ModelRunner
-from sglang_tpu_qwen.engine.profiler import ProfileConfig
-from sglang_tpu_qwen.engine.request import Request
-from sglang_tpu_qwen.engine.sampler import TOP_LOGPROBS_MAX
-from sglang_tpu_qwen.engine.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
-from sglang_tpu_qwen.engine.scheduler import Scheduler
+from sglang_tpu_qwen.args.server_args import ServerArgs
+from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError, RequestFailedError, failed_status
+from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.io.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from sglang_tpu_qwen.engine.observability.health import HealthSnapshot
+from sglang_tpu_qwen.engine.observability.metrics import Metrics
+from sglang_tpu_qwen.engine.observability.profiler import ProfileConfig
+from sglang_tpu_qwen.engine.runner import compilation
+from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
+from sglang_tpu_qwen.engine.runner.sampler import TOP_LOGPROBS_MAX
+from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
 from sglang_tpu_qwen.grammar.manager import create_grammar_manager
 from sglang_tpu_qwen.grammar.spec import CONSTRAINT_KEYS, GrammarSpec
 from sglang_tpu_qwen.grammar.whitespace import resolve_json_whitespace
-from sglang_tpu_qwen.model.embedded import ensure_embedded_model
 from sglang_tpu_qwen.parsers.markers import THINK_END
-from sglang_tpu_qwen.server_args import ServerArgs
 from sglang_tpu_qwen.tokenizer.detokenizer import IncrementalDetokenizer
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
+from sglang_tpu_qwen.utils.errors import TransferError
 
 logger = logging.getLogger(__name__)
 
 # Sequences (prompts x n) one call may create: each holds host state until it finishes.
 MAX_SEQUENCES_PER_CALL = 1024
+
+
+class ServingRole(Protocol):
+    """What the engine holds of a prefill/decode disaggregation role (disagg/roles.py builds it)."""
+
+    def attach(self, reqs: list[Request], host: Any, port: Any, room: Any) -> None:
+        """Turn a call's requests into transfer legs; raises InvalidRequestError on bad bootstrap fields."""
+
+    def reject_call(self, text: Any, input_ids: Any, sampling_params: Any, room: Any, message: str) -> None:
+        """A call refused before it became requests: fail the rooms it would have used."""
+
+    def stats(self) -> dict[str, Any]:
+        """Transfer counters for /get_server_info and /metrics."""
+
+    def shutdown(self) -> None:
+        """Stop the role's transport."""
 
 
 class Engine:
@@ -53,9 +68,14 @@ class Engine:
     """
 
     def __init__(self, server_args: ServerArgs | None = None, *, devices: list[Any] | None = None,
-                 **kwargs: Any) -> None:
+                 role: Callable[[Engine], ServingRole | None] | None = None, **kwargs: Any) -> None:
         """`devices`: the JAX devices to place weights and cache on (default: all, or device 0 without a
-        mesh); disaggregation's colocated-split gives each of its two engines its own group."""
+        mesh); disaggregation's colocated-split gives each of its two engines its own group.
+
+        `role`: builds the serving role of --disaggregation-mode and hooks it into the scheduler before it
+        starts (the launcher passes `disagg.roles.setup`; the engine does not import disagg/). Raises
+        ValueError when --disaggregation-mode is not `null` and no role builder is given.
+        """
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
         if args.tp_size > 1:
@@ -74,8 +94,11 @@ class Engine:
         self.metrics = Metrics() if args.enable_metrics else None
         self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
         self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
-        self.disagg = disagg_roles.setup(self)  # --disaggregation-mode prefill|decode: scheduler hooks
-        # Every step shape and sampling program, before the server can report ready (engine/buckets.py).
+        if args.disaggregation_mode != "null" and role is None:
+            raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs its role: build the engine "
+                             "with role=disagg.roles.setup (launch_server does)")
+        self.disagg = role(self) if role is not None else None  # PD: the scheduler's hooks, its transport
+        # Every step shape and sampling program, before the server can report ready (engine/runner/buckets.py).
         self.precompile_stats = None if args.disable_precompile else self.runner.precompile()
         # Constrained decoding; the backend (xgrammar imports torch: seconds of CPU) loads on a background
         # thread, started after the precompile so it does not take a core from the compiler; a grammar
@@ -254,9 +277,11 @@ class Engine:
                                          top_logprobs_num, return_text_in_logprobs, stream, rid,
                                          lambda d: loop.call_soon_threadsafe(out.put_nowait, d),
                                          require_reasoning=bool(require_reasoning))
-            disagg_roles.attach(self.disagg, reqs, bootstrap_host, bootstrap_port, bootstrap_room)
+            if self.disagg is not None:
+                self.disagg.attach(reqs, bootstrap_host, bootstrap_port, bootstrap_room)
         except InvalidRequestError as e:  # a prefill server tells the decode legs waiting on these rooms
-            disagg_roles.reject_call(self.disagg, text, input_ids, sampling_params, bootstrap_room, str(e))
+            if self.disagg is not None:
+                self.disagg.reject_call(text, input_ids, sampling_params, bootstrap_room, str(e))
             raise
         if self.metrics:
             for _ in reqs:
@@ -326,7 +351,8 @@ class Engine:
                 self._abort_all(reqs)
 
     def health(self) -> HealthSnapshot:
-        """The scheduler's health (engine/health.py); `/health` reports its `problem(--watchdog-timeout)`."""
+        """The scheduler's health (engine/observability/health.py); `/health` reports its
+        `problem(--watchdog-timeout)`."""
         return self.scheduler.health()
 
     def set_warmed_up(self, value: bool) -> None:
@@ -359,7 +385,8 @@ class Engine:
         return self.scheduler.flush_cache()
 
     def start_profile(self, body: dict[str, Any] | None = None) -> Future:
-        """Start a jax.profiler trace of the scheduler's steps (SGLang's /start_profile fields; engine/profiler.py).
+        """Start a jax.profiler trace of the scheduler's steps (SGLang's /start_profile fields;
+        engine/observability/profiler.py).
 
         Returns a Future of the reply text, set by the scheduler thread between two steps. Raises ProfileError
         (an InvalidRequestError) for a bad field or when a trace is already pending or running."""

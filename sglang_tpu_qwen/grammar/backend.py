@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.errors import InvalidRequestError
 from sglang_tpu_qwen.grammar.spec import GrammarSpec
+from sglang_tpu_qwen.utils.errors import InvalidRequestError
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; the client needs only the rest.
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.kernels.gdn import conv_pool
-from sglang_tpu_qwen.utils import next_pow2
+from sglang_tpu_qwen.utils.shapes import next_pow2
 
 GDN_KEYS = ("conv", "rec")
 

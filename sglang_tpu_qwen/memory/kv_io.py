@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.kernels.gdn import conv_pool
-from sglang_tpu_qwen.utils import next_pow2
+from sglang_tpu_qwen.utils.shapes import next_pow2
 
 
 @jax.jit

@@ -13,114 +13,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import page_slots, paged_attention, write_kv
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import apply_rope
-from sglang_tpu_qwen.parallel.fp8 import linear
-
-
-def page_slots(
-    positions: jax.Array, valid: jax.Array, page_table: jax.Array, page_size: int
-) -> tuple[jax.Array, jax.Array]:
-    """Map token positions to (page id, offset in page); invalid tokens go to trash page 0.
-
-    Args:
-        positions: ``[B, T]`` int32 absolute positions.
-        valid: ``[B, T]`` bool.
-        page_table: ``[B, P]`` int32 page ids of each sequence.
-        page_size: tokens per page.
-
-    Returns:
-        ``(pages [B, T], offsets [B, T])`` int32.
-    """
-    num_cols = page_table.shape[1]
-    col = jnp.clip(positions // page_size, 0, num_cols - 1)
-    pages = jnp.take_along_axis(page_table, col, axis=1)
-    pages = jnp.where(valid, pages, 0)
-    return pages, positions % page_size
-
-
-def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:
-    """Scatter new keys (or values) of one layer into the paged cache.
-
-    Args:
-        cache: ``[L, num_pages, page_size, nkv, hd]`` all attention layers.
-        layer: attention-layer index into ``cache``.
-        new: ``[B, T, nkv, hd]``.
-        pages, offsets: ``[B, T]`` from :func:`page_slots`.
-
-    Returns:
-        The updated cache (same shape and dtype).
-    """
-    return cache.at[layer, pages, offsets].set(new.astype(cache.dtype))
-
-
-_PAGES_PER_BLOCK = 8  # key block of the reference loop: 8 pages (128 keys at page size 16)
-_MASKED = -1e30  # finite: a fully masked row (padding) stays NaN-free through the online softmax
-
-
-def paged_attention(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: int,
-    page_table: jax.Array,
-    q_positions: jax.Array,
-    kv_lens: jax.Array,
-) -> jax.Array:
-    """Causal GQA attention of new queries over the pages of the whole context.
-
-    The page table may be much wider than the context (the server compiles one fixed width per request,
-    engine/buckets.py): keys are visited in blocks of ``_PAGES_PER_BLOCK`` pages by a loop whose trip
-    count is ``ceil(max(kv_lens) / block)``, with an online softmax (Milakov & Gimelshein 2018; the
-    FlashAttention recurrence), so the cost follows the longest context in the batch, not the width.
-
-    Args:
-        q: ``[B, T, nq, hd]`` queries (RoPE applied).
-        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``.
-        layer: attention-layer index.
-        page_table: ``[B, P]`` int32; key position ``j`` of row ``b`` lives in page ``page_table[b, j // ps]``.
-        q_positions: ``[B, T]`` int32 absolute query positions.
-        kv_lens: ``[B]`` int32 context length (keys at positions ``>= kv_len`` are masked).
-
-    Returns:
-        ``[B, T, nq, hd]`` in ``q.dtype``. Rows with no visible key (padding rows) give zeros.
-    """
-    b, t, nq, hd = q.shape
-    _, _, ps, nkv, _ = k_cache.shape
-    bp = min(_PAGES_PER_BLOCK, page_table.shape[1])
-    pad = (-page_table.shape[1]) % bp
-    if pad:
-        page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
-    blk = bp * ps
-    num_blocks = jnp.minimum((jnp.max(kv_lens) + blk - 1) // blk, page_table.shape[1] // bp)
-    qg = q.reshape(b, t, nkv, nq // nkv, hd)
-    g = nq // nkv
-
-    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        m, denom, acc = carry
-        cols = jax.lax.dynamic_slice_in_dim(page_table, i * bp, bp, axis=1)
-        k = k_cache[layer, cols].reshape(b, blk, nkv, hd)
-        v = v_cache[layer, cols].reshape(b, blk, nkv, hd)
-        key_pos = i * blk + jnp.arange(blk, dtype=jnp.int32)
-        key_ok = key_pos[None, :] < kv_lens[:, None]  # [B, blk]
-        # Zero unused keys/values so stale or trash contents (page 0) can never reach real rows as NaN * 0.
-        k = jnp.where(key_ok[:, :, None, None], k, 0).astype(q.dtype)
-        v = jnp.where(key_ok[:, :, None, None], v, 0).astype(q.dtype)
-        mask = (key_ok[:, None, :] & (key_pos[None, None, :] <= q_positions[:, :, None]))[:, None, None]
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (hd**-0.5)
-        s = jnp.where(mask, s, _MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, denom * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
-
-    init = (jnp.full((b, nkv, g, t), _MASKED, jnp.float32), jnp.zeros((b, nkv, g, t), jnp.float32),
-            jnp.zeros((b, nkv, g, t, hd), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, nkv, g, T, hd]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nq, hd).astype(q.dtype)
+from sglang_tpu_qwen.quant.fp8 import linear
 
 
 def attention_layer(
@@ -142,7 +39,7 @@ def attention_layer(
 
     Args:
         p: ``{"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}`` (see docs/internals.md); the
-            projections dense or :class:`parallel.fp8.Fp8Weight`.
+            projections dense or :class:`quant.fp8.Fp8Weight`.
         x: ``[B, T, H]`` normalised hidden states.
         cos, sin: ``[B, T, rotary_dim]`` float32 RoPE tables for ``positions``.
         k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``.

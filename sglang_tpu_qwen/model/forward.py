@@ -7,7 +7,7 @@ Decoder layer (HF ``Qwen3_5MoeDecoderLayer``)::
 
 The layers run under one ``jax.lax.scan`` over groups of one layer period (model/stacking.py: 3 GDN +
 1 attention for Qwen3.5), so the compiled program holds each layer kind once whatever the depth; the
-server, the tests and the planner (plan.py) all compile this function.
+server, the tests and the planner (tools/plan.py) all compile this function.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_p
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import rope_cos_sin
-from sglang_tpu_qwen.parallel.fp8 import join_layer_fp8, split_stacked_fp8
+from sglang_tpu_qwen.quant.fp8 import join_layer_fp8, split_stacked_fp8
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -82,7 +82,7 @@ def forward_step(
 
     Args:
         params: parameter pytree (docs/internals.md), layers stacked (model/stacking.py); FP8 leaves
-            (parallel/fp8.py) allowed for the quantised linear weights.
+            (quant/fp8.py) allowed for the quantised linear weights.
         cache: from :func:`init_cache`.
         tokens: ``[B, T]`` int32 new tokens, left-aligned, padded with 0.
         prefix_lens: ``[B]`` int32 tokens already in the cache; 0 means the GDN slot is read as zeros.
@@ -115,7 +115,7 @@ def forward_step(
     attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
     moe = moe_fn or functools.partial(moe_block, dense=backends.xla_cpu)
 
-    # FP8 weights stay whole stacks outside the scan: the kernel reads layer g in place (parallel/fp8.py).
+    # FP8 weights stay whole stacks outside the scan: the kernel reads layer g in place (quant/fp8.py).
     scanned, fp8_stacks = split_stacked_fp8(params["layers"])
 
     def group(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, list[Params]]) -> tuple[tuple[jax.Array, ...], None]:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.parallel.fp8 import Fp8Weight, grouped, grouped_swiglu, linear
+from sglang_tpu_qwen.quant.fp8 import Fp8Weight, grouped, grouped_swiglu, linear
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -51,7 +51,7 @@ def routed_experts(
         weights: ``[N, k]`` routing weights.
         expert_ids: ``[N, k]`` int32 in ``[0, E)``.
         w_gate, w_up: ``[E, H, I]``.
-        w_down: ``[E, I, H]``. Each dense or a :class:`parallel.fp8.Fp8Weight` stack.
+        w_down: ``[E, I, H]``. Each dense or a :class:`quant.fp8.Fp8Weight` stack.
 
     Returns:
         ``[N, H]`` in ``x.dtype``.

@@ -20,28 +20,3 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Gated RMSNorm of the Gated DeltaNet output: ``w * (x / rms(x)) * silu(gate)``.
-
-    Args:
-        x: ``[..., D]`` core output per head.
-        gate: ``[..., D]`` the ``z`` projection for the same head.
-        weight: ``[D]`` applied as a plain multiplier (not ``1 + w``).
-        eps: added to the mean square.
-
-    Returns:
-        ``[..., D]`` in ``x.dtype``. Matches ``Qwen3_5MoeRMSNormGated`` (norm in fp32, cast, scale, gate in fp32).
-    """
-    dtype = x.dtype
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    y = weight * xf.astype(dtype)
-    y = y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
-    return y.astype(dtype)
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """``x * rsqrt(sum(x^2) + eps)`` over the last axis (the FLA / HF ``l2norm`` convention), same dtype."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

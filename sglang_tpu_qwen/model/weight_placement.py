@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sglang_tpu_qwen.parallel.fp8 import Fp8Weight
+from sglang_tpu_qwen.quant.fp8 import Fp8Weight
 
 # A stacked leaf up to this size (all rows, q + scale) is stacked on the host and sent once; larger ones
 # are written row by row into their device buffers (no compiled update program for small leaves).

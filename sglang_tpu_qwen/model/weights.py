@@ -26,9 +26,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from sglang_tpu_qwen.model import fp8_blocks
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.fp8_blocks import scale_shape
 from sglang_tpu_qwen.model.safetensors_file import (
     FP8_DTYPES,
     CheckpointError,
@@ -39,7 +37,9 @@ from sglang_tpu_qwen.model.safetensors_file import (
 from sglang_tpu_qwen.model.stacking import layer_period, stack_params, unstack_params
 from sglang_tpu_qwen.model.weight_placement import place
 from sglang_tpu_qwen.model.weights_manifest import check_file_set, verify_digests
-from sglang_tpu_qwen.parallel.fp8 import BLOCK, QUANTISED_LEAVES, Fp8Weight
+from sglang_tpu_qwen.quant import fp8_blocks
+from sglang_tpu_qwen.quant.fp8 import BLOCK, QUANTISED_LEAVES, Fp8Weight
+from sglang_tpu_qwen.quant.fp8_blocks import scale_shape
 
 logger = logging.getLogger(__name__)
 
@@ -570,7 +570,7 @@ def load_params(
 
     Block FP8 (a float8 weight with ``<weight>_scale_inv`` beside it; block size from config.json's
     ``quantization_config.weight_block_size``, edge blocks may be partial): with ``keep_fp8`` the
-    quantised linear weights (``parallel.fp8.QUANTISED_LEAVES``) become ``Fp8Weight(q, scale, block)``
+    quantised linear weights (``quant.fp8.QUANTISED_LEAVES``) become ``Fp8Weight(q, scale, block)``
     leaves, q and the scale grid transposed into our layout; every other FP8 tensor (and all of them
     without ``keep_fp8``) is dequantised to ``dtype``. ``quantization="fp8"`` (SGLang's
     ``--quantization fp8``) also quantises the dense ``QUANTISED_LEAVES`` of a bf16 checkpoint into

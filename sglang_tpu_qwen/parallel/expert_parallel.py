@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.moe import route, shared_expert
 from sglang_tpu_qwen.parallel.collectives import block_order, reduce_scatter
-from sglang_tpu_qwen.parallel.fp8 import grouped_scatter_add, grouped_swiglu, kernel_rows
+from sglang_tpu_qwen.quant.fp8 import grouped_scatter_add, grouped_swiglu, kernel_rows
 
 
 def _id_bits(num_experts: int) -> int:
@@ -94,11 +94,11 @@ def local_experts(
     is computed.
 
     Args:
-        x: ``[M, *kernel_rows(w_gate, H)]`` gathered tokens (parallel/fp8.py: with FP8 experts, rows the
+        x: ``[M, *kernel_rows(w_gate, H)]`` gathered tokens (quant/fp8.py: with FP8 experts, rows the
             kernel reads one DMA each, so no gathered copy of the pairs' rows is written).
         weights: ``[M, k]`` float32 routing weights.
         expert_ids: ``[M, k]`` int32 global expert ids.
-        w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``; dense or FP8 (parallel/fp8.py).
+        w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``; dense or FP8 (quant/fp8.py).
         first_expert: scalar int32, global id of local expert 0.
         num_experts: E over all devices (default E_local): sizes the chunks.
         capacity_factor: chunk rows over the pairs expected here (uniform routing).

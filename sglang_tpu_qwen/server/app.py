@@ -7,12 +7,13 @@ Routes (as SGLang's `python/sglang/srt/entrypoints/http_server.py`):
   GET /get_server_info, /server_info    server args + engine state + version
   GET /health                           200, empty body; 503 (reason as text) before warm-up has passed, when the
                                         scheduler thread is dead or failed fatally, or a step has run longer
-                                        than --watchdog-timeout (engine/health.py)
+                                        than --watchdog-timeout (engine/observability/health.py)
   GET /health_generate                  as /health, then 200 once a 1-token generation returns; 503 otherwise
   GET/POST /flush_cache                 200 "Cache flushed..." or 400 when requests are running
   POST /abort_request                   {"rid"}: abort that request
-  GET/POST /start_profile, /stop_profile  jax.profiler trace of the scheduler's steps (engine/profiler.py);
-                                        plain-text reply naming the trace directory, 400 when one already runs
+  GET/POST /start_profile, /stop_profile  jax.profiler trace of the scheduler's steps
+                                        (engine/observability/profiler.py); plain-text reply naming the trace
+                                        directory, 400 when one already runs
   GET /metrics                          Prometheus text (only with --enable-metrics)
   /v1/models, /v1/completions, /v1/chat/completions   see openai_api.py
 `/version` is deliberately absent (404): SGLang routers take a worker answering it for vLLM.
@@ -33,13 +34,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from sglang_tpu_qwen.disagg.request_fields import bootstrap_kwargs
-from sglang_tpu_qwen.engine.errors import InvalidRequestError, failed_status
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError, failed_status
 from sglang_tpu_qwen.server import engine_calls
 from sglang_tpu_qwen.server.engine_calls import SSE_DONE, ClientDisconnected, sse
 from sglang_tpu_qwen.server.errors import install_error_handlers, native_error, stream_error_event, unauthorized
 from sglang_tpu_qwen.server.openai_api import create_openai_router
 from sglang_tpu_qwen.server.protocol import AbortReq, GenerateReqInput
+from sglang_tpu_qwen.server.request_fields import bootstrap_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -213,9 +214,9 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
             return Response(content=body, media_type=content_type)
 
     async def start_profile(request: Request) -> Response:
-        """SGLang's /start_profile: a jax.profiler trace of the scheduler's steps (engine/profiler.py)."""
+        """SGLang's /start_profile: a jax.profiler trace of the scheduler's steps (engine/observability/profiler.py)."""
         raw = await request.body()
-        body = json.loads(raw) if raw.strip() else None  # a JSONDecodeError is a 400 (errors.py)
+        body = json.loads(raw) if raw.strip() else None  # a JSONDecodeError is a 400 (utils/errors.py)
         if body is not None and not isinstance(body, dict):
             raise InvalidRequestError("the /start_profile body must be a JSON object")
         return await _profile_reply(engine.start_profile(body))

@@ -21,9 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sglang_tpu_qwen.disagg.errors import TransferError
-from sglang_tpu_qwen.engine.errors import InvalidRequestError, RequestFailedError
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError, RequestFailedError
 from sglang_tpu_qwen.server.protocol import ErrorResponse
+from sglang_tpu_qwen.utils.errors import TransferError
 
 
 class OpenAIError(Exception):

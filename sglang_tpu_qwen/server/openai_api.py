@@ -28,8 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from sglang_tpu_qwen.disagg.request_fields import bootstrap_kwargs
-from sglang_tpu_qwen.engine.errors import failed_status
+from sglang_tpu_qwen.engine.io.errors import failed_status
 from sglang_tpu_qwen.grammar.spec import response_format_constraint
 from sglang_tpu_qwen.parsers import ChatOutputParser
 from sglang_tpu_qwen.parsers.chat_output import ChatDelta
@@ -62,6 +61,7 @@ from sglang_tpu_qwen.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from sglang_tpu_qwen.server.request_fields import bootstrap_kwargs
 
 logger = logging.getLogger(__name__)
 

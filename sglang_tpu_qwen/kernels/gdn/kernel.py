@@ -69,12 +69,12 @@ def _dot(a: jax.Array, b: jax.Array, dims=_NN) -> jax.Array:
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
-    """Same convention as ``model.norms.l2_normalize`` (eps 1e-6 inside the rsqrt)."""
+    """Same convention as ``delta_rule.l2_normalize`` (eps 1e-6 inside the rsqrt)."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
 def _gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, out_dtype, round_product: bool):
-    """``model.norms.gated_rms_norm`` of one head's ``[rows, dv]`` float32 output, op for op (same roundings)."""
+    """``delta_rule.gated_rms_norm`` of one head's ``[rows, dv]`` float32 output, op for op (same roundings)."""
     x = o.astype(out_dtype).astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     y = weight * x.astype(out_dtype).astype(jnp.float32)  # exact in f32: both factors have <= 8-bit mantissas
@@ -204,7 +204,7 @@ def fused_gdn(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Conv1d + L2 norm + gated delta rule of a batch, updating the state pools in place (module docstring);
-    with ``gate``, also the block's output norm (``model.norms.gated_rms_norm``, HF ``Qwen3_5MoeRMSNormGated``).
+    with ``gate``, also the block's output norm (``delta_rule.gated_rms_norm``, HF ``Qwen3_5MoeRMSNormGated``).
 
     Args:
         mixed: ``[B, T, conv_dim]`` pre-conv channels, ``conv_dim = 2 * Hk * dk + Hv * dv``; 0 at padding.

@@ -1,6 +1,6 @@
 """Pure-jnp reference of the fused GDN kernel: the model's own conv1d + gated delta rule over state pools.
 
-Same signature and layouts as :func:`kernel.fused_gdn`. The math is ``model.gated_deltanet.gdn_mix``
+Same signature and layouts as :func:`kernel.fused_gdn`. The math is ``delta_rule.gdn_mix``
 (Yang et al., ICLR 2025 / NeurIPS 2024), which is what the model runs off TPU; this wrapper only gathers
 each row's states from the pools by slot id and scatters them back, as ``model.forward`` does.
 """
@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
-from sglang_tpu_qwen.model.gated_deltanet import gdn_mix
-from sglang_tpu_qwen.model.norms import gated_rms_norm
+from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm, gdn_mix
 
 
 def fused_gdn_reference(
@@ -50,7 +49,7 @@ def fused_gdn_reference(
     """
     t = mixed.shape[1]
     hv = g.shape[-1]
-    # gdn_mix reads only these config fields.
+    # The head layout gdn_mix reads (delta_rule.GdnDims).
     dims = SimpleNamespace(
         linear_num_key_heads=num_k_heads, linear_num_value_heads=hv, linear_key_head_dim=head_k_dim,
         linear_value_head_dim=head_v_dim, gdn_key_dim=num_k_heads * head_k_dim)
@@ -59,7 +58,7 @@ def fused_gdn_reference(
     taps = conv_weight.shape[1] - 1
     conv_s = jnp.where(fresh, 0, jnp.swapaxes(gather_windows(conv_pool, layer, slot_ids, taps), 1, 2))
     rec_s = jnp.where(fresh[..., None], 0, rec_pool[layer, slot_ids])
-    o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims)  # type: ignore[arg-type]
+    o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims)
     if gate is not None:
         o = gated_rms_norm(o.astype(gate.dtype), gate.reshape(o.shape), norm_weight, norm_eps)
     conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.swapaxes(conv_s, 1, 2))

@@ -1,0 +1,277 @@
+"""ServerArgs: every launch option in one dataclass; the argparse parser is built from it.
+
+Flag names mirror SGLang's `python -m sglang.launch_server` (`--model-path`, `--page-size`, ...): a
+field `page_size` becomes `--page-size`. Unknown flags are rejected by argparse with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+# Fewest prompt tokens a DP rank's prefill step may be bounded to: the smallest compiled extend size
+# (engine/runner/buckets.py MIN_EXTEND_TOKENS is this value); a smaller budget would pad every step to it.
+MIN_PREFILL_CHUNK = 16
+
+
+@dataclass
+class ServerArgs:
+    """Launch options of the server and the in-process Engine.
+
+    Memory sizes are in tokens (KV) or requests (GDN slots); 0 or None means "derive a default".
+    """
+
+    model_path: str | None = field(
+        default=None, metadata={"help": "HF model directory; default: the embedded tiny Qwen3.5-MoE."}
+    )
+    tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer dir (default: model path)."})
+    served_model_name: str | None = field(default=None, metadata={"help": "Model name in the OpenAI API."})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP host."})
+    port: int = field(default=30000, metadata={"help": "HTTP port."})
+    api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY'."})
+    log_level: str = field(default="info", metadata={"help": "Python log level."})
+    enable_metrics: bool = field(
+        default=False, metadata={"help": "Expose Prometheus /metrics (unauthenticated, also with --api-key)."})
+    log_requests: bool = field(default=False, metadata={
+        "help": "Log metadata, inputs, outputs of all requests (verbosity: --log-requests-level). Off: the "
+                "server logs no prompt or output text."})
+    log_requests_level: int = field(default=2, metadata={
+        "help": "0: metadata (no sampling parameters). 1: metadata and sampling parameters. 2: metadata, "
+                "sampling parameters and partial input/output. 3: every input/output."})
+    profile_dir: str | None = field(default=None, metadata={
+        "help": "Where /start_profile writes jax.profiler traces (default: $SGLANG_TORCH_PROFILER_DIR, else a "
+                "fresh temp dir)."})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Compute dtype: auto (float32 on CPU, bfloat16 on TPU/GPU), float32, bfloat16."},
+    )
+    quantization: str | None = field(default=None, metadata={
+        "help": "fp8: quantise a bf16 checkpoint's linear weights to 128x128-block FP8 on load (block-FP8 "
+                "checkpoints stay FP8 without it)."})
+    weights_manifest: str | None = field(default=None, metadata={
+        "help": "JSON file name -> sha256 (tools.weights_manifest writes one): refuse to start on a missing, "
+                "extra or mismatching weight file, checked while loading."})
+    context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens."})
+    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size."})
+    dp_size: int = field(default=1, metadata={"help": "Data-parallel (attention) size."})
+    ep_size: int = field(default=1, metadata={"help": "Expert-parallel size."})
+    page_size: int = field(default=16, metadata={"help": "Tokens per KV page."})
+    chunked_prefill_size: int | None = field(default=None, metadata={
+        "help": "Max prompt tokens per prefill step over all DP ranks; each rank prefills its 1/--dp-size share "
+                "(SGLang's rule under DP attention), at least 16 tokens. Default by device memory as SGLang: 8192 "
+                "on a 60-160 GB device (an Ironwood TensorCore has 96 GiB), 16384 above, 4096 / 2048 below; 512 "
+                "on CPU. Chunking cannot be turned off (every step runs in a compiled bucket)."})
+    max_running_requests: int = field(default=32, metadata={
+        "help": "Max requests running at once, over all DP ranks."})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
+    max_prefill_tokens: int = field(default=16384, metadata={
+        "help": "Max prompt tokens per prefill step of a DP rank (with --chunked-prefill-size's share, the smaller "
+                "bounds the step). Default 16384, SGLang's."})
+    mem_fraction_static: float = field(
+        default=0.8, metadata={"help": "Fraction of device memory for weights + KV pool (accelerators)."}
+    )
+    random_seed: int = field(default=0, metadata={"help": "Seed for sampling without a per-request seed."})
+    stream_interval: int = field(default=1, metadata={"help": "Decode steps between streamed chunks."})
+    skip_server_warmup: bool = field(default=False, metadata={"help": "Skip the warm-up request at start."})
+    # Compiled programs (engine/runner/buckets.py, engine/runner/compilation.py).
+    disable_precompile: bool = field(default=False, metadata={
+        "help": "Do not compile every step bucket and sampling program at startup; compile each on first use."})
+    precompile_bs_paddings: list[int] | None = field(default=None, metadata={
+        "help": "Batch sizes (rows per DP rank) of the compiled buckets (default: 1 and the powers of two from 4 up "
+                "to --max-running-requests per rank); the largest must hold every running request of a rank."})
+    precompile_token_paddings: list[int] | None = field(default=None, metadata={
+        "help": "New tokens per row of the compiled extend buckets (default: powers of four from 16, and "
+                "a DP rank's share of --chunked-prefill-size rounded up to a power of two)."})
+    compilation_cache_dir: str | None = field(default=None, metadata={
+        "help": "JAX persistent compilation cache directory (default ~/.cache/sglang_tpu_qwen/jax_cache; "
+                "'none' turns it off)."})
+    watchdog_timeout: float = field(default=300.0, metadata={
+        "help": "Seconds a step may run before /health reports the server unhealthy (SGLang's flag; <= 0: off)."})
+    incremental_streaming_output: bool = field(default=False, metadata={
+        "help": "Streamed /generate chunks carry only the new text, ids and logprobs (SGLang's flag)."})
+    # Prefix cache (radix tree over KV pages + GDN state snapshots).
+    disable_radix_cache: bool = field(default=False, metadata={"help": "Turn the prefix cache off."})
+    schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match) or fcfs."})
+    disable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "Run each step synchronously: by default the host builds step N+1 while step N runs on the "
+                "device (finish checks and streaming then apply one step late)."})
+    max_gdn_snapshots: int | None = field(
+        default=None, metadata={"help": "GDN state snapshot slots on device (default: 2x max running requests)."}
+    )
+    gdn_snapshot_host_gb: float = field(default=0.0, metadata={"help": "Host memory for evicted snapshots (GB)."})
+    debug_nan_fill_freed_slots: bool = field(
+        default=False, metadata={"help": "Fill freed GDN slots with NaN so a stale read fails loudly."}
+    )
+    # Kernels.
+    attention_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
+    gdn_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
+    # Constrained decoding (sglang_tpu_qwen/grammar).
+    grammar_backend: str = field(
+        default="xgrammar", metadata={"help": "xgrammar, llguidance or none (constrained requests get a 400)."}
+    )
+    constrained_json_disable_any_whitespace: bool = field(
+        default=False, metadata={"help": "JSON Schema output without free whitespace between tokens."}
+    )
+    constrained_json_whitespace_pattern: str | None = field(default=None, metadata={
+        "help": "Regex of the whitespace JSON Schema output may hold between tokens (SGLang's flag; default "
+                "grammar/whitespace.py DEFAULT_JSON_WHITESPACE: at most one newline and a few spaces)."})
+    # OpenAI chat output parsers (sglang_tpu_qwen/parsers).
+    reasoning_parser: str | None = field(
+        default=None, metadata={"help": "Split reasoning into reasoning_content: qwen3 (Qwen3 / Qwen3.5)."}
+    )
+    tool_call_parser: str | None = field(
+        default=None, metadata={"help": "Parse tool calls into tool_calls: qwen3_coder (Qwen3.5 XML format)."}
+    )
+    # Parallelism.
+    moe_combine: str = field(default="hierarchical", metadata={"help": "MoE reduce-scatter: flat or hierarchical."})
+    nnodes: int = field(default=1, metadata={"help": "Number of hosts (JAX processes)."})
+    node_rank: int = field(default=0, metadata={"help": "This host's rank."})
+    dist_init_addr: str | None = field(default=None, metadata={"help": "host:port of the rank-0 coordinator."})
+    # Prefill/decode disaggregation (sglang_tpu_qwen/disagg).
+    disaggregation_mode: str = field(default="null", metadata={
+        "help": "null, prefill, decode, or colocated-split (a prefill and a decode engine on two device groups "
+                "of this process, each with its own HTTP port)."})
+    disaggregation_bootstrap_port: int = field(
+        default=8998, metadata={"help": "Prefill server: port the decode servers fetch request state from."})
+    disaggregation_transfer_backend: str = field(default="auto", metadata={
+        "help": "auto (inprocess for colocated-split, else tcp), tcp, or inprocess (colocated-split only)."})
+    disaggregation_timeout: float = field(default=300.0, metadata={
+        "help": "Prefill: seconds unfetched state is kept, and a fetch waits for its request to arrive; decode: "
+                "seconds of silence from a prefill server before a waiting request fails."})
+    disaggregation_decode_port: int | None = field(
+        default=None, metadata={"help": "colocated-split: HTTP port of the decode engine (default --port + 1)."})
+    disaggregation_prefill_devices: int | None = field(default=None, metadata={
+        "help": "colocated-split: devices of the prefill engine, the first N (default half); decode gets the rest."})
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError(f"--page-size must be positive, got {self.page_size}")
+        for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "max_prefill_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            raise ValueError(f"--chunked-prefill-size must be positive, got {self.chunked_prefill_size}: chunked "
+                             "prefill cannot be turned off here (every prefill step runs in a compiled bucket)")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size // self.dp_size < MIN_PREFILL_CHUNK:
+            raise ValueError(f"--chunked-prefill-size {self.chunked_prefill_size} is split over the {self.dp_size} "
+                             f"DP ranks: each rank needs at least {MIN_PREFILL_CHUNK} prompt tokens per step, so "
+                             f"at least {MIN_PREFILL_CHUNK * self.dp_size}")
+        choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
+                   "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
+                   "grammar_backend": ("xgrammar", "llguidance", "none")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError(f"--log-requests-level must be one of 0, 1, 2, 3, got {self.log_requests_level}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization must be fp8 (or absent), got {self.quantization!r}")
+        for name in ("precompile_bs_paddings", "precompile_token_paddings"):
+            values = getattr(self, name)
+            if values is not None and (not values or any(not isinstance(v, int) or v <= 0 for v in values)):
+                raise ValueError(f"--{name.replace('_', '-')} must be positive integers, got {values}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        from sglang_tpu_qwen.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+        for name, allowed in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_CALL_PARSERS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        self._check_disaggregation()
+
+    def resolve_chunked_prefill_size(self, backend: str, device_bytes: int | None) -> None:
+        """Fill in --chunked-prefill-size's default when the devices are known, as SGLang does at start.
+
+        Args:
+            backend: the JAX backend, "cpu", "tpu" or "gpu". CPU: 512 (XLA:CPU compiles and runs an 8192-token
+                step slowly, and the embedded model needs no more).
+            device_bytes: one device's memory (its ``bytes_limit``), None when unknown. Accelerators take
+                SGLang's table (srt/arg_groups/memory_hook.py): under 20 GB 2048, under 60 GB 4096, under
+                160 GB 8192, else 16384; unknown memory 8192.
+        """
+        if self.chunked_prefill_size is not None:
+            return
+        if backend == "cpu":
+            size = 512
+        elif device_bytes is None:
+            size = 8192
+        else:
+            gib = device_bytes / 2**30
+            size = 2048 if gib < 20 else 4096 if gib < 60 else 8192 if gib < 160 else 16384
+        self.chunked_prefill_size = max(size, MIN_PREFILL_CHUNK * self.dp_size)
+
+    @property
+    def chunked_prefill_per_rank(self) -> int:
+        """Prompt tokens one DP rank prefills per step: --chunked-prefill-size // --dp-size (SGLang divides it
+        so under DP attention; every --dp-size here is DP attention). Raises ValueError before
+        resolve_chunked_prefill_size."""
+        if self.chunked_prefill_size is None:
+            raise ValueError("--chunked-prefill-size is not resolved yet (resolve_chunked_prefill_size)")
+        return self.chunked_prefill_size // self.dp_size
+
+    def _check_disaggregation(self) -> None:
+        modes = ("null", "prefill", "decode", "colocated-split")
+        if self.disaggregation_mode not in modes:
+            raise ValueError(f"--disaggregation-mode must be one of {', '.join(modes)}")
+        if self.disaggregation_transfer_backend not in ("auto", "tcp", "inprocess"):
+            raise ValueError("--disaggregation-transfer-backend must be one of auto, tcp, inprocess")
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError(f"--disaggregation-bootstrap-port must be a TCP port (0-65535), got "
+                             f"{self.disaggregation_bootstrap_port}")
+        if self.disaggregation_timeout <= 0:
+            raise ValueError(f"--disaggregation-timeout must be positive, got {self.disaggregation_timeout}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag-name` per field; booleans become store_true switches."""
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            hint = hints[f.name]
+            if hint is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            if "list[int]" in str(hint):
+                parser.add_argument(flag, type=int, nargs="+", default=f.default, help=help_text)
+                continue
+            py_type = _scalar_type(hint)
+            parser.add_argument(flag, type=py_type, default=f.default, help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        """Build ServerArgs from a namespace produced by a parser that `add_cli_args` filled."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Build from keyword arguments (the Engine API); an unknown name raises TypeError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def _scalar_type(hint: Any) -> type:
+    """The concrete type of `int | None`-style hints, for argparse."""
+    for candidate in (int, float, str):
+        if hint is candidate or candidate in getattr(hint, "__args__", ()):
+            return candidate
+    return str
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse command-line flags (SGLang names) into ServerArgs; exits with code 2 on an unknown flag or bad value."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_tpu_qwen.launch_server",
+        description="SGLang-compatible server for Qwen3.5-MoE in JAX.",
+        allow_abbrev=False,
+    )
+    ServerArgs.add_cli_args(parser)
+    try:
+        return ServerArgs.from_cli_args(parser.parse_args(argv))
+    except ValueError as e:  # a bad value: usage message and exit code 2, like an unknown flag
+        parser.error(str(e))

@@ -1,0 +1,209 @@
+"""ScheduleBatch: one step's requests and the host arrays the model runner consumes (SGLang's schedule_batch.py).
+
+The policy (schedule_policy.py) picks the requests and how many new tokens each feeds; `ScheduleBatch.build`
+lays them out in batch rows and fills every host array of the step in one place: the forward inputs
+(tokens, prefix_lens, new_lens, page_table, slot_ids) and, when a row samples, the sampling batch. The
+runner runs it and the output processor (output_processor.py) reads the results back by row.
+
+Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B: the batch of the step's
+compiled bucket, engine/runner/buckets.py), so each DP rank's shard of the batch holds only its own requests.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
+from sglang_tpu_qwen.engine.runner.model_runner import SamplingBatch
+from sglang_tpu_qwen.grammar.bitmask import allows_other_than, token_bitmask
+from sglang_tpu_qwen.utils.shapes import next_pow2
+
+
+class ForwardMode(enum.Enum):
+    """What a step feeds: prompt chunks (EXTEND), one token per request (DECODE), or nothing (IDLE)."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+    IDLE = "idle"
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one step and its host arrays (B rows including padding rows, T token columns).
+
+    reqs[i] feeds extend_lens[i] new tokens from its cached_len and lives in batch row rows[i]. Padding rows
+    are zero (page 0 / slot 0: the trash targets). `finishing` lists the indices i whose pending tokens are
+    all fed by this step: those rows sample their next token (unless the request only scores its prompt).
+    With one DP rank an extend step lays its finishing requests out first and its sampling batch holds only
+    their rows (the smallest sampling batch size that does): mid-prompt rows sample nothing.
+    Overlap scheduling: a decode row whose token is still on the device (r.tokens_in_flight, sampled by the
+    step in flight, `prev`) reads it there: token_src names its row in that step.
+    """
+
+    mode: ForwardMode
+    reqs: list[Request]
+    extend_lens: list[int]
+    rows: list[int]
+    batch_size: int  # B
+    tokens: np.ndarray  # [B, T] int32 (B, T, P: a bucket of engine/runner/buckets.py; T = 1 in DECODE)
+    prefix_lens: np.ndarray  # [B] int32: tokens already in the cache per row
+    new_lens: np.ndarray  # [B] int32: tokens fed per row (0 on padding rows)
+    page_table: np.ndarray  # [B, P] int32 global page ids (P: one width per server)
+    slot_ids: np.ndarray  # [B] int32 global GDN slot ids
+    token_src: np.ndarray  # [B] int32: row of the previous step's sampled ids feeding this row, -1: tokens[b]
+    finishing: list[int]
+    sampling: SamplingBatch | None  # None when no row samples (mid-prompt chunks or scoring only)
+
+    @property
+    def is_extend(self) -> bool:
+        return self.mode is ForwardMode.EXTEND
+
+    @property
+    def chosen(self) -> list[tuple[Request, int]]:
+        """(request, new tokens) pairs, the shape the PD hooks take."""
+        return list(zip(self.reqs, self.extend_lens, strict=True))
+
+    @classmethod
+    def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], buckets: BucketSet,
+              eos_ids: Collection[int], vocab_size: int, prev: ScheduleBatch | None = None) -> ScheduleBatch:
+        """Lay out `chosen` (request, new tokens) in the rows of the step's compiled bucket and fill the host
+        arrays of the step.
+
+        Requests must hold the pages for cached_len + n tokens and a slot, and the chunks must fit a bucket
+        (the policy ensured both).
+        """
+        finishing_only = mode is ForwardMode.EXTEND and buckets.samples_finishing_rows_only
+        if finishing_only:  # rows that finish their prompt first: the step samples rows [0, k) only
+            chosen = sorted(chosen, key=lambda rn: rn[1] != rn[0].pending)
+        reqs = [r for r, _ in chosen]
+        lens = [n for _, n in chosen]
+        rows, bucket = batch_rows(reqs, lens, mode, buckets)
+        b, t, p = bucket.batch, bucket.tokens, bucket.pages
+        tokens = np.zeros((b, t), np.int32)
+        prefix_lens = np.zeros(b, np.int32)
+        new_lens = np.zeros(b, np.int32)
+        slot_ids = np.zeros(b, np.int32)
+        page_table = np.zeros((b, p), np.int32)
+        token_src = np.full(b, -1, np.int32)
+        prev_rows = {} if prev is None else {id(r): i for r, i in zip(prev.reqs, prev.rows, strict=True)}
+        for r, n, i in zip(reqs, lens, rows, strict=True):
+            if r.tokens_in_flight:  # a decode row fed by the step in flight: its token never left the device
+                assert n == 1 and id(r) in prev_rows, f"{r.rid}: token in flight but not in the previous step"
+                token_src[i] = prev_rows[id(r)]
+            else:
+                tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
+            prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
+            page_table[i, : len(r.pages)] = r.pages
+        finishing = [i for i, (r, n) in enumerate(chosen) if n == r.pending]
+        samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
+        sampling = None
+        if samples and finishing_only:
+            k = len(finishing)
+            assert finishing == list(range(k))
+            sampling = sampling_batch(reqs[:k], rows[:k], buckets.decode_bucket(k).batch, eos_ids, vocab_size)
+        elif samples:
+            sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size)
+        return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, token_src,
+                   finishing, sampling)
+
+    @property
+    def sampling_reqs(self) -> list[Request]:
+        """Requests that get a new token from this step (finishing rows that do not only score)."""
+        if self.sampling is None:
+            return []
+        return [r for r in (self.reqs[i] for i in self.finishing) if r.max_new_tokens != 0]
+
+
+def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode,
+               buckets: BucketSet) -> tuple[list[int], StepBucket]:
+    """Batch row of each request and the step's bucket: rank r's rows are [r*B/dp, (r+1)*B/dp)."""
+    dp = buckets.dp
+    count = [0] * dp
+    rows = []
+    for r in reqs:
+        count[r.rank] += 1
+    if mode is ForwardMode.EXTEND:
+        bucket, cap = buckets.extend_bucket(max(count), max(lens))
+        assert cap == max(lens), "the policy caps chunks to the bucket"
+    else:
+        bucket = buckets.decode_bucket(max(count))
+    per_rank = bucket.batch // dp
+    count = [0] * dp
+    for r in reqs:
+        rows.append(r.rank * per_rank + count[r.rank])
+        count[r.rank] += 1
+    return rows, bucket
+
+
+def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collection[int],
+                   vocab_size: int) -> SamplingBatch:
+    """Per-row sampling settings of the step; padding rows are greedy with nothing banned."""
+    temperature = np.zeros(b, np.float32)
+    top_p = np.ones(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    min_p = np.zeros(b, np.float32)
+    seeds = np.zeros(b, np.uint32)
+    steps = np.zeros(b, np.int32)
+    rep = np.ones(b, np.float32)
+    freq = np.zeros(b, np.float32)
+    pres = np.zeros(b, np.float32)
+    any_penalty = any(r.params.has_penalty for r in reqs)
+    seen_ids = output_ids = None
+    if any_penalty:
+        seen_ids = np.full((b, next_pow2(max(len(r.fill_ids) for r in reqs), 16)), -1, np.int32)
+        output_ids = np.full((b, next_pow2(max(len(r.output_ids) for r in reqs), 16)), -1, np.int32)
+    ban_lists: list[list[int]] = [[] for _ in range(b)]
+    # Column by column (one numpy assignment per field, not per row): this runs on the scheduler thread
+    # every step, beside the model on a CPU host.
+    idx = np.asarray(rows, np.intp)
+    sps = [r.params for r in reqs]
+    temperature[idx] = [0.0 if sp.greedy else sp.temperature for sp in sps]
+    top_p[idx] = [sp.top_p for sp in sps]
+    top_k[idx] = [max(sp.top_k, 0) for sp in sps]
+    min_p[idx] = [sp.min_p for sp in sps]
+    seeds[idx] = [r.seed & 0xFFFFFFFF for r in reqs]
+    steps[idx] = [r.num_output for r in reqs]  # the token in flight counts: same stream with and without overlap
+    rep[idx] = [sp.repetition_penalty for sp in sps]
+    freq[idx] = [sp.frequency_penalty for sp in sps]
+    pres[idx] = [sp.presence_penalty for sp in sps]
+    for r, i in zip(reqs, rows, strict=True):
+        sp = r.params
+        if seen_ids is not None and output_ids is not None:
+            # A token in flight is missing here; only rows without a penalty may have one (their counts
+            # are not used), penalty rows run synchronously (Scheduler._can_overlap).
+            assert not (r.tokens_in_flight and sp.has_penalty), f"{r.rid}: penalty row with a token in flight"
+            seen_ids[i, : len(r.fill_ids)] = r.fill_ids
+            output_ids[i, : len(r.output_ids)] = r.output_ids
+        if r.num_output < sp.min_new_tokens:
+            ban_lists[i] = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
+    bias_ids = bias_vals = None
+    biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]
+    if biases:
+        width = max(len(lb) for _, lb in biases)
+        bias_ids = np.full((b, width), -1, np.int32)
+        bias_vals = np.zeros((b, width), np.float32)
+        for i, lb in biases:
+            bias_ids[i, : len(lb)] = list(lb)
+            bias_vals[i, : len(lb)] = list(lb.values())
+    want_logprobs = any(r.return_logprob for r in reqs)
+    num_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+    grammars: list[Any] = [None] * b
+    for r, i in zip(reqs, rows, strict=True):
+        assert r.grammar is None or not r.tokens_in_flight, "grammar rows run synchronously"
+        grammars[i] = r.grammar
+    bitmask = token_bitmask(grammars, b, vocab_size)
+    for i, g in enumerate(grammars):
+        # The grammar wins: where it allows only banned ids (EOS before min_new_tokens), drop the bans.
+        if g is not None and ban_lists[i] and bitmask is not None and not allows_other_than(bitmask, i, ban_lists[i]):
+            ban_lists[i] = []
+    banned = np.full((b, next_pow2(max(len(x) for x in ban_lists), 4)), -1, np.int32)
+    for i, bans in enumerate(ban_lists):
+        banned[i, : len(bans)] = bans
+    return SamplingBatch(temperature, top_p, top_k, min_p, seeds, steps, rep, freq, pres, seen_ids,
+                         output_ids, banned, want_logprobs, num_top, bitmask, bias_ids, bias_vals)
