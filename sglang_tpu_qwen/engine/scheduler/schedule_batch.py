@@ -11,7 +11,6 @@ compiled bucket, engine/runner/buckets.py), so each DP rank's shard of the batch
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -22,15 +21,8 @@ from sglang_tpu_qwen.engine.io.request import Request
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.model_runner import SamplingBatch
 from sglang_tpu_qwen.grammar.bitmask import allows_other_than, token_bitmask
+from sglang_tpu_qwen.model.forward_batch import ForwardMode
 from sglang_tpu_qwen.utils.shapes import next_pow2
-
-
-class ForwardMode(enum.Enum):
-    """What a step feeds: prompt chunks (EXTEND), one token per request (DECODE), or nothing (IDLE)."""
-
-    EXTEND = "extend"
-    DECODE = "decode"
-    IDLE = "idle"
 
 
 @dataclass
