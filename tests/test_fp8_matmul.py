@@ -270,6 +270,7 @@ def test_fp8_forward_through_kernel_is_the_model():
     from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict, init_embedded_params
     from sglang_tpu_qwen.model.config import Qwen35MoeConfig
     from sglang_tpu_qwen.model.forward import forward_step, init_cache
+    from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 
     d = embedded_config_dict()
     # Odd widths: partial 128-blocks in every quantised matrix.
@@ -286,9 +287,9 @@ def test_fp8_forward_through_kernel_is_the_model():
             np.array([[1, 2], [3, 4]], np.int32), np.array([1, 2], np.int32))
     fwd = functools.partial(forward_step, config=config)
     with jax.default_matmul_precision("highest"):
-        ref, _ = jax.jit(fwd)(deq, init_cache(config, 8, 4, 4, jnp.float32), *args)
+        ref, _ = jax.jit(fwd)(deq, init_cache(config, 8, 4, 4, jnp.float32), ForwardBatch.of(*args))
         with fp8.interpret_kernels():
-            got, _ = jax.jit(fwd)(q, init_cache(config, 8, 4, 4, jnp.float32), *args)
+            got, _ = jax.jit(fwd)(q, init_cache(config, 8, 4, 4, jnp.float32), ForwardBatch.of(*args))
     valid = np.arange(t)[None, :] < args[2][:, None]
     err = _rel(jnp.asarray(np.asarray(got)[valid]), jnp.asarray(np.asarray(ref)[valid]))
     print(f"FP8 forward through the kernel vs dequantised weights: rel err {err:.1e}")

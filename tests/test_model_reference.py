@@ -28,6 +28,7 @@ from sglang_tpu_qwen.kernels.dispatch import KernelBackends  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn import conv_pool  # noqa: E402
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config  # noqa: E402
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache  # noqa: E402
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch  # noqa: E402
 from sglang_tpu_qwen.model.weights import load_params  # noqa: E402
 
 # Max abs logit error in fp32 (|logits| up to ~15). The tiny random models are mildly ill-conditioned (the
@@ -168,16 +169,8 @@ class _Batch:
         # A padding row points at the trash page/slot only.
         pt = np.where(new_lens[:, None] > 0, self.page_table, 0)
         slots = np.where(new_lens > 0, self.slot_ids, 0)
-        hidden, self.cache = _step_fn(platform)(
-            params,
-            self.cache,
-            jnp.asarray(tokens),
-            jnp.asarray(self.lens),
-            jnp.asarray(new_lens),
-            jnp.asarray(pt),
-            jnp.asarray(slots),
-            config=self.config,
-        )
+        batch = ForwardBatch.of(*(jnp.asarray(a) for a in (tokens, self.lens, new_lens, pt, slots)))
+        hidden, self.cache = _step_fn(platform)(params, self.cache, batch, config=self.config)
         self.lens = self.lens + new_lens
         return np.asarray(hidden)
 

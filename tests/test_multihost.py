@@ -55,6 +55,7 @@ def _child(rank: int, addr: str, out: str) -> None:
     from jax.sharding import NamedSharding
 
     from sglang_tpu_qwen.model.forward import init_cache
+    from sglang_tpu_qwen.model.forward_batch import ForwardBatch
     from sglang_tpu_qwen.parallel import sharding
     from sglang_tpu_qwen.parallel.mesh import make_layout
     from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
@@ -71,7 +72,7 @@ def _child(rank: int, addr: str, out: str) -> None:
     hs = []
     for tok, pre, new in steps:
         args = [multihost.global_array(a, bs) for a in (tok, pre, new, pt, slot)]
-        h, cache = fwd(sp, cache, *args)
+        h, cache = fwd(sp, cache, ForwardBatch.of(*args))
         hs.append(np.asarray(multihost_utils.process_allgather(h, tiled=True)))
     if multihost.is_serving_rank():
         np.savez(out, prefill=hs[0], decode=hs[1])
@@ -84,6 +85,7 @@ def test_two_process_forward_matches_single_process(tmp_path):
     import jax.numpy as jnp
 
     from sglang_tpu_qwen.model.forward import forward_step, init_cache
+    from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,7 +107,7 @@ def test_two_process_forward_matches_single_process(tmp_path):
     fwd = jax.jit(functools.partial(forward_step, config=config))
     with jax.default_matmul_precision("highest"):
         for name, (tok, pre, new) in zip(("prefill", "decode"), steps, strict=True):
-            h, cache = fwd(params, cache, tok, pre, new, gpt, gslot)
+            h, cache = fwd(params, cache, ForwardBatch.of(tok, pre, new, gpt, gslot))
             valid = np.arange(tok.shape[1])[None, :] < new[:, None]
             want = np.asarray(h)[valid]
             err = np.max(np.abs(got[name][valid] - want)) / np.max(np.abs(want))

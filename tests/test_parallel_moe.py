@@ -168,6 +168,7 @@ def _child() -> None:  # noqa: C901 - one linear script
     from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict, init_embedded_params
     from sglang_tpu_qwen.model.config import Qwen35MoeConfig
     from sglang_tpu_qwen.model.forward import forward_step, init_cache
+    from sglang_tpu_qwen.model.forward_batch import ForwardBatch
     from sglang_tpu_qwen.model.moe import moe_block
     from sglang_tpu_qwen.parallel import collectives, sharding
     from sglang_tpu_qwen.parallel.expert_parallel import make_ep_moe_fn
@@ -272,8 +273,8 @@ def _child() -> None:  # noqa: C901 - one linear script
         steps = [("prefill", tok_prefill, np.zeros(b, np.int32), new_prefill),
                  ("decode", tok_decode, new_prefill, np.ones(b, np.int32))]
         for phase, tok, pre, new in steps:
-            h, cache = fwd(sp, cache, tok, pre, new, local_pt, local_slot)
-            h_ref, ref_cache = ref_fwd(params, ref_cache, tok, pre, new, global_pt, global_slot)
+            h, cache = fwd(sp, cache, ForwardBatch.of(tok, pre, new, local_pt, local_slot))
+            h_ref, ref_cache = ref_fwd(params, ref_cache, ForwardBatch.of(tok, pre, new, global_pt, global_slot))
             valid = np.arange(tok.shape[1])[None, :] < new[:, None]
             emit(f"forward dp{dp} ep{ep} {combine} {phase}", np.asarray(h)[valid], np.asarray(h_ref)[valid],
                  valid_tokens=int(valid.sum()))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import page_slots, paged_attention, write_kv
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import apply_rope
 from sglang_tpu_qwen.quant.fp8 import linear
@@ -23,15 +24,11 @@ from sglang_tpu_qwen.quant.fp8 import linear
 def attention_layer(
     p: dict[str, Any],
     x: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
+    batch: ForwardBatch,
+    rope: tuple[jax.Array, jax.Array],
     k_cache: jax.Array,
     v_cache: jax.Array,
-    layer: int,
-    page_table: jax.Array,
-    positions: jax.Array,
-    valid: jax.Array,
-    kv_lens: jax.Array,
+    layer: jax.Array | int,
     config: Qwen35MoeConfig,
     core: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -41,13 +38,11 @@ def attention_layer(
         p: ``{"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}`` (see docs/internals.md); the
             projections dense or :class:`quant.fp8.Fp8Weight`.
         x: ``[B, T, H]`` normalised hidden states.
-        cos, sin: ``[B, T, rotary_dim]`` float32 RoPE tables for ``positions``.
+        batch: the step (model/forward_batch.py): its page table, positions, valid tokens (padded tokens'
+            K/V go to trash page 0) and KV lengths.
+        rope: ``(cos, sin)``, each ``[B, T, rotary_dim]`` float32, for ``batch.positions``.
         k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``.
         layer: index of this layer among the attention layers.
-        page_table: ``[B, P]`` int32.
-        positions: ``[B, T]`` int32 absolute positions of the new tokens.
-        valid: ``[B, T]`` bool, False for padded tokens (their K/V go to trash page 0).
-        kv_lens: ``[B]`` int32, prefix_len + new_len.
         config: model config.
         core: optional replacement for write_kv + paged_attention with the signature of
             ``kernels.ragged_paged_attention`` (``(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens,
@@ -64,13 +59,15 @@ def attention_layer(
     q = rms_norm(q, p["q_norm"], eps)
     k = rms_norm(linear(x, p["k_proj"]).reshape(b, t, nkv, hd), p["k_norm"], eps)
     v = linear(x, p["v_proj"]).reshape(b, t, nkv, hd)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    q = apply_rope(q, *rope)
+    k = apply_rope(k, *rope)
 
+    valid, kv_lens, page_table = batch.valid, batch.kv_lens, batch.page_table
     if core is not None:
         q_lens = jnp.sum(valid, axis=1, dtype=jnp.int32)
         attn, k_cache, v_cache = core(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens, page_table)
     else:
+        positions = batch.positions
         pages, offsets = page_slots(positions, valid, page_table, k_cache.shape[2])
         k_cache = write_kv(k_cache, layer, k, pages, offsets)
         v_cache = write_kv(v_cache, layer, v, pages, offsets)

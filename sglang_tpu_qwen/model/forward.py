@@ -23,6 +23,7 @@ from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, g
 from sglang_tpu_qwen.kernels.gdn.conv_pool import pool_shape
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_pooled
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
@@ -68,28 +69,22 @@ def init_cache(
 def forward_step(
     params: Params,
     cache: Cache,
-    tokens: jax.Array,
-    prefix_lens: jax.Array,
-    new_lens: jax.Array,
-    page_table: jax.Array,
-    slot_ids: jax.Array,
+    batch: ForwardBatch,
     *,
     config: Qwen35MoeConfig,
     moe_fn: Callable[..., jax.Array] | None = None,
     backends: KernelBackends | None = None,
 ) -> tuple[jax.Array, Cache]:
-    """Run new tokens of a batch of sequences through the model, updating the cache.
+    """Run the new tokens of a batch of sequences through the model, updating the cache.
 
     Args:
         params: parameter pytree (docs/internals.md), layers stacked (model/stacking.py); FP8 leaves
             (quant/fp8.py) allowed for the quantised linear weights.
         cache: from :func:`init_cache`.
-        tokens: ``[B, T]`` int32 new tokens, left-aligned, padded with 0.
-        prefix_lens: ``[B]`` int32 tokens already in the cache; 0 means the GDN slot is read as zeros.
-        new_lens: ``[B]`` int32 valid tokens per row (0 for a padding row).
-        page_table: ``[B, P]`` int32 pages covering positions ``[0, prefix_len + new_len)``; rest 0.
-        slot_ids: ``[B]`` int32 GDN state slot per row (0 for a padding row).
-        config: static model config. ``T == 1`` uses the recurrent GDN form, ``T > 1`` the chunked one.
+        batch: the step (model/forward_batch.py): ``input_ids [B, T]``, ``prefix_lens``, ``extend_lens``,
+            ``slot_ids [B]`` and ``page_table [B, P]``, int32; its ``token_src`` is not read. ``T == 1`` uses
+            the recurrent GDN form, ``T > 1`` the chunked one.
+        config: static model config.
         moe_fn: ``(moe_params, x [B, T, H], config) -> [B, T, H]``; default :func:`moe_block`. The
             expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``.
         backends: static kernel choice per layer kind and target platform (``kernels.dispatch``); None = the
@@ -103,13 +98,7 @@ def forward_step(
     kinds = config.layer_types[:period]
     n_attn = sum(k == "full_attention" for k in kinds)
     n_gdn = period - n_attn
-    t = tokens.shape[1]
-    ar = jnp.arange(t, dtype=jnp.int32)
-    positions = prefix_lens[:, None] + ar[None, :]
-    valid = ar[None, :] < new_lens[:, None]
-    kv_lens = prefix_lens + new_lens
-    fresh = prefix_lens == 0  # [B]: rows whose GDN state starts at zero
-    cos, sin = rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
+    rope = rope_cos_sin(batch.positions, config.rotary_dim, config.rope_theta)
     eps = config.rms_norm_eps
     backends = backends or KernelBackends()
     attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
@@ -127,27 +116,21 @@ def forward_step(
         for kind, lp in zip(kinds, lps, strict=True):
             x = rms_norm(h, lp["input_norm"], eps)
             if kind == "full_attention":
-                x, k_cache, v_cache = attention_layer(
-                    lp["attn"], x, cos, sin, k_cache, v_cache, attn_i, page_table, positions, valid, kv_lens,
-                    config, attn_core,
-                )
+                x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, attn_i, config,
+                                                      attn_core)
                 attn_i += 1
             elif gdn_fused is not None:
-                x, conv, rec = gdn_layer_pooled(
-                    lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config, gdn_fused
-                )
+                x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, gdn_i, config, gdn_fused)
                 gdn_i += 1
             else:
-                x, conv, rec = gdn_layer_on_pools(
-                    lp["gdn"], x, conv, rec, gdn_i, slot_ids, fresh, valid, new_lens, config, backends.xla_cpu
-                )
+                x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, gdn_i, config, backends.xla_cpu)
                 gdn_i += 1
             h = h + x
             h = h + moe(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)
         return (h, k_cache, v_cache, conv, rec), None
 
     n_groups = config.num_hidden_layers // period
-    carry = (params["embed"][tokens], cache["k"], cache["v"], cache["conv"], cache["rec"])
+    carry = (params["embed"][batch.input_ids], cache["k"], cache["v"], cache["conv"], cache["rec"])
     (h, k_cache, v_cache, conv, rec), _ = jax.lax.scan(
         group, carry, (jnp.arange(n_groups, dtype=jnp.int32), scanned)
     )

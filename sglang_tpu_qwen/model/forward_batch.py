@@ -60,6 +60,13 @@ class ForwardBatch:
     slot_ids: Any
     token_src: Any = None
 
+    @classmethod
+    def of(cls, input_ids: Any, prefix_lens: Any, extend_lens: Any, page_table: Any, slot_ids: Any,
+           token_src: Any = None) -> ForwardBatch:
+        """The batch of these arrays, its mode from its shape: DECODE when ``T == 1``, else EXTEND."""
+        mode = ForwardMode.DECODE if input_ids.shape[1] == 1 else ForwardMode.EXTEND
+        return cls(mode, input_ids, prefix_lens, extend_lens, page_table, slot_ids, token_src)
+
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]

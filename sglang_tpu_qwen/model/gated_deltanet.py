@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm, gdn_mix
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.quant.fp8 import linear
 
 
@@ -90,33 +91,32 @@ def gdn_layer(
 def gdn_layer_pooled(
     p: dict[str, Any],
     x: jax.Array,
+    batch: ForwardBatch,
     conv_pool: jax.Array,
     rec_pool: jax.Array,
-    layer: int,
-    slot_ids: jax.Array,
-    fresh: jax.Array,
-    valid: jax.Array,
-    new_lens: jax.Array,
+    layer: jax.Array | int,
     config: Qwen35MoeConfig,
     pooled_mix: Callable,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`gdn_layer` with the conv1d + delta rule done by ``pooled_mix`` directly on the state pools.
 
     Args:
-        p, x, valid, new_lens, config: as :func:`gdn_layer`.
+        p, x, config: as :func:`gdn_layer`.
+        batch: the step (model/forward_batch.py): each row's slot id, valid tokens, new-token count, and
+            whether its state starts at zero (``fresh``).
         conv_pool: ``[L_gdn, S * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec_pool: ``[L_gdn, S, Hv, dk, dv]``
             (all GDN layers).
-        layer: GDN-layer index; slot_ids: ``[B]`` int32; fresh: ``[B]`` bool (read the states as zeros).
+        layer: GDN-layer index.
         pooled_mix: ``kernels.gdn.kernel.fused_gdn`` (or its reference) with ``interpret`` bound.
 
     Returns:
         ``(out [B, T, H] in x.dtype, conv_pool, rec_pool)``.
     """
     bsz, t, _ = x.shape
-    mixed, z, g, beta = gdn_projections(p, x, valid, config)
+    mixed, z, g, beta = gdn_projections(p, x, batch.valid, config)
     # The gated output norm runs inside pooled_mix (its epilogue), as gdn_output would run it.
     o, conv_pool, rec_pool = pooled_mix(
-        mixed, p["conv1d"], g, beta, conv_pool, rec_pool, layer, slot_ids, new_lens, fresh,
+        mixed, p["conv1d"], g, beta, conv_pool, rec_pool, layer, batch.slot_ids, batch.extend_lens, batch.fresh,
         num_k_heads=config.linear_num_key_heads, head_k_dim=config.linear_key_head_dim,
         head_v_dim=config.linear_value_head_dim, gate=z.reshape(bsz, t, -1).astype(x.dtype), norm_weight=p["norm"],
         norm_eps=config.rms_norm_eps)
@@ -126,13 +126,10 @@ def gdn_layer_pooled(
 def gdn_layer_on_pools(
     p: dict[str, Any],
     x: jax.Array,
+    batch: ForwardBatch,
     conv: jax.Array,
     rec: jax.Array,
-    layer: int,
-    slot_ids: jax.Array,
-    fresh: jax.Array,
-    valid: jax.Array,
-    new_lens: jax.Array,
+    layer: jax.Array | int,
     config: Qwen35MoeConfig,
     recurrent: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -141,16 +138,18 @@ def gdn_layer_on_pools(
     Args:
         conv: ``[n_gdn_layers, num_slots * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec: ``[n_gdn_layers,
             num_slots, Hv, dk, dv]``.
-        layer: index of this layer among the GDN layers; slot_ids: ``[B]`` int32.
-        fresh: ``[B]`` bool, rows starting a sequence: their slot is read as zeros (whatever it holds).
+        layer: index of this layer among the GDN layers.
+        batch: the step: each row's slot id, valid tokens and new-token count; ``batch.fresh`` rows start a
+            sequence, so their slot is read as zeros (whatever it holds).
         Others as in :func:`gdn_layer`.
 
     Returns:
         ``(out [B, T, H], conv, rec)`` with the rows' new states written to their slots.
     """
-    f = fresh[:, None, None]
+    slot_ids = batch.slot_ids
+    f = batch.fresh[:, None, None]
     taps = config.linear_conv_kernel_dim - 1
     conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, slot_ids, taps), 1, 2))  # [B, C, K-1]
     rec_s = jnp.where(f[..., None], 0, rec[layer, slot_ids])
-    out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, valid, new_lens, config, recurrent)
+    out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
     return out, scatter_windows(conv, layer, slot_ids, jnp.swapaxes(conv_s, 1, 2)), rec.at[layer, slot_ids].set(rec_s)

@@ -16,6 +16,7 @@ import jax
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import forward_step
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.parallel.expert_parallel import make_ep_moe_fn
 from sglang_tpu_qwen.parallel.mesh import EXPERT, Layout
 from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs, param_pspecs
@@ -32,7 +33,7 @@ def make_sharded_forward(
     micro_batches: int = 1,
     forward: ForwardFn = forward_step,
 ) -> ForwardFn:
-    """Build ``fwd(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids) -> (hidden, cache)``.
+    """Build ``fwd(params, cache, batch: ForwardBatch) -> (hidden, cache)``.
 
     Args:
         layout: from ``mesh.make_layout``.
@@ -46,9 +47,10 @@ def make_sharded_forward(
 
     Returns:
         An un-jitted function; jit it with ``donate_argnums=(1,)``. Inputs: params placed with
-        ``sharding.shard_params``, cache with ``sharding.shard_cache``; batch arrays ``[B, ...]`` with
+        ``sharding.shard_params``, cache with ``sharding.shard_cache``; the batch's arrays ``[B, ...]`` with
         ``B % layout.dp == 0``, rank ``r`` owning rows ``[r*B/dp, (r+1)*B/dp)``, page/slot ids local to
-        the rank. Output hidden ``[B, T, H]`` is split the same way.
+        the rank (its ``token_src`` None: the runner resolves it before the model). Output hidden
+        ``[B, T, H]`` is split the same way.
     """
     moe_fn = make_ep_moe_fn(
         EXPERT,
@@ -60,10 +62,16 @@ def make_sharded_forward(
     body = functools.partial(forward, config=config, moe_fn=moe_fn)
     b = batch_pspec(layout)
     cspec = cache_pspecs(layout)
-    return jax.shard_map(
-        body,
-        mesh=layout.mesh,
-        in_specs=(param_pspecs(params_like, layout), cspec, b, b, b, b, b),
-        out_specs=(b, cspec),
-        check_vma=False,
-    )
+
+    def fwd(params: Any, cache: Any, batch: ForwardBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        # Every array of the batch is split by rows over the DP ranks (the spec tree follows the batch's).
+        bspec = jax.tree.map(lambda _: b, batch)
+        return jax.shard_map(
+            body,
+            mesh=layout.mesh,
+            in_specs=(param_pspecs(params_like, layout), cspec, bspec),
+            out_specs=(b, cspec),
+            check_vma=False,
+        )(params, cache, batch)
+
+    return fwd

@@ -36,6 +36,7 @@ from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.memory import gdn_state, kv_io
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache, lm_head_weight
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
 from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs, param_pspecs
@@ -269,7 +270,7 @@ class ModelRunner:
             params = jax.tree.unflatten(param_def, param_leaves)
             tokens, prefix_lens, new_lens, page_table, slot_ids, token_src = _unpack_step(packed, pages)
             tokens = _take_prev_tokens(tokens, prev_tokens, token_src)  # overlap: last step's ids stay on device
-            hidden, cache = fwd(params, cache, tokens, prefix_lens, new_lens, page_table, slot_ids)
+            hidden, cache = fwd(params, cache, ForwardBatch.of(tokens, prefix_lens, new_lens, page_table, slot_ids))
             return hidden, last(hidden, jnp.maximum(new_lens - 1, 0)), cache
 
         self._forward_jit = jax.jit(forward_program, donate_argnums=(1,))
