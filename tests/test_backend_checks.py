@@ -46,7 +46,7 @@ def test_engine_refuses_at_startup(tmp_path):
     """The real startup path: an Engine over such a checkpoint with --gdn-backend pallas fails before serving."""
     from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model, init_embedded_params
     from sglang_tpu_qwen.engine.engine import Engine
-    from sglang_tpu_qwen.model.weights import save_checkpoint, to_hf_state_dict
+    from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint, to_hf_state_dict
 
     d = embedded_config_dict()
     d["text_config"].update(ODD_HEADS)

@@ -1,7 +1,8 @@
 """DeviceIdleMeter: the device's idle time between decode steps, with step ends and host gaps set by
 construction. A step here is a gated stand-in for a step's sampled-ids array (XLA:CPU runs a program with a
 host callback synchronously at dispatch, so a real program cannot be held open by the test): its
-block_until_ready returns once the test opens the gate, as a device array's does once the device finished."""
+block_until_ready returns once the test opens the gate, as a device array's does once the device finished.
+Time is a manual clock the test sets, so no result depends on how fast the machine runs the watcher thread."""
 
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ import pytest
 
 from sglang_tpu_qwen.engine.runner.device_idle import SWITCH_INTERVAL_S, DeviceIdleMeter, measure_device_idle
 
-GAP_S = 0.004
-# Host gap after each finished step in the idle-counting test: long against the watcher thread's wake-up on a
-# loaded 2-core machine (about 1 ms each, measured), so the lower bound below holds by construction.
-LONG_GAP_S = 0.05
+HANG_GUARD_S = 60.0  # only ends a test whose watcher never stamps; no outcome depends on it
 
 
 class GatedStep:
@@ -35,22 +33,33 @@ class GatedStep:
         return self
 
 
-def _busy(seconds: float) -> None:
-    """Hold the GIL for `seconds`, as a scheduler thread building the next batch does."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+class ManualClock:
+    """Seconds the test sets; `finish_at` ends a step at a given time and waits for the watcher's stamp."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._reads = threading.Semaphore(0)
+
+    def __call__(self) -> float:
+        now = self.now
+        self._reads.release()
+        return now
+
+    def finish_at(self, step: GatedStep, t: float) -> None:
+        self.now = t  # set before the gate opens: the watcher reads the clock only after it
+        step.finish()
+        assert self._reads.acquire(timeout=HANG_GUARD_S), "the watcher never stamped the step"
 
 
 def test_idle_is_zero_when_the_next_step_is_dispatched_while_the_device_runs():
-    meter = DeviceIdleMeter()
+    clock = ManualClock()
+    meter = DeviceIdleMeter(clock)
     try:
-        for _ in range(5):
+        for i in range(5):
             step = GatedStep()
             meter.watch(step)
-            _busy(GAP_S)  # host work while the step is still running
-            meter.dispatched(time.perf_counter())  # the next step goes out before this one finishes
-            step.finish()
+            meter.dispatched(10.0 * i + 1)  # the next step goes out before this one finishes
+            clock.finish_at(step, 10.0 * i + 2)
         idle, pairs = meter.idle_s()
     finally:
         meter.close()
@@ -58,27 +67,24 @@ def test_idle_is_zero_when_the_next_step_is_dispatched_while_the_device_runs():
 
 
 def test_idle_counts_host_time_after_the_device_finished():
-    meter = DeviceIdleMeter()
-    start = time.perf_counter()
+    """Synchronous scheduling: step i ends at 10i + 3 and the next is dispatched at 10(i + 1), 7 s of idle
+    device per pair; the last step is followed by an extend step, so it pairs with nothing."""
+    clock = ManualClock()
+    meter = DeviceIdleMeter(clock)
     try:
         for i in range(5):
             if i:
-                meter.dispatched(time.perf_counter())
+                meter.dispatched(10.0 * i)
             step = GatedStep()
             meter.watch(step)
-            step.finish()
-            step.block_until_ready()
-            _busy(LONG_GAP_S)  # synchronous scheduling: the next step is built only after reading this one
+            clock.finish_at(step, 10.0 * i + 3)
         meter.break_pair()  # an extend step ran: the next decode step does not follow a decode step
-        meter.dispatched(time.perf_counter())
+        meter.dispatched(100.0)
         idle, pairs = meter.idle_s()
     finally:
         meter.close()
-    elapsed = time.perf_counter() - start
     assert pairs == 4
-    # Each gap holds LONG_GAP_S of host work after the step finished; the stamp can only be late (the watcher
-    # needs the GIL the busy loop holds), which shortens a gap, never lengthens it past the run.
-    assert 4 * LONG_GAP_S * 0.5 <= idle <= elapsed
+    assert idle == pytest.approx(4 * 7.0)
 
 
 def test_meter_lowers_the_switch_interval_and_restores_it():

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import record  # noqa: E402
 
 from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model  # noqa: E402
-from sglang_tpu_qwen.model.weights import save_checkpoint  # noqa: E402
+from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint  # noqa: E402
 from sglang_tpu_qwen.quant.fp8_blocks import dequantize, quantize  # noqa: E402
 
 BLOCK = (128, 128)

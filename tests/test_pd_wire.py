@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import ml_dtypes
 import numpy as np
@@ -89,29 +88,39 @@ def _receive(port: int, room: int, prompt: list[int], timeout: float = 10.0) -> 
     return rec
 
 
+class ManualClock:
+    """Seconds the test sets (`now`): an outbox's timeouts pass when the test advances it, never by waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_streamed_transfer_over_tcp_and_failures():
-    # Rooms here are fetched as soon as they open; a 60 s idle timeout keeps a loaded machine (a receiver
-    # attaching late) from dropping one. The two timeout cases run on a second outbox with a short one.
-    outbox = Outbox(timeout_s=60.0, stage_to_host=True)
+    # Both outboxes read the test's clock: a room is dropped, and a fetch gives up on a room that does not
+    # open, only when the test moves the clock past the timeout, however slowly the machine runs.
+    clock = ManualClock()
+    outbox = Outbox(timeout_s=60.0, stage_to_host=True, clock=clock)
     server, port = _serve(outbox)
-    short = Outbox(timeout_s=0.5, stage_to_host=True)
+    short = Outbox(timeout_s=0.5, stage_to_host=True, clock=clock)
     short_server, short_port = _serve(short)
     try:
         prompt = list(range(5))
         k = np.random.default_rng(0).standard_normal((2, 5, 1, 4)).astype(np.float32)
         conv, rec = np.ones((3, 8, 3), np.float32), np.full((3, 2, 4, 4), 2.0, np.float32)
+        # The receiver connects first and waits for the room: the header and chunks stream to a fetch that is
+        # already there.
+        done = threading.Event()
+        r = TcpReceiver("127.0.0.1", port, 1, LAYOUT, prompt, 10.0, done.set).start()
+        wait_for(lambda: outbox.stats()["outbox_fetches_waiting"] == 1, 20, "the receiver to wait for room 1", 0.05)
         assert outbox.open(1, _header(prompt))
-
-        def produce() -> None:  # chunks arrive while the receiver is already connected
-            time.sleep(0.3)
-            outbox.put(1, Message({"kind": "kv", "start": 0, "end": 3}, [k[:, :3], -k[:, :3]]))
-            time.sleep(0.3)
-            outbox.put(1, Message({"kind": "kv", "start": 3, "end": 5}, [k[:, 3:], -k[:, 3:]]))
-            outbox.put(1, Message({"kind": "gdn"}, [conv, rec]))
-            outbox.put(1, Message({"kind": "done", "first_token": 42, "logprob": -0.5, "cached_tokens": 2}))
-
-        threading.Thread(target=produce).start()
-        r = _receive(port, 1, prompt)
+        outbox.put(1, Message({"kind": "kv", "start": 0, "end": 3}, [k[:, :3], -k[:, :3]]))
+        outbox.put(1, Message({"kind": "kv", "start": 3, "end": 5}, [k[:, 3:], -k[:, 3:]]))
+        outbox.put(1, Message({"kind": "gdn"}, [conv, rec]))
+        outbox.put(1, Message({"kind": "done", "first_token": 42, "logprob": -0.5, "cached_tokens": 2}))
+        assert done.wait(15)
         assert r.status == "ready", r.error
         st = r.state
         assert np.array_equal(st.k, k) and np.array_equal(st.v, -k)
@@ -135,11 +144,19 @@ def test_streamed_transfer_over_tcp_and_failures():
         r = _receive(port, 4, prompt)
         assert r.status == "failed" and r.error.status == 400
 
-        # Nobody fetches: the room is dropped after the timeout; a fetch of a room that never opens fails.
+        # Nobody fetches: the room is kept until the timeout, then dropped (by this reap or the reaper thread's).
         short.open(5, _header(prompt))
-        wait_for(lambda: short.stats()["outbox_rooms"] == 0, 20, "the unfetched room to be dropped", 0.05)
-        assert 5 in short.take_cancelled()
-        r = _receive(short_port, 6, prompt)
+        clock.now += 0.4
+        assert short.reap() == [] and short.stats()["outbox_rooms"] == 1
+        clock.now += 0.2
+        short.reap()
+        assert short.stats()["outbox_rooms"] == 0 and 5 in short.take_cancelled()
+        # A fetch of a room that never opens fails once the timeout has passed.
+        done = threading.Event()
+        r = TcpReceiver("127.0.0.1", short_port, 6, LAYOUT, prompt, 10.0, done.set).start()
+        wait_for(lambda: short.stats()["outbox_fetches_waiting"] == 1, 20, "the receiver to wait for room 6", 0.05)
+        clock.now += 0.6
+        assert done.wait(15)
         assert r.status == "failed" and "timed out" in r.error.message
 
         # The decode side cancels before the prefill opens the room: the prefill leg is refused.
@@ -147,7 +164,7 @@ def test_streamed_transfer_over_tcp_and_failures():
         r = TcpReceiver("127.0.0.1", port, 7, LAYOUT, prompt, 10.0, done.set).start()
         wait_for(lambda: outbox.stats()["outbox_fetches_waiting"] == 1, 20, "the receiver to wait for room 7", 0.05)
         r.cancel()
-        assert done.wait(5) and r.status == "waiting"  # cancelled, not failed
+        assert done.wait(15) and r.status == "waiting"  # cancelled, not failed
         wait_for(lambda: 7 in outbox.take_cancelled(), 20, "the cancel to reach the prefill side", 0.05)
         # The cancel wakes the waiting fetch; it ends (and leaves the count) when its thread next runs.
         wait_for(lambda: outbox.stats()["outbox_fetches_waiting"] == 0, 20, "the waiting fetch to end", 0.05)

@@ -25,6 +25,26 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "flag"), [(["--node-rank", "1"], "--node-rank"),
+                                            (["--dist-init-addr", "10.0.0.1:5000"], "--dist-init-addr")])
+def test_multihost_flags_are_refused_until_multihost_serving_exists(argv, flag, capsys):
+    """Nothing reads --node-rank or --dist-init-addr yet: a host started with them must not come up as an
+    unrelated single-host server, so the launch stops with a usage error that names the flag."""
+    with pytest.raises(SystemExit) as exc:
+        prepare_server_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "multi-host serving is not implemented yet" in err
+    assert prepare_server_args(["--node-rank", "0"]).node_rank == 0  # the single host's rank is still accepted
+
+
+def test_engine_kwargs_refuse_multihost_flags():
+    with pytest.raises(ValueError, match="--node-rank is not supported: multi-host serving is not implemented"):
+        ServerArgs.from_kwargs(node_rank=1)
+    with pytest.raises(ValueError, match="--dist-init-addr is not supported: multi-host serving is not"):
+        ServerArgs.from_kwargs(dist_init_addr="10.0.0.1:5000")
+
+
 def test_chunked_prefill_size_is_split_over_dp_ranks():
     """As SGLang under DP attention: the flag is the step's total, each rank prefills size // dp_size; the
     default follows the device memory as SGLang's table does."""

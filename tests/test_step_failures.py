@@ -23,6 +23,16 @@ INNOCENT = {"input_ids": [11, 12, 13, 1], "sampling_params": {"max_new_tokens": 
                                                              "temperature": 0}}
 
 
+class ManualClock:
+    """Seconds the test sets (`now`), for the scheduler's health clock."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _idle_and_free(server, timeout_s: float = 120.0) -> dict:
     """Wait until nothing runs, flush the prefix cache, and return the memory usage (all must be free)."""
     deadline = time.monotonic() + timeout_s
@@ -179,16 +189,26 @@ def test_health_is_503_before_warm_up_and_during_a_stalled_step(server, faults):
     faults.arm("forward", rid="stall", block=gate)
     args = eng.server_args
     saved, args.watchdog_timeout = args.watchdog_timeout, 0.2
+    # The health clock is the test's: the step is 0.1 s and then 0.3 s old because the test says so. It starts
+    # at the real clock's reading, so a step begun under it and read after it is put back is only as old as
+    # this test.
+    clock = ManualClock(time.monotonic())
+    health = eng.scheduler.health_state
+    saved_clock, health.clock = health.clock, clock
     out: dict[str, httpx.Response] = {}
     try:
         t = _post_in_thread(server.url, "/generate", {**INNOCENT, "rid": "stall"}, out, "stall")
         started = _wait_for(lambda: eng.scheduler.health().step_started, "the stalled step")
-        _wait_for(lambda: time.monotonic() - started > 0.3, "the watchdog timeout to pass", 30)
+        assert started == clock.now
+        clock.now = started + 0.1
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        clock.now = started + 0.3
         r = httpx.get(server.url + "/health", timeout=30)
         assert r.status_code == 503 and "watchdog-timeout" in r.text
     finally:
         gate.set()
         args.watchdog_timeout = saved
+        health.clock = saved_clock
     t.join(300)
     assert out["stall"].status_code == 200
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200

@@ -1,4 +1,5 @@
-"""HF safetensors <-> parameter pytree (model/weights.py) and the embedded checkpoint (embedded/checkpoint.py)."""
+"""HF safetensors <-> parameter pytree (model/weights.py loads, model/checkpoint_writer.py saves, through
+model/param_layout.py's table) and the embedded checkpoint (embedded/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,12 @@ import pytest
 from safetensors.numpy import save_file
 
 from sglang_tpu_qwen.embedded.checkpoint import MODEL_DIRNAME, build_embedded_model, ensure_embedded_model
+from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint, to_hf_state_dict
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
+from sglang_tpu_qwen.model.param_layout import param_specs
 from sglang_tpu_qwen.model.safetensors_file import SafetensorsFile
 from sglang_tpu_qwen.model.stacking import unstack_layers, unstack_params
-from sglang_tpu_qwen.model.weights import (
-    CheckpointError,
-    load_params,
-    param_specs,
-    save_checkpoint,
-    to_hf_state_dict,
-)
+from sglang_tpu_qwen.model.weights import CheckpointError, load_params
 from tests.conftest import record
 
 

@@ -127,8 +127,10 @@ class ServerArgs:
     # Parallelism.
     moe_combine: str = field(default="hierarchical", metadata={"help": "MoE reduce-scatter: flat or hierarchical."})
     nnodes: int = field(default=1, metadata={"help": "Number of hosts (JAX processes)."})
-    node_rank: int = field(default=0, metadata={"help": "This host's rank."})
-    dist_init_addr: str | None = field(default=None, metadata={"help": "host:port of the rank-0 coordinator."})
+    node_rank: int = field(default=0, metadata={
+        "help": "This host's rank. Only 0: multi-host serving is not implemented yet."})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "host:port of the rank-0 coordinator. Refused: multi-host serving is not implemented yet."})
     # Prefill/decode disaggregation (sglang_tpu_qwen/disagg).
     disaggregation_mode: str = field(default="null", metadata={
         "help": "null, prefill, decode, or colocated-split (a prefill and a decode engine on two device groups "
@@ -180,6 +182,20 @@ class ServerArgs:
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         self._check_disaggregation()
+        self._check_multihost()
+
+    def _check_multihost(self) -> None:
+        """Refuse the multi-host flags nothing reads yet, so a multi-host launch fails at start, not later.
+
+        --nnodes > 1 is refused by the Engine (engine/engine.py); --node-rank and --dist-init-addr only mean
+        something there, and silently accepting them would let a second host start as an unrelated server.
+        Raises ValueError naming the flag.
+        """
+        given = {"--node-rank": self.node_rank != 0, "--dist-init-addr": self.dist_init_addr is not None}
+        for flag, present in given.items():
+            if present:
+                raise ValueError(f"{flag} is not supported: multi-host serving is not implemented yet "
+                                 "(parallel/multihost.py holds the mesh side; the scheduler is single-host)")
 
     def resolve_chunked_prefill_size(self, backend: str, device_bytes: int | None) -> None:
         """Fill in --chunked-prefill-size's default when the devices are known, as SGLang does at start.

@@ -75,11 +75,6 @@ class StateLayout:
             raise TransferError("the prefill and decode servers' state layouts differ (" + "; ".join(diffs)
                                 + "); serve the same model with the same --dtype on both")
 
-    def kv_chunk_bytes(self, num_tokens: int) -> int:
-        """Bytes of one of k / v for num_tokens tokens."""
-        n_layers, heads, dim = self.kv_token_shape
-        return n_layers * num_tokens * heads * dim * np.dtype(self.kv_dtype).itemsize
-
 
 def config_fingerprint(config: Qwen35MoeConfig) -> str:
     """A short stable hash of the model config (every field, JSON-encoded with sorted keys)."""

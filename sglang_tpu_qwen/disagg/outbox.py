@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -39,14 +39,21 @@ class _Room:
     messages: list[Message] = field(default_factory=list)
     closed: bool = False  # its last message (done / error) is in
     fetching: bool = False
-    last_activity: float = field(default_factory=time.monotonic)
+    last_activity: float = 0.0  # the outbox clock's seconds of the last put or fetch (set on creation)
 
 
 class Outbox:
-    """Rooms of one prefill server. Thread-safe; see the module docstring for the life of a room."""
+    """Rooms of one prefill server. Thread-safe; see the module docstring for the life of a room.
 
-    def __init__(self, timeout_s: float, stage_to_host: bool) -> None:
+    `timeout_s` is measured on `clock` (seconds, default time.monotonic): the idle time after which an
+    unfetched room is dropped, a fetch stops waiting for its room to open, and a cancel of a room not yet
+    opened is forgotten. Tests pass a manual clock so a timeout passes because they say so; waits still
+    wake at least every 0.5 s of real time to read it.
+    """
+
+    def __init__(self, timeout_s: float, stage_to_host: bool, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
+        self._clock = clock
         self._rooms: dict[int, _Room] = {}
         self._cancelled: dict[int, float] = {}  # room -> expiry: cancels that arrived before the room opened
         self._new_cancels: set[int] = set()
@@ -66,7 +73,7 @@ class Outbox:
                 return False
             if room in self._rooms:
                 raise TransferError(f"bootstrap_room {room} is already in use on this prefill server", 400)
-            self._rooms[room] = _Room(room, rid, [header])
+            self._rooms[room] = _Room(room, rid, [header], last_activity=self._clock())
             self._cond.notify_all()
         return True
 
@@ -79,7 +86,7 @@ class Outbox:
                 return False
             r.messages.append(msg)
             r.closed = msg.kind in ("done", "error")
-            r.last_activity = time.monotonic()
+            r.last_activity = self._clock()
             self._cond.notify_all()
         if self._stager is not None and msg.arrays:
             self._stager.submit(_stage, msg)
@@ -91,7 +98,7 @@ class Outbox:
             if room not in self._rooms:
                 if self._cancelled.pop(room, None) is not None:
                     return
-                self._rooms[room] = _Room(room, None)
+                self._rooms[room] = _Room(room, None, last_activity=self._clock())
         self.put(room, Message({"kind": "error", "status": status, "message": message}))
 
     def take_cancelled(self) -> set[int]:
@@ -113,11 +120,11 @@ class Outbox:
         """
         index = 0
         finished = attached = waiting = False
-        open_deadline = time.monotonic() + self.timeout_s
+        open_deadline = self._clock() + self.timeout_s
         try:
             while True:
                 with self._cond:
-                    keepalive_at = time.monotonic() + KEEPALIVE_S
+                    keepalive_at = self._clock() + KEEPALIVE_S
                     while True:
                         r = self._rooms.get(room)
                         if waiting != (r is None and not attached):
@@ -130,7 +137,7 @@ class Outbox:
                             r.fetching = attached = True
                         if r is not None and index < len(r.messages):
                             msg = r.messages[index]
-                            r.last_activity = time.monotonic()
+                            r.last_activity = self._clock()
                             break
                         if r is None and attached:
                             raise TransferError(f"bootstrap_room {room} was cancelled on the prefill server")
@@ -139,7 +146,7 @@ class Outbox:
                             raise TransferError(f"bootstrap_room {room} was cancelled by the decode side")
                         if stop is not None and stop.is_set() or self._closed:
                             return
-                        now = time.monotonic()
+                        now = self._clock()
                         if r is None and now > open_deadline:
                             raise TransferError(f"timed out after {self.timeout_s:g} s waiting for the prefill "
                                                 f"server to receive bootstrap_room {room}")
@@ -166,7 +173,7 @@ class Outbox:
         """The decode side gave up on the room: drop it (or remember the cancel until it opens)."""
         with self._cond:
             if self._rooms.pop(room, None) is None:
-                self._cancelled[room] = time.monotonic() + self.timeout_s
+                self._cancelled[room] = self._clock() + self.timeout_s
             self._new_cancels.add(room)
             self._cond.notify_all()
 
@@ -178,7 +185,7 @@ class Outbox:
 
     def reap(self) -> list[int]:
         """Drop rooms idle for timeout_s with no fetch attached; returns their ids."""
-        now = time.monotonic()
+        now = self._clock()
         with self._cond:
             stale = [k for k, r in self._rooms.items() if not r.fetching and now - r.last_activity > self.timeout_s]
             for k in stale:

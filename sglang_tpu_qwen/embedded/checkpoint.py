@@ -27,9 +27,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint, to_hf_state_dict
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.param_layout import param_specs
 from sglang_tpu_qwen.model.stacking import stack_params
-from sglang_tpu_qwen.model.weights import param_specs, save_checkpoint, to_hf_state_dict
 from sglang_tpu_qwen.tokenizer import build as tokenizer_build
 
 # The SGLang frontend picks the Qwen ChatML template when model_path matches qwen.*(chat|instruct).

@@ -158,10 +158,6 @@ class GrammarManager:
         """Matchers of requests not yet finished (0 when idle: a leak check)."""
         return self._live_matchers
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cache)
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

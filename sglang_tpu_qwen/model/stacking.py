@@ -27,11 +27,6 @@ def layer_period(config: Qwen35MoeConfig) -> int:
     raise AssertionError("unreachable: p == n always works")
 
 
-def layer_position(layer: int, period: int) -> tuple[int, int]:
-    """Layer index -> ``(g, j)``: it is ``params["layers"][j]`` at group index ``g``."""
-    return layer // period, layer % period
-
-
 def _stack(*xs: Any) -> Any:
     if isinstance(xs[0], jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)

@@ -1,12 +1,8 @@
-"""HF safetensors checkpoints <-> our parameter pytree (layout: docs/internals.md).
+"""Load a HF safetensors checkpoint into our parameter pytree (layout: docs/internals.md).
 
-One table (`_hf_table`) says, for every HF tensor of a Qwen3.5-MoE text model, its shape and
-where it lands in the pytree; loading and saving both read it. HF names and shapes follow the
-reference model, transformers ``models/qwen3_5_moe/modeling_qwen3_5_moe.py``: linear weights are
-``[out, in]`` (we store ``[in, out]``), ``conv1d.weight`` is ``[conv_dim, 1, K]``, fused experts are
-``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``; released
-checkpoints store experts one by one (``experts.{e}.gate_proj.weight [I, H]`` ...), which
-transformers fuses on load (its ``conversion_mapping.py``, ``qwen2_moe`` rules).
+Reads the checkpoint's files through validated headers and memory maps (model/safetensors_file.py), matches
+every tensor against model/param_layout.py's table (names, shapes, block-FP8 scales), and places each leaf
+straight into its sharding (model/weight_placement.py). Writing a checkpoint is model/checkpoint_writer.py.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +19,20 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.param_layout import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    SKIPPED_PREFIXES,
+    HfSpec,
+    LeafPath,
+    canonical_name,
+    hf_table,
+    leaf_at,
+    param_specs,
+)
 from sglang_tpu_qwen.model.safetensors_file import (
     FP8_DTYPES,
     CheckpointError,
@@ -34,179 +40,19 @@ from sglang_tpu_qwen.model.safetensors_file import (
     TensorInfo,
     read_header,
 )
-from sglang_tpu_qwen.model.stacking import layer_period, stack_params, unstack_params
+from sglang_tpu_qwen.model.stacking import layer_period
 from sglang_tpu_qwen.model.weight_placement import place
 from sglang_tpu_qwen.model.weights_manifest import check_file_set, verify_digests
 from sglang_tpu_qwen.quant import fp8_blocks
 from sglang_tpu_qwen.quant.fp8 import BLOCK, QUANTISED_LEAVES, Fp8Weight
 from sglang_tpu_qwen.quant.fp8_blocks import scale_shape
 
+__all__ = ["CheckpointError", "load_params"]
+
 logger = logging.getLogger(__name__)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-# Prefixes of the conditional-generation and the causal-LM layouts; the first that matches wins.
-_PREFIXES = ("model.language_model.", "model.")
 # Block-FP8 releases store `<weight>_scale_inv` beside each quantised weight.
 _SCALE_SUFFIX = "_scale_inv"
-# Parts of multimodal / multi-token-prediction releases that the text decoder does not use.
-_SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "model.language_model.mtp.")
-
-Path_ = tuple[str | int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """One HF tensor. ``layout`` says how it maps onto the leaf at ``path``:
-
-    same: identical; t: 2-D transpose; conv: [C, 1, K] -> [C, K];
-    expert_t: leaf[expert] = tensor.T; fused_gate_up: [E, 2I, H] -> w_gate, w_up [E, H, I];
-    fused_down: [E, H, I] -> [E, I, H].
-    """
-
-    path: Path_
-    hf_shape: tuple[int, ...]
-    layout: str
-    expert: int | None = None
-
-    def targets(self) -> list[Path_]:
-        if self.layout == "fused_gate_up":
-            return [(*self.path, "w_gate"), (*self.path, "w_up")]
-        return [self.path]
-
-
-def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True) -> dict[str, Any]:
-    """Shapes and dtypes of the parameter pytree (docs/internals.md) as ``jax.ShapeDtypeStruct`` leaves.
-
-    ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32. ``stacked``: the
-    layers in the scanned layout of model/stacking.py (what ``forward_step`` takes); False gives one
-    dict per layer (the loader's and the checkpoint table's view). Useful for ahead-of-time compilation.
-    """
-    c = config
-    h, e, i, i_s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-    nq, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    hv, dv, k = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
-
-    def s(*shape: int, dt: Any = dtype) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
-
-    def moe() -> dict[str, Any]:
-        return {
-            "router": s(h, e), "w_gate": s(e, h, i), "w_up": s(e, h, i), "w_down": s(e, i, h),
-            "shared_gate": s(h, i_s), "shared_up": s(h, i_s), "shared_down": s(i_s, h),
-            "shared_expert_gate": s(h, 1),
-        }  # fmt: skip
-
-    layers: list[dict[str, Any]] = []
-    for kind in c.layer_types:
-        layer: dict[str, Any] = {"input_norm": s(h), "post_attn_norm": s(h)}
-        if kind == "full_attention":
-            layer["attn"] = {
-                "q_proj": s(h, nq * hd * 2), "k_proj": s(h, nkv * hd), "v_proj": s(h, nkv * hd),
-                "o_proj": s(nq * hd, h), "q_norm": s(hd), "k_norm": s(hd),
-            }  # fmt: skip
-        else:
-            layer["gdn"] = {
-                "in_proj_qkv": s(h, c.gdn_conv_dim), "in_proj_z": s(h, hv * dv),
-                "in_proj_b": s(h, hv), "in_proj_a": s(h, hv), "conv1d": s(c.gdn_conv_dim, k),
-                "dt_bias": s(hv), "A_log": s(hv, dt=jnp.float32), "norm": s(dv), "out_proj": s(hv * dv, h),
-            }  # fmt: skip
-        layer["moe"] = moe()
-        layers.append(layer)
-    params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
-    if not c.tie_word_embeddings:
-        params["lm_head"] = s(c.vocab_size, h)
-    return stack_params(params, config) if stacked else params
-
-
-def _leaf(tree: Any, path: Path_) -> Any:
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def _hf_shape(layout: str, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
-    if layout == "same":
-        return leaf_shape
-    if layout == "t":
-        return leaf_shape[::-1]
-    if layout == "conv":
-        return (leaf_shape[0], 1, leaf_shape[1])
-    if layout == "expert_t":
-        return leaf_shape[1:][::-1]
-    if layout == "fused_gate_up":  # leaf is w_gate [E, H, I]
-        return (leaf_shape[0], 2 * leaf_shape[2], leaf_shape[1])
-    if layout == "fused_down":
-        return (leaf_shape[0], leaf_shape[2], leaf_shape[1])
-    raise AssertionError(layout)
-
-
-_ATTN = {"q_proj": "t", "k_proj": "t", "v_proj": "t", "o_proj": "t", "q_norm": "same", "k_norm": "same"}
-_GDN = {
-    "in_proj_qkv": "t", "in_proj_z": "t", "in_proj_b": "t", "in_proj_a": "t", "conv1d": "conv",
-    "dt_bias": "same", "A_log": "same", "norm": "same", "out_proj": "t",
-}  # fmt: skip
-# HF tensor name (after "layers.{i}.mlp.") -> our MOE leaf; all [out, in] -> [in, out].
-_MOE_DENSE = {
-    "gate.weight": "router", "shared_expert.gate_proj.weight": "shared_gate",
-    "shared_expert.up_proj.weight": "shared_up", "shared_expert.down_proj.weight": "shared_down",
-    "shared_expert_gate.weight": "shared_expert_gate",
-}  # fmt: skip
-_PER_EXPERT = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
-
-
-def _hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()) -> dict[str, _Spec]:
-    """Every HF tensor name (prefix removed) of the text model -> its `_Spec`, in checkpoint order.
-
-    Layers in ``fused_layers`` store their experts fused, the others per expert.
-    """
-    shapes = param_specs(config, stacked=False)
-    table: dict[str, _Spec] = {}
-
-    def add(name: str, path: Path_, layout: str, expert: int | None = None) -> None:
-        table[name] = _Spec(path, _hf_shape(layout, _leaf(shapes, path).shape), layout, expert)
-
-    add("embed_tokens.weight", ("embed",), "same")
-    for li, kind in enumerate(config.layer_types):
-        pre, lp = f"layers.{li}.", ("layers", li)
-        add(pre + "input_layernorm.weight", (*lp, "input_norm"), "same")
-        add(pre + "post_attention_layernorm.weight", (*lp, "post_attn_norm"), "same")
-        if kind == "full_attention":
-            for leaf, layout in _ATTN.items():
-                add(f"{pre}self_attn.{leaf}.weight", (*lp, "attn", leaf), layout)
-        else:
-            for leaf, layout in _GDN.items():
-                suffix = "" if leaf in ("dt_bias", "A_log") else ".weight"
-                add(f"{pre}linear_attn.{leaf}{suffix}", (*lp, "gdn", leaf), layout)
-        mp = (*lp, "moe")
-        for hf, leaf in _MOE_DENSE.items():
-            add(f"{pre}mlp.{hf}", (*mp, leaf), "t")
-        if li in fused_layers:
-            gate_shape = _leaf(shapes, (*mp, "w_gate")).shape
-            table[f"{pre}mlp.experts.gate_up_proj"] = _Spec(
-                mp, _hf_shape("fused_gate_up", gate_shape), "fused_gate_up"
-            )
-            add(f"{pre}mlp.experts.down_proj", (*mp, "w_down"), "fused_down")
-        else:
-            for e in range(config.num_experts):
-                for hf, leaf in _PER_EXPERT.items():
-                    add(f"{pre}mlp.experts.{e}.{hf}.weight", (*mp, leaf), "expert_t", e)
-    add("norm.weight", ("final_norm",), "same")
-    if not config.tie_word_embeddings:
-        add("lm_head.weight", ("lm_head",), "same")
-    return table
-
-
-def _canonical(name: str) -> str | None:
-    """HF checkpoint name -> table name (prefix removed); None for tensors the text model skips."""
-    if name.startswith(_SKIPPED_PREFIXES):
-        return None
-    if name == "lm_head.weight":
-        return name
-    for prefix in _PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return name  # bare text-model names load as they are; any other prefix is reported as unexpected
 
 
 def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -241,7 +87,7 @@ class _Tensor:
     name: str
     file: SafetensorsFile
     info: TensorInfo
-    spec: _Spec
+    spec: HfSpec
     scale: _Tensor | None = None
 
     @property
@@ -253,7 +99,7 @@ class _Tensor:
 class _Leaf:
     """One leaf of the output pytree and the tensors it is read from (several for a per-expert stack)."""
 
-    path: Path_
+    path: LeafPath
     shape: tuple[int, ...]
     dtype: Any  # numpy dtype of a dense leaf
     tensors: list[tuple[_Tensor, str | None]]  # (tensor, "gate" | "up" for a fused gate_up, else None)
@@ -326,7 +172,7 @@ def _plan(
     for name, path in files.items():
         if name not in opened[path].tensors:
             raise CheckpointError(f"tensor {name}: listed in {INDEX_FILE} but absent from {path.name}")
-        canon = _canonical(name)
+        canon = canonical_name(name)
         if canon is None or (canon == "lm_head.weight" and config.tie_word_embeddings):
             skipped.append(name)  # a tied checkpoint may still carry a copy of lm_head
             continue
@@ -340,16 +186,16 @@ def _plan(
             raise CheckpointError(f"tensor {canon} stored twice: as {weights[canon]} and as {name}")
         weights[canon] = name
     if skipped:
-        kinds = sorted({next((p for p in _SKIPPED_PREFIXES if n.startswith(p)), n) for n in skipped})
+        kinds = sorted({next((p for p in SKIPPED_PREFIXES if n.startswith(p)), n) for n in skipped})
         logger.info("skipped %d checkpoint tensors the text model does not use: %s", len(skipped), kinds)
 
-    def tensor(name: str, spec: _Spec) -> _Tensor:
+    def tensor(name: str, spec: HfSpec) -> _Tensor:
         return _Tensor(name, opened[files[name]], opened[files[name]].tensors[name], spec)
 
     fused = frozenset(
         li for li in range(config.num_hidden_layers) if f"layers.{li}.mlp.experts.gate_up_proj" in weights
     )
-    table = _hf_table(config, fused)
+    table = hf_table(config, fused)
     unexpected = sorted(n for c, n in weights.items() if c not in table)
     if unexpected:
         shown = ", ".join(
@@ -384,7 +230,7 @@ def _plan(
 
     shapes = param_specs(config, stacked=False)
     np_dtype = np.dtype(dtype)
-    by_leaf: dict[Path_, list[tuple[_Tensor, str | None]]] = {}
+    by_leaf: dict[LeafPath, list[tuple[_Tensor, str | None]]] = {}
     for t in by_name.values():
         if t.spec.layout == "fused_gate_up":
             for part, target in zip(("gate", "up"), t.spec.targets(), strict=True):
@@ -404,7 +250,7 @@ def _plan(
         quantisable = path[-1] in QUANTISED_LEAVES
         out_fp8 = quantisable and ((stored_fp8 and keep_fp8) or (quantize and not stored_fp8))
         leaf_dtype = np.dtype(np.float32) if path[-1] == "A_log" else np_dtype
-        leaves.append(_Leaf(path, tuple(_leaf(shapes, path).shape), leaf_dtype, ts, stored_fp8, out_fp8))
+        leaves.append(_Leaf(path, tuple(leaf_at(shapes, path).shape), leaf_dtype, ts, stored_fp8, out_fp8))
     return _Plan(leaves, opened, block)
 
 
@@ -490,7 +336,7 @@ class _OutLeaf:
     """One leaf of the returned pytree: one checkpoint leaf, or (stacked) the same leaf of every layer
     group, ``members[g]`` being layer ``g * period + j``."""
 
-    path: Path_
+    path: LeafPath
     members: list[_Leaf]
     stacked: bool
     abstract: Any = None
@@ -520,7 +366,7 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
         skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=False))
     else:
         period = layer_period(config)
-        groups: dict[Path_, list[_Leaf]] = {}
+        groups: dict[LeafPath, list[_Leaf]] = {}
         outs = []
         for lf in plan.leaves:
             if lf.path[0] == "layers":
@@ -541,7 +387,7 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
     for out in outs:
         lead = (len(out.members),) if out.stacked else ()
         out.abstract = _leaf_abstract(out.members[0], plan.block, lead)
-        _leaf(skeleton, out.path[:-1])[out.path[-1]] = out.abstract
+        leaf_at(skeleton, out.path[:-1])[out.path[-1]] = out.abstract
     return outs, skeleton
 
 
@@ -622,91 +468,11 @@ def load_params(
                 bar.update(member.nbytes * len(range(*experts.indices(n))) // n if experts else member.nbytes)
                 return host
 
-            value = place(out.abstract, _leaf(sh_tree, out.path), read, out.stacked)
-            _leaf(params, out.path[:-1])[out.path[-1]] = value
+            value = place(out.abstract, leaf_at(sh_tree, out.path), read, out.stacked)
+            leaf_at(params, out.path[:-1])[out.path[-1]] = value
     if manifest is not None:
         digests = {f.path.name: f.sha256() for f in plan.files.values()}
         verify_digests(model_dir, manifest, digests)
     for f in plan.files.values():
         f.close()
     return params
-
-
-
-def to_hf_state_dict(
-    params: Any,
-    config: Qwen35MoeConfig,
-    *,
-    prefix: str = "model.language_model.",
-    fused_experts: bool = False,
-) -> dict[str, np.ndarray]:
-    """The inverse of `load_params`: HF tensor name -> numpy array (each leaf keeps its dtype).
-    ``params`` has its layers stacked (model/stacking.py).
-
-    ``prefix`` is ``model.language_model.`` (conditional-generation layout, like the release) or
-    ``model.``; ``lm_head.weight`` is top level either way. ``fused_experts`` writes
-    ``experts.gate_up_proj`` / ``experts.down_proj`` instead of one tensor per expert.
-    """
-    fused = frozenset(range(config.num_hidden_layers)) if fused_experts else frozenset()
-    params = unstack_params(params)
-    out: dict[str, np.ndarray] = {}
-    for canon, spec in _hf_table(config, fused).items():
-        name = canon if canon == "lm_head.weight" else prefix + canon
-        if spec.layout == "fused_gate_up":
-            gate, up = (np.asarray(_leaf(params, t)) for t in spec.targets())
-            x = np.concatenate([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=1)
-        else:
-            leaf = np.asarray(_leaf(params, spec.path))
-            if spec.layout == "expert_t":
-                x = leaf[spec.expert].T
-            elif spec.layout == "t":
-                x = leaf.T
-            elif spec.layout == "conv":
-                x = leaf[:, None, :]
-            elif spec.layout == "fused_down":
-                x = leaf.transpose(0, 2, 1)
-            else:
-                x = leaf
-        out[name] = np.ascontiguousarray(x)
-    return out
-
-
-def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> Iterator[dict[str, np.ndarray]]:
-    shard: dict[str, np.ndarray] = {}
-    size = 0
-    for name, x in tensors.items():
-        if shard and size + x.nbytes > max_bytes:
-            yield shard
-            shard, size = {}, 0
-        shard[name] = x
-        size += x.nbytes
-    if shard:
-        yield shard
-
-
-def save_checkpoint(
-    tensors: Mapping[str, np.ndarray], out_dir: str | os.PathLike[str], *, max_shard_bytes: int | None = None
-) -> None:
-    """Write ``tensors`` as HF safetensors: one ``model.safetensors``, or with ``max_shard_bytes``
-    shards ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
-
-    Files carry the ``{"format": "pt"}`` metadata transformers expects. Output bytes depend only on
-    ``tensors`` (deterministic).
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt"}
-    if max_shard_bytes is None:
-        save_file(dict(tensors), str(out / SINGLE_FILE), metadata=meta)
-        return
-    shards = list(_shards(tensors, max_shard_bytes))
-    weight_map: dict[str, str] = {}
-    for k, shard in enumerate(shards, start=1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata=meta)
-        weight_map.update(dict.fromkeys(shard, fname))
-    index = {
-        "metadata": {"total_size": sum(int(x.nbytes) for x in tensors.values())},
-        "weight_map": weight_map,
-    }
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")

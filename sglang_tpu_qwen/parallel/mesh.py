@@ -88,13 +88,6 @@ class Layout:
         """True when each expert-axis device has its own tokens (DP attention over the expert axis)."""
         return EXPERT in self.batch_axes
 
-    def dp_rank_devices(self) -> list[list[Any]]:
-        """Devices of each data-parallel rank, rank order (rank r owns batch rows ``[r*B/dp, (r+1)*B/dp)``)."""
-        arr = self.mesh.devices  # [data, expert, tensor]
-        if self.attention_spans_experts:
-            return [list(arr[d, e].ravel()) for d in range(arr.shape[0]) for e in range(arr.shape[1])]
-        return [list(arr[d].ravel()) for d in range(arr.shape[0])]
-
 
 def make_layout(dp: int, ep: int, tp: int = 1, devices: Sequence[Any] | None = None) -> Layout:
     """:func:`make_mesh` plus axis roles (see the module docstring). Raises as :func:`make_mesh`."""

@@ -134,10 +134,6 @@ class RadixCache:
         """Pages not on a locked path: `evict_pages` can free all of them."""
         return len(self._pages) - self._locked_pages
 
-    def hit_counts(self) -> tuple[int, int]:
-        """(hit_tokens, query_tokens) over touching matches, O(1): safe to read while another thread matches."""
-        return self._counters["hit_tokens"], self._counters["query_tokens"]
-
     def counters(self) -> dict[str, int]:
         """A copy of the event counters (match_queries, query_tokens, hit_tokens, kv_hit_tokens, inserted_pages,
         duplicate_pages, evicted_pages, evicted_snapshots), O(1): safe to read from another thread."""

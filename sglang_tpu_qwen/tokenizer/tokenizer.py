@@ -76,10 +76,6 @@ class Tokenizer:
         """The vocabulary string of `token_id` (byte-level alphabet, e.g. 'Ġhello'), None if unknown."""
         return self._tok.id_to_token(token_id)
 
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
-        """`id_to_token` over `ids`."""
-        return [self._tok.id_to_token(i) for i in ids]
-
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary string (byte-level alphabet) or special token, None if unknown."""
         return self._tok.token_to_id(token)

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import init_cache
-from sglang_tpu_qwen.model.weights import param_specs
+from sglang_tpu_qwen.model.param_layout import param_specs
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.parallel.mesh import make_layout
 from sglang_tpu_qwen.quant.fp8 import fp8_specs

@@ -19,7 +19,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 SWITCH_INTERVAL_S = 2e-5  # seconds; how late a readiness stamp can be (see the module docstring)
@@ -35,9 +35,14 @@ class DeviceIdleMeter:
     """Sums max(0, dispatch of decode step N+1 - sampled ids of decode step N ready), seconds, over
     consecutive decode steps. The runner calls `watch(tokens)` after dispatching a decode step's sampling
     and `dispatched(t)` once the next decode forward's call returned (`t`: time.perf_counter() seconds);
-    `idle_s()` waits for the watched steps and returns (idle seconds, pairs counted)."""
+    `idle_s()` waits for the watched steps and returns (idle seconds, pairs counted).
 
-    def __init__(self) -> None:
+    `clock`: the seconds the watcher stamps a step's readiness with; the times passed to `dispatched` must
+    come from the same clock (tests drive a manual one, so no result depends on how fast the machine is).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self._queue: queue.SimpleQueue[tuple[int, Readiness] | threading.Event] = queue.SimpleQueue()
         self._ready_at: dict[int, float] = {}
         self._pairs: list[tuple[int, float]] = []  # (watched step, next forward's dispatch time)
@@ -55,7 +60,7 @@ class DeviceIdleMeter:
                 continue
             step, array = item
             array.block_until_ready()
-            self._ready_at[step] = time.perf_counter()
+            self._ready_at[step] = self._clock()
 
     def watch(self, tokens: Readiness) -> None:
         """A decode step's last device output (its sampled ids [B] int32) was just dispatched."""

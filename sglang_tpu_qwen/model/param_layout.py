@@ -1,0 +1,187 @@
+"""The parameter pytree's shapes (`param_specs`) and the HF checkpoint table that maps onto it.
+
+One table (`hf_table`) says, for every HF tensor of a Qwen3.5-MoE text model, its shape and where it
+lands in the pytree; loading (model/weights.py) and saving (model/checkpoint_writer.py) both read it. HF
+names and shapes follow the reference model, transformers ``models/qwen3_5_moe/modeling_qwen3_5_moe.py``:
+linear weights are ``[out, in]`` (we store ``[in, out]``), ``conv1d.weight`` is ``[conv_dim, 1, K]``, fused
+experts are ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``;
+released checkpoints store experts one by one (``experts.{e}.gate_proj.weight [I, H]`` ...), which
+transformers fuses on load (its ``conversion_mapping.py``, ``qwen2_moe`` rules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.stacking import stack_params
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Prefixes of the conditional-generation and the causal-LM layouts; the first that matches wins.
+_PREFIXES = ("model.language_model.", "model.")
+# Parts of multimodal / multi-token-prediction releases that the text decoder does not use.
+SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "model.language_model.mtp.")
+
+LeafPath = tuple[str | int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class HfSpec:
+    """One HF tensor. ``layout`` says how it maps onto the leaf at ``path``:
+
+    same: identical; t: 2-D transpose; conv: [C, 1, K] -> [C, K];
+    expert_t: leaf[expert] = tensor.T; fused_gate_up: [E, 2I, H] -> w_gate, w_up [E, H, I];
+    fused_down: [E, H, I] -> [E, I, H].
+    """
+
+    path: LeafPath
+    hf_shape: tuple[int, ...]
+    layout: str
+    expert: int | None = None
+
+    def targets(self) -> list[LeafPath]:
+        """The leaves this tensor fills: ``w_gate`` and ``w_up`` for a fused gate_up, else ``path``."""
+        if self.layout == "fused_gate_up":
+            return [(*self.path, "w_gate"), (*self.path, "w_up")]
+        return [self.path]
+
+
+def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True) -> dict[str, Any]:
+    """Shapes and dtypes of the parameter pytree (docs/internals.md) as ``jax.ShapeDtypeStruct`` leaves.
+
+    ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32. ``stacked``: the
+    layers in the scanned layout of model/stacking.py (what ``forward_step`` takes); False gives one
+    dict per layer (the loader's and the checkpoint table's view). Useful for ahead-of-time compilation.
+    """
+    c = config
+    h, e, i, i_s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    nq, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    hv, dv, k = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
+
+    def s(*shape: int, dt: Any = dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+
+    def moe() -> dict[str, Any]:
+        return {
+            "router": s(h, e), "w_gate": s(e, h, i), "w_up": s(e, h, i), "w_down": s(e, i, h),
+            "shared_gate": s(h, i_s), "shared_up": s(h, i_s), "shared_down": s(i_s, h),
+            "shared_expert_gate": s(h, 1),
+        }  # fmt: skip
+
+    layers: list[dict[str, Any]] = []
+    for kind in c.layer_types:
+        layer: dict[str, Any] = {"input_norm": s(h), "post_attn_norm": s(h)}
+        if kind == "full_attention":
+            layer["attn"] = {
+                "q_proj": s(h, nq * hd * 2), "k_proj": s(h, nkv * hd), "v_proj": s(h, nkv * hd),
+                "o_proj": s(nq * hd, h), "q_norm": s(hd), "k_norm": s(hd),
+            }  # fmt: skip
+        else:
+            layer["gdn"] = {
+                "in_proj_qkv": s(h, c.gdn_conv_dim), "in_proj_z": s(h, hv * dv),
+                "in_proj_b": s(h, hv), "in_proj_a": s(h, hv), "conv1d": s(c.gdn_conv_dim, k),
+                "dt_bias": s(hv), "A_log": s(hv, dt=jnp.float32), "norm": s(dv), "out_proj": s(hv * dv, h),
+            }  # fmt: skip
+        layer["moe"] = moe()
+        layers.append(layer)
+    params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = s(c.vocab_size, h)
+    return stack_params(params, config) if stacked else params
+
+
+
+def leaf_at(tree: Any, path: LeafPath) -> Any:
+    """The node of a (nested dict / list) pytree at ``path``, e.g. ``("layers", 3, "moe", "w_gate")``."""
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _hf_shape(layout: str, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if layout == "same":
+        return leaf_shape
+    if layout == "t":
+        return leaf_shape[::-1]
+    if layout == "conv":
+        return (leaf_shape[0], 1, leaf_shape[1])
+    if layout == "expert_t":
+        return leaf_shape[1:][::-1]
+    if layout == "fused_gate_up":  # leaf is w_gate [E, H, I]
+        return (leaf_shape[0], 2 * leaf_shape[2], leaf_shape[1])
+    if layout == "fused_down":
+        return (leaf_shape[0], leaf_shape[2], leaf_shape[1])
+    raise AssertionError(layout)
+
+
+_ATTN = {"q_proj": "t", "k_proj": "t", "v_proj": "t", "o_proj": "t", "q_norm": "same", "k_norm": "same"}
+_GDN = {
+    "in_proj_qkv": "t", "in_proj_z": "t", "in_proj_b": "t", "in_proj_a": "t", "conv1d": "conv",
+    "dt_bias": "same", "A_log": "same", "norm": "same", "out_proj": "t",
+}  # fmt: skip
+# HF tensor name (after "layers.{i}.mlp.") -> our MOE leaf; all [out, in] -> [in, out].
+_MOE_DENSE = {
+    "gate.weight": "router", "shared_expert.gate_proj.weight": "shared_gate",
+    "shared_expert.up_proj.weight": "shared_up", "shared_expert.down_proj.weight": "shared_down",
+    "shared_expert_gate.weight": "shared_expert_gate",
+}  # fmt: skip
+_PER_EXPERT = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+
+
+def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()) -> dict[str, HfSpec]:
+    """Every HF tensor name (prefix removed) of the text model -> its `HfSpec`, in checkpoint order.
+
+    Layers in ``fused_layers`` store their experts fused, the others per expert.
+    """
+    shapes = param_specs(config, stacked=False)
+    table: dict[str, HfSpec] = {}
+
+    def add(name: str, path: LeafPath, layout: str, expert: int | None = None) -> None:
+        table[name] = HfSpec(path, _hf_shape(layout, leaf_at(shapes, path).shape), layout, expert)
+
+    add("embed_tokens.weight", ("embed",), "same")
+    for li, kind in enumerate(config.layer_types):
+        pre, lp = f"layers.{li}.", ("layers", li)
+        add(pre + "input_layernorm.weight", (*lp, "input_norm"), "same")
+        add(pre + "post_attention_layernorm.weight", (*lp, "post_attn_norm"), "same")
+        if kind == "full_attention":
+            for leaf, layout in _ATTN.items():
+                add(f"{pre}self_attn.{leaf}.weight", (*lp, "attn", leaf), layout)
+        else:
+            for leaf, layout in _GDN.items():
+                suffix = "" if leaf in ("dt_bias", "A_log") else ".weight"
+                add(f"{pre}linear_attn.{leaf}{suffix}", (*lp, "gdn", leaf), layout)
+        mp = (*lp, "moe")
+        for hf, leaf in _MOE_DENSE.items():
+            add(f"{pre}mlp.{hf}", (*mp, leaf), "t")
+        if li in fused_layers:
+            gate_shape = leaf_at(shapes, (*mp, "w_gate")).shape
+            table[f"{pre}mlp.experts.gate_up_proj"] = HfSpec(
+                mp, _hf_shape("fused_gate_up", gate_shape), "fused_gate_up"
+            )
+            add(f"{pre}mlp.experts.down_proj", (*mp, "w_down"), "fused_down")
+        else:
+            for e in range(config.num_experts):
+                for hf, leaf in _PER_EXPERT.items():
+                    add(f"{pre}mlp.experts.{e}.{hf}.weight", (*mp, leaf), "expert_t", e)
+    add("norm.weight", ("final_norm",), "same")
+    if not config.tie_word_embeddings:
+        add("lm_head.weight", ("lm_head",), "same")
+    return table
+
+
+def canonical_name(name: str) -> str | None:
+    """HF checkpoint name -> table name (prefix removed); None for tensors the text model skips."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    if name == "lm_head.weight":
+        return name
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name  # bare text-model names load as they are; any other prefix is reported as unexpected
