@@ -249,19 +249,20 @@ def test_max_prefill_tokens_bounds_each_step(server):
     want = httpx.post(server.url + "/generate", json=body, timeout=300).json()["output_ids"]
     httpx.post(server.url + "/flush_cache", timeout=60)
     sizes: list[int] = []
-    forward = eng.runner.forward
+    sched = eng.scheduler
+    launch = sched.launch
 
-    def recording_forward(*args, **kwargs):
-        sizes.append(int(sum(args[2])))  # new_lens: the tokens this step feeds
-        return forward(*args, **kwargs)
+    def recording_launch(batch):
+        sizes.append(int(batch.forward.extend_lens.sum()))  # the tokens this step feeds the model
+        return launch(batch)
 
     saved = eng.server_args.max_prefill_tokens
     eng.server_args.max_prefill_tokens = 16
-    eng.runner.forward = recording_forward
+    sched.launch = recording_launch  # step() looks launch up on the instance
     try:
         got = httpx.post(server.url + "/generate", json=body, timeout=300).json()["output_ids"]
     finally:
-        eng.runner.forward = forward
+        del sched.launch
         eng.server_args.max_prefill_tokens = saved
     assert got == want
     assert sizes[:3] == [16, 16, 8] and max(sizes) <= 16

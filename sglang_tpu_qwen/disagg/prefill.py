@@ -14,7 +14,6 @@ All hooks run on the scheduler thread, before the memory they read is released.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from sglang_tpu_qwen.disagg.layout import PROTOCOL_VERSION, StateLayout, prompt_
 from sglang_tpu_qwen.disagg.outbox import Outbox
 from sglang_tpu_qwen.disagg.wire import Message
 from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch
 from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
 from sglang_tpu_qwen.engine.scheduler.scheduler_role import SchedulerRole
 from sglang_tpu_qwen.utils.errors import TransferError
@@ -107,9 +107,9 @@ class PrefillRole(SchedulerRole):
                 leg.closed = True
                 self.scheduler.finish(r, {"type": "abort", "message": "cancelled by the decode server"})
 
-    def after_step(self, reqs: Sequence[Request]) -> None:
+    def after_step(self, batch: PickedBatch) -> None:
         """Stream the KV each prefill leg computed in this step (prompt tokens only)."""
-        for r in reqs:
+        for r in batch.reqs:
             leg = r.disagg
             if isinstance(leg, PrefillLeg) and not leg.closed and not r.finished:
                 self._export_kv(r, leg, min(r.cached_len, len(r.prompt_ids)))

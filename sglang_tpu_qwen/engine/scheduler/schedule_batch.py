@@ -1,9 +1,11 @@
-"""ScheduleBatch: one step's requests and the host arrays the model runner consumes (SGLang's schedule_batch.py).
+"""PickedBatch and ScheduleBatch: one step's requests, then its model inputs (SGLang's schedule_batch.py).
 
-The policy (schedule_policy.py) picks the requests and how many new tokens each feeds; `ScheduleBatch.build`
-lays them out in batch rows and fills every host array of the step in one place: the forward inputs
-(tokens, prefix_lens, new_lens, page_table, slot_ids) and, when a row samples, the sampling batch. The
-runner runs it and the output processor (output_processor.py) reads the results back by row.
+The policy (schedule_policy.py) picks a `PickedBatch`: the step's mode, its requests and how many new tokens
+each feeds. Failure handling (step_failures.py) and the serving role's hooks (scheduler_role.py) take that
+object too. `ScheduleBatch.build` lays a pick out in batch rows and fills every host array of the step in one
+place: the model inputs as one `ForwardBatch` (model/forward_batch.py, numpy leaves) and, when a row
+samples, the sampling batch. The runner runs it and the output processor (output_processor.py) reads the
+results back by row.
 
 Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B: the batch of the step's
 compiled bucket, engine/runner/buckets.py), so each DP rank's shard of the batch holds only its own requests.
@@ -21,65 +23,93 @@ from sglang_tpu_qwen.engine.io.request import Request
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.model_runner import SamplingBatch
 from sglang_tpu_qwen.grammar.bitmask import allows_other_than, token_bitmask
-from sglang_tpu_qwen.model.forward_batch import ForwardMode
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_qwen.utils.shapes import next_pow2
 
 
-@dataclass
-class ScheduleBatch:
-    """The requests of one step and its host arrays (B rows including padding rows, T token columns).
+@dataclass(frozen=True)
+class PickedBatch:
+    """The requests of one step before layout: reqs[i] feeds extend_lens[i] new tokens from its cached_len.
 
-    reqs[i] feeds extend_lens[i] new tokens from its cached_len and lives in batch row rows[i]. Padding rows
-    are zero (page 0 / slot 0: the trash targets). `finishing` lists the indices i whose pending tokens are
-    all fed by this step: those rows sample their next token (unless the request only scores its prompt).
-    With one DP rank an extend step lays its finishing requests out first and its sampling batch holds only
-    their rows (the smallest sampling batch size that does): mid-prompt rows sample nothing.
-    Overlap scheduling: a decode row whose token is still on the device (r.tokens_in_flight, sampled by the
-    step in flight, `prev`) reads it there: token_src names its row in that step.
+    mode is EXTEND (prompt chunks) or DECODE (extend_lens all 1); IDLE with no requests when nothing runs.
+    The requests hold the pages for cached_len + extend_lens[i] tokens and a slot (the policy saw to both).
     """
 
     mode: ForwardMode
     reqs: list[Request]
     extend_lens: list[int]
-    rows: list[int]
-    batch_size: int  # B
-    tokens: np.ndarray  # [B, T] int32 (B, T, P: a bucket of engine/runner/buckets.py; T = 1 in DECODE)
-    prefix_lens: np.ndarray  # [B] int32: tokens already in the cache per row
-    new_lens: np.ndarray  # [B] int32: tokens fed per row (0 on padding rows)
-    page_table: np.ndarray  # [B, P] int32 global page ids (P: one width per server)
-    slot_ids: np.ndarray  # [B] int32 global GDN slot ids
-    token_src: np.ndarray  # [B] int32: row of the previous step's sampled ids feeding this row, -1: tokens[b]
-    finishing: list[int]
-    sampling: SamplingBatch | None  # None when no row samples (mid-prompt chunks or scoring only)
+
+    def __post_init__(self) -> None:
+        assert len(self.reqs) == len(self.extend_lens), "one extend length per request"
+
+    @classmethod
+    def idle(cls) -> PickedBatch:
+        """The empty pick: nothing to run this step."""
+        return cls(ForwardMode.IDLE, [], [])
 
     @property
     def is_extend(self) -> bool:
         return self.mode is ForwardMode.EXTEND
 
     @property
-    def chosen(self) -> list[tuple[Request, int]]:
-        """(request, new tokens) pairs, the shape the PD hooks take."""
-        return list(zip(self.reqs, self.extend_lens, strict=True))
+    def num_extend_tokens(self) -> int:
+        """New tokens the step feeds, all requests together."""
+        return sum(self.extend_lens)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def only(self, i: int) -> PickedBatch:
+        """The batch of reqs[i] alone, with its extend length."""
+        return PickedBatch(self.mode, [self.reqs[i]], [self.extend_lens[i]])
+
+
+@dataclass(frozen=True)
+class ScheduleBatch(PickedBatch):
+    """A pick laid out in batch rows with the host arrays of its step (B rows including padding rows).
+
+    reqs[i] lives in batch row rows[i]. `forward` holds the model inputs (host numpy int32, B x T of the
+    step's bucket, T = 1 in DECODE; its extend_lens are per row, 0 on padding rows, which are all-zero: page 0 /
+    slot 0, the trash targets). `finishing` lists the indices i whose pending tokens are all fed by this
+    step: those rows sample their next token (unless the request only scores its prompt).
+    With one DP rank an extend step lays its finishing requests out first and its sampling batch holds only
+    their rows (the smallest sampling batch size that does): mid-prompt rows sample nothing.
+    Overlap scheduling: a decode row whose token is still on the device (r.tokens_in_flight, sampled by the
+    step in flight, `prev`) reads it there: forward.token_src names its row in that step (-1: input_ids[b]).
+    """
+
+    rows: list[int]
+    forward: ForwardBatch
+    finishing: list[int]
+    sampling: SamplingBatch | None  # None when no row samples (mid-prompt chunks or scoring only)
+
+    @property
+    def batch_size(self) -> int:
+        """B: rows of the step's bucket, padding rows included."""
+        return self.forward.batch_size
 
     @classmethod
-    def build(cls, mode: ForwardMode, chosen: list[tuple[Request, int]], buckets: BucketSet,
-              eos_ids: Collection[int], vocab_size: int, prev: ScheduleBatch | None = None) -> ScheduleBatch:
-        """Lay out `chosen` (request, new tokens) in the rows of the step's compiled bucket and fill the host
-        arrays of the step.
+    def build(cls, picked: PickedBatch, buckets: BucketSet, eos_ids: Collection[int], vocab_size: int,
+              prev: ScheduleBatch | None = None) -> ScheduleBatch:
+        """Lay out `picked` (EXTEND or DECODE, at least one request) in the rows of the step's compiled bucket
+        and fill the host arrays of the step.
 
-        Requests must hold the pages for cached_len + n tokens and a slot, and the chunks must fit a bucket
-        (the policy ensured both).
+        The chunks must fit a bucket (the policy capped them). `prev`: the step in flight (overlap), whose
+        sampled ids feed this step's rows whose token is in flight.
         """
+        mode = picked.mode
+        assert mode is not ForwardMode.IDLE and picked.reqs, "an idle pick has nothing to lay out"
+        order = list(range(len(picked)))
         finishing_only = mode is ForwardMode.EXTEND and buckets.samples_finishing_rows_only
         if finishing_only:  # rows that finish their prompt first: the step samples rows [0, k) only
-            chosen = sorted(chosen, key=lambda rn: rn[1] != rn[0].pending)
-        reqs = [r for r, _ in chosen]
-        lens = [n for _, n in chosen]
+            order.sort(key=lambda j: picked.extend_lens[j] != picked.reqs[j].pending)
+        reqs = [picked.reqs[j] for j in order]
+        lens = [picked.extend_lens[j] for j in order]
         rows, bucket = batch_rows(reqs, lens, mode, buckets)
         b, t, p = bucket.batch, bucket.tokens, bucket.pages
-        tokens = np.zeros((b, t), np.int32)
+        input_ids = np.zeros((b, t), np.int32)
         prefix_lens = np.zeros(b, np.int32)
-        new_lens = np.zeros(b, np.int32)
+        extend_lens = np.zeros(b, np.int32)
         slot_ids = np.zeros(b, np.int32)
         page_table = np.zeros((b, p), np.int32)
         token_src = np.full(b, -1, np.int32)
@@ -89,10 +119,11 @@ class ScheduleBatch:
                 assert n == 1 and id(r) in prev_rows, f"{r.rid}: token in flight but not in the previous step"
                 token_src[i] = prev_rows[id(r)]
             else:
-                tokens[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
-            prefix_lens[i], new_lens[i], slot_ids[i] = r.cached_len, n, r.slot
+                input_ids[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
+            prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
             page_table[i, : len(r.pages)] = r.pages
-        finishing = [i for i, (r, n) in enumerate(chosen) if n == r.pending]
+        forward = ForwardBatch(mode, input_ids, prefix_lens, extend_lens, page_table, slot_ids, token_src)
+        finishing = [i for i, (r, n) in enumerate(zip(reqs, lens, strict=True)) if n == r.pending]
         samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
         sampling = None
         if samples and finishing_only:
@@ -101,8 +132,7 @@ class ScheduleBatch:
             sampling = sampling_batch(reqs[:k], rows[:k], buckets.decode_bucket(k).batch, eos_ids, vocab_size)
         elif samples:
             sampling = sampling_batch(reqs, rows, b, eos_ids, vocab_size)
-        return cls(mode, reqs, lens, rows, b, tokens, prefix_lens, new_lens, page_table, slot_ids, token_src,
-                   finishing, sampling)
+        return cls(mode, reqs, lens, rows, forward, finishing, sampling)
 
     @property
     def sampling_reqs(self) -> list[Request]:

@@ -26,7 +26,8 @@ from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.io.request import Request
 from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.scheduler.rank_memory import RankMemory
-from sglang_tpu_qwen.engine.scheduler.schedule_batch import ForwardMode
+from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch
+from sglang_tpu_qwen.model.forward_batch import ForwardMode
 
 logger = logging.getLogger("sglang_tpu_qwen.engine.scheduler.scheduler")  # one logger for the scheduler's decisions
 
@@ -151,20 +152,18 @@ class SchedulePolicy:
         return True
 
     # ---- picking a step ------------------------------------------------------------------------
-    def pick(self) -> tuple[ForwardMode, list[tuple[Request, int]]]:
-        """The next step's mode and (request, new tokens) pairs, pages allocated; IDLE with [] if none."""
-        chosen = self._pick_extend() if self._want_extend() else []
-        mode = ForwardMode.EXTEND
-        if not chosen:
-            chosen, mode = self._pick_decode(), ForwardMode.DECODE
-        if not chosen:
-            return ForwardMode.IDLE, []
-        return mode, chosen
+    def pick(self) -> PickedBatch:
+        """The next step's batch (its requests' pages allocated): an extend step when a prompt has tokens
+        left, else a decode step; PickedBatch.idle() when nothing can run."""
+        picked = self._pick_extend() if self._want_extend() else None
+        if not picked:
+            picked = self._pick_decode()
+        return picked if picked else PickedBatch.idle()
 
     def _want_extend(self) -> bool:
         return any(r.pending > 1 for r in self.running)
 
-    def _pick_extend(self) -> list[tuple[Request, int]]:
+    def _pick_extend(self) -> PickedBatch:
         """Prefill chunks for this step, shaped to fit a compiled bucket (engine/runner/buckets.py).
 
         For each extend token size t, the requests in admission order take min(their chunk, t) tokens each,
@@ -179,44 +178,48 @@ class SchedulePolicy:
         # Prompt tokens per rank per step: the rank's share of --chunked-prefill-size and --max-prefill-tokens both
         # bound the step's total, as SGLang's PrefillAdder (rem_chunk_tokens, rem_input_tokens).
         step_budget = min(self.args.chunked_prefill_per_rank, self.args.max_prefill_tokens)
-        wanted: list[tuple[Request, int]] = []
+        # Each prompt's whole next chunk, before the bucket and budget caps.
+        wanted: list[Request] = []
+        wanted_lens: list[int] = []
         for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
             n = r.pending
             cache = self.ranks[r.rank].prefix_cache
             target = cache.next_target(r) if cache is not None else None
             if target is not None:  # end the chunk where a snapshot is wanted
                 n = min(n, target - r.cached_len)
-            wanted.append((r, n))
-        if not wanted:
-            return []
-        best: list[tuple[Request, int]] = []
+            wanted.append(r)
+            wanted_lens.append(n)
+        best = PickedBatch(ForwardMode.EXTEND, [], [])
         best_key = (0, 0)
         for t in buckets.token_sizes:
             limit = buckets.extend_batches(t)[-1]
             budget = [step_budget] * len(self.ranks)
             rows = [0] * len(self.ranks)
-            picked: list[tuple[Request, int]] = []
-            for r, n in wanted:
+            reqs: list[Request] = []
+            lens: list[int] = []
+            for r, n in zip(wanted, wanted_lens, strict=True):
                 if budget[r.rank] <= 0 or rows[r.rank] >= limit:
                     continue
                 k = min(n, t, budget[r.rank])
-                picked.append((r, k))
+                reqs.append(r)
+                lens.append(k)
                 budget[r.rank] -= k
                 rows[r.rank] += 1
-            key = (sum(k for _, k in picked), -len(picked))
+            key = (sum(lens), -len(reqs))
             if key > best_key:
-                best, best_key = picked, key
-        chosen: list[tuple[Request, int]] = []
-        for r, n in best:
+                best, best_key = PickedBatch(ForwardMode.EXTEND, reqs, lens), key
+        reqs, lens = [], []
+        for r, n in zip(best.reqs, best.extend_lens, strict=True):
             if r.slot is None:  # retracted by an earlier candidate's page allocation
                 continue
             if self._ensure_pages_or_retract(r, r.cached_len + n):
-                chosen.append((r, n))
-        return chosen
+                reqs.append(r)
+                lens.append(n)
+        return PickedBatch(ForwardMode.EXTEND, reqs, lens)
 
-    def _pick_decode(self) -> list[tuple[Request, int]]:
+    def _pick_decode(self) -> PickedBatch:
         """One token for every decoding request, at most the largest decode bucket's rows per rank."""
-        chosen: list[tuple[Request, int]] = []
+        reqs: list[Request] = []
         rows = [0] * len(self.ranks)
         max_rows = self.runner.buckets.max_decode_rows
         for r in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.admit_order):
@@ -227,8 +230,8 @@ class SchedulePolicy:
                 continue  # its token in flight is its last: it finishes when that token is read
             rows[r.rank] += 1
             if self._ensure_pages_or_retract(r, r.cached_len + 1):
-                chosen.append((r, 1))
-        return chosen
+                reqs.append(r)
+        return PickedBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
 
     # ---- memory --------------------------------------------------------------------------------
     def pages_needed(self, r: Request, num_tokens: int) -> int:

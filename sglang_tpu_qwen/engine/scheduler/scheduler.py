@@ -1,15 +1,16 @@
 """Scheduler: the thread that runs continuous batching over the paged KV pool and the GDN slot pool.
 
 Each loop iteration drains the inbox (inbox.py: new requests, aborts, cache flushes), then runs one
-`step`: the policy (schedule_policy.py) admits waiting requests and picks an extend step (prefill chunks)
-or a decode step (one token per decoding request), `ScheduleBatch.build` (schedule_batch.py) lays out its
-host arrays, the model runner runs it, and the output processor (output_processor.py) applies the
-results: prompt logprobs, sampled tokens, stop checks, streaming. `finish` ends a request: final reply,
-memory back. A serving role (scheduler_role.py; prefill/decode disaggregation) hooks into the step.
+`step`: the policy (schedule_policy.py) admits waiting requests and picks a batch (`PickedBatch`): an
+extend step (prefill chunks) or a decode step (one token per decoding request). `ScheduleBatch.build`
+(schedule_batch.py) lays it out as the model's inputs (one ForwardBatch), the model runner runs it, and
+the output processor (output_processor.py) applies the results: prompt logprobs, sampled tokens, stop
+checks, streaming. `finish` ends a request: final reply, memory back. A serving role (scheduler_role.py;
+prefill/decode disaggregation) hooks into the step.
 
 Overlap scheduling (SGLang's; off with --disable-overlap-schedule): a step launches its batch, then reads
 the previous step's sampled tokens while the device runs it. A decode row whose token is still on the
-device reads it there (ScheduleBatch.token_src, ModelRunner.keep_sampled), so the host builds step N+1 while
+device reads it there (ForwardBatch.token_src, ModelRunner.keep_sampled), so the host builds step N+1 while
 step N runs. Finish checks, stop strings and streaming apply one step late: a request that finished at step
 N may have computed one more token in N+1, which is discarded (its memory is freed when N is read, and a
 later user of it runs after N+1 on the device). Steps whose next batch needs the host to know the tokens run
@@ -40,10 +41,11 @@ from sglang_tpu_qwen.engine.scheduler.faults import FaultInjector
 from sglang_tpu_qwen.engine.scheduler.inbox import AbortRequest, AddRequests, FlushCache, Inbox
 from sglang_tpu_qwen.engine.scheduler.output_processor import OutputProcessor
 from sglang_tpu_qwen.engine.scheduler.rank_memory import RankMemory
-from sglang_tpu_qwen.engine.scheduler.schedule_batch import ForwardMode, ScheduleBatch
+from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch, ScheduleBatch
 from sglang_tpu_qwen.engine.scheduler.schedule_policy import SchedulePolicy
 from sglang_tpu_qwen.engine.scheduler.scheduler_role import SchedulerRole
 from sglang_tpu_qwen.engine.scheduler.step_failures import StepFailures
+from sglang_tpu_qwen.model.forward_batch import ForwardMode
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ class Scheduler:
         self.health_state = HealthState()  # engine/observability/health.py: what /health reports
         self.faults = FaultInjector.from_env()  # engine/scheduler/faults.py: test-only fault points
         self.failures = StepFailures(self, self.health_state)  # engine/scheduler/step_failures.py
-        self._batch: list[tuple[Request, int]] = []  # the step being launched, for StepFailures
+        self._batch = PickedBatch.idle()  # the step being launched, for StepFailures
 
     @property
     def ranks(self) -> list[RankMemory]:
@@ -184,7 +186,7 @@ class Scheduler:
         if not self.waiting and not self.running and not self.role.busy and self._in_flight is None:
             self._inbox.wait(0.5)
             return
-        self._batch = []
+        self._batch = PickedBatch.idle()
         try:
             if not self.step():  # nothing runnable right now: do not spin
                 self._inbox.wait(0.01)
@@ -200,11 +202,9 @@ class Scheduler:
     def _step_failed(self, exc: Exception) -> None:
         """Hand the failed step's requests to StepFailures: those being launched and, under overlap, those of
         the step in flight (its tokens are lost; the rewound requests re-prefill prompt + output)."""
-        failed = list(self._batch)
+        failed: list[PickedBatch] = [self._batch]
         if self._in_flight is not None:
-            seen = {id(r) for r, _ in failed}
-            prev = self._in_flight.batch
-            failed += [(r, n) for r, n in zip(prev.reqs, prev.extend_lens, strict=True) if id(r) not in seen]
+            failed.append(self._in_flight.batch)
             self._in_flight = None
         self.failures.step_failed(failed, exc)
         for r in [*self.waiting, *self.running]:
@@ -238,23 +238,22 @@ class Scheduler:
         if self._in_flight is not None and (self.failures.has_suspects or not self._can_overlap(self._in_flight)):
             self._resolve()
         self.policy.admit(self.finish)
-        mode, chosen = self.policy.pick()
-        if mode is ForwardMode.IDLE:
+        picked = self.policy.pick()
+        if picked.mode is ForwardMode.IDLE:
             return self._resolve()
-        chosen = self.failures.isolate(chosen)  # a suspect of a failed step runs alone
-        self._batch = chosen
+        picked = self.failures.isolate(picked)  # a suspect of a failed step runs alone
+        self._batch = picked
         self.health_state.step_begins()
         if _CHECK:
             self.policy.check_memory_invariants()
         prev = None if self._in_flight is None else self._in_flight.batch
-        batch = ScheduleBatch.build(mode, chosen, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size,
-                                    prev)
+        batch = ScheduleBatch.build(picked, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size, prev)
         # Profiling: the annotation covers this step's launch and the host work done while it runs.
-        with self.profiler.step(batch.mode.name, len(batch.reqs), sum(batch.extend_lens)):
+        with self.profiler.step(batch.mode.name, len(batch), batch.num_extend_tokens):
             launched = self.launch(batch)
             if self._in_flight is not None:
                 self.overlapped_steps += 1
-                self.device_fed_rows += int((batch.token_src >= 0).sum())
+                self.device_fed_rows += int((batch.forward.token_src >= 0).sum())
             self._resolve()  # the previous step's tokens, read while the device runs this one
             self._in_flight = launched
             if not self.overlap or self.failures.has_suspects:
@@ -272,8 +271,8 @@ class Scheduler:
         prefix cache's snapshot copies, which must follow this step on the device. Does not wait otherwise."""
         rids = [r.rid for r in batch.reqs]
         self.faults.check("forward", rids, self.runner)
-        step = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
-                                   batch.slot_ids, batch.token_src)
+        f = batch.forward
+        step = self.runner.forward(f.input_ids, f.prefix_lens, f.extend_lens, f.page_table, f.slot_ids, f.token_src)
         self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
             r.cached_len += n
@@ -300,7 +299,7 @@ class Scheduler:
         # Cleared only once read: a failure while reading leaves it for _step_failed to rewind.
         self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
         self._in_flight = None
-        self.role.after_step(done.batch.reqs)  # PD prefill: stream the KV computed in this step
+        self.role.after_step(done.batch)  # PD prefill: stream the KV computed in this step
         return True
 
     # ---- what roles call (scheduler thread) ----------------------------------------------------

@@ -8,9 +8,8 @@ call back is the scheduler's public surface: `finish`, `accept_token`, `admit_wi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch
 
 
 class SchedulerRole:
@@ -33,8 +32,8 @@ class SchedulerRole:
     def abort(self, rid: str | None) -> None:
         """A client abort of `rid` (every request when None), before the scheduler aborts its own."""
 
-    def after_step(self, reqs: Sequence[Request]) -> None:
-        """After a step's tokens were accepted; reqs are the step's requests (cached_len advanced)."""
+    def after_step(self, batch: PickedBatch) -> None:
+        """After a step's tokens were accepted; batch is the step's (its requests' cached_len advanced)."""
 
     def on_finish(self, r: Request, reason: dict) -> None:
         """r is finishing with `reason`; its pages and slot are still held (freed right after)."""

@@ -17,6 +17,7 @@ One design (docs/internals.md, "Failures and health"):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -26,6 +27,7 @@ from sglang_tpu_qwen.engine.observability.health import HealthState
 
 if TYPE_CHECKING:
     from sglang_tpu_qwen.engine.io.request import Request
+    from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -70,33 +72,42 @@ class StepFailures:
         a failure belongs to the one step that raised."""
         return bool(self._suspects)
 
-    def isolate(self, chosen: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    def isolate(self, batch: PickedBatch) -> PickedBatch:
         """The batch to run: a suspect runs alone (the first one in the batch), anything else unchanged."""
-        for item in chosen:
-            if id(item[0]) in self._suspects:
-                return [item]
-        return chosen
+        for i, r in enumerate(batch.reqs):
+            if id(r) in self._suspects:
+                return batch.only(i)
+        return batch
 
-    def step_passed(self, chosen: list[tuple[Request, int]]) -> None:
-        """The step of `chosen` completed: its requests are cleared of suspicion."""
+    def step_passed(self, batch: PickedBatch) -> None:
+        """The step of `batch` completed: its requests are cleared of suspicion."""
         self._loop_failures = 0
         if self._suspects:
-            for r, _ in chosen:
+            for r in batch.reqs:
                 self._suspects.pop(id(r), None)
 
-    def step_failed(self, chosen: list[tuple[Request, int]], exc: BaseException) -> None:
-        """A step raised. `chosen` is its batch ([] when it failed before a batch was picked)."""
+    def step_failed(self, batches: Sequence[PickedBatch], exc: BaseException) -> None:
+        """A step raised. `batches`: the batch being launched and, under overlap, the one in flight (whose
+        tokens are lost with it); none when it failed before a batch was picked."""
+        reqs: list[Request] = []
+        seen: set[int] = set()
+        for batch in batches:
+            for r in batch.reqs:
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    reqs.append(r)
         error = describe(exc)
-        logger.error("step failed (%d requests): %s", len(chosen), error, exc_info=exc)
+        logger.error("step failed (%d requests): %s", len(reqs), error, exc_info=exc)
         if not cache_intact(self.s.runner.cache):
             self.fatal(f"a step failed and the device cache is not intact: {error}", cache_ok=False)
             return
-        if not chosen:
+        if not reqs:
             self.loop_failed(exc)
             return
         self.health.recovered(error)
-        reqs = [r for r, _ in chosen if not r.finished]
-        if len(chosen) == 1:
+        alone = len(reqs) == 1
+        reqs = [r for r in reqs if not r.finished]
+        if alone:
             for r in reqs:
                 self._suspects.pop(id(r), None)
                 self.s.finish(r, failure_reason(f"Internal server error during the step: {error}"), keep=False)
