@@ -124,9 +124,10 @@ class NativeChunks:
         ids = chunk["output_ids"]
         if ids:
             sent.ids_json += (b", " if sent.ids_json else b"") + ", ".join(map(str, ids)).encode()
-        return [b'data: {"text": "' + sent.text_json + b'", "output_ids": [' + sent.ids_json
-                + b'], "meta_info": ' + json.dumps(meta, ensure_ascii=False).encode()
-                + b', "index": ' + str(index).encode() + b"}\n\n"]
+        # One join: the cumulative parts are copied once into the event, never re-encoded.
+        return [b"".join((b'data: {"text": "', sent.text_json, b'", "output_ids": [', sent.ids_json,
+                          b'], "meta_info": ', json.dumps(meta, ensure_ascii=False).encode(),
+                          b', "index": ', str(index).encode(), b"}\n\n"))]
 
 
 __all__ = ["SSE_DONE", "NativeChunks", "Render", "add_logprob_length", "sse", "stream_response"]
