@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sglang_tpu_qwen.engine.engine import Engine
-from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError, RequestFailedError
 
 GREEDY = {"temperature": 0.0}
 
@@ -200,6 +200,35 @@ def test_streaming_is_cumulative(engine):
     for prev, nxt in zip(chunks, chunks[1:], strict=False):
         assert nxt["text"].startswith(prev["text"])
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_stream_deltas_join_to_the_cumulative_reply(engine):
+    """stream_deltas=True (what the HTTP layer reads): each chunk holds only its new text, ids and logprobs."""
+    args = ("stream me", {**GREEDY, "max_new_tokens": 6})
+    deltas = list(engine.generate(*args, stream=True, stream_deltas=True, return_logprob=True))
+    final = engine.generate(*args, return_logprob=True)
+    assert "".join(d["text"] for d in deltas) == final["text"]
+    assert [t for d in deltas for t in d["output_ids"]] == final["output_ids"]
+    lps = [lp for d in deltas for lp in d["meta_info"]["output_token_logprobs"]]
+    assert [lp[1] for lp in lps] == final["output_ids"]
+    assert [d["meta_info"]["completion_tokens"] for d in deltas] == list(range(1, 7))  # totals, not deltas
+
+
+def test_sync_generate_raises_for_a_failed_request(engine):
+    """A request the server failed raises from the synchronous API as from async_generate (not a reply)."""
+    faults = engine.scheduler.faults
+    try:
+        faults.arm("forward", rid="syncfail")
+        with pytest.raises(RequestFailedError, match="injected fault") as failed:
+            engine.generate("fail me", {**GREEDY, "max_new_tokens": 4}, rid="syncfail")
+        assert failed.value.status == 500
+        faults.arm("forward", rid="streamfail")  # before its first chunk: raised by the first next()
+        with pytest.raises(RequestFailedError, match="injected fault"):
+            next(engine.generate("fail me", {**GREEDY, "max_new_tokens": 4}, rid="streamfail", stream=True))
+    finally:
+        faults.disarm()
+    assert engine.health().problem(None) is None
+    _assert_idle_and_free(engine)
 
 
 @pytest.mark.parametrize(

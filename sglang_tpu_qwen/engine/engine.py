@@ -257,9 +257,13 @@ class Engine:
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
         bootstrap_host: Any = None, bootstrap_port: Any = None, bootstrap_room: Any = None,
-        require_reasoning: bool = False,
+        require_reasoning: bool = False, stream_deltas: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input.
+
+        stream=True yields SGLang's cumulative chunks; with stream_deltas=True it yields the scheduler's
+        increments instead (`Request.reply`: text, output_ids and output logprobs new since the previous chunk
+        of that index), which the HTTP layer renders in time independent of the reply's length.
 
         require_reasoning (SGLang's field): the output starts inside the model's reasoning, so a constraint
         (regex, json_schema...) applies only after the reasoning's end token.
@@ -288,7 +292,7 @@ class Engine:
                 self.metrics.on_request_start()
         self.scheduler.submit(reqs)
         if stream:
-            return self._stream_async(reqs, out)
+            return self._stream_async(reqs, out, stream_deltas)
         try:
             finals = await _collect(out, len(reqs))
         except BaseException:  # cancelled: the client went away
@@ -298,9 +302,11 @@ class Engine:
             _raise_on_status(d)
         return finals if is_batch else finals[0]
 
-    async def _stream_async(self, reqs: list[Request], out: asyncio.Queue[dict]) -> AsyncIterator[dict]:
+    async def _stream_async(self, reqs: list[Request], out: asyncio.Queue[dict],
+                            deltas: bool) -> AsyncIterator[dict]:
         remaining = len(reqs)
         first = True
+        shape: Callable[[dict], dict] = (lambda d: d) if deltas else _Cumulative()
         try:
             while remaining:
                 chunk = await out.get()
@@ -309,7 +315,7 @@ class Engine:
                 if first:  # still before the HTTP status is sent: a failed transfer becomes its error
                     _raise_on_status(chunk)
                     first = False
-                yield chunk
+                yield shape(chunk)
         finally:
             if remaining:
                 self._abort_all(reqs)
@@ -317,9 +323,14 @@ class Engine:
     def generate(
         self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
-        return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
+        return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None, stream_deltas: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
-        """Synchronous twin of async_generate (`prompt` is SGLang Engine's name for text)."""
+        """Synchronous twin of async_generate (`prompt` is SGLang Engine's name for text).
+
+        Raises as async_generate does: InvalidRequestError on bad input, and for a request the server failed
+        (a reply aborted with a status code) its error (RequestFailedError...), for a stream at its first
+        chunk; a client abort is an ordinary reply.
+        """
         self._check_serving()
         out: queue.Queue[dict] = queue.Queue()
         reqs, is_batch = self._build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -329,23 +340,30 @@ class Engine:
                 self.metrics.on_request_start()
         self.scheduler.submit(reqs)
         if stream:
-            return self._stream_sync(reqs, out)
+            return self._stream_sync(reqs, out, stream_deltas)
         finals: dict[int, dict] = {}
         while len(finals) < len(reqs):
             d = out.get()
             if d["meta_info"]["finish_reason"] is not None:
                 finals[d["index"]] = d
         ordered = [finals[i] for i in range(len(reqs))]
+        for d in ordered:
+            _raise_on_status(d)
         return ordered if is_batch else ordered[0]
 
-    def _stream_sync(self, reqs: list[Request], out: queue.Queue[dict]) -> Iterator[dict]:
+    def _stream_sync(self, reqs: list[Request], out: queue.Queue[dict], deltas: bool) -> Iterator[dict]:
         remaining = len(reqs)
+        first = True
+        shape: Callable[[dict], dict] = (lambda d: d) if deltas else _Cumulative()
         try:
             while remaining:
                 d = out.get()
                 if d["meta_info"]["finish_reason"] is not None:
                     remaining -= 1
-                yield d
+                if first:  # as _stream_async: a request failed before its first chunk raises its error
+                    _raise_on_status(d)
+                    first = False
+                yield shape(d)
         finally:
             if remaining:
                 self._abort_all(reqs)
@@ -429,6 +447,28 @@ def _has_constraint(sampling_params: Any) -> bool:
     """Whether a request's sampling_params (a dict, or a list of them for a batch) name a constraint."""
     items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
     return any(isinstance(p, dict) and any(p.get(k) is not None for k in CONSTRAINT_KEYS) for p in items)
+
+
+class _Cumulative:
+    """Turns a stream's increments back into SGLang's cumulative chunks (the Engine API's stream=True).
+
+    Each chunk of an index gets all text, output_ids and output logprobs of that index so far (O(reply
+    length) per chunk, as in SGLang's tokenizer manager; the HTTP layer takes the increments instead).
+    """
+
+    def __init__(self) -> None:
+        self._so_far: dict[int, tuple[list[str], list[int], dict[str, list]]] = {}
+
+    def __call__(self, chunk: dict) -> dict:
+        text, ids, lps = self._so_far.setdefault(chunk["index"], ([], [], {}))
+        text.append(chunk["text"])
+        ids.extend(chunk["output_ids"])
+        meta = dict(chunk["meta_info"])
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in meta:
+                lps.setdefault(key, []).extend(meta[key])
+                meta[key] = list(lps[key])
+        return {**chunk, "text": "".join(text), "output_ids": list(ids), "meta_info": meta}
 
 
 def _raise_on_status(reply: dict) -> None:

@@ -2,7 +2,7 @@
 
 Routes (as SGLang's `python/sglang/srt/entrypoints/http_server.py`):
   POST/PUT /generate        text | input_ids, single or batch; SSE when stream: cumulative text (deltas with
-                            --incremental-streaming-output), per-chunk logprob lists (see _StreamSlicer)
+                            --incremental-streaming-output), per-chunk logprob lists (sse.NativeChunks)
   GET /get_model_info, /model_info      model_path, tokenizer_path, is_generation, served_model_name
   GET /get_server_info, /server_info    server args + engine state + version
   GET /health                           200, empty body; 503 (reason as text) before warm-up has passed, when the
@@ -28,33 +28,27 @@ import concurrent.futures
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from sglang_tpu_qwen.engine.io.errors import InvalidRequestError, failed_status
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
 from sglang_tpu_qwen.server import engine_calls
-from sglang_tpu_qwen.server.engine_calls import SSE_DONE, ClientDisconnected, sse
-from sglang_tpu_qwen.server.errors import install_error_handlers, native_error, stream_error_event, unauthorized
+from sglang_tpu_qwen.server.engine_calls import ClientDisconnected
+from sglang_tpu_qwen.server.errors import install_error_handlers, native_error, unauthorized
 from sglang_tpu_qwen.server.openai_api import create_openai_router
 from sglang_tpu_qwen.server.protocol import AbortReq, GenerateReqInput
 from sglang_tpu_qwen.server.request_fields import bootstrap_kwargs
+from sglang_tpu_qwen.server.sse import NativeChunks, add_logprob_length, stream_response
+
+if TYPE_CHECKING:
+    from sglang_tpu_qwen.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 PROFILE_WAIT_S = 120.0
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang-tpu-qwen")
-    except Exception:  # not installed as a distribution (running from a source tree)
-        return "0.1.0"
 
 
 def _scalar(value: Any, name: str) -> Any:
@@ -101,7 +95,7 @@ def _generate_kwargs(obj: GenerateReqInput) -> tuple[dict[str, Any], int | None]
     return kwargs, batch_size
 
 
-def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str | None = None,
+def create_app(engine: Engine, *, api_key: str | None = None, reasoning_parser: str | None = None,
                tool_call_parser: str | None = None) -> FastAPI:
     """Build the HTTP app over an Engine (contract: docs/internals.md, "Engine API used by the HTTP server").
 
@@ -182,7 +176,6 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
         info = dict(engine.get_server_info())
         if "api_key" in info:  # never echo the secret
             info["api_key"] = None if info["api_key"] is None else "***"
-        info.setdefault("version", _version())
         info.setdefault("context_length", engine.context_length)
         return info
 
@@ -238,25 +231,18 @@ def create_app(engine: Any, *, api_key: str | None = None, reasoning_parser: str
             try:
                 out = await engine_calls.generate_once(engine, request, rids, **kwargs)
                 for reply in out if isinstance(out, list) else [out]:
-                    _add_logprob_length(reply["meta_info"])
+                    add_logprob_length(reply["meta_info"])
                 return out
             except ClientDisconnected:
                 return native_error("client disconnected", 499)
         first, rest = await engine_calls.open_stream(engine, rids, **kwargs)
-        incremental = bool(getattr(engine.server_args, "incremental_streaming_output", False))
-        return StreamingResponse(_generate_stream(engine, rids, first, rest, incremental),
-                                 media_type="text/event-stream")
+        render = NativeChunks(bool(getattr(engine.server_args, "incremental_streaming_output", False)))
+        return stream_response(engine, rids, first, rest, render, openai=False)
 
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.include_router(create_openai_router(engine, reasoning_parser=reasoning_parser,
                                             tool_call_parser=tool_call_parser))
     return app
-
-
-def _add_logprob_length(meta: dict) -> None:
-    """SGLang's `output_token_logprobs_length`: output tokens with a logprob so far (when logprobs are on)."""
-    if "output_token_logprobs" in meta:
-        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
 
 
 async def _profile_reply(fut: concurrent.futures.Future) -> Response:
@@ -269,66 +255,6 @@ async def _profile_reply(fut: concurrent.futures.Future) -> Response:
             return native_error(f"the scheduler did not take the profile request within {PROFILE_WAIT_S:g} s", 503)
         text = await asyncio.wrap_future(fut)  # it started meanwhile: wait for its answer
     return Response(content=text, status_code=200, media_type="text/plain")
-
-
-class _StreamSlicer:
-    """Turns the engine's cumulative replies into SGLang 0.5.23's streamed /generate chunks.
-
-    Every chunk's `output_token_logprobs` / `output_top_logprobs` hold only the tokens new since the
-    previous chunk of the same index, and `output_token_logprobs_length` counts all of them so far (what
-    sglang.test.test_programs.test_stream_logprobs and the frontend's meta-info merging expect). With
-    --incremental-streaming-output `text` and `output_ids` are deltas too; otherwise they are cumulative.
-    """
-
-    def __init__(self, incremental: bool) -> None:
-        self.incremental = incremental
-        self._sent: dict[int, tuple[int, int, int]] = {}  # index -> (logprobs, chars, ids) already sent
-
-    def __call__(self, chunk: dict) -> dict:
-        index = chunk.get("index", 0)
-        lp0, text0, ids0 = self._sent.get(index, (0, 0, 0))
-        meta = chunk["meta_info"]
-        _add_logprob_length(meta)
-        for key in ("output_token_logprobs", "output_top_logprobs"):
-            if key in meta:
-                meta[key] = meta[key][lp0:]
-        self._sent[index] = (meta.get("output_token_logprobs_length", 0), len(chunk["text"]),
-                             len(chunk["output_ids"]))
-        if self.incremental:
-            chunk["text"] = chunk["text"][text0:]
-            chunk["output_ids"] = chunk["output_ids"][ids0:]
-        return chunk
-
-
-async def _generate_stream(
-    engine: Any, rids: Any, first: dict | None, rest: AsyncIterator, incremental: bool = False
-) -> AsyncIterator[bytes]:
-    """SSE body of a streamed /generate: one event per chunk (`_StreamSlicer`), then `data: [DONE]`.
-
-    A request the server failed ends the stream with an error event (`stream_error_event`) instead of its
-    last chunk, and the call's other requests are aborted. A client that disconnects cancels this
-    generator; the `finally` then aborts its requests.
-    """
-    finished = False
-    shape = _StreamSlicer(incremental)
-    try:
-        chunk = first
-        while chunk is not None:
-            reason = chunk["meta_info"]["finish_reason"]
-            if failed_status(reason) is not None:
-                yield sse(stream_error_event(reason, openai=False))
-                break
-            yield sse(shape(chunk))
-            chunk = await anext(rest, None)
-        else:
-            finished = True
-    except Exception as e:  # engine failure mid-stream: reported inside the stream, as SGLang does
-        logger.exception("stream failed")
-        yield sse(stream_error_event({"message": str(e), "status_code": 500}, openai=False))
-    finally:
-        if not finished:
-            engine_calls.abort_all(engine, rids)
-    yield SSE_DONE
 
 
 __all__ = ["create_app"]

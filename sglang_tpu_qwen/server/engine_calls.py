@@ -1,4 +1,4 @@
-"""Calling the Engine from a route: request ids, client-disconnect aborts, SSE framing.
+"""Calling the Engine from a route: request ids, client-disconnect aborts, opening a stream.
 
 SGLang frees a request's memory when its HTTP client goes away (a closed stream, or a client that
 stops waiting for a non-streamed reply); these helpers do the same through `engine.abort(rid)`.
@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from sglang_tpu_qwen.server import request_log
 
+if TYPE_CHECKING:
+    from sglang_tpu_qwen.engine.engine import Engine
+
 # How often a non-streamed request checks whether its client is still connected (seconds).
 _DISCONNECT_POLL_S = 0.25
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -50,13 +50,13 @@ def make_rids(rid: str | list[str] | None, batch_size: int | None) -> str | list
     return [f"{base}_{i}" for i in range(batch_size)]
 
 
-def abort_all(engine: Any, rids: str | list[str]) -> None:
+def abort_all(engine: Engine, rids: str | list[str]) -> None:
     """Abort every request id of a call (a single id or a batch's list)."""
     for rid in [rids] if isinstance(rids, str) else rids:
         engine.abort(rid)
 
 
-async def _start(engine: Any, kwargs: dict[str, Any]) -> Any:
+async def _start(engine: Engine, kwargs: dict[str, Any]) -> Any:
     request_log.log_received(engine, kwargs)  # a no-op unless --log-requests
     result = engine.async_generate(**kwargs)
     if inspect.isawaitable(result):
@@ -64,7 +64,7 @@ async def _start(engine: Any, kwargs: dict[str, Any]) -> Any:
     return result
 
 
-async def generate_once(engine: Any, request: Request, rids: str | list[str], **kwargs: Any) -> Any:
+async def generate_once(engine: Engine, request: Request, rids: str | list[str], **kwargs: Any) -> Any:
     """Run a non-streamed generation; abort it and raise ClientDisconnected if the client leaves.
 
     Returns the engine's reply (a dict, or a list for a batch / n > 1). Engine errors propagate.
@@ -86,14 +86,17 @@ async def generate_once(engine: Any, request: Request, rids: str | list[str], **
         raise
 
 
-async def open_stream(engine: Any, rids: str | list[str], **kwargs: Any) -> tuple[dict | None, AsyncIterator]:
+async def open_stream(engine: Engine, rids: str | list[str], **kwargs: Any) -> tuple[dict | None, AsyncIterator]:
     """Start a streamed generation and wait for its first chunk.
+
+    The chunks are the engine's increments (`stream_deltas`: text, output_ids and output logprobs new since
+    the previous chunk of the same index); server/sse.py renders them.
 
     Waiting for the first chunk lets an invalid request (engine.errors.InvalidRequestError) become a
     plain 400 reply instead of an error inside an already-started event stream.
     Returns (first chunk or None when the stream is empty, iterator over the remaining chunks).
     """
-    stream = await _start(engine, {**kwargs, "rid": rids, "stream": True})
+    stream = await _start(engine, {**kwargs, "rid": rids, "stream": True, "stream_deltas": True})
     it = aiter(request_log.logged_stream(engine, aiter(stream)) if request_log.enabled(engine) is not None
                 else stream)
     try:
@@ -105,7 +108,3 @@ async def open_stream(engine: Any, rids: str | list[str], **kwargs: Any) -> tupl
         raise
     return first, it
 
-
-def sse(payload: Any) -> bytes:
-    """One server-sent event: `data: <json>\\n\\n`."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"

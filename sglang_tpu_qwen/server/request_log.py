@@ -15,14 +15,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang_tpu_qwen.engine.engine import Engine
 
 logger = logging.getLogger("sglang_tpu_qwen.request")
 
 PARTIAL_CHARS = 2048  # level 2 cut, SGLang's max_length
 
 
-def enabled(engine: Any) -> int | None:
+def enabled(engine: Engine) -> int | None:
     """The logging level of this engine's server, or None when --log-requests is off."""
     args = getattr(engine, "server_args", None)
     if args is None or not getattr(args, "log_requests", False):
@@ -45,7 +48,7 @@ def _count(prompt: Any) -> int | str:
     return len(prompt) if isinstance(prompt, list) else 0
 
 
-def log_received(engine: Any, kwargs: dict[str, Any]) -> None:
+def log_received(engine: Engine, kwargs: dict[str, Any]) -> None:
     """Log one engine call (the keyword arguments of `Engine.async_generate`) if --log-requests is on."""
     level = enabled(engine)
     if level is None:
@@ -59,7 +62,7 @@ def log_received(engine: Any, kwargs: dict[str, Any]) -> None:
     logger.info("Receive: %s", ", ".join(parts))
 
 
-def log_finished(engine: Any, reply: Any) -> None:
+def log_finished(engine: Engine, reply: Any) -> None:
     """Log every finished reply dict in `reply` (a dict, a list of them, or a stream chunk)."""
     level = enabled(engine)
     if level is None:
@@ -76,8 +79,13 @@ def log_finished(engine: Any, reply: Any) -> None:
         logger.info("Finish: %s", ", ".join(parts))
 
 
-async def logged_stream(engine: Any, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    """Pass a stream's chunks through, logging each finished one (only when --log-requests is on)."""
+async def logged_stream(engine: Engine, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """Pass a stream's increments (server/sse.py) through, logging each finished member with its whole text
+    (only when --log-requests is on: the text pieces are kept only then)."""
+    pieces: dict[int, list[str]] = {}
     async for chunk in chunks:
-        log_finished(engine, chunk)
+        text = pieces.setdefault(chunk.get("index", 0), [])
+        text.append(chunk.get("text", ""))
+        if chunk["meta_info"].get("finish_reason") is not None:
+            log_finished(engine, {**chunk, "text": "".join(text)})
         yield chunk

@@ -41,7 +41,9 @@ class Request:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    # The decoded text as pieces (add_text appends one): `text` joins them, a stream chunk joins only its new
+    # ones, so no per-token or per-chunk work grows with the reply (a str attribute's += copies all of it).
+    text_pieces: list[str] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
     rank: int = 0  # data-parallel attention rank holding pages and slot (scheduler.py, rank_memory.py)
@@ -65,6 +67,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     streamed_upto: int = 0  # output tokens already sent in a stream chunk
+    streamed_pieces: int = 0  # text_pieces already sent in a stream chunk
     # Constrained decoding: the request's grammar state (grammar/request_grammar.py), None when unconstrained.
     grammar: RequestGrammar | None = None
     # Prefill/decode disaggregation: this sequence's transfer leg (disagg/prefill.py, disagg/decode.py) or None.
@@ -95,8 +98,37 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        """All decoded text so far (joins text_pieces: read it at the end, not per token)."""
+        return "".join(self.text_pieces)
+
+    def add_text(self, piece: str) -> None:
+        """Append newly decoded text (O(1))."""
+        if piece:
+            self.text_pieces.append(piece)
+
     def reply(self) -> dict:
-        """SGLang's reply dict: cumulative text and output ids, and meta_info."""
+        """SGLang's reply dict {"text", "output_ids", "meta_info", "index"}.
+
+        A request that does not stream gets its whole text, output ids and output logprobs. A streamed one
+        gets the increment since its previous reply (SGLang's detokenizer sends increments too): text,
+        output_ids, output_token_logprobs and output_top_logprobs new since then, so a chunk costs the same at
+        token 4,000 as at token 10. Counts in meta_info (completion_tokens) are totals; input logprobs (fixed
+        once the first token exists) are whole in every reply.
+        """
+        if not self.stream:
+            return self._reply(self.text, list(self.output_ids), self.output_token_logprobs,
+                               self.output_top_logprobs)
+        start = self.streamed_upto
+        new_text = "".join(self.text_pieces[self.streamed_pieces:])
+        self.streamed_pieces = len(self.text_pieces)
+        self.streamed_upto = len(self.output_ids)
+        return self._reply(new_text, self.output_ids[start:], self.output_token_logprobs[start:],
+                           self.output_top_logprobs[start:])
+
+    def _reply(self, text: str, output_ids: list[int], token_lps: list[Logprob],
+               top_lps: list[list[Logprob] | None]) -> dict:
         meta: dict[str, Any] = {
             "id": self.rid,
             "prompt_tokens": len(self.prompt_ids),
@@ -107,8 +139,8 @@ class Request:
         }
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
-            meta["output_token_logprobs"] = list(self.output_token_logprobs)
+            meta["output_token_logprobs"] = list(token_lps)
             if self.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = list(self.input_top_logprobs)
-                meta["output_top_logprobs"] = list(self.output_top_logprobs)
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta, "index": self.index}
+                meta["output_top_logprobs"] = list(top_lps)
+        return {"text": text, "output_ids": output_ids, "meta_info": meta, "index": self.index}

@@ -2,8 +2,9 @@
 
 Prompt logprobs of the positions a step computed, the sampled token of each row that finished its pending
 tokens (output logprobs, detokenized text, grammar advance), the stop checks (stop token, stop string,
-grammar end, max_new_tokens, context length) and streaming every --stream-interval tokens. Finishing a
-request (its memory, its final reply) is the scheduler's `finish`, passed in.
+grammar end, max_new_tokens, context length) and streaming every --stream-interval tokens (each chunk the
+increment since the previous one, `Request.reply`). Finishing a request (its memory, its final reply) is the
+scheduler's `finish`, passed in.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class OutputProcessor:
                                                             top_ids[: r.top_logprobs_num]))
         sp = r.params
         if r.stream or r.detokenizer.stop:
-            r.text += r.detokenizer.push([tok])
+            r.add_text(r.detokenizer.push([tok]))
         else:  # nothing reads the text before the end: decoded once by the scheduler's finish
             r.detokenizer.append([tok])
         if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
@@ -130,8 +131,7 @@ class OutputProcessor:
         elif len(r.output_ids) >= r.max_new_tokens or len(r.fill_ids) >= self.context_length:
             self.finish(r, {"type": "length", "length": len(r.output_ids)})
         elif r.stream and len(r.output_ids) - r.streamed_upto >= self.args.stream_interval:
-            r.streamed_upto = len(r.output_ids)
-            r.sink(r.reply())
+            r.sink(r.reply())  # the increment since the previous chunk (Request.reply advances streamed_upto)
 
     # ---- text ----------------------------------------------------------------------------------
     def _tok_text(self, r: Request, token_id: int) -> str | None:

@@ -325,9 +325,9 @@ class Scheduler:
             return
         r.finish_reason = reason
         if reason["type"] != "abort":
-            r.text += r.detokenizer.flush()
+            r.add_text(r.detokenizer.flush())
         else:  # the text of the tokens so far, ids appended without decoding included, held-back text not
-            r.text += r.detokenizer.push(())
+            r.add_text(r.detokenizer.push(()))
         self.role.on_finish(r, reason)  # PD prefill: copy the state out before the memory is freed
         self.policy.release(r, keep)
         if r.grammar is not None:

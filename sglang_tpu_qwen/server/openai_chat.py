@@ -1,0 +1,260 @@
+"""The OpenAI chat route's work: the prompt and sampling_params of a request (`plan_chat`), its choices
+parsed into content / reasoning_content / tool_calls (`chat_choice`), and its stream (`stream_chat`).
+
+Chat output goes through the parsers the server was started with (`--reasoning-parser`,
+`--tool-call-parser`; sglang_tpu_qwen/parsers): reasoning into `reasoning_content`, tool calls into
+`tool_calls` (parsed only when the request offers tools and tool_choice is not "none"). Without parsers
+the raw model text is the `content`, as in SGLang. `tool_choice: "required"` or a named function
+constrains decoding with an EBNF over the qwen3_coder call format (parsers/tool_grammar.py).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sglang_tpu_qwen.parsers import ChatOutputParser
+from sglang_tpu_qwen.parsers.chat_output import ChatDelta
+from sglang_tpu_qwen.parsers.markers import THINK_START
+from sglang_tpu_qwen.parsers.tool_calls import merge_call_deltas
+from sglang_tpu_qwen.parsers.tool_grammar import tool_call_ebnf
+from sglang_tpu_qwen.server import engine_calls
+from sglang_tpu_qwen.server.errors import OpenAIError
+from sglang_tpu_qwen.server.openai_common import (
+    ChoiceStream,
+    chat_logprobs,
+    constraint_fields,
+    finish_reason,
+    logprob_lists,
+    matched_stop,
+    openai_stream,
+    sampling_params,
+    usage_info,
+)
+from sglang_tpu_qwen.server.protocol import (
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
+    FunctionCall,
+    ToolCall,
+)
+
+if TYPE_CHECKING:
+    from fastapi.responses import StreamingResponse
+
+    from sglang_tpu_qwen.engine.engine import Engine
+
+
+def _message_content(msg: Any) -> str | None:
+    """A message's content as a string; list content must hold only text parts (joined by newlines)."""
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content
+    texts = []
+    for part in msg.content:
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(
+                f"Unsupported content part type {part.type!r}: this model takes text only", param="messages"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them.
+
+    Content parts are joined; `developer` (OpenAI's newer name for it) is `system`; assistant tool-call
+    arguments given as a JSON string (OpenAI's form) are parsed into the object the template renders, as
+    SGLang does. Raises OpenAIError (400) for arguments that are not a JSON object.
+    """
+    messages = []
+    for i, msg in enumerate(req.messages):
+        d = msg.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        d["content"] = _message_content(msg) or ""
+        for call in d.get("tool_calls") or []:
+            fn = call["function"]
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise OpenAIError(
+                        f"messages[{i}].tool_calls: function.arguments must be a JSON object "
+                        "(or a string holding one)", param="messages")
+                fn["arguments"] = args
+        messages.append(d)
+    return messages
+
+
+@dataclass
+class ChatPlan:
+    """What a chat request turns into: prompt text, sampling_params, and how to parse each choice."""
+
+    prompt: str
+    sampling: dict[str, Any]
+    reasoning_parser: str | None
+    tool_call_parser: str | None
+    thinking: bool
+    tools: list[Any] | None  # tools whose calls are parsed (None: tool-call parsing off)
+    # The client's constraint applies after the reasoning block (SGLang's require_reasoning with a reasoning
+    # parser), so its output lands in `content`; a forced tool call's grammar covers the reasoning itself.
+    grammar_after_reasoning: bool = False
+
+    def parser(self) -> ChatOutputParser:
+        """A fresh parser for one choice."""
+        return ChatOutputParser(self.reasoning_parser, self.tool_call_parser, thinking=self.thinking,
+                                tools=self.tools)
+
+
+def plan_chat(engine: Engine, req: ChatCompletionRequest, reasoning: str | None, tool_parser: str | None) -> ChatPlan:
+    """Render the prompt and build sampling_params (with the tool-call constraint) for a chat request."""
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    choice = req.tool_choice
+    named = choice.function.name if choice is not None and not isinstance(choice, str) else None
+    tools = None
+    if req.tools and choice != "none":
+        # As SGLang: a named tool_choice shows the model only that function.
+        tools = [t for t in req.tools if named is None or t.function.name == named]
+        if not tools:
+            raise OpenAIError(f"tool_choice names function {named!r}, which is not in tools", param="tool_choice")
+    elif choice == "required" or named is not None:
+        raise OpenAIError("tool_choice requires tools", param="tool_choice")
+    # The tools as the client wrote them (no defaults added, e.g. `strict`), like the messages.
+    tool_dicts = [t.model_dump(exclude_none=True, exclude_unset=True) for t in tools] if tools else None
+    try:
+        prompt = engine.tokenizer.apply_chat_template(
+            _template_messages(req), tools=tool_dicts, add_generation_prompt=True, **template_kwargs
+        )
+    except OpenAIError:
+        raise
+    except Exception as e:  # the template rejecting its input (raise_exception, a filter on a bad type)
+        raise OpenAIError(f"Could not apply the chat template: {e}", param="messages") from None
+
+    # The output starts inside the reasoning when the generation prompt left a <think> block open (Qwen3.5
+    # with thinking on); enable_thinking false closes it, and a template without thinking never opens one.
+    thinking = prompt.rstrip().endswith(THINK_START)
+    max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_new is None:  # SGLang: a chat without a limit may run to the end of the context
+        max_new = max(0, engine.room_for(len(engine.tokenizer.encode(prompt))))
+    sampling = {**sampling_params(req, max_new), **constraint_fields(req)}
+    forced = bool(tool_dicts) and (choice == "required" or named is not None)
+    user_constrained = any(k in sampling for k in ("regex", "ebnf", "json_schema", "structural_tag"))
+    if forced:
+        if any(k in sampling for k in ("regex", "ebnf", "json_schema", "structural_tag")):
+            raise OpenAIError("tool_choice 'required' or a named function cannot be combined with regex, ebnf "
+                              "or response_format", param="tool_choice")
+        sampling["ebnf"] = tool_call_ebnf(tool_dicts, named, thinking=thinking, parallel=req.parallel_tool_calls)
+    return ChatPlan(
+        prompt=prompt,
+        sampling=sampling,
+        reasoning_parser=reasoning if req.separate_reasoning else None,
+        # A forced call is in the qwen3_coder format (the grammar's), so it is parsed even without the flag.
+        tool_call_parser=tool_parser or ("qwen3_coder" if forced else None),
+        thinking=thinking,
+        tools=tools,
+        grammar_after_reasoning=bool(reasoning) and thinking and user_constrained and not forced,
+    )
+
+
+def _new_call_id() -> str:
+    """A tool call id in SGLang's form (`call_` + 24 hex chars)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_finish(meta: dict, has_tool_calls: bool) -> tuple[str | None, int | str | None]:
+    """finish_reason and matched_stop of a chat choice: a natural stop after tool calls is "tool_calls"."""
+    reason = finish_reason(meta)
+    if reason == "stop" and has_tool_calls:
+        return "tool_calls", None
+    return reason, matched_stop(meta)
+
+
+def chat_choice(index: int, out: dict, req: ChatCompletionRequest, plan: ChatPlan) -> ChatCompletionResponseChoice:
+    """One non-streamed chat choice: the output parsed into content / reasoning_content / tool_calls."""
+    meta = out["meta_info"]
+    parser = plan.parser()
+    if parser.active:
+        msg = parser.parse(out["text"])
+        calls = [
+            ToolCall(id=_new_call_id(), index=c.index, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in msg.tool_calls
+        ]
+        message = ChatCompletionMessage(content=msg.content, reasoning_content=msg.reasoning,
+                                        tool_calls=calls or None)
+    else:
+        calls = []
+        message = ChatCompletionMessage(content=out["text"])
+    reason, matched = chat_finish(meta, bool(calls))
+    return ChatCompletionResponseChoice(
+        index=index,
+        message=message,
+        logprobs=chat_logprobs(*logprob_lists(meta, "output")) if req.logprobs else None,
+        finish_reason=reason,
+        matched_stop=matched,
+    )
+
+
+async def stream_chat(engine: Engine, req: ChatCompletionRequest, rids: str, kwargs: dict[str, Any],
+                      plan: ChatPlan) -> StreamingResponse:
+    """The SSE reply of a streamed chat request: a role chunk per choice, then parsed deltas."""
+    first, rest = await engine_calls.open_stream(engine, rids, **kwargs)
+    cid = f"chatcmpl-{rids}"
+
+    def payload(choice: ChatCompletionStreamChoice) -> dict:
+        return ChatCompletionStreamResponse(id=cid, model=req.model, choices=[choice]).model_dump(exclude={"usage"})
+
+    def render(i: int, state: ChoiceStream, chunk: dict) -> list[dict]:
+        out = []
+        if not state.started:
+            state.started, state.parser = True, plan.parser()
+            out.append(payload(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))))
+        meta = chunk["meta_info"]
+        fr = finish_reason(meta)
+        assert state.parser is not None
+        delta = state.parser.feed(chunk["text"])
+        if fr is not None:
+            last = state.parser.finish()
+            delta = ChatDelta(delta.reasoning + last.reasoning, delta.content + last.content,
+                              delta.tool_calls + last.tool_calls)
+        reasoning = delta.reasoning
+        if not req.stream_reasoning:  # SGLang: the reasoning comes in one piece once the block ends
+            state.held_reasoning += reasoning
+            reasoning = ""
+            if state.held_reasoning and (fr is not None or delta.content or delta.tool_calls):
+                reasoning, state.held_reasoning = state.held_reasoning, ""
+        calls = []
+        for c in merge_call_deltas(delta.tool_calls):
+            new = c.index not in state.call_ids
+            call_id = state.call_ids.setdefault(c.index, _new_call_id())
+            calls.append(ToolCall(id=call_id if new else None, index=c.index,
+                                  function=FunctionCall(name=c.name, arguments=c.arguments)))
+        if not (reasoning or delta.content or calls) and fr is None:
+            return out  # held back by a parser or a stop string: the logprobs go with the next chunk
+        lp = chat_logprobs(*state.take_logprobs()) if req.logprobs else None
+        reason, matched = chat_finish(meta, bool(state.call_ids)) if fr is not None else (None, None)
+        out.append(payload(ChatCompletionStreamChoice(
+            index=i,
+            delta=DeltaMessage(content=delta.content or None, reasoning_content=reasoning or None,
+                               tool_calls=calls or None),
+            logprobs=lp,
+            finish_reason=reason,
+            matched_stop=matched,
+        )))
+        return out
+
+    def usage(finals: list[dict]) -> dict | None:
+        if not (req.stream_options and req.stream_options.include_usage):
+            return None
+        return ChatCompletionStreamResponse(
+            id=cid, model=req.model, choices=[], usage=usage_info(finals, req.n)
+        ).model_dump()
+
+    return openai_stream(engine, rids, first, rest, render, usage)
