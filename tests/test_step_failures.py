@@ -231,9 +231,9 @@ def test_max_prefill_tokens_bounds_each_step(server):
     sizes: list[int] = []
     forward = eng.runner.forward
 
-    def recording_forward(*args, **kwargs):
-        sizes.append(int(sum(args[2])))  # new_lens: the tokens this step feeds
-        return forward(*args, **kwargs)
+    def recording_forward(batch):
+        sizes.append(int(sum(batch.extend_lens)))  # the tokens this step feeds
+        return forward(batch)
 
     saved = eng.server_args.max_prefill_tokens
     eng.server_args.max_prefill_tokens = 16

@@ -44,6 +44,7 @@ from sglang_tpu_qwen.engine.scheduler.schedule_batch import ForwardMode, Schedul
 from sglang_tpu_qwen.engine.scheduler.schedule_policy import SchedulePolicy
 from sglang_tpu_qwen.engine.scheduler.scheduler_role import SchedulerRole
 from sglang_tpu_qwen.engine.scheduler.step_failures import StepFailures
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class Scheduler:
         self.runner = runner
         self.args = args
         self.metrics = metrics
-        self.page_size = runner.page_size
+        self.page_size = runner.sizing.page_size
         self.policy = SchedulePolicy(runner, args, context_length)
         self.overlap = not args.disable_overlap_schedule
         self._in_flight: Launched | None = None  # overlap: the step the device may still be running
@@ -272,8 +273,8 @@ class Scheduler:
         prefix cache's snapshot copies, which must follow this step on the device. Does not wait otherwise."""
         rids = [r.rid for r in batch.reqs]
         self.faults.check("forward", rids, self.runner)
-        step = self.runner.forward(batch.tokens, batch.prefix_lens, batch.new_lens, batch.page_table,
-                                   batch.slot_ids, batch.token_src)
+        step = self.runner.forward(ForwardBatch(batch.mode, batch.tokens, batch.prefix_lens, batch.new_lens,
+                                                batch.page_table, batch.slot_ids, batch.token_src))
         self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
             r.cached_len += n
