@@ -63,6 +63,7 @@ class Placement:
         return cls(layout, device, platform or jax.default_backend())
 
     def single(self) -> SingleDeviceSharding:
+        """The one device without a mesh (the pinned device, else the default one)."""
         return SingleDeviceSharding(self.device if self.device is not None else jax.devices()[0])
 
     def replicated(self) -> jax.sharding.Sharding:
