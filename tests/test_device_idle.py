@@ -9,12 +9,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import jax.numpy as jnp
 import pytest
 
 from sglang_tpu_qwen.engine.runner.device_idle import SWITCH_INTERVAL_S, DeviceIdleMeter, measure_device_idle
+from sglang_tpu_qwen.engine.runner.step_executor import StepObservers
 
 HANG_GUARD_S = 60.0  # only ends a test whose watcher never stamps; no outcome depends on it
 
@@ -93,13 +93,35 @@ def test_meter_lowers_the_switch_interval_and_restores_it():
     raises."""
     before = sys.getswitchinterval()
     assert before != SWITCH_INTERVAL_S
-    runner = SimpleNamespace(idle_meter=None)
+    runner = _Runner()
     with pytest.raises(RuntimeError, match="timed run failed"), measure_device_idle(runner) as meter:
-        assert runner.idle_meter is meter
+        assert runner.observers.attached == (meter,)
         assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
         raise RuntimeError("timed run failed")
-    assert runner.idle_meter is None
+    assert runner.observers.attached == ()
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+class _Runner:
+    """The part of a ModelRunner the meter attaches to: its StepObservers."""
+
+    def __init__(self) -> None:
+        self.observers = StepObservers()
+
+
+def test_steps_seen_as_an_observer_pair_only_consecutive_decode_steps():
+    """The runner's hooks: a decode forward pairs with the decode step before it; an extend step between two
+    decode steps breaks the pair."""
+    meter = DeviceIdleMeter()
+    try:
+        for decode in (True, True, False, True, True):
+            meter.forward_dispatched(decode, time.perf_counter(), time.perf_counter())
+            if decode:
+                meter.sample_dispatched(jnp.arange(4))
+        idle, pairs = meter.idle_s()
+    finally:
+        meter.close()
+    assert pairs == 2 and idle >= 0.0
 
 
 def test_a_real_device_array_is_watched():

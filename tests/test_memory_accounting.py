@@ -66,11 +66,11 @@ def test_engine_memory_usage(engine) -> None:
     assert usage["weight_bytes"] == sum(x.nbytes for x in leaves) > 0
     assert math.isclose(usage["weight"], usage["weight_bytes"] / GB, rel_tol=1e-4)
     kv = runner.cache["k"].nbytes + runner.cache["v"].nbytes
-    assert kv == runner.num_pages * runner.cache_units.kv_per_page
+    assert kv == runner.sizing.num_pages * runner.sizing.units.kv_per_page
     assert math.isclose(usage["kvcache"], kv / GB, rel_tol=1e-4)
     state = runner.cache["conv"].nbytes + runner.cache["rec"].nbytes
-    assert state == runner.num_slots * runner.cache_units.gdn_per_slot
-    assert usage["token_capacity"] == (runner.num_pages - 1) * runner.page_size
+    assert state == runner.sizing.num_slots * runner.sizing.units.gdn_per_slot
+    assert usage["token_capacity"] == (runner.sizing.num_pages - 1) * runner.sizing.page_size
     info = engine.get_server_info()
     assert info["internal_states"] == [{"memory_usage": usage}]
     assert np.dtype(runner.cache["k"].dtype) == np.dtype(runner.dtype)

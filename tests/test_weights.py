@@ -613,10 +613,10 @@ def test_server_refuses_to_start_on_manifest_mismatch(embedded_dir: Path, tmp_pa
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(manifest))
     bad.write_text(json.dumps({**manifest, "model.safetensors": "0" * 64}))
-    args = dict(max_total_tokens=256, max_running_requests=2, dtype="float32")
+    args = dict(max_total_tokens=256, max_running_requests=2, dtype="float32", chunked_prefill_size=64)
     with pytest.raises(CheckpointError, match="sha256 of model.safetensors is [0-9a-f]{64}, the manifest says 0000"):
-        ModelRunner(str(embedded_dir), ServerArgs(weights_manifest=str(bad), **args))
-    runner = ModelRunner(str(embedded_dir), ServerArgs(weights_manifest=str(good), **args))
+        ModelRunner.from_checkpoint(str(embedded_dir), ServerArgs(weights_manifest=str(bad), **args))
+    runner = ModelRunner.from_checkpoint(str(embedded_dir), ServerArgs(weights_manifest=str(good), **args))
     assert runner.params["embed"].shape == (248320, 128)
 
 

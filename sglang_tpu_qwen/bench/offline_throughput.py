@@ -97,6 +97,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
     measured on a second run of the same prompts (cache flushed) with the idle meter attached, whose output
     throughput is ``metered_output_throughput``. The engine is shut down before returning.
     """
+    from sglang_tpu_qwen.bench.decode_timer import DecodeTimer, time_decode_step
     from sglang_tpu_qwen.engine.engine import Engine
     from sglang_tpu_qwen.engine.runner import compilation
     from sglang_tpu_qwen.engine.runner.device_idle import measure_device_idle
@@ -114,30 +115,31 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
             with contextlib.suppress(Exception):  # a failed load only matters to constrained requests
                 engine.grammar.backend()
         runner = engine.runner
-        runner.stats.reset()
-        compiles = compilation.jit_compilations()
-        start = time.perf_counter()
-        replies = engine.generate(input_ids=prompts, sampling_params=params)
-        elapsed = time.perf_counter() - start
-        compiles = compilation.jit_compilations() - compiles
-        stats = dataclasses.replace(runner.stats)
-        # The idle meter can perturb what it measures (a watcher thread, the interpreter's switch interval
-        # lowered to 20 us), so it gets its own run of the same prompts. Measured at 128 rows on the 2-core CPU:
-        # alternating processes with and without it, 7% lower on average (-16% to +1%); within one process
-        # (this layout), the metered second run -7% to +8%: below the machine's noise, not zero by design.
-        if not engine.flush_cache():
-            raise RuntimeError("the prefix cache could not be flushed after the timed run")
-        with measure_device_idle(runner) as meter:
-            compiles_metered = compilation.jit_compilations()
+        with runner.observers.attach(DecodeTimer()) as timer:
+            compiles = compilation.jit_compilations()
             start = time.perf_counter()
-            engine.generate(input_ids=prompts, sampling_params=params)
-            metered_s = time.perf_counter() - start
-            compiles += compilation.jit_compilations() - compiles_metered
-            idle_s, idle_pairs = meter.idle_s()
-        metered_wall_s = runner.stats.decode_wall_s - stats.decode_wall_s
+            replies = engine.generate(input_ids=prompts, sampling_params=params)
+            elapsed = time.perf_counter() - start
+            compiles = compilation.jit_compilations() - compiles
+            stats = dataclasses.replace(timer.stats)
+            # The idle meter can perturb what it measures (a watcher thread, the interpreter's switch interval
+            # lowered to 20 us), so it gets its own run of the same prompts. Measured at 128 rows on the 2-core
+            # CPU: alternating processes with and without it, 7% lower on average (-16% to +1%); within one
+            # process (this layout), the metered second run -7% to +8%: below the machine's noise, not zero by
+            # design.
+            if not engine.flush_cache():
+                raise RuntimeError("the prefix cache could not be flushed after the timed run")
+            with measure_device_idle(runner) as meter:
+                compiles_metered = compilation.jit_compilations()
+                start = time.perf_counter()
+                engine.generate(input_ids=prompts, sampling_params=params)
+                metered_s = time.perf_counter() - start
+                compiles += compilation.jit_compilations() - compiles_metered
+                idle_s, idle_pairs = meter.idle_s()
+            metered_wall_s = timer.stats.decode_wall_s - stats.decode_wall_s
         rows = min(len(prompts), args.max_running_requests)
         context = int(np.mean([len(p) for p in prompts])) + args.random_output_len // 2
-        device_ms = 1e3 * runner.time_decode_step(rows, context)
+        device_ms = 1e3 * time_decode_step(runner, rows, context)
         model_path = engine.model_path
         precompile = engine.precompile_stats
     finally:

@@ -57,26 +57,22 @@ def _device_step_s(engine: Any, rows: int, repeats: int) -> float:
     import jax
 
     from sglang_tpu_qwen.engine.runner.model_runner import SamplingBatch
+    from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 
     runner = engine.runner
-    bucket = runner.buckets.decode_bucket(-(-rows // runner.dp))
+    bucket = runner.buckets.decode_bucket(-(-rows // runner.sizing.dp))
     b, p = bucket.batch, bucket.pages
-    tokens = np.ones((b, 1), np.int32)
-    prefix = np.full(b, 8, np.int32)
-    new = np.ones(b, np.int32)
-    table = np.zeros((b, p), np.int32)  # trash page 0 / slot 0: the numbers do not matter, the work does
-    slots = np.zeros(b, np.int32)
-    zeros_f, zeros_i = np.zeros(b, np.float32), np.zeros(b, np.int32)
-    batch = SamplingBatch(zeros_f, np.ones(b, np.float32), zeros_i, zeros_f, np.zeros(b, np.uint32), zeros_i,
-                          np.ones(b, np.float32), zeros_f, zeros_f, None, None, np.full((b, 4), -1, np.int32),
-                          False, 0)
-    out = runner.sample(runner.forward(tokens, prefix, new, table, slots), batch)
+    # Trash page 0 / slot 0: the numbers do not matter, the work does.
+    fwd = ForwardBatch(ForwardMode.DECODE, np.ones((b, 1), np.int32), np.full(b, 8, np.int32), np.ones(b, np.int32),
+                       np.zeros((b, p), np.int32), np.zeros(b, np.int32))
+    batch = SamplingBatch.greedy(b)
+    out = runner.sample(runner.forward(fwd), batch)
     jax.block_until_ready(out.tokens)
     best = float("inf")
     for _ in range(5):  # the least disturbed of 5 windows (other processes share the CPU)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            out = runner.sample(runner.forward(tokens, prefix, new, table, slots), batch)
+            out = runner.sample(runner.forward(fwd), batch)
         jax.block_until_ready(out.tokens)
         best = min(best, (time.perf_counter() - t0) / repeats)
     return best

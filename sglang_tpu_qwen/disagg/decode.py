@@ -134,7 +134,7 @@ class DecodeRole(SchedulerRole):
             return True
 
         def write(pages: list[int], slot: int) -> None:
-            s.runner.write_state(pages, state.k, state.v, slot, state.conv, state.rec)
+            s.runner.state.write_state(pages, state.k, state.v, slot, state.conv, state.rec)
 
         try:
             if not s.admit_with_state(r, state.num_tokens, write):

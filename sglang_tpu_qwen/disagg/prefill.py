@@ -125,7 +125,7 @@ class PrefillRole(SchedulerRole):
             self.outbox.fail(leg.room, status, str(reason.get("message") or "the prefill server aborted the request"))
             return
         self._export_kv(r, leg, len(r.prompt_ids))
-        conv, rec = self.scheduler.runner.read_gdn(r.slot)
+        conv, rec = self.scheduler.runner.state.read_gdn(r.slot)
         if not self.outbox.put(leg.room, Message({"kind": "gdn"}, [conv, rec])):
             return
         first = r.output_ids[0] if r.output_ids else None
@@ -143,7 +143,7 @@ class PrefillRole(SchedulerRole):
     def _export_kv(self, r: Request, leg: PrefillLeg, upto: int) -> None:
         if upto <= leg.exported:
             return
-        k, v = self.scheduler.runner.gather_kv(r.pages, leg.exported, upto)
+        k, v = self.scheduler.runner.state.gather_kv(r.pages, leg.exported, upto)
         if self.outbox.put(leg.room, Message({"kind": "kv", "start": leg.exported, "end": upto}, [k, v])):
             leg.exported = upto
         else:  # cancelled or timed out meanwhile: poll() aborts the request

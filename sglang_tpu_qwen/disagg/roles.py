@@ -87,7 +87,7 @@ def setup(engine: Any) -> _Roles | None:
 
         def make_receiver(host: str, bport: int, room: int, prompt_ids: list[int]) -> Receiver:
             if backend == "inprocess":
-                return InProcessReceiver(bport, engine.runner.input_placement(), room, layout, prompt_ids,
+                return InProcessReceiver(bport, engine.runner.state.input_placement(), room, layout, prompt_ids,
                                          timeout, wake).start()
             return TcpReceiver(host, bport, room, layout, prompt_ids, timeout, wake).start()
 

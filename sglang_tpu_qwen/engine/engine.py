@@ -27,6 +27,7 @@ from sglang_tpu_qwen.engine.observability.profiler import ProfileConfig
 from sglang_tpu_qwen.engine.runner import compilation
 from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.runner.sampler import TOP_LOGPROBS_MAX
+from sglang_tpu_qwen.engine.runner.sizing import resolve_device_defaults
 from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
 from sglang_tpu_qwen.grammar.manager import create_grammar_manager
 from sglang_tpu_qwen.grammar.spec import CONSTRAINT_KEYS, GrammarSpec
@@ -88,7 +89,8 @@ class Engine:
         self.tokenizer_path = args.tokenizer_path or self.model_path
         self.served_model_name = args.served_model_name or self.model_path
         self.tokenizer = Tokenizer(self.tokenizer_path)
-        self.runner = ModelRunner(self.model_path, args, devices=devices)
+        resolve_device_defaults(args, devices)  # once, before the runner (which reads the flags, never sets them)
+        self.runner = ModelRunner.from_checkpoint(self.model_path, args, devices=devices)
         self.model_config = self.runner.config
         self.context_length = args.context_length or self.model_config.max_position_embeddings
         self.metrics = Metrics() if args.enable_metrics else None

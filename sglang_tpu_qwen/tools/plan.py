@@ -36,14 +36,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.forward import init_cache
-from sglang_tpu_qwen.model.param_layout import param_specs
 from sglang_tpu_qwen.parallel import sharding
-from sglang_tpu_qwen.parallel.mesh import make_layout
-from sglang_tpu_qwen.quant.fp8 import fp8_specs
 from sglang_tpu_qwen.tools import hlo_traffic
 
 # Qwen3.5-397B-A17B text model, from its public config (HF reference). The shared
@@ -131,42 +126,16 @@ WORKLOADS = (
 CONCURRENCY = 64
 
 
-def abstract_runner(config: Qwen35MoeConfig, args: Any, layout: Any, *, fp8: bool, block: tuple[int, int],
-                    hbm_bytes: int | None = None) -> Any:
-    """The server's ``ModelRunner`` with abstract parameters and cache (ShapeDtypeStructs carrying their
-    shardings on ``layout``'s mesh) and the kernels the server picks on TPU. Its programs are the
-    server's (``lower_forward`` / ``lower_sample``); nothing is read or allocated. ``hbm_bytes``: one
-    device's memory, for the defaults the server derives from it (``--chunked-prefill-size``).
-
-    Mirrors ``ModelRunner.__init__`` after weight loading (the sizes the server computes from ``args``).
-    """
+def abstract_runner(config: Qwen35MoeConfig, args: Any, devices: Any, *, fp8: bool, block: tuple[int, int],
+                    platform: str = "tpu") -> Any:
+    """The server's ``ModelRunner`` for ``config`` and ``args`` (device-dependent defaults already resolved) on
+    abstract parameters and cache (ShapeDtypeStructs carrying their shardings on the mesh of ``devices``), with
+    the kernels the server picks on ``platform``: ``ModelRunner.abstract``, the constructor the server's
+    runner goes through too. Its programs are the server's (``lower_forward`` / ``lower_sample``); nothing is
+    read or allocated. ``fp8``: block-FP8 weights with ``block`` ([in, out])."""
     from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
-    from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 
-    r = ModelRunner.__new__(ModelRunner)
-    r.config, r.dtype, r.dp, r.layout, r._device = config, jnp.dtype(jnp.bfloat16), args.dp_size, layout, None
-    specs = param_specs(config, r.dtype)
-    if fp8:
-        specs = fp8_specs(specs, block)
-    pspecs = sharding.param_pspecs(specs, layout)
-    r.params = jax.tree.map(
-        lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(layout.mesh, p)), specs, pspecs)
-    r.page_size = args.page_size
-    r.num_pages = args.max_total_tokens // r.page_size + 1
-    r._size_slots(args)
-    cache = jax.eval_shape(lambda: init_cache(config, r.dp * r.num_pages, r.page_size, r.dp * r.num_slots,
-                                              r.dtype, jnp.float32))
-    cshard = sharding.shardings(sharding.cache_pspecs(layout), layout)
-    r.cache = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cshard[k]) for k, v in cache.items()}
-    r.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform="tpu")
-    args.resolve_chunked_prefill_size("tpu", hbm_bytes)
-    r._build_buckets(args)
-    r.debug_nan_fill = False
-    r.has_prefix_cache = r.num_snapshot_slots > 0
-    r.host_snapshot_tier = False
-    r.moe_combine = args.moe_combine
-    r._build_programs()
-    return r
+    return ModelRunner.abstract(config, args, devices, platform=platform, fp8_block=block if fp8 else None)
 
 
 def _cost(compiled: Any) -> dict[str, float]:
@@ -268,7 +237,6 @@ def plan(
         raise ValueError(f"no peak figures for {family!r}; known: {sorted(CHIPS)}")
     chip = CHIPS[family]
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-    layout = make_layout(dp, ep, devices=topo.devices)
     if max_running_requests % dp:
         raise ValueError(f"--max-running-requests {max_running_requests} is not a multiple of dp={dp}")
     rows_per_rank = max_running_requests // dp
@@ -277,15 +245,16 @@ def plan(
                       max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
                       max_gdn_snapshots=max_gdn_snapshots)
     hbm_dev = chip.hbm_bytes / chip.devices_per_chip
-    runner = abstract_runner(config, args, layout, fp8=fp8, block=block, hbm_bytes=int(hbm_dev))
+    args.resolve_chunked_prefill_size("tpu", int(hbm_dev))  # the server's default for the device memory
+    runner = abstract_runner(config, args, topo.devices, fp8=fp8, block=block)
     c = config
-    n_dev = layout.mesh.devices.size
+    n_dev = runner.layout.mesh.devices.size
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.params)
     rep_w, exp_w = weight_bytes_per_device(specs, ep)
     kv_dev = _nbytes({k: runner.cache[k] for k in ("k", "v")}) // dp
     gdn_dev = _nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // dp
     kv_per_token = 2 * c.num_attn_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
-    state_per_req = _nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // (dp * runner.num_slots)
+    state_per_req = _nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // (dp * runner.sizing.num_slots)
     # Read once per step on each device: the replicated weights but the embedding (only the rows of the
     # step's tokens), and each local expert if any token of the step picks it (uniform routing: a token
     # picks a given expert with probability k / E).

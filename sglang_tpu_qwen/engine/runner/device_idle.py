@@ -9,7 +9,8 @@ back, which a busy scheduler thread holds for up to `sys.getswitchinterval()` (5
 lowers the interval to SWITCH_INTERVAL_S while it runs, so a stamp is at most that late.
 
 On a CPU backend the "device" runs on the same cores as the host: host work there also slows a device step
-it overlaps; that shows in the step time, not in this gap. Benchmarks only (the runner's `idle_meter`).
+it overlaps; that shows in the step time, not in this gap. Benchmarks only: the meter is a step observer
+(engine/runner/step_executor.py) attached by `measure_device_idle`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class Readiness(Protocol):
 
 class DeviceIdleMeter:
     """Sums max(0, dispatch of decode step N+1 - sampled ids of decode step N ready), seconds, over
-    consecutive decode steps. The runner calls `watch(tokens)` after dispatching a decode step's sampling
-    and `dispatched(t)` once the next decode forward's call returned (`t`: time.perf_counter() seconds);
+    consecutive decode steps. As a step observer it calls `watch(tokens)` when a decode step's sampling is
+    dispatched and `dispatched(t)` once the next decode forward's call returned (`t`: seconds of `clock`);
     `idle_s()` waits for the watched steps and returns (idle seconds, pairs counted).
 
     `clock`: the seconds the watcher stamps a step's readiness with; the times passed to `dispatched` must
@@ -48,6 +49,7 @@ class DeviceIdleMeter:
         self._pairs: list[tuple[int, float]] = []  # (watched step, next forward's dispatch time)
         self._watched = 0
         self._pending: int | None = None  # the last watched step not yet paired with a dispatch
+        self._after_decode = False  # the last forward observed was a decode step
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         threading.Thread(target=self._run, name="device-idle-meter", daemon=True).start()
@@ -78,6 +80,21 @@ class DeviceIdleMeter:
         """A non-decode step ran: the next decode forward does not follow a decode step."""
         self._pending = None
 
+    # ---- the step-observer hooks (engine/runner/step_executor.py StepObserver) ----
+    def forward_dispatched(self, decode: bool, start: float, end: float) -> None:
+        """A decode forward right after a decode step pairs with it; any other step breaks the pair."""
+        if decode and self._after_decode:
+            self.dispatched(end)
+        else:
+            self.break_pair()
+        self._after_decode = decode
+
+    def sample_dispatched(self, tokens: Readiness) -> None:
+        self.watch(tokens)
+
+    def tokens_read(self, wait_s: float) -> None:
+        pass
+
     def idle_s(self) -> tuple[float, int]:
         """(seconds the device waited for the host over the paired steps, number of pairs); blocks until every
         watched step is ready."""
@@ -94,12 +111,11 @@ class DeviceIdleMeter:
 
 @contextlib.contextmanager
 def measure_device_idle(runner: Any) -> Iterator[DeviceIdleMeter]:
-    """A meter attached to ``runner.idle_meter`` (a ModelRunner) for the block: detached, and the switch
-    interval restored, when the block ends, raising or not."""
+    """A meter attached to ``runner.observers`` (a ModelRunner's StepObservers) for the block: detached, and
+    the switch interval restored, when the block ends, raising or not."""
     meter = DeviceIdleMeter()
-    runner.idle_meter = meter
     try:
-        yield meter
+        with runner.observers.attach(meter):
+            yield meter
     finally:
-        runner.idle_meter = None
         meter.close()

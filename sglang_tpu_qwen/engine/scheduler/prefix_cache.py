@@ -48,12 +48,13 @@ class PrefixCache:
         self.runner = runner
         self.kv_pool = kv_pool
         self.page_size = page_size
-        self.has_gdn = cfg.num_gdn_layers > 0 and runner.num_snapshot_slots > 0
+        self.has_gdn = cfg.num_gdn_layers > 0 and runner.sizing.num_snapshot_slots > 0
         # A snapshot's eviction cost in KV tokens of the same bytes, at the cache dtypes in use.
-        units = runner.cache_units
+        units = runner.sizing.units
         cost = max(1, units.gdn_per_slot // max(units.kv_per_token, 1))
         self.tree = RadixCache(page_size, has_gdn=self.has_gdn, snapshot_cost_tokens=cost)
-        self.snap_pool = (IdPool(slot_base + runner.num_slots, "snapshot", start=slot_base + runner.num_running_slots)
+        sizing = runner.sizing
+        self.snap_pool = (IdPool(slot_base + sizing.num_slots, "snapshot", start=slot_base + sizing.num_running_slots)
                           if self.has_gdn else None)
         self.host = HostSnapshotStore(host_bytes)
         self.nan_fill = nan_fill
@@ -98,9 +99,9 @@ class PrefixCache:
         self.snapshot_hits["host" if is_host_id(snapshot) else "device"] += 1
         if is_host_id(snapshot):
             conv, rec = self.host.get(snapshot)
-            self.runner.write_slot(slot, conv, rec)
+            self.runner.state.write_slot(slot, conv, rec)
         else:
-            self.runner.copy_slots([(snapshot, slot)])
+            self.runner.state.copy_slots([(snapshot, slot)])
 
     # ---- after each step -----------------------------------------------------------------------
     def after_step(self, rows: list[Request], is_extend: bool) -> None:
@@ -116,7 +117,7 @@ class PrefixCache:
                 taken = list(zip(due, self._alloc_snapshots(len(due)), strict=False))  # the first ones get slots
                 # All allocations, then one copy, then the attaches: an attached snapshot could be evicted
                 # (and demoted) by a later allocation before its copy; an unattached one cannot.
-                self.runner.copy_slots([(r.slot, snap) for r, snap in taken])
+                self.runner.state.copy_slots([(r.slot, snap) for r, snap in taken])
                 for r, snap in taken:
                     self._attach(r.fill_ids[: r.cached_len], snap)
         elif self.has_gdn:
@@ -131,7 +132,7 @@ class PrefixCache:
                 snap = r.private_snapshot[0]
                 r.private_snapshot = (snap, r.cached_len)
                 pairs.append((r.slot, snap))
-            self.runner.copy_slots(pairs)
+            self.runner.state.copy_slots(pairs)
 
     def _insert(self, r: Request, upto: int) -> None:
         """Give the tree r's pages for fill_ids[:upto] (page-aligned); r keeps reading them, locked."""
@@ -231,7 +232,7 @@ class PrefixCache:
             assert self.snap_pool is not None
             self.snap_pool.free(device)
             if self.nan_fill:
-                self.runner.fill_nan_slots(device)
+                self.runner.state.fill_nan_slots(device)
 
     def _demote(self, sid: int, key: tuple[int, ...]) -> None:
         cache = self.runner.cache
@@ -239,7 +240,7 @@ class PrefixCache:
         nbytes = sum(cache[k].nbytes for k in ("conv", "rec")) // cache["rec"].shape[1]
         if not self.host.fits(nbytes):  # decided before reading: no device copy for a snapshot the host cannot hold
             return
-        conv, rec = self.runner.read_slot(sid)
+        conv, rec = self.runner.state.read_slot(sid)
         for old in self.host.over_budget_ids(nbytes):
             old_key = self._where.get(old)
             if old_key is not None and self.tree.drop_snapshot(old_key, old):

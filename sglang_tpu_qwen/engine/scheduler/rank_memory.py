@@ -32,13 +32,14 @@ class RankMemory:
     def build(cls, runner: ModelRunner, args: ServerArgs, rank: int) -> RankMemory:
         """Pools over rank `rank`'s id blocks: pages [base+1, base+num_pages), running slots
         [base+1, base+num_running_slots); the prefix cache takes the rank's snapshot slots."""
-        page_base, slot_base = runner.page_base(rank), runner.slot_base(rank)
-        kv_pool = IdPool(page_base + runner.num_pages, "page", start=page_base + 1)
-        slot_pool = IdPool(slot_base + runner.num_running_slots, "slot", start=slot_base + 1)
+        sizing = runner.sizing
+        page_base, slot_base = sizing.page_base(rank), sizing.slot_base(rank)
+        kv_pool = IdPool(page_base + sizing.num_pages, "page", start=page_base + 1)
+        slot_pool = IdPool(slot_base + sizing.num_running_slots, "slot", start=slot_base + 1)
         prefix_cache = None if args.disable_radix_cache else PrefixCache(
-            runner, kv_pool, runner.page_size, int(args.gdn_snapshot_host_gb * 2**30) // runner.dp,
+            runner, kv_pool, sizing.page_size, int(args.gdn_snapshot_host_gb * 2**30) // sizing.dp,
             args.debug_nan_fill_freed_slots, slot_base=slot_base)
-        return cls(rank, kv_pool, slot_pool, prefix_cache, runner.max_running_per_rank, runner.page_size)
+        return cls(rank, kv_pool, slot_pool, prefix_cache, sizing.max_running_per_rank, sizing.page_size)
 
     def usage(self) -> dict[str, Any]:
         """Pool usage of this rank (KV pages held by the prefix cache are not free until evicted)."""

@@ -41,8 +41,8 @@ class SchedulePolicy:
         self.runner = runner
         self.args = args
         self.context_length = context_length
-        self.page_size = runner.page_size
-        self.ranks = [RankMemory.build(runner, args, rank) for rank in range(runner.dp)]
+        self.page_size = runner.sizing.page_size
+        self.ranks = [RankMemory.build(runner, args, rank) for rank in range(runner.sizing.dp)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._admit_counter = 0
@@ -272,7 +272,7 @@ class SchedulePolicy:
         if r.slot is not None:
             m.slot_pool.free([r.slot])
             if self.args.debug_nan_fill_freed_slots:
-                self.runner.fill_nan_slots([r.slot])
+                self.runner.state.fill_nan_slots([r.slot])
             r.slot = None
         r.cached_len = 0
 

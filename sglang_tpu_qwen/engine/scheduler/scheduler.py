@@ -70,7 +70,7 @@ class Scheduler:
         self.runner = runner
         self.args = args
         self.metrics = metrics
-        self.page_size = runner.page_size
+        self.page_size = runner.sizing.page_size
         self.policy = SchedulePolicy(runner, args, context_length)
         self.overlap = not args.disable_overlap_schedule
         self._in_flight: Launched | None = None  # overlap: the step the device may still be running
@@ -271,8 +271,7 @@ class Scheduler:
         prefix cache's snapshot copies, which must follow this step on the device. Does not wait otherwise."""
         rids = [r.rid for r in batch.reqs]
         self.faults.check("forward", rids, self.runner)
-        f = batch.forward
-        step = self.runner.forward(f.input_ids, f.prefix_lens, f.extend_lens, f.page_table, f.slot_ids, f.token_src)
+        step = self.runner.forward(batch.forward)
         self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
             r.cached_len += n

@@ -3,7 +3,8 @@
 The scheduler always has one role; this base class is the plain colocated server (every hook a no-op).
 disagg/prefill.py and disagg/decode.py subclass it. All hooks run on the scheduler thread. What a role may
 call back is the scheduler's public surface: `finish`, `accept_token`, `admit_with_state`, `requests`,
-`wake`, `page_size` and the model runner's cache operations (`gather_kv`, `read_gdn`, `write_state`).
+`wake`, `page_size` and the model runner's device-state operations (`runner.state`: `gather_kv`, `read_gdn`,
+`write_state`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,308 @@
+"""The program table: every compiled program a runner runs, built once, lowered from abstract arguments.
+
+The set is fixed (issue 12) and named by `keys()`: a forward per `StepBucket` (engine/runner/buckets.py), two
+sampling programs per batch size (greedy, sample; engine/runner/sampler.py), one penalty-table and one
+keep-sampled program per batch size, the `head_rows` programs that take an extend step's finishing rows, and
+one prompt-logprob program. `ProgramTable.lower(key)` gives the `jax.stages.Lowered` of each from abstract
+arguments with their shardings (precompile, and the deviceless planner); `get(key)` the compiled program,
+refusing a key outside the set. The model is called in one place, `_run_model`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sglang_tpu_qwen.engine.runner import greedy_screen, sampler
+from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
+from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.forward import compute_logits, forward_step, lm_head_weight
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
+from sglang_tpu_qwen.parallel.sharding import batch_pspec, param_pspecs
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROB_ROWS = 64  # positions per call of the prompt-logprob program
+SampleKind = Literal["greedy", "sample"]
+SAMPLE_KINDS: tuple[SampleKind, ...] = ("greedy", "sample")
+STEP_COLUMNS = 4  # the [B] columns of a packed step between tokens and page_table
+
+
+def head_params(params: dict[str, Any], config: Qwen35MoeConfig) -> dict[str, Any]:
+    """The parameters the sampling and prompt-logprob programs read: the output projection (`lm_head`, or
+    `embed` when tied) and its bfloat16 screen. Not the whole tree: a compiled call costs dispatch time
+    per argument leaf on the scheduler thread (~0.5 ms per step for ~120 leaves on the 2-core CPU)."""
+    keys = ["embed" if config.tie_word_embeddings else "lm_head", "lm_head_screen"]
+    return {k: params[k] for k in keys if k in params}
+
+
+class ProgramTable:
+    """The jitted functions behind every program of the fixed set, and the compiled ones (nothing is compiled
+    at construction)."""
+
+    def __init__(self, config: Qwen35MoeConfig, params: dict[str, Any], state: DeviceState, buckets: BucketSet,
+                 backends: KernelBackends, moe_combine: str, dtype: Any) -> None:
+        """params: the weights (arrays or ShapeDtypeStructs) the programs take, as their flat list of leaves;
+        state: the device state whose cache (and its shardings) the forward programs take."""
+        self.config, self.buckets, self.dtype = config, buckets, dtype
+        self.state, self.placement = state, state.placement
+        layout = self.placement.layout
+        step = partial(forward_step, backends=backends)
+        if layout is None:
+            model: Callable[..., Any] = partial(step, config=config)
+            last = _last_rows
+        else:
+            model = make_sharded_forward(layout, config, params, combine=moe_combine, forward=step)
+            rows = batch_pspec(layout)
+            last = jax.shard_map(_last_rows, mesh=layout.mesh, in_specs=(rows, rows), out_specs=rows,
+                                 check_vma=False)
+
+        # A compiled call costs scheduler-thread time per argument leaf (flattening, signature and layout
+        # checks, one host-to-device copy per host array): the programs take the parameters as their flat
+        # list of leaves (flattened once here, not a nested dict every step) and a step's host arrays as one.
+        self.param_leaves, param_def = jax.tree.flatten(params)
+        pages = buckets.pages
+
+        def forward_program(param_leaves, cache, packed, prev_tokens):
+            batch = unpack_step(packed, pages, prev_tokens)  # overlap: last step's ids stay on the device
+            hidden, cache = _run_model(model, jax.tree.unflatten(param_def, param_leaves), cache, batch)
+            return hidden, last(hidden, jnp.maximum(batch.extend_lens - 1, 0)), cache
+
+        self._forward_jit = jax.jit(forward_program, donate_argnums=(1,))
+        # Same for sampling: the head parameters as their leaves, the Features flags as one bool array.
+        self.head_params = head_params(params, config)
+        self.head_leaves, head_def = jax.tree.flatten(self.head_params)
+        per_rank = self._per_rank
+
+        def sample_program(head_leaves, last, rp, flags, *, kind):
+            run = per_rank(partial(_sample_program, config=config, kind=kind))
+            return run(jax.tree.unflatten(head_def, head_leaves), last, rp, sampler.Features(*flags))
+
+        self._sample_jits = {kind: jax.jit(partial(sample_program, kind=kind)) for kind in SAMPLE_KINDS}
+        # Not donated: the first call reads the resident zero table of the "unused" inputs.
+        self._penalty_jit = jax.jit(sampler.penalty_update,
+                                    out_shardings=None if layout is None else self.placement.rows(2))
+        self._prompt_lp_jit = jax.jit(partial(_prompt_logprobs, config=config))
+        # Overlap scheduling: the sampled ids of a step, padded to prev_rows, feed the next step's forward.
+        self.prev_rows = max(buckets.sample_batches())
+        self._keep_sampled_jit = jax.jit(partial(_pad_rows, rows=self.prev_rows),
+                                         out_shardings=self.placement.replicated())
+        self._head_rows_jit = jax.jit(_head_rows, static_argnames="rows")
+        self._compiled: dict[tuple, Any] = {}
+        self._key_set = set(self.keys())
+        self.ready = False  # set once precompiled: a compilation after it is logged as an error
+
+    # ---- the fixed set -------------------------------------------------------------------------
+    def keys(self) -> list[tuple]:
+        """Every program of the fixed set, as the keys `get` and `lower` take."""
+        keys: list[tuple] = [("forward", bk) for bk in self.buckets.step_buckets()]
+        for b in self.buckets.sample_batches():
+            keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
+            keys.append(("penalty", b))
+            keys.append(("keep_sampled", b))
+        keys += [("head_rows", big, b) for big, b in self.buckets.head_rows_pairs()]
+        keys.append(("prompt_logprobs",))
+        return keys
+
+    def lower_forward(self, bucket: StepBucket) -> jax.stages.Lowered:
+        """The forward program of `bucket` lowered from abstract arguments (the parameter leaves, cache and
+        the step's packed host array with their shardings): input packed [B, T + 4 + P] int32 (`pack_step`:
+        tokens [B, T], prefix_lens, extend_lens, slot_ids, token_src [B], page_table [B, P]) and the kept
+        sampled ids [prev_rows]; outputs (hidden [B, T, H], last [B, H], cache)."""
+        b, t, p = bucket.batch, bucket.tokens, bucket.pages
+        spec = self.placement.spec
+        return self._forward_jit.lower(abstract(self.param_leaves), abstract(self.state.cache),
+                                       spec((b, t + STEP_COLUMNS + p), jnp.int32),
+                                       spec((self.prev_rows,), jnp.int32, replicated=True))
+
+    def lower_sample(self, kind: SampleKind, batch: int) -> jax.stages.Lowered:
+        """Sampling program `kind` for B = `batch` rows: (leaves of head_params, last [B, H], RowParams,
+        Features as one replicated bool array [len(Features._fields)]) -> (tokens [B], logprob [B],
+        top_logprobs [B, K], top_ids [B, K]); K = TOP_LOGPROBS_MAX for "sample", 0 for "greedy"."""
+        spec = self.placement.spec
+        return self._sample_jits[kind].lower(
+            abstract(self.head_leaves), spec((batch, self.config.hidden_size), self.dtype),
+            self._row_param_specs(batch), spec((len(sampler.Features._fields),), jnp.bool_, replicated=True))
+
+    def lower(self, key: tuple) -> jax.stages.Lowered:
+        """The program `key` (one of `keys()`) lowered from abstract arguments; KeyError for another key."""
+        spec, i32 = self.placement.spec, jnp.int32
+        if key[0] == "forward":
+            return self.lower_forward(key[1])
+        if key[0] == "sample":
+            return self.lower_sample(key[1], key[2])
+        if key[0] == "penalty":
+            chunk = spec((key[1], sampler.PENALTY_CHUNK), i32)
+            return self._penalty_jit.lower(spec((key[1], self.config.vocab_size), i32), chunk, chunk)
+        if key[0] == "prompt_logprobs":
+            n, h = PROMPT_LOGPROB_ROWS, self.config.hidden_size
+            return self._prompt_lp_jit.lower(abstract(self.head_params), spec((n, h), self.dtype, replicated=True),
+                                             spec((n,), i32, replicated=True))
+        if key[0] == "keep_sampled":
+            return self._keep_sampled_jit.lower(spec((key[1],), i32))
+        if key[0] == "head_rows":
+            return self._head_rows_jit.lower(spec((key[1], self.config.hidden_size), self.dtype), rows=key[2])
+        raise KeyError(key)
+
+    def get(self, key: tuple) -> Any:
+        """The compiled program `key` (compiled now when precompile was skipped or did not cover it).
+
+        Raises ValueError for a key outside the fixed set (a step shape no bucket holds)."""
+        prog = self._compiled.get(key)
+        if prog is None:
+            if key not in self._key_set:
+                raise ValueError(f"program {key} is outside the compiled set (engine/runner/buckets.py)")
+            if self.ready:
+                logger.error("compiling %s after the server was ready", key)
+            else:
+                logger.info("compiling %s (deferred: --disable-precompile)", key)
+            prog = self._compiled[key] = self.lower(key).compile()
+        return prog
+
+    def compile_missing(self, progress: bool = True) -> int:
+        """Compile (or load from the persistent cache) every program of the set not compiled yet; returns how
+        many. Lowers on this thread (tracing holds the GIL), compiles on every core (XLA releases it); shows a
+        tqdm bar when `progress`."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm import tqdm
+
+        keys = [k for k in self.keys() if k not in self._compiled]
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool, \
+                tqdm(total=len(keys), desc="precompile", unit="program", disable=not progress) as bar:
+            futures = {pool.submit(self.lower(key).compile): key for key in keys}
+            for fut in as_completed(futures):
+                self._compiled[futures[fut]] = fut.result()
+                bar.update(1)
+        return len(keys)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _row_param_specs(self, b: int) -> sampler.RowParams:
+        v = self.config.vocab_size
+        f32, i32 = jnp.float32, jnp.int32
+        s = self.placement.spec
+        return sampler.RowParams(
+            temperature=s((b,), f32), top_p=s((b,), f32), top_k=s((b,), i32), min_p=s((b,), f32),
+            seeds=s((b,), jnp.uint32), steps=s((b,), i32), repetition=s((b,), f32), frequency=s((b,), f32),
+            presence=s((b,), f32), penalty_table=s((b, v), i32), bias_ids=s((b, sampler.LOGIT_BIAS_WIDTH), i32),
+            bias_vals=s((b, sampler.LOGIT_BIAS_WIDTH), f32), ban_ids=s((b, sampler.BAN_WIDTH), i32),
+            bitmask=s((b, -(-v // 32)), i32))
+
+    def _per_rank(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn(params, last, row_params, features)` run by each DP rank on its own rows.
+
+        Without a mesh, fn itself. With one, a `shard_map` over the batch axes: rows are independent
+        (per-row seeds), so each device samples the rows it computed and no data crosses devices (a
+        global-batch jit would let XLA insert collectives for nothing). Features are replicated scalars.
+        """
+        layout = self.placement.layout
+        if layout is None:
+            return fn
+        pspecs = param_pspecs(self.head_params, layout)
+        rows = batch_pspec(layout)
+
+        def run(params: Any, last: jax.Array, rp: sampler.RowParams, feats: sampler.Features) -> Any:
+            rp_specs = sampler.RowParams(*([rows] * len(sampler.RowParams._fields)))
+            f_specs = sampler.Features(*([P()] * len(sampler.Features._fields)))
+            return jax.shard_map(fn, mesh=layout.mesh, in_specs=(pspecs, rows, rp_specs, f_specs),
+                                 out_specs=rows, check_vma=False)(params, last, rp, feats)
+
+        return run
+
+
+# ---- program bodies ----------------------------------------------------------------------------
+def _run_model(model: Callable[..., Any], params: Any, cache: Any, batch: ForwardBatch) -> tuple[jax.Array, Any]:
+    """The one call into the model (model.forward.forward_step, or the mesh's sharded forward of
+    parallel/sharded_forward.py): (hidden [B, T, H], updated cache)."""
+    return model(params, cache, batch)
+
+
+def pack_step(batch: ForwardBatch, page_table: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
+    """A step's host arrays as one [B, T + 4 + P] int32 array: columns input_ids [T], prefix_lens, extend_lens,
+    slot_ids, token_src (-1 where None), page_table [P]. One host-to-device copy instead of six.
+    `page_table` / `slot_ids`: the batch's, already rank-local."""
+    b, t = batch.input_ids.shape
+    packed = np.empty((b, t + STEP_COLUMNS + page_table.shape[1]), np.int32)
+    packed[:, :t] = batch.input_ids
+    packed[:, t] = batch.prefix_lens
+    packed[:, t + 1] = batch.extend_lens
+    packed[:, t + 2] = slot_ids
+    packed[:, t + 3] = -1 if batch.token_src is None else batch.token_src
+    packed[:, t + STEP_COLUMNS:] = page_table
+    return packed
+
+
+def unpack_step(packed: jax.Array, pages: int, prev_tokens: jax.Array) -> ForwardBatch:
+    """Inverse of `pack_step` inside a program (P = `pages`), with token_src resolved: where token_src[b] >= 0,
+    row b's first token is prev_tokens[token_src[b]] (prev_tokens [R] int32). T == 1 is a DECODE step."""
+    t = packed.shape[1] - STEP_COLUMNS - pages
+    col = partial(jax.lax.index_in_dim, packed, axis=1, keepdims=False)
+    tokens, src = packed[:, :t], col(t + 3)
+    first = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens[:, 0])
+    mode = ForwardMode.DECODE if t == 1 else ForwardMode.EXTEND
+    return ForwardBatch(mode, tokens.at[:, 0].set(first), col(t), col(t + 1), packed[:, t + STEP_COLUMNS:],
+                        col(t + 2))
+
+
+def _last_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
+    """hidden [B, T, H], index [B] -> [B, H]: each row's hidden state at its last new token."""
+    return hidden[jnp.arange(hidden.shape[0]), index]
+
+
+def _head_rows(last: jax.Array, *, rows: int) -> jax.Array:
+    """last [B, H] -> its first `rows` rows [rows, H]."""
+    return last[:rows]
+
+
+def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
+    """tokens [B] int32 -> [rows] (zeros after B)."""
+    return jnp.zeros(rows, jnp.int32).at[: tokens.shape[0]].set(tokens.astype(jnp.int32))
+
+
+def _sample_program(params, last, rp, f, *, config, kind):
+    """One sampling program (params: head_params()): logits of `last` [B, H] -> (tokens [B]
+    int32, logprob [B], top_logprobs [B, K], top_ids [B, K]). "greedy" takes the argmax after bias and bans
+    (all rows greedy, no penalty, no grammar, no logprobs; screened in bfloat16 when the lm_head is float32,
+    params["lm_head_screen"]) and returns K = 0. "sample" applies everything and samples each row with its
+    temperature (0: argmax), top-k, top-p and min-p; K = TOP_LOGPROBS_MAX, and the logprobs (of the raw
+    logits, as SGLang reports them) are computed only when f.logprobs (`lax.cond`; zeros otherwise): one
+    program instead of a second one with logprobs per batch size, which cost startup compile time. The
+    sampled token's logprob is its raw logit recomputed from its lm_head row minus the logsumexp, equal to
+    the [B, V] product's entry up to float32 summation order."""
+    b = last.shape[0]
+    if kind == "greedy":
+        none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
+        screen = params.get("lm_head_screen")
+        if screen is None:
+            return (sampler.greedy_tokens(compute_logits(params, last, config=config), rp), *none)
+        return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen, rp, f), *none)
+    weight = lm_head_weight(params, config)
+    k = sampler.TOP_LOGPROBS_MAX
+    # Only process_logits reads the [B, V] logits, so XLA updates them in place. The logprobs' statistics
+    # come from a second product inside the cond and the sampled token's raw logit from its own lm_head row:
+    # reading the raw logits after processing made XLA copy them in every step (32 MB at 32 rows, ~15% of
+    # the step), logprobs or not.
+    skipped = (jnp.zeros(b, jnp.float32), jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32))
+    lse, top_lp, top_ids = jax.lax.cond(
+        f.logprobs, lambda: sampler.raw_logprob_top(compute_logits(params, last, config=config), k), lambda: skipped)
+    logits = compute_logits(params, last, config=config)
+    tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
+    chosen = jnp.einsum("nh,nh->n", last, weight[tokens], preferred_element_type=jnp.float32)
+    # min: the two sums round differently, and a near-certain token must not report a logprob above 0.
+    return tokens, jnp.where(f.logprobs, jnp.minimum(chosen - lse, 0.0), 0.0), top_lp, top_ids
+
+
+def _prompt_logprobs(params, hidden, targets, *, config):
+    """hidden [N, H], targets [N] -> (logprob [N], top_logprobs [N, K], top_ids [N, K]), K = TOP_LOGPROBS_MAX."""
+    return sampler.token_logprobs(compute_logits(params, hidden, config=config), targets, sampler.TOP_LOGPROBS_MAX)

@@ -1,0 +1,154 @@
+"""How much a model runner holds: KV pages, GDN slots, context and prefill sizes (a plain frozen object).
+
+`RunnerSizing.build` computes it from the model config, the server flags and, when --max-total-tokens is not
+given, the memory the weights leave on the fullest device (engine/runner/memory_accounting.py). The server
+and the planner both get theirs there (ModelRunner.__init__). Server flags whose defaults depend on the
+devices (--chunked-prefill-size) are resolved before, once, by `resolve_device_defaults`; nothing here
+changes a ServerArgs.
+
+Per DP rank: page 0 and slot 0 are the rank's trash targets; slots [1, R] hold running requests and
+(R, R + S] the prefix cache's GDN snapshots. Rank r's global ids start at r * num_pages / r * num_slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_qwen.args.server_args import ServerArgs
+from sglang_tpu_qwen.engine.runner import memory_accounting
+from sglang_tpu_qwen.engine.runner.buckets import BucketSet
+from sglang_tpu_qwen.engine.runner.memory_accounting import CacheUnits
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+
+logger = logging.getLogger(__name__)
+
+STATE_DTYPE = jnp.float32  # GDN conv and recurrent state, stored and computed in float32
+
+
+def resolve_dtype(name: str, platform: str | None = None) -> jnp.dtype:
+    """Compute dtype from --dtype; `auto` is float32 on CPU (XLA:CPU bf16 matmuls are slow) else bfloat16.
+
+    platform: the JAX platform the programs are compiled for (default `jax.default_backend()`).
+    Raises ValueError for an unknown name."""
+    if name == "auto":
+        return jnp.dtype(jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16)
+    table = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if name not in table:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(table)}; got {name!r}")
+    return jnp.dtype(table[name])
+
+
+def resolve_device_defaults(args: ServerArgs, devices: list[Any] | None = None) -> None:
+    """Fill in the flag defaults that depend on the devices (--chunked-prefill-size, from the first device's
+    memory), as SGLang does at start. Called once, before the runner is built (Engine); a value already set
+    is kept, so a second call changes nothing."""
+    first = (devices or jax.devices())[0]
+    args.resolve_chunked_prefill_size(jax.default_backend(), memory_accounting.device_memory_limit(first))
+    if args.dp_size > 1:
+        logger.info("--chunked-prefill-size %d is split over the %d DP ranks: %d prompt tokens per rank per step",
+                    args.chunked_prefill_size, args.dp_size, args.chunked_prefill_per_rank)
+
+
+@dataclass(frozen=True)
+class RunnerSizing:
+    """Pages, slots and step sizes of one runner (every count is per DP rank unless it says otherwise).
+
+    Attributes:
+        dp: data-parallel attention ranks (--dp-size).
+        page_size: tokens per KV page.
+        max_running_requests: over all ranks (--max-running-requests).
+        max_running_per_rank: ceil(max_running_requests / dp).
+        num_snapshot_slots: GDN snapshot slots of the prefix cache (0 without it or without GDN layers).
+        num_pages: KV pages including the trash page 0.
+        context_length: longest prompt + output, tokens.
+        chunked_prefill_per_rank: prompt tokens one rank prefills per step.
+        bs_paddings, token_paddings: --precompile-bs-paddings / --precompile-token-paddings (None: default).
+        units: bytes of one KV page and one GDN slot at the cache dtypes.
+    """
+
+    dp: int
+    page_size: int
+    max_running_requests: int
+    max_running_per_rank: int
+    num_snapshot_slots: int
+    num_pages: int
+    context_length: int
+    chunked_prefill_per_rank: int
+    bs_paddings: tuple[int, ...] | None
+    token_paddings: tuple[int, ...] | None
+    units: CacheUnits
+
+    @property
+    def num_running_slots(self) -> int:
+        """Slots [0, R]: the trash slot and one per running request."""
+        return self.max_running_per_rank + 1
+
+    @property
+    def num_slots(self) -> int:
+        """Running slots (trash included) + snapshot slots."""
+        return self.num_running_slots + self.num_snapshot_slots
+
+    @property
+    def kv_tokens(self) -> int:
+        """Usable KV tokens (the trash page excluded)."""
+        return (self.num_pages - 1) * self.page_size
+
+    def page_base(self, rank: int) -> int:
+        """Global id of DP rank `rank`'s trash page; its usable pages are the next num_pages - 1 ids."""
+        return rank * self.num_pages
+
+    def slot_base(self, rank: int) -> int:
+        """Global id of DP rank `rank`'s trash slot; running slots follow, then snapshot slots."""
+        return rank * self.num_slots
+
+    def bucket_set(self) -> BucketSet:
+        """The compiled step shapes for this pool (engine/runner/buckets.py); raises as BucketSet.build."""
+        return BucketSet.build(
+            max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_per_rank,
+            context_length=self.context_length, kv_tokens=self.kv_tokens, page_size=self.page_size, dp=self.dp,
+            bs_paddings=list(self.bs_paddings) if self.bs_paddings else None,
+            token_paddings=list(self.token_paddings) if self.token_paddings else None)
+
+    @classmethod
+    def build(cls, config: Qwen35MoeConfig, args: ServerArgs, dtype: Any,
+              weight_bytes: dict[Any, int] | None) -> RunnerSizing:
+        """Sizes from the config and flags; the KV pool is --max-total-tokens, else what --mem-fraction-static
+        of the fullest device leaves after its weights and GDN slots.
+
+        Args:
+            dtype: the KV cache dtype (the compute dtype).
+            weight_bytes: device -> weight bytes on it (memory_accounting.bytes_per_device); None for abstract
+                weights, which need --max-total-tokens.
+        Raises:
+            ValueError: --chunked-prefill-size unresolved (resolve_device_defaults), abstract weights without
+                --max-total-tokens, or too little device memory for the KV pool.
+        """
+        dp = args.dp_size
+        per_rank = -(-args.max_running_requests // dp)
+        if args.disable_radix_cache or not config.num_gdn_layers:
+            snapshots = 0
+        else:
+            snapshots = 2 * per_rank if args.max_gdn_snapshots is None else args.max_gdn_snapshots
+        units = memory_accounting.cache_units(config, args.page_size, dtype, STATE_DTYPE)
+        if args.max_total_tokens:
+            max_tokens = args.max_total_tokens
+        elif weight_bytes is None:
+            raise ValueError("a runner on abstract weights needs --max-total-tokens (no device memory to size from)")
+        else:
+            device = max(weight_bytes, key=weight_bytes.__getitem__)
+            max_tokens = memory_accounting.kv_pool_tokens(device, args.mem_fraction_static, weight_bytes[device],
+                                                          per_rank + 1 + snapshots, units)
+        return cls(
+            dp=dp, page_size=args.page_size, max_running_requests=args.max_running_requests,
+            max_running_per_rank=per_rank, num_snapshot_slots=snapshots,
+            num_pages=max_tokens // args.page_size + 1,
+            context_length=args.context_length or config.max_position_embeddings,
+            chunked_prefill_per_rank=args.chunked_prefill_per_rank,
+            bs_paddings=tuple(args.precompile_bs_paddings) if args.precompile_bs_paddings else None,
+            token_paddings=tuple(args.precompile_token_paddings) if args.precompile_token_paddings else None,
+            units=units)
