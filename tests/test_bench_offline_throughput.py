@@ -38,7 +38,7 @@ def test_small_run_reports_both_throughputs(tmp_path):
     assert eng["decode_steps"] > 0 and eng["decode_device_ms"] > 0
     assert eng["decode_step_ms"] == pytest.approx(eng["decode_device_ms"] + eng["decode_host_ms"]) or (
         eng["decode_host_ms"] == 0.0)
-    # Device idle waiting for the host (engine/runner/device_idle.py), from a second run with the meter attached: a
+    # Device idle waiting for the host (bench/device_idle.py), from a second run with the meter attached: a
     # share of that run's decode wall time.
     assert eng["decode_idle_ms"] >= 0.0 and 0.0 <= eng["decode_idle_pct"] <= 100.0
     assert eng["metered_output_throughput"] > 0

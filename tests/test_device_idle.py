@@ -13,7 +13,7 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from sglang_tpu_qwen.engine.runner.device_idle import SWITCH_INTERVAL_S, DeviceIdleMeter, measure_device_idle
+from sglang_tpu_qwen.bench.device_idle import SWITCH_INTERVAL_S, DeviceIdleMeter, measure_device_idle
 from sglang_tpu_qwen.engine.runner.step_executor import StepObservers
 
 HANG_GUARD_S = 60.0  # only ends a test whose watcher never stamps; no outcome depends on it

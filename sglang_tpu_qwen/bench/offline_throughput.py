@@ -11,7 +11,7 @@ compilations during it is printed (it must be 0). HF warms up on one batch. The 
 wall time per step, device time per step (the step's compiled programs replayed back to back on the
 idle engine at the run's batch size and mean context), wall - device, and host time not hidden behind the
 device measured directly: the time the device sat idle between the end of one decode step (its sampled ids
-ready) and the dispatch of the next (engine/runner/device_idle.py), on a second run of the same prompts: the meter
+ready) and the dispatch of the next (bench/device_idle.py), on a second run of the same prompts: the meter
 costs throughput itself, so the throughput figures come from the run without it. On a CPU backend the two
 differ: the host's work runs on the cores the "device" uses, so it slows the device step while it overlaps
 it (wall - device counts that; the idle time does not).
@@ -98,9 +98,9 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
     throughput is ``metered_output_throughput``. The engine is shut down before returning.
     """
     from sglang_tpu_qwen.bench.decode_timer import DecodeTimer, time_decode_step
+    from sglang_tpu_qwen.bench.device_idle import measure_device_idle
     from sglang_tpu_qwen.engine.engine import Engine
     from sglang_tpu_qwen.engine.runner import compilation
-    from sglang_tpu_qwen.engine.runner.device_idle import measure_device_idle
 
     engine_kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
     engine = Engine(model_path=args.model_path, **engine_kwargs)

@@ -7,7 +7,7 @@ are timed from the scheduler thread; the steady state is the middle half of the 
 After each run the same decode program (forward + greedy sampling, one bucket) is replayed back to back
 without the scheduler, which gives the device time of one step; step time - device time is shown as a share
 of the step. Host time not hidden behind the device is also measured directly: the time the device sat idle
-between one decode step's sampled ids being ready and the next step's dispatch (engine/runner/device_idle.py). On
+between one decode step's sampled ids being ready and the next step's dispatch (bench/device_idle.py). On
 a CPU backend "device" work runs on the same cores as the host, so host work slows the device step while it
 overlaps it: step - replay counts that slowdown, the idle time does not.
 
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One Engine; timed decode runs alternating synchronous and overlapped steps (`--rounds` of each, the
     scheduler's `overlap` switch flipped between runs, so both modes see the same machine load), each
     followed by a device-only replay. Returns per-mode medians (ms, %)."""
+    from sglang_tpu_qwen.bench.device_idle import measure_device_idle
     from sglang_tpu_qwen.engine.engine import Engine
-    from sglang_tpu_qwen.engine.runner.device_idle import measure_device_idle
 
     sargs = ServerArgs.from_kwargs(model_path=args.model_path, max_running_requests=args.batch,
                                    chunked_prefill_size=max(args.batch * args.input_len, 256),

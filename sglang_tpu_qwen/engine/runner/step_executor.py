@@ -3,7 +3,7 @@ prompt logprobs) and returns device arrays without waiting for them.
 
 The scheduler hands host (numpy) arrays already padded to a bucket (engine/runner/buckets.py); a shape outside
 the compiled set raises instead of compiling. Benchmarks watch the steps through `StepObservers` (none is
-attached while serving; bench/decode_timer.py, engine/runner/device_idle.py).
+attached while serving; bench/decode_timer.py, bench/device_idle.py).
 """
 
 from __future__ import annotations
