@@ -185,26 +185,6 @@ def _completion_inputs(engine: Engine, prompt: Any) -> tuple[dict[str, Any], int
     raise OpenAIError("prompt must be a string, a list of strings, or token ids", param="prompt")
 
 
-def _completion_inputs(engine: Engine, prompt: Any) -> tuple[dict[str, Any], int | None, list[str]]:
-    """Engine inputs for a completion prompt, the batch size (None for one prompt) and prompt texts."""
-    if isinstance(prompt, str):
-        return {"text": prompt}, None, [prompt]
-    if not prompt:
-        raise OpenAIError("prompt must not be empty", param="prompt")
-    if all(isinstance(p, str) for p in prompt):
-        return {"text": list(prompt)}, len(prompt), list(prompt)
-    # Token ids are checked before they are decoded for `echo` (the tokenizer raises on a negative id).
-    if all(isinstance(p, int) for p in prompt):
-        engine.check_input_ids(prompt)
-        return {"input_ids": list(prompt)}, None, [engine.tokenizer.decode(prompt, skip_special_tokens=False)]
-    if all(isinstance(p, list) for p in prompt):
-        for p in prompt:
-            engine.check_input_ids(p)
-        texts = [engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompt]
-        return {"input_ids": [list(p) for p in prompt]}, len(prompt), texts
-    raise OpenAIError("prompt must be a string, a list of strings, or token ids", param="prompt")
-
-
 def _completion_choice_logprobs(meta: dict, echo: bool, offset: int) -> LogProbs:
     """A non-streamed completion choice's logprobs: the prompt's first when echo (offsets from 0)."""
     toks, tops = logprob_lists(meta, "output")
