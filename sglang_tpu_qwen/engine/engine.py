@@ -92,7 +92,7 @@ class Engine:
         resolve_device_defaults(args, devices)  # once, before the runner (which reads the flags, never sets them)
         self.runner = ModelRunner.from_checkpoint(self.model_path, args, devices=devices)
         self.model_config = self.runner.config
-        self.context_length = args.context_length or self.model_config.max_position_embeddings
+        self.context_length = self.runner.sizing.context_length
         self.metrics = Metrics() if args.enable_metrics else None
         self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
         self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)

@@ -102,7 +102,7 @@ class Placement:
         """Shardings of the cache dict (pages / slots split over the DP ranks), or the one device's."""
         if self.layout is None:
             return self.single()
-        return {k: NamedSharding(self.layout.mesh, p) for k, p in cache_pspecs(self.layout).items()}
+        return shardings(cache_pspecs(self.layout), self.layout)
 
 
 class DeviceState:

@@ -5,7 +5,7 @@ sampling programs per batch size (greedy, sample; engine/runner/sampler.py), one
 keep-sampled program per batch size, the `head_rows` programs that take an extend step's finishing rows, and
 one prompt-logprob program. `ProgramTable.lower(key)` gives the `jax.stages.Lowered` of each from abstract
 arguments with their shardings (precompile, and the deviceless planner); `get(key)` the compiled program,
-refusing a key outside the set. The model is called in one place, `_run_model`.
+refusing a key outside the set. The model is called in one place, the forward program's body.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, lm_head_weight
-from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.parallel.sharded_forward import make_sharded_forward
 from sglang_tpu_qwen.parallel.sharding import batch_pspec, param_pspecs
 
@@ -76,7 +76,7 @@ class ProgramTable:
 
         def forward_program(param_leaves, cache, packed, prev_tokens):
             batch = unpack_step(packed, pages, prev_tokens)  # overlap: last step's ids stay on the device
-            hidden, cache = _run_model(model, jax.tree.unflatten(param_def, param_leaves), cache, batch)
+            hidden, cache = model(jax.tree.unflatten(param_def, param_leaves), cache, batch)
             return hidden, last(hidden, jnp.maximum(batch.extend_lens - 1, 0)), cache
 
         self._forward_jit = jax.jit(forward_program, donate_argnums=(1,))
@@ -222,12 +222,6 @@ class ProgramTable:
 
 
 # ---- program bodies ----------------------------------------------------------------------------
-def _run_model(model: Callable[..., Any], params: Any, cache: Any, batch: ForwardBatch) -> tuple[jax.Array, Any]:
-    """The one call into the model (model.forward.forward_step, or the mesh's sharded forward of
-    parallel/sharded_forward.py): (hidden [B, T, H], updated cache)."""
-    return model(params, cache, batch)
-
-
 def pack_step(batch: ForwardBatch, page_table: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
     """A step's host arrays as one [B, T + 4 + P] int32 array: columns input_ids [T], prefix_lens, extend_lens,
     slot_ids, token_src (-1 where None), page_table [P]. One host-to-device copy instead of six.
@@ -250,9 +244,7 @@ def unpack_step(packed: jax.Array, pages: int, prev_tokens: jax.Array) -> Forwar
     col = partial(jax.lax.index_in_dim, packed, axis=1, keepdims=False)
     tokens, src = packed[:, :t], col(t + 3)
     first = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens[:, 0])
-    mode = ForwardMode.DECODE if t == 1 else ForwardMode.EXTEND
-    return ForwardBatch(mode, tokens.at[:, 0].set(first), col(t), col(t + 1), packed[:, t + STEP_COLUMNS:],
-                        col(t + 2))
+    return ForwardBatch.of(tokens.at[:, 0].set(first), col(t), col(t + 1), packed[:, t + STEP_COLUMNS:], col(t + 2))
 
 
 def _last_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:

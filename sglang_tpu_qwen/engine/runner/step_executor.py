@@ -22,7 +22,7 @@ from sglang_tpu_qwen.engine.runner import sampler
 from sglang_tpu_qwen.engine.runner.buckets import StepBucket
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState
 from sglang_tpu_qwen.engine.runner.programs import PROMPT_LOGPROB_ROWS, ProgramTable, SampleKind, pack_step
-from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -352,10 +352,9 @@ class StepExecutor:
 
 def _padding_batch(bucket: StepBucket, zeros: np.ndarray) -> ForwardBatch:
     """A batch of `bucket`'s shape whose every row is padding (trash page 0, slot 0, nothing fed)."""
-    mode = ForwardMode.DECODE if bucket.mode == "decode" else ForwardMode.EXTEND
     b = bucket.batch
-    return ForwardBatch(mode, np.zeros((b, bucket.tokens), np.int32), zeros, zeros,
-                        np.zeros((b, bucket.pages), np.int32), zeros)
+    return ForwardBatch.of(np.zeros((b, bucket.tokens), np.int32), zeros, zeros, np.zeros((b, bucket.pages), np.int32),
+                           zeros)
 
 
 def _pad_cols(a: np.ndarray, width: int, fill: Any, what: str) -> np.ndarray:
