@@ -29,10 +29,12 @@ class ForwardMode(enum.Enum):
 
     @property
     def is_decode(self) -> bool:
+        """One token per request (T == 1)."""
         return self is ForwardMode.DECODE
 
     @property
     def is_extend(self) -> bool:
+        """Prompt chunks (T >= 1 new tokens per row)."""
         return self is ForwardMode.EXTEND
 
 
@@ -69,6 +71,7 @@ class ForwardBatch:
 
     @property
     def batch_size(self) -> int:
+        """B: rows, padding rows included."""
         return self.input_ids.shape[0]
 
     @property
