@@ -14,6 +14,10 @@ offloads to the SparseCore (collectives, relayouts, row gathers) is an async ``c
 Compiled TPU HLO names operands without their shapes; each takes the shape of the instruction defining it.
 Only HBM counts: a buffer XLA placed in VMEM (layout ``S(1)``) is read and written on chip.
 The figures are an estimate for ranking, not a replacement for the total.
+
+``program_collectives`` lists the program's collectives (those offloaded to the SparseCore at their call
+sites) with their replica groups, bytes and executions, and the work the schedule places between an
+asynchronous one's start and its done: what the planner charges over the ICI (tools/plan/collectives.py).
 """
 
 from __future__ import annotations
