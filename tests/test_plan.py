@@ -79,6 +79,8 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
         for kind in ("roofline", "planned", "planned_zipf"):
             assert w[kind]["total_tok_s_chip"] > 0 and w[kind]["decode_output_tok_s_chip"] > 0
         assert w["planned"]["total_tok_s_chip"] < w["roofline"]["total_tok_s_chip"]
+        assert (w["planned_ici_slow"]["total_tok_s_chip"] <= w["planned"]["total_tok_s_chip"]
+                <= w["planned_ici_fast"]["total_tok_s_chip"])
     cal = r["calibration"]["workloads"]
     assert {k: v["measured"] for k, v in cal.items()} == {"1k in / 8k out": 677, "8k in / 1k out": 3707}
     for name, c in cal.items():

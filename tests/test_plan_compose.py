@@ -30,7 +30,7 @@ def _step(context: int, hlo: float, minimum: float, flops: float, slow: float, c
             "serial_s": max(hlo / BW, flops / PEAK) + 1e-3,
             "moe_extra": {"uniform": {"slowest_bytes": slow, "slowest_flops": 0.0},
                           "zipf": {"slowest_bytes": 2 * slow, "slowest_flops": 1e12}},
-            "collective_s": {"exposed": coll}}
+            "collective_s": {"exposed": coll, "exposed_low": coll / 2, "exposed_high": 2 * coll}}
 
 
 def _report(dp: int) -> dict:
@@ -62,6 +62,9 @@ def test_workloads_by_hand_dp_ranks_not_devices(config):
     p_roof = max(50e9 / BW, 40e15 / PEAK)
     p_plan = 40e15 / PEAK + 1e-3 + 30e-3
     assert w1["planned"]["prefill_step_s"] == pytest.approx(p_plan, rel=1e-9)
+    # The collectives at the slow end of the ICI assumptions: twice the exposed time here.
+    assert w1["planned_ici_slow"]["prefill_step_s"] == pytest.approx(p_plan + 30e-3, rel=1e-9)
+    assert w1["planned_ici_fast"]["decode_step_s"] == pytest.approx(t_plan - 1e-3, rel=1e-9)
     total = 64 * (1024 + 8192)
     assert w1["roofline"]["total_tok_s_chip"] == pytest.approx(total / (8 * p_roof + 8192 * t_roof) / 4, rel=1e-9)
     assert w1["planned"]["total_tok_s_chip"] == pytest.approx(total / (8 * p_plan + 8192 * t_plan) / 4, rel=1e-9)

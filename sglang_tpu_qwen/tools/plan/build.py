@@ -36,9 +36,12 @@ def moe_extra(config: Qwen35MoeConfig, ep: int, tokens: int, per_expert_bytes: f
     local expert's weights over all layers (bytes scale with it); flops are summed over the MoE layers (every
     layer here). ``name``: the step ("decode" / "prefill"), which sets the Monte-Carlo trials."""
     c = config
+    out: dict[str, Any] = {}
+    if not c.num_experts:  # a dense model: no expert-parallel layer, nothing to add
+        zero = {"slowest_bytes": 0.0, "mean_bytes": 0.0, "slowest_flops": 0.0}
+        return {d.name: {"distribution": d.label, "tokens": tokens, **zero} for d in routing.DISTRIBUTIONS}
     declared = routing.kernel_expected_experts(c.num_experts, c.num_experts_per_tok, ep, tokens)
     layers = c.num_hidden_layers
-    out: dict[str, Any] = {}
     for dist in routing.DISTRIBUTIONS:
         a = routing.expert_load(c.num_experts, c.num_experts_per_tok, ep, tokens, dist)
         mc = routing.monte_carlo(c.num_experts, c.num_experts_per_tok, ep, tokens, dist, trials=MC_TRIALS[name])

@@ -14,7 +14,9 @@ tok/s/chip (``CONCURRENCY`` tokens per decode step / step time / chips, the unit
 - ``roofline``: minimum bytes vs flops, the mean device, no collectives (the blog's kind of roofline);
 - ``planned``: the compiled step's instructions one after another, each at its own roofline (HLO bytes,
   declared kernel flops), the slowest device under uniform routing, and the collectives' exposed time;
-- ``planned_zipf``: the same under the skewed routing (routing.py).
+- ``planned_zipf``: the same under the skewed routing (routing.py);
+- ``planned_ici_fast`` / ``planned_ici_slow``: ``planned`` with the collectives at the fast / slow end of the
+  chip model's assumed ranges (chips.py).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from sglang_tpu_qwen.tools.plan.flops import attention_flops_per_token
 
 
 def step_time(s: dict[str, Any], chip: ChipPeaks, *, kind: str, extra_bytes: float = 0.0,
-              extra_flops: float = 0.0) -> float:
+              extra_flops: float = 0.0, ici_end: str = "central") -> float:
     """Seconds of one step. ``s``: a step of the report (``min_bytes``, ``flops``, ``serial_s``, ``moe_extra``
     and ``collective_s`` used); ``kind``: "roofline", "planned" (uniform routing) or "planned_zipf";
     ``extra_bytes`` / ``extra_flops``: what the step moves and computes beyond the compiled one (a longer or
-    shorter context, a prefix).
+    shorter context, a prefix); ``ici_end``: the collectives' exposed time at the chip model's "central",
+    "low" (fast) or "high" (slow) end.
 
     roofline = max(minimum bytes / bandwidth, flops / peak) on the mean device, nothing else. planned = the
     compiled instructions one after another, each at its own roofline (``serial_s``), plus the extra bytes and
@@ -46,7 +49,8 @@ def step_time(s: dict[str, Any], chip: ChipPeaks, *, kind: str, extra_bytes: flo
         return max((s["min_bytes"] + extra_bytes) / bw, (s["flops"] + extra_flops) / peak)
     moe = s["moe_extra"]["zipf" if kind == "planned_zipf" else "uniform"]
     t = s["serial_s"] + extra_bytes / bw + extra_flops / peak
-    return t + moe["slowest_bytes"] / bw + moe["slowest_flops"] / peak + s["collective_s"]["exposed"]
+    exposed = s["collective_s"]["exposed" if ici_end == "central" else f"exposed_{ici_end}"]
+    return t + moe["slowest_bytes"] / bw + moe["slowest_flops"] / peak + exposed
 
 
 def _units(tokens: int, t_total: float, t_dec: float, chips: int) -> dict[str, float]:
@@ -76,10 +80,13 @@ def compose_workloads(report: dict[str, Any], chip: ChipPeaks, config: Qwen35Moe
                "prefill_steps": prefill_steps, "decode_steps": w["output"], "chunk_prefixes": prefixes,
                "published": w["published"]}
         tokens = CONCURRENCY * (w["input"] + w["output"])
-        for kind in ("roofline", "planned", "planned_zipf"):
-            t_dec = step_time(dec, chip, kind=kind, extra_bytes=kv_delta, extra_flops=flops_delta)
-            t_pre = sum(step_time(pre, chip, kind=kind, extra_bytes=p * kv_per_token if kind == "roofline" else 0.0,
-                                  extra_flops=chunk * attention_flops_per_token(config, p)) for p in prefixes)
+        for kind, end in (("roofline", "central"), ("planned", "central"), ("planned_zipf", "central"),
+                          ("planned_ici_fast", "low"), ("planned_ici_slow", "high")):
+            k = kind if kind in ("roofline", "planned_zipf") else "planned"
+            t_dec = step_time(dec, chip, kind=k, extra_bytes=kv_delta, extra_flops=flops_delta, ici_end=end)
+            t_pre = sum(step_time(pre, chip, kind=k, extra_bytes=p * kv_per_token if k == "roofline" else 0.0,
+                                  extra_flops=chunk * attention_flops_per_token(config, p), ici_end=end)
+                        for p in prefixes)
             t_pre /= len(prefixes)
             t_total = prefill_steps * t_pre + w["output"] * t_dec
             row[kind] = {**_units(tokens, t_total, t_dec, chips), "decode_step_s": t_dec, "prefill_step_s": t_pre,

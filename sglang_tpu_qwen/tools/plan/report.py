@@ -45,7 +45,12 @@ def format_report(r: dict[str, Any]) -> str:
             f"{s['planned_s']['uniform'] * 1e3:.2f} | "
             f"{s['roofline_tokens_per_s_per_chip']:.0f} / {s['planned_tokens_per_s_per_chip']:.0f} |")
     for name, s in r["steps"].items():
+        for kind, k in s.get("collective_s", {}).get("by_kind", {}).items():
+            lines.append(f"{name} {kind}: x{k['count']:.0f}, {k['s_each'] * 1e6:.1f} us each, exposed "
+                         f"{k['exposed_s'] * 1e3:.2f} ms of {k['count'] * k['s_each'] * 1e3:.2f}")
         for e in s.get("moe_extra", {}).values():
+            if "analytic" not in e:
+                continue
             a, mc = e["analytic"], e["monte_carlo"]
             lines.append(f"{name} {e['distribution']}: {e['tokens']} tokens, local experts touched mean "
                          f"{a['mean_experts']:.1f} / slowest {a['max_experts']:.1f} (Monte-Carlo "
@@ -57,8 +62,10 @@ def format_report(r: dict[str, Any]) -> str:
                          f"({e['source']})")
     for w in r.get("workloads", []):
         p, ro, pl, pz = w["published"], w["roofline"], w["planned"], w["planned_zipf"]
+        fast, slow = w["planned_ici_fast"]["total_tok_s_chip"], w["planned_ici_slow"]["total_tok_s_chip"]
         lines.append(f"workload {w['name']} x {CONCURRENCY}: total tok/s/chip roofline {ro['total_tok_s_chip']:.0f}, "
-                     f"planned {pl['total_tok_s_chip']:.0f} (zipf {pz['total_tok_s_chip']:.0f}); published measured "
+                     f"planned {pl['total_tok_s_chip']:.0f} (zipf {pz['total_tok_s_chip']:.0f}; ICI fast .. slow end "
+                     f"{fast:.0f} .. {slow:.0f}); published measured "
                      f"{p['measured_total_tok_s_chip']} | decode-only output tok/s/chip roofline "
                      f"{ro['decode_output_tok_s_chip']:.0f}, planned {pl['decode_output_tok_s_chip']:.0f}; published "
                      f"roofline {p['roofline']} ({p['roofline_unit']}: {p['roofline_definition']})")
