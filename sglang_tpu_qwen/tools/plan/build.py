@@ -111,7 +111,7 @@ def plan(
     state_per_req = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // (dp * runner.sizing.num_slots)
     embed_b = c.vocab_size * c.hidden_size * runner.dtype.itemsize
     e_local = c.num_experts // ep
-    per_expert = exp_w / e_local
+    per_expert = exp_w / e_local if e_local else 0.0  # a dense model has no experts
 
     buckets = {
         "decode": runner.buckets.decode_bucket(rows_per_rank),
@@ -155,7 +155,7 @@ def plan(
         prefix = context_length - 1 if name == "decode" else 0
         rows_rank = rows // dp
         tokens_step = rows * tokens
-        p_active = 1.0 - (1.0 - c.num_experts_per_tok / c.num_experts) ** tokens_step
+        p_active = 1.0 - (1.0 - c.num_experts_per_tok / c.num_experts) ** tokens_step if c.num_experts else 0.0
         kv_read = rows_rank * (prefix + tokens) * kv_per_token
         kv_write = rows_rank * tokens * kv_per_token
         state_rw = rows_rank * state_per_req * (2 if prefix > 0 else 1)  # fresh prefill only writes
