@@ -174,3 +174,69 @@ def test_traffic_of_compiled_style_hlo():
     # A dot's fusion reads one layer of a stacked weight through a nested fusion that relays the stack out
     # and slices it (XLA computes the relayout only where the slice reads it): the layer.
     assert ops["nd"].bytes == 8 * 1024 * 2 + 1024 * 1024 * 2 + 4 + 8 * 1024 * 2
+
+
+# Collectives: one offloaded to the SparseCore (call-start / call-done) with a fusion scheduled between its start
+# and its done, inside a 3-trip loop; one synchronous, with its groups in the iota form.
+COLLECTIVES = """HloModule k
+
+%ag_sc (a0: bf16[8,1024], a1: token[]) -> bf16[64,1024] {
+  %a0 = bf16[8,1024]{1,0} parameter(0)
+  %a1 = token[] parameter(1)
+  ROOT %all-gather.1 = bf16[64,1024]{1,0} all-gather(%a0), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+}, execution_thread="sparsecore"
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%neg (n0: bf16[256,1024]) -> bf16[256,1024] {
+  %n0 = bf16[256,1024]{1,0} parameter(0)
+  ROOT %nn = bf16[256,1024]{1,0} negate(%n0)
+}
+
+%body (t: (s32[], bf16[8,1024], bf16[256,1024])) -> (s32[], bf16[8,1024], bf16[256,1024]) {
+  %t = (s32[], bf16[8,1024]{1,0}, bf16[256,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[8,1024]{1,0} get-tuple-element(%t), index=1
+  %w = bf16[256,1024]{1,0} get-tuple-element(%t), index=2
+  %tok = token[] after-all()
+  %gs = ((bf16[8,1024]{1,0}, token[]), bf16[64,1024]{1,0}) call-start(%x, %tok), async_execution_thread="sparsecore", to_apply=%ag_sc
+  %f = bf16[256,1024]{1,0} fusion(%w), kind=kLoop, calls=%neg
+  %gd = bf16[64,1024]{1,0} call-done(%gs)
+  ROOT %o = (s32[], bf16[8,1024]{1,0}, bf16[256,1024]{1,0}) tuple(%i, %x, %f)
+}
+
+%cond (t2: (s32[], bf16[8,1024], bf16[256,1024])) -> pred[] {
+  %t2 = (s32[], bf16[8,1024]{1,0}, bf16[256,1024]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%t2), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %three), direction=LT
+}
+
+ENTRY %main (p: bf16[8,1024], q: bf16[256,1024], r: f32[64]) -> f32[16] {
+  %p = bf16[8,1024]{1,0} parameter(0)
+  %q = bf16[256,1024]{1,0} parameter(1)
+  %r = f32[64]{0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,1024]{1,0}, bf16[256,1024]{1,0}) tuple(%zero, %p, %q)
+  %loop = (s32[], bf16[8,1024]{1,0}, bf16[256,1024]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %rs = f32[16]{0} reduce-scatter(%r), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, to_apply=%add
+}
+"""
+
+
+def test_collectives_of_a_hand_written_program():
+    from sglang_tpu_qwen.tools.hlo_traffic import program_collectives
+
+    cs = {c.name: c for c in program_collectives(COLLECTIVES)}
+    assert set(cs) == {"gs", "rs"}  # the collective inside the offloaded computation is its call site's
+    ag, rs = cs["gs"], cs["rs"]
+    assert ag.kind == "all-gather" and ag.count == 3 and ag.is_async
+    assert ag.groups == [list(range(8))] and ag.in_bytes == 8 * 1024 * 2 and ag.out_bytes == 64 * 1024 * 2
+    assert ag.overlap_bytes == 2 * 256 * 1024 * 2  # the fusion between start and done reads and writes 512 KiB
+    # iota groups: arange(8) as [4, 2], transposed -> [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert rs.kind == "reduce-scatter" and rs.count == 1 and not rs.is_async and rs.overlap_bytes == 0
+    assert rs.groups == [[0, 2, 4, 6], [1, 3, 5, 7]] and rs.in_bytes == 256 and rs.out_bytes == 64

@@ -7,7 +7,7 @@ Decoder layer (HF ``Qwen3_5MoeDecoderLayer``)::
 
 The layers run under one ``jax.lax.scan`` over groups of one layer period (model/stacking.py: 3 GDN +
 1 attention for Qwen3.5), so the compiled program holds each layer kind once whatever the depth; the
-server, the tests and the planner (tools/plan.py) all compile this function.
+server, the tests and the planner (tools/plan/) all compile this function.
 """
 
 from __future__ import annotations

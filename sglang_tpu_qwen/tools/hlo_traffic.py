@@ -14,6 +14,10 @@ offloads to the SparseCore (collectives, relayouts, row gathers) is an async ``c
 Compiled TPU HLO names operands without their shapes; each takes the shape of the instruction defining it.
 Only HBM counts: a buffer XLA placed in VMEM (layout ``S(1)``) is read and written on chip.
 The figures are an estimate for ranking, not a replacement for the total.
+
+``program_collectives`` lists the program's collectives (those offloaded to the SparseCore at their call
+sites) with their replica groups, bytes and executions, and the work the schedule places between an
+asynchronous one's start and its done: what the planner charges over the ICI (tools/plan/collectives.py).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class OpTraffic:
     op_name: str
     bytes: float
     count: int
+    flops: float = 0.0  # declared by a custom call (``pl.CostEstimate``); 0 for XLA's own instructions
 
     @property
     def total(self) -> float:
@@ -298,13 +303,10 @@ def _local_bytes(name: str, comps: dict[str, list[_Instr]]) -> float:
     return total
 
 
-def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None) -> list[OpTraffic]:
-    """Every top-level instruction of the compiled HLO ``text`` with its bytes and execution count.
-
-    ``custom_call_bytes``: bytes per execution of custom calls whose ``op_name`` metadata contains the key
-    (their operand sizes would count whole buffers a kernel only indexes, e.g. the KV cache).
-    """
-    comps, entry = _parse(text)
+def _walk(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], list[str]]:
+    """Executions per program run of each computation reached from ``entry`` (while bodies times their trip
+    counts, the cheapest branch of a conditional, called computations), and the order they were reached in.
+    Computations offloaded to the SparseCore are not walked: their call sites are charged."""
     counts: dict[str, int] = defaultdict(int)
     counts[entry] = 1
     order = [entry]
@@ -336,6 +338,17 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
                 if name not in seen and name in comps:
                     seen.add(name)
                     order.append(name)
+    return counts, order
+
+
+def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None) -> list[OpTraffic]:
+    """Every top-level instruction of the compiled HLO ``text`` with its bytes and execution count.
+
+    ``custom_call_bytes``: bytes per execution of custom calls whose ``op_name`` metadata contains the key
+    (their operand sizes would count whole buffers a kernel only indexes, e.g. the KV cache).
+    """
+    comps, entry = _parse(text)
+    counts, order = _walk(comps, entry)
     out: list[OpTraffic] = []
     for c in order:
         for ins in comps.get(c, []):
@@ -347,5 +360,115 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
                 b = next(v for k, v in custom_call_bytes.items() if k in op_name)
             else:
                 b = _instr_bytes(ins, comps)
-            out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c]))
+            out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c], _declared_flops(ins)))
+    return out
+
+
+def _declared_flops(ins: _Instr) -> float:
+    m = re.search(r'"flops":"?(\d+)', ins.attrs) if ins.opcode == "custom-call" else None
+    return float(m.group(1)) if m else 0.0
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class Collective:
+    """One collective of a compiled program, per execution: ``count`` executions per program run.
+
+    ``kind``: one of :data:`COLLECTIVES`; ``groups``: its replica groups (global device ids, the mesh's
+    flattened order), empty for a collective-permute (``pairs`` instead); ``in_bytes`` / ``out_bytes``: one
+    device's operand and result (all memory spaces). ``is_async``: started and awaited apart (a SparseCore
+    ``call-start`` / ``call-done`` or an ``*-start`` / ``*-done`` pair); ``overlap_bytes`` / ``overlap_flops``:
+    HBM bytes and declared kernel flops of the work the schedule places between its start and its done
+    (loops included, other collectives not), the compute it can hide behind; 0 for a synchronous one."""
+
+    name: str
+    kind: str
+    groups: list[list[int]]
+    pairs: list[tuple[int, int]]
+    in_bytes: float
+    out_bytes: float
+    count: int
+    is_async: bool
+    overlap_bytes: float
+    overlap_flops: float
+
+
+def _replica_groups(attrs: str) -> list[list[int]]:
+    """``replica_groups={{0,1},{2,3}}`` or the iota form ``[G,S]<=[dims]T(perm)`` -> lists of device ids."""
+    m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
+    if m:
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if not m:
+        return []
+    g, size = int(m.group(1)), int(m.group(2))
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = list(range(math.prod(dims)))
+    if m.group(4):  # transpose the iota of shape dims by perm, row-major
+        perm = [int(x) for x in m.group(4).split(",")]
+        strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+        tdims = [dims[p] for p in perm]
+        ids = []
+        for flat in range(math.prod(tdims)):
+            idx, rem = [], flat
+            for d in reversed(tdims):
+                idx.append(rem % d)
+                rem //= d
+            idx.reverse()
+            ids.append(sum(idx[j] * strides[perm[j]] for j in range(len(perm))))
+    return [ids[i * size:(i + 1) * size] for i in range(g)]
+
+
+def _pairs(attrs: str) -> list[tuple[int, int]]:
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")] if m else []
+
+
+def _collective_of(ins: _Instr, comps: dict[str, list[_Instr]]) -> _Instr | None:
+    """The collective instruction ``ins`` is or starts: itself (sync or ``*-start``), or the collective inside
+    the computation a SparseCore ``call-start`` runs."""
+    base = ins.opcode.removesuffix("-start")
+    if base in COLLECTIVES:
+        return ins
+    if ins.opcode == "call-start":
+        return next((f for f in comps.get(_attr(ins.attrs, "to_apply") or "", [])
+                     if f.opcode.removesuffix("-start") in COLLECTIVES), None)
+    return None
+
+
+def program_collectives(text: str) -> list[Collective]:
+    """Every collective the compiled HLO ``text`` runs (top level, loop bodies, offloaded to the SparseCore),
+    with its groups, bytes, executions and the work scheduled between its start and its done."""
+    comps, entry = _parse(text)
+    counts, order = _walk(comps, entry)
+    out: list[Collective] = []
+    for c in order:
+        instrs = comps.get(c, [])
+        for i, ins in enumerate(instrs):
+            coll = _collective_of(ins, comps)
+            if coll is None or ins.opcode.endswith("-done"):
+                continue
+            kind = coll.opcode.removesuffix("-start")
+            is_async = ins.opcode.endswith("-start")
+            ob = of = 0.0
+            if is_async:
+                j = next((j for j in range(i + 1, len(instrs))
+                          if instrs[j].opcode.endswith("-done") and ins.name in _refs(instrs[j])), len(instrs))
+                for mid in instrs[i + 1:j]:
+                    if _collective_of(mid, comps) is not None or mid.opcode.endswith("-done"):
+                        continue
+                    ob += _instr_bytes(mid, comps)
+                    of += _declared_flops(mid)
+                    if mid.opcode == "while" and (body := _attr(mid.attrs, "body")):
+                        ob += _trip_count(mid, comps) * _local_bytes(body, comps)
+            in_b = sum(shape_bytes(op.split("%")[0], hbm_only=False) for op in coll.operands
+                       if "token[]" not in op)
+            res = coll.result
+            if coll is ins and is_async:  # an *-start's result is (operand, destination, ...): the destination
+                parts, _ = _split_operands(res.strip()[1:])
+                res = parts[1] if len(parts) > 1 else res
+            out.append(Collective(ins.name, kind, _replica_groups(coll.attrs), _pairs(coll.attrs), in_b,
+                                  shape_bytes(res, hbm_only=False), counts[c], is_async, ob, of))
     return out

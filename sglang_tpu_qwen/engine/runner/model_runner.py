@@ -8,7 +8,7 @@ server reports ready (from the persistent compilation cache when it can, engine/
 
 One constructor serves the server and the planner: `ModelRunner(config, args, params, placement)`, reached
 through `ModelRunner.from_checkpoint` (the server: weights read into their shardings) or `ModelRunner.abstract`
-(tools/plan.py: ShapeDtypeStructs with their shardings, nothing read or allocated). Both compute the same
+(tools/plan/: ShapeDtypeStructs with their shardings, nothing read or allocated). Both compute the same
 sizes, buckets and programs from the same config and flags. The ServerArgs must have their device-dependent
 defaults resolved first (sizing.resolve_device_defaults); the runner never changes them.
 """

@@ -7,7 +7,7 @@
     -> [M, N] in x.dtype
 
 XLA materialises a dequantised bf16 copy of the weight before ``ragged_dot`` (it does not fuse the
-convert or the block-scale multiply into it: 5x the FP8 bytes on tpu7x, tools/plan.py), so the weight would
+convert or the block-scale multiply into it: 5x the FP8 bytes on tpu7x, tools/plan/), so the weight would
 cross HBM three times more than it must. Here each weight tile is read once as FP8, converted in VMEM,
 and the block scale multiplies the f32 partial product of each ``b0``-row slab (exact: the scale is
 constant over the slab's columns within one ``b1`` block), the formulation of DeepSeek-V3's block-FP8

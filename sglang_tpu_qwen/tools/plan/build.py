@@ -1,0 +1,212 @@
+"""Compile the server's step programs for a TPU topology (deviceless) and build the planner's report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.tools.plan import collectives, programs, routing
+from sglang_tpu_qwen.tools.plan.calibration import calibrate
+from sglang_tpu_qwen.tools.plan.chips import CHIPS
+from sglang_tpu_qwen.tools.plan.compose import compose_workloads
+from sglang_tpu_qwen.tools.plan.flops import analytic_flops_per_token, expert_pair_flops
+
+MC_TRIALS = {"decode": 400, "prefill": 4}  # Monte-Carlo layer steps per distribution (fixed seed)
+
+
+def abstract_runner(config: Qwen35MoeConfig, args: Any, devices: Any, *, fp8: bool, block: tuple[int, int],
+                    platform: str = "tpu") -> Any:
+    """The server's ``ModelRunner`` for ``config`` and ``args`` (device-dependent defaults already resolved) on
+    abstract parameters and cache (ShapeDtypeStructs carrying their shardings on the mesh of ``devices``), with
+    the kernels the server picks on ``platform``: ``ModelRunner.abstract``, the constructor the server's
+    runner goes through too. ``fp8``: block-FP8 weights with ``block`` ([in, out])."""
+    from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
+
+    return ModelRunner.abstract(config, args, devices, platform=platform, fp8_block=block if fp8 else None)
+
+
+def moe_extra(config: Qwen35MoeConfig, ep: int, tokens: int, per_expert_bytes: float, name: str) -> dict[str, Any]:
+    """Per routing distribution, the bytes and flops the slowest device (and the mean device) adds over the
+    compiled step of ``tokens`` tokens (all DP ranks'), whose FP8 MoE kernels declare the uniform-routing mean
+    (routing.kernel_expected_experts) and whose flops count ``k`` pairs per token. ``per_expert_bytes``: one
+    local expert's weights over all layers (bytes scale with it); flops are summed over the MoE layers (every
+    layer here). ``name``: the step ("decode" / "prefill"), which sets the Monte-Carlo trials."""
+    c = config
+    out: dict[str, Any] = {}
+    if not c.num_experts:  # a dense model: no expert-parallel layer, nothing to add
+        zero = {"slowest_bytes": 0.0, "mean_bytes": 0.0, "slowest_flops": 0.0}
+        return {d.name: {"distribution": d.label, "tokens": tokens, **zero} for d in routing.DISTRIBUTIONS}
+    declared = routing.kernel_expected_experts(c.num_experts, c.num_experts_per_tok, ep, tokens)
+    layers = c.num_hidden_layers
+    for dist in routing.DISTRIBUTIONS:
+        a = routing.expert_load(c.num_experts, c.num_experts_per_tok, ep, tokens, dist)
+        mc = routing.monte_carlo(c.num_experts, c.num_experts_per_tok, ep, tokens, dist, trials=MC_TRIALS[name])
+        mean_pairs = tokens * c.num_experts_per_tok / ep
+        out[dist.name] = {
+            "distribution": dist.label, "tokens": tokens, "kernel_declared_experts": declared, "analytic": a,
+            "monte_carlo": {**mc, "trials": MC_TRIALS[name], "seed": 0},
+            "slowest_bytes": (a["max_experts"] - declared) * per_expert_bytes,
+            "mean_bytes": (a["mean_experts"] - declared) * per_expert_bytes,
+            "slowest_flops": layers * (a["max_pairs"] - mean_pairs) * expert_pair_flops(c),
+        }
+    return out
+
+
+def plan(
+    config: Qwen35MoeConfig,
+    topology: str,
+    dp: int,
+    ep: int,
+    max_running_requests: int,
+    context_length: int,
+    *,
+    fp8: bool = False,
+    block: tuple[int, int] = (128, 128),
+    page_size: int = 64,
+    chunked_prefill_size: int | None = None,
+    combine: str = "hierarchical",
+    steps: tuple[str, ...] = ("decode", "prefill"),
+    max_gdn_snapshots: int | None = None,
+) -> dict[str, Any]:
+    """Compile the server's decode and prefill programs and return the report (JSON-able dict; see
+    docs/parallelism.md#the-planner for its fields).
+
+    Raises:
+        ValueError: unknown chip family, or sizes that do not divide (requests or experts vs dp / ep).
+    """
+    from jax.experimental import topologies
+
+    from sglang_tpu_qwen.args.server_args import ServerArgs
+
+    family = topology.split(":")[0]
+    if family not in CHIPS:
+        raise ValueError(f"no peak figures for {family!r}; known: {sorted(CHIPS)}")
+    chip = CHIPS[family]
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    if max_running_requests % dp:
+        raise ValueError(f"--max-running-requests {max_running_requests} is not a multiple of dp={dp}")
+    rows_per_rank = max_running_requests // dp
+    args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
+                      context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
+                      max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
+                      max_gdn_snapshots=max_gdn_snapshots)
+    hbm_dev = chip.hbm_bytes / chip.devices_per_chip
+    bw = chip.hbm_bytes_per_s / chip.devices_per_chip
+    peak = chip.bf16_flops_per_s / chip.devices_per_chip
+    args.resolve_chunked_prefill_size("tpu", int(hbm_dev))  # the server's default for the device memory
+    runner = abstract_runner(config, args, topo.devices, fp8=fp8, block=block)
+    c = config
+    mesh_devices = list(runner.layout.mesh.devices.flat)
+    n_dev = len(mesh_devices)
+    chip_of = [tuple(d.coords) for d in mesh_devices]
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.params)
+    rep_w, exp_w = programs.weight_bytes_per_device(specs, ep)
+    kv_dev = programs.nbytes({k: runner.cache[k] for k in ("k", "v")}) // dp
+    gdn_dev = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // dp
+    kv_per_token = 2 * c.num_attn_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
+    state_per_req = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // (dp * runner.sizing.num_slots)
+    embed_b = c.vocab_size * c.hidden_size * runner.dtype.itemsize
+    e_local = c.num_experts // ep
+    per_expert = exp_w / e_local if e_local else 0.0  # a dense model has no experts
+
+    buckets = {
+        "decode": runner.buckets.decode_bucket(rows_per_rank),
+        "prefill": runner.buckets.extend_bucket(1, args.chunked_prefill_per_rank)[0],
+    }
+    report: dict[str, Any] = {
+        "model": {"layers": c.num_hidden_layers, "experts": c.num_experts, "top_k": c.num_experts_per_tok,
+                  "hidden": c.hidden_size, "fp8": fp8, "fp8_block": list(block)},
+        "topology": topology, "devices": n_dev, "chips": n_dev // chip.devices_per_chip, "dp": dp, "ep": ep,
+        "moe_combine": combine, "max_running_requests": max_running_requests, "context_length": context_length,
+        "page_size": page_size, "chunked_prefill_size": args.chunked_prefill_size,
+        "prefill_tokens_per_rank": args.chunked_prefill_per_rank,
+        "kernels": {"attention": runner.backends.attention, "gdn": runner.backends.gdn,
+                    "fp8_matmul": "pallas" if fp8 else None},
+        "chip": dataclasses.asdict(chip),
+        "routing": {d.name: {"label": d.label, "zipf_s": d.s, "placement_seed": routing.PLACEMENT_SEED}
+                    for d in routing.DISTRIBUTIONS},
+        "memory_per_device": {"weights_replicated": rep_w, "weights_experts": exp_w, "kv_pool": kv_dev,
+                              "gdn_slots": gdn_dev, "hbm": hbm_dev},
+        "steps": {},
+    }  # fmt: skip
+    worst_total = 0.0
+    for name in steps:
+        bucket = buckets[name]
+        t0 = time.perf_counter()
+        try:
+            fwd = runner.lower_forward(bucket).compile()
+            smp = runner.lower_sample("greedy", bucket.batch).compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # The TPU compiler refuses programs that do not fit in HBM: that is the answer, not a failure.
+            report["steps"][name] = {"memory": {"fits": False}, "error": str(e).splitlines()[0]}
+            worst_total = float("inf")
+            continue
+        compile_s = time.perf_counter() - t0
+        mem, mem_s = programs.memory(fwd), programs.memory(smp)
+        cost, cost_s = programs.cost(fwd), programs.cost(smp)
+        worst_total = max(worst_total, mem["total"], mem_s["total"])
+        rows, tokens = bucket.batch, bucket.tokens
+        prefix = context_length - 1 if name == "decode" else 0
+        rows_rank = rows // dp
+        tokens_step = rows * tokens
+        p_active = 1.0 - (1.0 - c.num_experts_per_tok / c.num_experts) ** tokens_step if c.num_experts else 0.0
+        kv_read = rows_rank * (prefix + tokens) * kv_per_token
+        kv_write = rows_rank * tokens * kv_per_token
+        state_rw = rows_rank * state_per_req * (2 if prefix > 0 else 1)  # fresh prefill only writes
+        min_bytes = (rep_w - embed_b + rows_rank * tokens * c.hidden_size * runner.dtype.itemsize
+                     + per_expert * e_local * p_active + kv_read + kv_write + state_rw)
+        fwd_text, smp_text = fwd.as_text(), smp.as_text()
+        tr_f, tr_s = programs.traffic(fwd_text, bw, peak), programs.traffic(smp_text, bw, peak, 1)
+        bytes_accessed = tr_f["bytes"] + tr_s["bytes"]
+        # Average visible context over the new tokens of a row; lm_head for each row's last token.
+        ctx = prefix + (tokens + 1) / 2
+        flops_model = rows_rank * (tokens * analytic_flops_per_token(c, int(ctx)) + 2 * c.hidden_size * c.vocab_size)
+        flops = max(cost["flops"] + cost_s["flops"], flops_model)
+        t_mem, t_flops = min_bytes / bw, flops / peak
+        t_roof = max(t_mem, t_flops)
+        t_compiled = max(bytes_accessed / bw, t_flops)
+        # Flops no kernel declares (XLA's dots, attention at its real context) run after the kernels.
+        serial = tr_f["serial_s"] + tr_s["serial_s"] + max(0.0, flops - tr_f["declared_flops"]
+                                                           - tr_s["declared_flops"]) / peak
+        moe = moe_extra(c, ep, tokens_step, per_expert, name)
+        coll = collectives.charge(fwd_text, chip_of, chip)
+        coll_s = collectives.charge(smp_text, chip_of, chip)
+        for k in ("exposed", "overlapped", "total", "exposed_low", "exposed_high", "count", "ici_bytes_per_chip"):
+            coll[k] += coll_s[k]
+        coll["by_kind"].update(coll_s["by_kind"])
+        step: dict[str, Any] = {
+            "bucket": dataclasses.asdict(bucket), "rows": rows, "new_tokens_per_row": tokens,
+            "context": prefix + tokens, "compile_s": round(compile_s, 1),
+            "memory": {**mem, "fits": mem["total"] <= hbm_dev, "sample_program": mem_s},
+            "flops": flops, "xla_flops": cost["flops"] + cost_s["flops"], "analytic_flops": flops_model,
+            "bytes_accessed": bytes_accessed, "bytes_forward": tr_f["bytes"], "bytes_sample": tr_s["bytes"],
+            "bytes_kernels": tr_f["kernel_bytes"] + tr_s["kernel_bytes"],
+            "xla_cost_analysis_bytes": cost["bytes_accessed"] + cost_s["bytes_accessed"], "min_bytes": min_bytes,
+            "bytes_ratio": bytes_accessed / min_bytes,
+            "roofline_s": t_roof, "roofline_bound": "memory" if t_mem >= t_flops else "compute",
+            "roofline_tokens_per_s_per_chip": tokens_step / report["chips"] / t_roof,
+            "compiled_time_s": t_compiled,
+            "compiled_tokens_per_s_per_chip": tokens_step / report["chips"] / t_compiled,
+            "serial_s": serial, "serial_extra_s": max(0.0, serial - t_compiled),
+            "moe_extra": moe, "collective_s": coll,
+            "top_excess": tr_f["top_excess"] + tr_s["top_excess"],
+        }  # fmt: skip
+        # Before collectives: the instructions one after another; the mean device at the distribution's mean
+        # experts, the slowest at its expected maximum experts and pairs.
+        step["mean_device_s"] = {d: serial + m["mean_bytes"] / bw for d, m in moe.items()}
+        step["slowest_device_s"] = {d: serial + m["slowest_bytes"] / bw + m["slowest_flops"] / peak
+                                    for d, m in moe.items()}
+        step["planned_s"] = {d: step["slowest_device_s"][d] + coll["exposed"] for d in moe}
+        step["planned_tokens_per_s_per_chip"] = tokens_step / report["chips"] / step["planned_s"]["uniform"]
+        report["steps"][name] = step
+    report["fits"] = worst_total <= hbm_dev
+    report["memory"] = {"fits": report["fits"], "worst_total_per_device": worst_total, "hbm_per_device": hbm_dev}
+    report["workloads"] = compose_workloads(report, chip, c, kv_per_token)
+    report["calibration"] = calibrate(report["workloads"], report)
+    return report

@@ -1,0 +1,137 @@
+"""Chip models: peak compute and HBM, the inter-chip interconnect (ICI), and the cost of one collective.
+
+Each figure carries its source, or is marked as an assumption with the range the planner's sensitivity
+figures use (``low`` = the fast end, ``high`` = the slow end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """A value with its provenance: ``source`` (public, cited) or ``assumption`` with a ``low``..``high``
+    range (the planner reports collective time at both ends)."""
+
+    value: float
+    unit: str
+    source: str = ""
+    assumption: str = ""
+    low: float | None = None
+    high: float | None = None
+
+    def at(self, end: str) -> float:
+        """The value at ``end``: "central", "low" or "high" (sourced figures have no range: the value)."""
+        if end == "low" and self.low is not None:
+            return self.low
+        if end == "high" and self.high is not None:
+            return self.high
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class IciModel:
+    """How a collective's bytes and latency are charged (chips.py :func:`collective_time`).
+
+    ``link_bytes_per_s``: one ICI link, one direction. ``links_per_neighbour``: links between two adjacent
+    chips of the slice. ``d2d_bytes_per_s``: between the two TensorCores of one chip, one direction.
+    ``latency_s``: fixed cost of one collective (launch, barrier, SparseCore offload). ``hop_latency_s``: per
+    chip-to-chip hop on the longest path of a group."""
+
+    chip_bidir_bytes_per_s: Figure
+    links_per_chip: Figure
+    links_per_neighbour: Figure
+    d2d_bytes_per_s: Figure
+    latency_s: Figure
+    hop_latency_s: Figure
+    topology: str
+
+    def link_bytes_per_s(self, end: str = "central") -> float:
+        """One link, one direction: the chip's bidirectional ICI bandwidth over its links, halved. The fast
+        end pairs the fewest links per chip (each link faster), the slow end the most."""
+        links = {"low": self.links_per_chip.low, "high": self.links_per_chip.high}.get(end) or self.links_per_chip.value
+        return self.chip_bidir_bytes_per_s.value / links / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipPeaks:
+    """Per-chip peak figures and where they come from."""
+
+    name: str
+    devices_per_chip: int
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+    fp8_flops_per_s: float
+    source: str
+    ici: IciModel | None = None
+
+
+TPU7X_ICI = IciModel(
+    chip_bidir_bytes_per_s=Figure(
+        1.2e12, "B/s", source="Google's Ironwood announcement (blog.google, Apr 2025): ICI 1.2 TB/s bidirectional "
+        "per chip, 1.5x Trillium"),
+    links_per_chip=Figure(
+        6, "links", assumption="a 3D torus like v5p's (TPU7x docs: 'shares many similarities with TPU v5p'): 6 ports; "
+        "4 at the fast end (150 GB/s per link and direction), 6 at the slow end (100 GB/s)", low=4, high=6),
+    links_per_neighbour=Figure(
+        1, "links", assumption="a 2x2x1 slice is a mesh (v5p docs: full torus wraparound from one cube up): one "
+        "link to each of a chip's 2 neighbours; 2 at the fast end (twin links)", low=2, high=1),
+    d2d_bytes_per_s=Figure(
+        400e9, "B/s", assumption="die-to-die between a chip's two TensorCores, one direction: not public; "
+        "200-1000 GB/s",
+        low=1000e9, high=200e9),
+    latency_s=Figure(
+        5e-6, "s", assumption="fixed cost of one SparseCore-offloaded collective (launch, barrier): not published for "
+        "Ironwood; 2-10 us (third-party write-ups quote < 10 us for a small all-reduce)", low=2e-6, high=10e-6),
+    hop_latency_s=Figure(
+        1e-6, "s", assumption="per chip-to-chip hop: ~1 us (the JAX scaling book's order of magnitude for ICI); "
+        "0.5-2 us", low=0.5e-6, high=2e-6),
+    topology="2D/3D mesh of chips, 2 TensorCores (JAX devices) per chip; mesh distances between chip coordinates",
+)
+
+CHIPS = {
+    "tpu7x": ChipPeaks(
+        name="TPU7x (Ironwood)", devices_per_chip=2, hbm_bytes=192 * 2**30, hbm_bytes_per_s=7380e9,
+        bf16_flops_per_s=2307e12, fp8_flops_per_s=4614e12,
+        source="Google Cloud TPU7x docs (docs.cloud.google.com/tpu/docs/tpu7x): per chip 2307 TFLOP/s BF16, "
+               "4614 TFLOP/s FP8, 192 GiB HBM, 7380 GB/s HBM, 2 TensorCores",
+        ici=TPU7X_ICI,
+    ),
+}  # fmt: skip
+
+
+def collective_time(kind: str, in_bytes: float, out_bytes: float, group_chips: list[tuple[int, ...]],
+                    ici: IciModel, end: str = "central") -> dict[str, float]:
+    """Seconds and ICI bytes of one collective over one replica group, per device.
+
+    ``group_chips``: the chip coordinates of the group's devices (one entry per device; two devices of one
+    chip share coordinates). With ``c`` chips of ``d`` devices each (``g = c * d``):
+    - all-gather (result ``B = out_bytes``): each chip takes in ``d * (c - 1) / c * B`` over ICI, each device
+      ``(d - 1) / d * B`` from its sibling core;
+    - reduce-scatter (operand ``B = in_bytes``): the same amounts sent; all-reduce: twice a reduce-scatter;
+    - all-to-all (``B = in_bytes``): as an all-gather of ``B``, times the group's mean hop count;
+    - collective-permute: ``in_bytes`` over one link.
+    ICI bytes move over the chip's links to its neighbours in the group (a bandwidth-optimal ring or torus
+    algorithm), time = latency + hops * hop latency + ICI bytes / (links * link bandwidth) + sibling bytes /
+    die-to-die bandwidth. Returns ``{"s", "ici_bytes_per_chip", "d2d_bytes"}``.
+    """
+    chips = sorted(set(group_chips))
+    c = len(chips)
+    d = max(1, len(group_chips) // max(c, 1))
+    dist = [sum(abs(a - b) for a, b in zip(x, y, strict=True)) for x in chips for y in chips if x != y]
+    hops = max(dist, default=0)
+    mean_hops = sum(dist) / len(dist) if dist else 0.0
+    neighbours = 0 if c == 1 else max(1, min(2 * len(chips[0]), sum(1 for h in dist if h == 1) // c))
+    b = out_bytes if kind == "all-gather" else in_bytes
+    factor = {"all-reduce": 2.0, "all-to-all": max(mean_hops, 1.0)}.get(kind, 1.0)
+    if kind == "collective-permute":
+        ici_b, d2d_b = (b if c > 1 else 0.0), (0.0 if c > 1 else b)
+    else:
+        ici_b = factor * d * (c - 1) / c * b if c > 1 else 0.0
+        d2d_b = factor * (d - 1) / d * b
+    link_bw = ici.link_bytes_per_s(end) * ici.links_per_neighbour.at(end) * max(neighbours, 1)
+    t = ici.latency_s.at(end) + hops * ici.hop_latency_s.at(end)
+    t += ici_b / link_bw + d2d_b / ici.d2d_bytes_per_s.at(end)
+    return {"s": t, "ici_bytes_per_chip": ici_b, "d2d_bytes": d2d_b}

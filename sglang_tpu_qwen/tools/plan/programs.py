@@ -1,0 +1,75 @@
+"""What the planner reads off one compiled program: memory, cost analysis, per-instruction traffic."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_qwen.parallel import sharding
+from sglang_tpu_qwen.tools import hlo_traffic
+
+# The attention kernel declares flops for the whole page-table width (an upper bound); the serial time
+# charges attention from the analytic count at the step's real context instead.
+_ATTENTION_KERNEL = "ragged_paged_attention"
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) leaf of ``tree``."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def weight_bytes_per_device(specs: Any, ep: int) -> tuple[int, int]:
+    """``(replicated bytes, expert bytes)`` held by one device (expert stacks split ``ep`` ways)."""
+    rep = exp = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(specs):
+        n = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+        if sharding._key_names(path) & sharding.EXPERT_LEAVES:
+            exp += n // ep
+        else:
+            rep += n
+    return rep, exp
+
+
+def cost(compiled: Any) -> dict[str, float]:
+    """XLA's cost analysis: ``flops`` and ``bytes_accessed`` (a custom call in a loop counted once)."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, list):  # older jax returns one dict per program
+        ca = ca[0]
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+
+
+def memory(compiled: Any) -> dict[str, int]:
+    """Argument / temp / output / alias bytes per device and their ``total``."""
+    mem = compiled.memory_analysis()
+    out = {"arguments": int(mem.argument_size_in_bytes), "temp": int(mem.temp_size_in_bytes),
+           "output": int(mem.output_size_in_bytes), "alias": int(mem.alias_size_in_bytes)}
+    out["total"] = out["arguments"] + out["temp"] + out["output"] - out["alias"]
+    return out
+
+
+def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3) -> dict[str, Any]:
+    """Per-instruction traffic of a compiled program (tools/hlo_traffic.py: loop bodies times their trip
+    counts, Pallas kernels at their declared traffic). XLA's own total counts a custom call inside a loop
+    once, so the planner sums per instruction.
+
+    Returns ``bytes`` (HLO bytes), ``kernel_bytes``, ``top_excess`` (the ``n`` largest byte movers outside the
+    kernels: the weights, KV and GDN state go through the kernels, so what else moves many bytes is the
+    excess to cut), ``declared_flops`` (kernels' declared flops but attention's) and ``serial_s``: each
+    instruction at its own roofline, max(bytes / ``bytes_per_s``, declared flops / ``flops_per_s``), summed (a
+    TensorCore runs one instruction at a time; memory and compute overlap only within one)."""
+    ops = hlo_traffic.program_traffic(hlo_text)
+    rest = sorted((o for o in ops if o.opcode != "custom-call"), key=lambda o: -o.total)
+    declared = serial = 0.0
+    for o in ops:
+        f = 0.0 if _ATTENTION_KERNEL in o.op_name else o.flops
+        declared += f * o.count
+        serial += o.count * max(o.bytes / bytes_per_s, f / flops_per_s)
+    return {
+        "bytes": sum(o.total for o in ops), "kernel_bytes": sum(o.total for o in ops if o.opcode == "custom-call"),
+        "top_excess": [{"op": o.name, "opcode": o.opcode, "source": o.op_name[-120:], "bytes": o.total,
+                        "count": o.count} for o in rest[:n]],
+        "declared_flops": declared, "serial_s": serial,
+    }
