@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.grammar.backend import GrammarBackend, GrammarError, TokenMatcher, VocabInfo, compiler_message
+from sglang_tpu_qwen.grammar.json_strings import bounded_strings_as_patterns, control_pattern
 from sglang_tpu_qwen.grammar.schema_check import unenforced_keyword
 from sglang_tpu_qwen.grammar.spec import GrammarSpec, structural_tag_object
 from sglang_tpu_qwen.grammar.whitespace import JsonWhitespace, as_json_whitespace
@@ -71,8 +72,14 @@ class XGrammarBackend(GrammarBackend):
                 problem = unenforced_keyword(schema, self.name)
                 if problem is not None:
                     raise GrammarError(f"invalid json_schema: {problem}")
-                return g.from_json_schema(spec.text, any_whitespace=not self._ws.compact,
-                                          max_whitespace_cnt=self._ws.max_count)
+                raw = control_pattern(schema)
+                if raw is not None:
+                    raise GrammarError(
+                        f"invalid json_schema: keyword 'pattern' {raw!r} can match a control character "
+                        "(U+0000-U+001F), which a JSON string must escape: the xgrammar grammar backend would emit "
+                        "it unescaped (--grammar-backend llguidance enforces it)")
+                return g.from_json_schema(json.dumps(bounded_strings_as_patterns(schema)),
+                                          any_whitespace=not self._ws.compact, max_whitespace_cnt=self._ws.max_count)
             if spec.kind == "ebnf":
                 return g.from_ebnf(spec.text)
             if spec.kind == "structural_tag":
