@@ -113,3 +113,28 @@ def test_sampled_json_answers_parse_strictly_and_validate(backend_server):
             value = json.loads(out["text"], strict=True)
             jsonschema.validate(value, SCHEMA)
     assert stopped >= SAMPLES // 2, f"only {stopped} of {SAMPLES} answers finished"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_structural_tag_strings_stay_clean(engine, backends, byte_ids, name):
+    """The same inside a structural tag's JSON schema (llguidance wants its trigger to be a special token)."""
+    backend = backends[name]
+    begin = engine.tokenizer.token_to_id("<tool_call>")
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    tag = {"structures": [{"begin": "<tool_call>", "schema": schema, "end": "</tool_call>"}],
+           "triggers": ["<tool_call>"]}
+    compiled = backend.compile(backend.prepare(GrammarSpec("structural_tag", json.dumps(tag))))
+    for prefix in ('{"s":"', '{"s": "'):
+        m = backend.matcher(compiled)
+        if m.accept(begin) and all(m.accept(byte_ids[b]) for b in prefix.encode()):
+            assert not m.accept(byte_ids[0x09])
+            m = backend.matcher(compiled)
+            assert m.accept(begin) and all(m.accept(byte_ids[b]) for b in (prefix + 'ab"}').encode())
+            break
+    else:
+        raise AssertionError(f"{name} accepts neither spacing")
+    bad = {"structures": [{"begin": "<tool_call>", "schema": {"type": "string", "pattern": "^\\n$"},
+                           "end": "</tool_call>"}], "triggers": ["<tool_call>"]}
+    if name == "xgrammar":
+        with pytest.raises(GrammarError, match="control character"):
+            backend.prepare(GrammarSpec("structural_tag", json.dumps(bad)))
