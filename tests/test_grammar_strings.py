@@ -59,7 +59,8 @@ def byte_ids(engine) -> dict[int, int]:
 
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("sub", [{"type": "string"}, {"type": "string", "maxLength": 5},
-                                 {"type": "string", "minLength": 1}, {"type": "string", "pattern": "^[^x]{0,9}$"},
+                                 {"type": "string", "minLength": 1}, {"type": ["string", "null"], "maxLength": 4},
+                                 {"maxLength": 4}, {"type": "string", "pattern": "^[^x]{0,9}$"},
                                  {"type": "string", "format": "date"}, {"enum": ["a\tb", "c"]}])
 def test_no_raw_control_character_in_strings(backends, byte_ids, name, sub):
     backend = backends[name]

@@ -86,22 +86,25 @@ def control_pattern(schema: Any) -> str | None:
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:
-    """A copy of `schema` where each string schema with `minLength` / `maxLength` (and no pattern or format,
-    which schema_check refuses alongside them) carries the same bounds as a pattern of characters that need no
-    escape. Non-string schemas and unbounded strings are unchanged."""
+    """A copy of `schema` where each string schema (`type` "string", a list holding it, or no `type`) with
+    `minLength` / `maxLength` (and no pattern or format, which schema_check refuses alongside them) carries the
+    same bounds as a pattern of characters that need no escape (a pattern, like the length keywords, applies to
+    string values only). Other schemas and unbounded strings are unchanged."""
     out = copy.deepcopy(schema)
 
     def visit(node: dict) -> None:
         if not ("minLength" in node or "maxLength" in node) or "pattern" in node or "format" in node:
             return
-        if node.get("type", "string") != "string":
+        kind = node.get("type")
+        if kind is not None and kind != "string" and not (isinstance(kind, list) and "string" in kind):
             return
         lo, hi = node.get("minLength", 0), node.get("maxLength")
         if not isinstance(lo, int) or (hi is not None and not isinstance(hi, int)):
             return  # a malformed bound: the backend reports it
         node.pop("minLength", None)
         node.pop("maxLength", None)
-        node["type"] = "string"
+        if kind is None:  # xgrammar reads a length-bounded schema without a type as a string
+            node["type"] = "string"
         bound = f"{{{lo},{hi}}}" if hi is not None else f"{{{lo}}}{_SAFE_CHAR}*"
         node["pattern"] = f"^{_SAFE_CHAR}{bound}$"
 
