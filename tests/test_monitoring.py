@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -120,3 +121,48 @@ def test_cache_and_snapshot_metrics_follow_traffic(server):
     for name in ("sglang:token_usage", "sglang:mamba_usage", "sglang:cache_hit_rate"):
         assert 0.0 <= after[name] <= 1.0, name
     assert after["sglang:gdn_snapshots_cached"] >= 1
+
+
+def _wait_idle(url: str) -> dict:
+    for _ in range(600):
+        info = httpx.get(url + "/get_server_info", timeout=30).json()
+        if info["num_running"] == 0 and info["num_waiting"] == 0:
+            return info
+        time.sleep(0.05)
+    raise AssertionError("server did not go idle")
+
+
+def test_usage_gauges_are_current_after_flush_and_abort(server):
+    """The pool gauges are read at scrape time: right after /flush_cache on an idle server (no step runs in
+    between) kv_pages_used falls to 0, and aborts are counted as sglang:num_aborted_requests_total."""
+    prompt = [(5 * i + 1) % 5000 + 1000 for i in range(70)]
+    r = httpx.post(server.url + "/generate", timeout=120,
+                   json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    _wait_idle(server.url)
+    held = _samples(server.url)
+    assert held["sglang:kv_pages_used"] >= 4  # the prefix cache keeps the prompt's pages
+    assert httpx.post(server.url + "/flush_cache", timeout=60).status_code == 200
+    flushed = _samples(server.url)
+    memory = httpx.get(server.url + "/get_server_info", timeout=30).json()["memory"]
+    assert flushed["sglang:kv_pages_used"] == 0 == memory["kv_pages_total"] - memory["kv_pages_free"]
+    assert flushed["sglang:gdn_slots_used"] == memory["gdn_slots_total"] - memory["gdn_slots_free"]
+    assert flushed["sglang:num_running_reqs"] == 0 and flushed["sglang:num_queue_reqs"] == 0
+
+    before = flushed.get("sglang:num_aborted_requests_total", 0.0)
+    for k in range(2):  # a running stream aborted by rid, twice
+        rid = f"metrics-abort-{k}"
+        body = {"input_ids": prompt[:20], "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as s:
+            lines = s.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert httpx.post(server.url + "/abort_request", json={"rid": rid}, timeout=30).status_code == 200
+            last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert last[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    _wait_idle(server.url)
+    after = _samples(server.url)
+    assert after["sglang:num_aborted_requests_total"] - before == 2
+    memory = httpx.get(server.url + "/get_server_info", timeout=30).json()["memory"]
+    assert after["sglang:kv_pages_used"] == memory["kv_pages_total"] - memory["kv_pages_free"]
+    assert after["sglang:num_running_reqs"] == 0

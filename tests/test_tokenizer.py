@@ -377,3 +377,62 @@ def test_stop_helpers() -> None:
     assert partial_stop_len("hello", ["world"]) == 0
     assert partial_stop_len("abab", ["abac"]) == 2
     assert partial_stop_len("x", ["x"]) == 0  # a full match is not a partial one
+
+
+def _byte_token(tok: Tokenizer, byte: int) -> int:
+    """The id whose token is the single byte `byte`."""
+    return next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == bytes([byte]))
+
+
+def test_token_bytes_decode_like_the_tokenizer(tok: Tokenizer) -> None:
+    rng = random.Random(1)
+    specials = sorted(tok.special_token_ids) + [tok.token_to_id("<think>")]
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size + 8) if rng.random() < 0.6 else rng.choice(specials + list(range(256)))
+               for _ in range(rng.randint(1, 20))]
+        for skip in (True, False):
+            joined = b"".join(tok.token_bytes(i, skip) for i in ids).decode("utf-8", "replace")
+            assert joined == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_lone_bytes_and_replacement_chars_never_stall(tok_dir: Path, byte_level: bool) -> None:
+    """SGLang #34740: tokens that decode to U+FFFD on their own (a byte that never completes a character, a
+    genuine U+FFFD) must not hold the stream back until the end."""
+    tok = Tokenizer(tok_dir)
+    lone = _byte_token(tok, 0x80)  # a continuation byte with no lead byte: U+FFFD forever
+    genuine = tok.encode("\ufffd")
+    ids = ([lone] * 40 + genuine * 5 + tok.encode("ok") + [lone] * 40)
+    tok.byte_level = byte_level  # False: the window decoding used for other decoders, same tokenizer
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push(i) for i in ids]
+    bound = 1 if byte_level else IncrementalDetokenizer.MAX_PENDING_TOKENS
+    # The text released so far trails the tokens by at most the bound.
+    for k in range(len(ids)):
+        assert len("".join(deltas[: k + 1])) >= len(tok.decode(ids[: k + 1])) - bound
+    assert sum(1 for d in deltas if d) >= len(ids) // bound - 1
+    assert "".join(deltas) + detok.flush() == tok.decode(ids)
+
+
+def test_random_tokens_stream_equals_decode(tok: Tokenizer) -> None:
+    rng = random.Random(7)
+    pool = list(range(256)) + list(tok.special_token_ids)
+    for _trial in range(20):
+        ids = [rng.randrange(tok.vocab_size) if rng.random() < 0.7 else rng.choice(pool) for _ in range(200)]
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            sent = ""
+            for i in ids:
+                sent += detok.push(i)
+                assert tok.decode(ids, skip_special_tokens=skip).startswith(sent)
+            assert sent + detok.flush() == tok.decode(ids, skip_special_tokens=skip) == detok.text
+
+
+def test_held_text_stays_bounded(tok: Tokenizer) -> None:
+    # Per-step cost: nothing grows with the reply but the list of released deltas.
+    ids = tok.encode(CORPUS[3] * 40)
+    detok = IncrementalDetokenizer(tok, stop=["never appears here"])
+    for i in ids:
+        detok.push(i)
+        assert len(detok._held) < len("never appears here")
+    assert detok.text + detok.flush() == tok.decode(ids)

@@ -116,7 +116,7 @@ class ServerArgs:
     )
     constrained_json_whitespace_pattern: str | None = field(default=None, metadata={
         "help": "Regex of the whitespace JSON Schema output may hold between tokens (SGLang's flag; default "
-                "grammar/whitespace.py DEFAULT_JSON_WHITESPACE: at most one newline and a few spaces)."})
+                "grammar/whitespace.py DEFAULT_JSON_WHITESPACE: a run of at most 8 spaces, newlines or tabs)."})
     # OpenAI chat output parsers (sglang_tpu_qwen/parsers).
     reasoning_parser: str | None = field(
         default=None, metadata={"help": "Split reasoning into reasoning_content: qwen3 (Qwen3 / Qwen3.5)."}

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.grammar.backend import GrammarBackend, GrammarError, TokenMatcher, VocabInfo, compiler_message
+from sglang_tpu_qwen.grammar.json_strings import bounded_strings_as_patterns, control_pattern
 from sglang_tpu_qwen.grammar.schema_check import unenforced_keyword
 from sglang_tpu_qwen.grammar.spec import GrammarSpec, structural_tag_object
 from sglang_tpu_qwen.grammar.whitespace import JsonWhitespace, as_json_whitespace
@@ -71,30 +72,44 @@ class XGrammarBackend(GrammarBackend):
                 problem = unenforced_keyword(schema, self.name)
                 if problem is not None:
                     raise GrammarError(f"invalid json_schema: {problem}")
-                return g.from_json_schema(spec.text, any_whitespace=not self._ws.compact,
-                                          max_whitespace_cnt=self._ws.max_count)
+                raw = control_pattern(schema)
+                if raw is not None:
+                    raise GrammarError(
+                        f"invalid json_schema: keyword 'pattern' {raw!r} can match a control character "
+                        "(U+0000-U+001F), which a JSON string must escape: the xgrammar grammar backend would emit "
+                        "it unescaped (--grammar-backend llguidance enforces it)")
+                return g.from_json_schema(json.dumps(bounded_strings_as_patterns(schema)),
+                                          any_whitespace=not self._ws.compact, max_whitespace_cnt=self._ws.max_count)
             if spec.kind == "ebnf":
                 return g.from_ebnf(spec.text)
             if spec.kind == "structural_tag":
-                self._check_tag_schemas(spec)
+                tag = self._checked_tag(spec)
                 # Token formats ({"type": "token", "token": "<tool_call>"}) resolve against the vocabulary,
                 # which only the compiler has: a structural tag is compiled here, while it is validated.
-                return self._compiler.compile_structural_tag(json.dumps(structural_tag_object(spec.text)))
+                return self._compiler.compile_structural_tag(json.dumps(tag))
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / its own error types with the parser's message
             raise GrammarError(compiler_message(spec, e)) from None
         raise GrammarError(f"unknown constraint kind {spec.kind!r}")
 
-    def _check_tag_schemas(self, spec: GrammarSpec) -> None:
-        """Refuse a structural tag whose tags hold a JSON schema with keywords xgrammar does not enforce."""
-        fmt = structural_tag_object(spec.text).get("format", {})
+    def _checked_tag(self, spec: GrammarSpec) -> dict[str, Any]:
+        """The structural tag object with each tag's JSON schema checked (keywords xgrammar does not enforce, a
+        pattern that can match a control character: GrammarError) and its length-bounded strings rewritten
+        (grammar/json_strings.py)."""
+        obj = structural_tag_object(spec.text)
+        fmt = obj.get("format", {})
         for tag in fmt.get("tags", []) if isinstance(fmt, dict) else []:
             content = tag.get("content") if isinstance(tag, dict) else None
             if isinstance(content, dict) and content.get("type") == "json_schema":
-                problem = unenforced_keyword(content.get("json_schema"), self.name)
+                schema = content.get("json_schema")
+                problem = unenforced_keyword(schema, self.name)
+                if problem is None and (raw := control_pattern(schema)) is not None:
+                    problem = f"keyword 'pattern' {raw!r} can match a control character, which JSON must escape"
                 if problem is not None:
                     raise GrammarError(f"invalid structural_tag: {problem}")
+                content["json_schema"] = bounded_strings_as_patterns(schema)
+        return obj
 
     def compile(self, prepared: Any) -> Any:
         if isinstance(prepared, self._xgr.CompiledGrammar):  # a structural tag (see prepare)

@@ -30,6 +30,7 @@ from sglang_tpu_qwen.server.openai_common import (
     ChoiceStream,
     completion_logprobs,
     constraint_fields,
+    continuous_usage,
     finish_reason,
     first_rid,
     generate,
@@ -225,7 +226,7 @@ async def _stream_completion(engine: Engine, req: CompletionRequest, rids: str |
             return None
         return CompletionResponse(id=cid, model=req.model, choices=[], usage=usage_info(finals, req.n)).model_dump()
 
-    return openai_stream(engine, rids, first, rest, render, usage)
+    return openai_stream(engine, rids, first, rest, render, usage, continuous_usage(req))
 
 
 def _stream_logprobs(meta: dict, state: ChoiceStream, echo: bool) -> LogProbs:

@@ -26,6 +26,7 @@ from sglang_tpu_qwen.server.openai_common import (
     ChoiceStream,
     chat_logprobs,
     constraint_fields,
+    continuous_usage,
     finish_reason,
     logprob_lists,
     matched_stop,
@@ -94,6 +95,43 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+_OPEN_MARK = "\x00sglang-tpu-qwen:continue\x00"  # never in a message: marks where the final one ends
+_ASSISTANT_OPEN = "<|im_start|>assistant\n"
+_EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def render_open_final(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None,
+                      template_kwargs: dict[str, Any]) -> str:
+    """The chat rendered with the final (assistant) message left open: `continue_final_message`.
+
+    As HF's `apply_chat_template(continue_final_message=True)` (which SGLang calls): the conversation is rendered
+    without a generation prompt and cut right after the final message's content, so the model continues it
+    rather than answering it. The cut is found with a marker appended to that content, so leading whitespace the
+    template trims and an empty content both work. Qwen3.5's released template gives the turn in progress (an
+    assistant message after the last user message) a think block, an empty one when it has no reasoning; ours
+    renders none for an empty reasoning, so the empty block is added, and the model continues the answer after
+    it whether thinking is on or off.
+
+    Raises:
+        OpenAIError (400): the last message is not an assistant message, or the template drops its content.
+    """
+    if messages[-1]["role"] != "assistant":
+        raise OpenAIError("continue_final_message needs the last message to be an assistant message",
+                          param="messages")
+    marked = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _OPEN_MARK}]
+    rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=False, **template_kwargs)
+    cut = rendered.rfind(_OPEN_MARK)
+    if cut < 0:
+        raise OpenAIError("continue_final_message: the chat template does not render the final message's content",
+                          param="messages")
+    prompt = rendered[:cut]
+    head = prompt.rfind(_ASSISTANT_OPEN)
+    if head >= 0 and prompt.rfind("<|im_start|>user") < head and "<think>" not in prompt[head:]:
+        start = head + len(_ASSISTANT_OPEN)
+        prompt = prompt[:start] + _EMPTY_THINK + prompt[start:]
+    return prompt
+
+
 @dataclass
 class ChatPlan:
     """What a chat request turns into: prompt text, sampling_params, and how to parse each choice."""
@@ -129,10 +167,19 @@ def plan_chat(engine: Engine, req: ChatCompletionRequest, reasoning: str | None,
         raise OpenAIError("tool_choice requires tools", param="tool_choice")
     # The tools as the client wrote them (no defaults added, e.g. `strict`), like the messages.
     tool_dicts = [t.model_dump(exclude_none=True, exclude_unset=True) for t in tools] if tools else None
+    add_generation_prompt = not req.continue_final_message if req.add_generation_prompt is None \
+        else req.add_generation_prompt
+    if req.continue_final_message and add_generation_prompt:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true: continue the "
+                          "final message, or start a new assistant message", param="continue_final_message")
     try:
-        prompt = engine.tokenizer.apply_chat_template(
-            _template_messages(req), tools=tool_dicts, add_generation_prompt=True, **template_kwargs
-        )
+        messages = _template_messages(req)
+        if req.continue_final_message:
+            prompt = render_open_final(engine.tokenizer, messages, tool_dicts, template_kwargs)
+        else:
+            prompt = engine.tokenizer.apply_chat_template(
+                messages, tools=tool_dicts, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
     except OpenAIError:
         raise
     except Exception as e:  # the template rejecting its input (raise_exception, a filter on a bad type)
@@ -257,4 +304,4 @@ async def stream_chat(engine: Engine, req: ChatCompletionRequest, rids: str, kwa
             id=cid, model=req.model, choices=[], usage=usage_info(finals, req.n)
         ).model_dump()
 
-    return openai_stream(engine, rids, first, rest, render, usage)
+    return openai_stream(engine, rids, first, rest, render, usage, continuous_usage(req))

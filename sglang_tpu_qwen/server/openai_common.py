@@ -190,13 +190,20 @@ class ChoiceStream:
 ChoiceRender = Callable[[int, ChoiceStream, dict], list[dict]]
 
 
+def continuous_usage(req: Any) -> bool:
+    """Whether a streamed request asked for usage on every chunk (stream_options.continuous_usage_stats)."""
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
 def openai_stream(engine: Engine, rids: str | list[str], first: dict | None, rest: AsyncIterator[dict],
-                  render: ChoiceRender, usage_payload: Callable[[list[dict]], dict | None]) -> StreamingResponse:
+                  render: ChoiceRender, usage_payload: Callable[[list[dict]], dict | None],
+                  continuous_usage: bool = False) -> StreamingResponse:
     """SSE reply shared by streamed completions and chat completions (server/sse.stream_response).
 
     `render` gets each engine increment with its choice's state (output logprobs already held there) and
     returns the route's payloads. After the last chunk `usage_payload(final increments by index)` may add a
-    usage chunk.
+    usage chunk. `continuous_usage` (stream_options.continuous_usage_stats) gives every chunk the usage of its
+    choice so far, as SGLang does: that choice's prompt tokens and the completion tokens generated up to it.
     """
     states: dict[int, ChoiceStream] = {}
 
@@ -205,7 +212,13 @@ def openai_stream(engine: Engine, rids: str | list[str], first: dict | None, res
         state = states.setdefault(i, ChoiceStream())
         state.last = chunk
         state.hold_logprobs(chunk["meta_info"])
-        return [sse(payload) for payload in render(i, state, chunk)]
+        payloads = render(i, state, chunk)
+        if continuous_usage:
+            meta = chunk["meta_info"]
+            usage = UsageInfo(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
+                              total_tokens=meta["prompt_tokens"] + meta["completion_tokens"]).model_dump()
+            payloads = [{**p, "usage": usage} for p in payloads]
+        return [sse(payload) for payload in payloads]
 
     def closing() -> list[bytes]:
         payload = usage_payload([states[k].last for k in sorted(states)])  # type: ignore[misc]

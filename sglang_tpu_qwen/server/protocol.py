@@ -345,6 +345,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # SGLang / HF: render the last (assistant) message open so the model continues it; a generation prompt
+    # (add_generation_prompt, true unless continue_final_message) cannot go with it (a 400).
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
 
 
 class TopLogprob(BaseModel):

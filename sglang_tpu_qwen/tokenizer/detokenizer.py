@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable, Sequence
 
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
@@ -41,17 +42,23 @@ def partial_stop_len(text: str, stops: Sequence[str]) -> int:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of generated token ids into a stream of text deltas.
+    """Turns a stream of generated token ids into a stream of text deltas that never stalls.
 
-    Uses the prefix-offset / read-offset technique (as in HF text-generation-inference and vLLM): each
-    push decodes the window `ids[prefix_offset:]` and compares it with the decoded
-    `ids[prefix_offset:read_offset]`; the difference is new text, released only when it does not end in
-    U+FFFD (a UTF-8 sequence split across byte-level tokens). Byte-level BPE decoding is context-free
-    apart from UTF-8 boundaries, so the concatenated deltas equal `tokenizer.decode(all_ids)`.
+    Byte-level BPE (Qwen3.5; `tokenizer.byte_level`): `decode(ids)` is the concatenation of the tokens' bytes read
+    as UTF-8 with invalid bytes as U+FFFD, so each push feeds the new tokens' bytes to an incremental UTF-8
+    decoder (Python's, which substitutes maximal invalid subparts as `tokenizers` does). It holds back at most
+    the 3 bytes of an unfinished character and releases everything else at once, a genuine U+FFFD or an invalid
+    byte included; a push costs O(its own bytes), and the concatenated deltas equal `tokenizer.decode(all_ids)`.
 
-    Stop strings: the released text is cut just before the first stop string (`stopped` becomes True,
-    `matched_stop` holds it) and later pushes return "". Text that could be the start of a stop string
-    is held back until the following tokens settle it.
+    Other decoders: the prefix-offset / read-offset window of HF text-generation-inference and vLLM, with the
+    window committed after `MAX_PENDING_TOKENS` tokens even if it still ends in U+FFFD (SGLang #34740 / #34852:
+    an unbounded window re-decodes a growing tail every step and streams nothing). There the joined deltas can
+    differ from a one-shot decode only where a character spans more than that many tokens.
+
+    The text sent so far never shrinks and never repeats. Stop strings: the released text is cut just before
+    the first stop string (`stopped` becomes True, `matched_stop` holds it) and later pushes return "". Text that
+    could be the start of a stop string is held back (at most the longest stop string's length) until the
+    following tokens settle it.
 
     Args:
         tokenizer: the `Tokenizer` whose ids are pushed.
@@ -59,6 +66,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens (e.g. `<|im_end|>`) from the text.
         trim_stop: False keeps the matched stop string at the end of the text (SGLang `no_stop_trim`).
     """
+
+    MAX_PENDING_TOKENS = 8  # non-byte-level decoders only: a window this long is committed as it is
 
     def __init__(
         self,
@@ -75,15 +84,16 @@ class IncrementalDetokenizer:
         self._unread: list[int] = []
         self.stopped = False
         self.matched_stop: str | None = None
-        self._prefix_offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
+        self._prefix_offset = 0  # window decoding (non-byte-level tokenizers)
         self._read_offset = 0
-        self._text = ""  # all safely decoded text so far (released + held back)
-        self._released = 0  # chars of self._text already returned
+        self._held = ""  # decoded but not yet released: a possible start of a stop string
+        self._released: list[str] = []  # every delta returned so far
 
     @property
     def text(self) -> str:
-        """All text returned so far by `push` / `flush`."""
-        return self._text[: self._released]
+        """All text returned so far by `push` / `flush` (joins the deltas: O(length))."""
+        return "".join(self._released)
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         """Add generated token ids; return the newly releasable text (possibly "")."""
@@ -94,16 +104,16 @@ class IncrementalDetokenizer:
         if self._unread:
             unread, self._unread = self._unread, []
             return "".join(self.push(t) for t in unread) + self.push(token_ids)
-        self.token_ids.extend(token_ids)
-        self._text += self._decode_new(final=False)
-        return self._release(final=False)
+        new = list(token_ids)
+        self.token_ids.extend(new)
+        return self._release(self._decode_new(new, final=False), final=False)
 
     def append(self, token_ids: Iterable[int]) -> None:
         """Add generated token ids without decoding them: the next `push` or `flush` returns their text.
 
         For a reader that needs no text before the end (no streaming, no stop strings): `flush` decodes the
-        whole output once instead of twice per token (a third of the scheduler thread's time per step at
-        128 running requests, which shares the cores with the model on a CPU host). A `push` first replays
+        whole output once instead of per token (a third of the scheduler thread's time per step at 128
+        running requests, which shares the cores with the model on a CPU host). A `push` first replays
         them one by one, so it returns what per-token pushes would have (an abort reads the text so far).
         """
         if not self.stopped:
@@ -113,35 +123,43 @@ class IncrementalDetokenizer:
         """End of generation: return everything held back (an unfinished UTF-8 sequence as U+FFFD)."""
         if self.stopped:
             return ""
-        self.token_ids.extend(self._unread)
-        self._unread = []
-        self._text += self._decode_new(final=True)
-        return self._release(final=True)
+        new, self._unread = self._unread, []
+        self.token_ids.extend(new)
+        return self._release(self._decode_new(new, final=True), final=True)
 
-    def _decode_new(self, final: bool) -> str:
+    def _decode_new(self, new: list[int], final: bool) -> str:
+        if self._utf8 is not None:
+            skip = self.skip_special_tokens
+            data = b"".join(self.tokenizer.token_bytes(t, skip) for t in new)
+            return self._utf8.decode(data, final)
+        return self._decode_window(final)
+
+    def _decode_window(self, final: bool) -> str:
         decode = self.tokenizer.decode
         ids = self.token_ids
         if len(ids) == self._read_offset:
             return ""
         prefix = decode(ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
         window = decode(ids[self._prefix_offset :], self.skip_special_tokens)
-        if not final and (len(window) <= len(prefix) or window.endswith(_REPLACEMENT)):
+        bounded = len(ids) - self._read_offset >= self.MAX_PENDING_TOKENS
+        if not final and not bounded and (len(window) <= len(prefix) or window.endswith(_REPLACEMENT)):
             return ""  # nothing new yet, or a multi-byte character is still incomplete
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
         return window[len(prefix) :]
 
-    def _release(self, final: bool) -> str:
-        start = self._released
-        hit = find_stop(self._text, self.stop, start) if self.stop else None
+    def _release(self, new: str, final: bool) -> str:
+        held = self._held + new
+        hit = find_stop(held, self.stop) if self.stop else None
         if hit is not None:
             index, stop = hit
             self.stopped = True
             self.matched_stop = stop
-            end = index + len(stop) if not self.trim_stop else index
-            self._text = self._text[:end]
-            self._released = end
-            return self._text[start:end]
-        hold = 0 if final else partial_stop_len(self._text[start:], self.stop)
-        self._released = len(self._text) - hold
-        return self._text[start : self._released]
+            out = held[: index + len(stop) if not self.trim_stop else index]
+            self._held = ""
+        else:
+            hold = 0 if final else partial_stop_len(held, self.stop)
+            out, self._held = held[: len(held) - hold], held[len(held) - hold :]
+        if out:
+            self._released.append(out)
+        return out

@@ -14,6 +14,8 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sglang_tpu_qwen.tokenizer.build import bytes_to_unicode
+
 # Qwen's document separator ends a raw completion in every Qwen release, whatever the config names.
 _ENDOFTEXT = "<|endoftext|>"
 
@@ -47,6 +49,11 @@ class Tokenizer:
         self.pad_token_id: int | None = self.token_to_id(pad) if pad else None
         self.chat_template: str = self._find_chat_template()
         self._template = _jinja_env().from_string(self.chat_template)
+        self._added = self._tok.get_added_tokens_decoder()
+        # Byte-level BPE decodes by concatenating the tokens' bytes and reading them as UTF-8 (invalid bytes ->
+        # U+FFFD), so a token's bytes are all a streaming decoder needs. Other decoders get no byte table.
+        self.byte_level: bool = isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel)
+        self._bytes_cache: dict[tuple[int, bool], bytes] = {}
 
     # ------------------------------------------------------------------ ids <-> text
     @property
@@ -71,6 +78,29 @@ class Tokenizer:
             OverflowError / TypeError (from `tokenizers`): an id is negative or not an int.
         """
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The UTF-8 bytes token `token_id` contributes to `decode` output (b"" for a skipped special token or an
+        id the tokenizer does not know). Only for a byte-level tokenizer (`byte_level`): there
+        `decode(ids) == b"".join(token_bytes(i) for i in ids).decode("utf-8", "replace")`.
+
+        Raises:
+            ValueError: the tokenizer's decoder is not byte-level.
+        """
+        key = (token_id, skip_special_tokens)
+        cached = self._bytes_cache.get(key)
+        if cached is not None:
+            return cached
+        if not self.byte_level:
+            raise ValueError("token_bytes needs a byte-level BPE tokenizer")
+        added = self._added.get(token_id)
+        if added is not None:
+            out = b"" if skip_special_tokens and added.special else added.content.encode("utf-8")
+        else:
+            token = self._tok.id_to_token(token_id)
+            out = b"" if token is None else bytes(_UNICODE_TO_BYTE[c] for c in token)
+        self._bytes_cache[key] = out
+        return out
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of `token_id` (byte-level alphabet, e.g. 'Ġhello'), None if unknown."""
@@ -144,6 +174,9 @@ class Tokenizer:
         if side_file.is_file():
             return side_file.read_text(encoding="utf-8")
         return (resources.files(__package__) / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+_UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

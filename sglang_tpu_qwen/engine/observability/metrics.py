@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -31,11 +31,11 @@ class Metrics:
       sglang:num_requests_total, sglang:prompt_tokens_total, sglang:generation_tokens_total,
       sglang:time_to_first_token_seconds, sglang:inter_token_latency_seconds,
       sglang:e2e_request_latency_seconds (histograms, seconds),
-      sglang:num_running_reqs, sglang:num_queue_reqs, sglang:kv_pages_used, sglang:kv_pages_total,
-      sglang:gdn_slots_used, sglang:gdn_slots_total (gauges),
+      sglang:num_aborted_requests_total (SGLang's name: requests that finished aborted, by the client or a
+      failure),
       sglang:jit_compilations_total (XLA programs built in this process, persistent-cache loads included;
       engine/runner/compilation.py);
-    and, once `watch` is called, the scrape-time figures of `EngineStateCollector`.
+    and, once `watch` is called, the scrape-time figures of `EngineStateCollector` (request counts, pool use).
 
     Args:
       registry: where to register; default a fresh `CollectorRegistry` owned by this instance.
@@ -69,12 +69,7 @@ class Metrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
-        self.num_running = Gauge("sglang:num_running_reqs", "Requests decoding now.", registry=r)
-        self.num_queue = Gauge("sglang:num_queue_reqs", "Requests waiting for admission.", registry=r)
-        self.kv_used = Gauge("sglang:kv_pages_used", "KV pages in use (requests + prefix cache).", registry=r)
-        self.kv_total = Gauge("sglang:kv_pages_total", "KV pages in the pool.", registry=r)
-        self.slots_used = Gauge("sglang:gdn_slots_used", "GDN state slots in use.", registry=r)
-        self.slots_total = Gauge("sglang:gdn_slots_total", "GDN state slots in the pool.", registry=r)
+        self.num_aborted = Counter("sglang:num_aborted_requests", "Requests that finished aborted.", registry=r)
         r.register(_JitCompilations())
 
     def on_request_start(self) -> None:
@@ -89,32 +84,28 @@ class Metrics:
         """Record the latency between two consecutive output tokens of one request, in seconds."""
         self.itl.observe(itl_s)
 
-    def on_request_finish(self, prompt_tokens: int, completion_tokens: int, e2e_s: float) -> None:
-        """Count the tokens of a finished request and record its end-to-end latency (seconds)."""
+    def on_request_finish(self, prompt_tokens: int, completion_tokens: int, e2e_s: float,
+                          aborted: bool = False) -> None:
+        """Count the tokens of a finished request (and whether it was aborted); record its end-to-end latency
+        (seconds)."""
+        if aborted:
+            self.num_aborted.inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(e2e_s)
 
-    def set_usage(
-        self, running: int, waiting: int, kv_used: int, kv_total: int, slots_used: int, slots_total: int
-    ) -> None:
-        """Set the gauges: request counts, KV pages and GDN slots (used and total)."""
-        self.num_running.set(running)
-        self.num_queue.set(waiting)
-        self.kv_used.set(kv_used)
-        self.kv_total.set(kv_total)
-        self.slots_used.set(slots_used)
-        self.slots_total.set(slots_total)
-
     def watch(self, memory_usage: Callable[[], dict[str, Any]],
-              disagg_stats: Callable[[], dict[str, Any] | None]) -> None:
-        """Export the prefix-cache, snapshot and PD transfer counters, read at each scrape.
+              disagg_stats: Callable[[], dict[str, Any] | None],
+              request_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+        """Export the request counts, pool use, prefix-cache, snapshot and PD transfer figures, read at each
+        scrape (so they are current after a /flush_cache or an abort on an idle server).
 
         Args:
           memory_usage: `Scheduler.memory_usage` (pool sizes and prefix-cache stats summed over DP ranks).
           disagg_stats: the PD role's `stats()`, or None when the server is not disaggregated.
+          request_counts: (running, waiting) requests now.
         """
-        self.registry.register(EngineStateCollector(memory_usage, disagg_stats))
+        self.registry.register(EngineStateCollector(memory_usage, disagg_stats, request_counts))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""
@@ -134,6 +125,7 @@ class EngineStateCollector:
     """Scrape-time metrics from the engine's own counters (a prometheus_client custom collector).
 
     SGLang's names where SGLang has the figure:
+      sglang:num_running_reqs, sglang:num_queue_reqs  gauges, requests decoding / waiting for admission
       sglang:token_usage              gauge, KV pages in use / KV pages (0-1)
       sglang:mamba_usage              gauge, GDN state slots in use / slots (0-1; SGLang's name for SSM state)
       sglang:cache_hit_rate           gauge, prefix-cache hit tokens / looked-up tokens since start (0-1)
@@ -142,6 +134,8 @@ class EngineStateCollector:
       sglang:hicache_host_mamba_used_states  gauge, GDN snapshots held in the host tier
       sglang:num_transfer_failed_reqs_total  counter, PD transfers that failed (decode side)
     ours, where SGLang has none:
+      sglang:kv_pages_used, sglang:kv_pages_total    gauges, KV pages in use (requests + prefix cache) / in the pool
+      sglang:gdn_slots_used, sglang:gdn_slots_total  gauges, GDN state slots in use / in the pool
       sglang:gdn_snapshot_hits_total{tier="device"|"host"}  counter, admissions restoring a GDN snapshot
       sglang:gdn_snapshot_evictions_total   counter, snapshots the tree gave up (device ones may move to host)
       sglang:gdn_snapshots_cached           gauge, snapshots the prefix cache holds (device and host)
@@ -155,9 +149,11 @@ class EngineStateCollector:
     """
 
     def __init__(self, memory_usage: Callable[[], dict[str, Any]],
-                 disagg_stats: Callable[[], dict[str, Any] | None]) -> None:
+                 disagg_stats: Callable[[], dict[str, Any] | None],
+                 request_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         self._memory_usage = memory_usage
         self._disagg_stats = disagg_stats
+        self._request_counts = request_counts
 
     def describe(self) -> list[Metric]:
         return []  # no collect() at registration: the engine may not be fully built yet
@@ -176,6 +172,14 @@ class EngineStateCollector:
             return used / total if total else 0.0
 
         kv_total, slots_total = m.get("kv_pages_total", 0), m.get("gdn_slots_total", 0)
+        running, waiting = self._request_counts()
+        yield gauge("sglang:num_running_reqs", "Requests decoding now.", running)
+        yield gauge("sglang:num_queue_reqs", "Requests waiting for admission.", waiting)
+        yield gauge("sglang:kv_pages_used", "KV pages in use (requests + prefix cache).",
+                    kv_total - m.get("kv_pages_free", 0))
+        yield gauge("sglang:kv_pages_total", "KV pages in the pool.", kv_total)
+        yield gauge("sglang:gdn_slots_used", "GDN state slots in use.", slots_total - m.get("gdn_slots_free", 0))
+        yield gauge("sglang:gdn_slots_total", "GDN state slots in the pool.", slots_total)
         yield gauge("sglang:token_usage", "KV pages in use / KV pages.",
                     ratio(kv_total - m.get("kv_pages_free", 0), kv_total))
         yield gauge("sglang:mamba_usage", "GDN state slots in use / slots.",

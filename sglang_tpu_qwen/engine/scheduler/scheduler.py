@@ -196,7 +196,6 @@ class Scheduler:
             self._step_failed(e)
         finally:
             self.health_state.step_ends()
-        self._report_usage()
         self.failures.loop_passed()
 
     def _step_failed(self, exc: Exception) -> None:
@@ -336,14 +335,6 @@ class Scheduler:
         elif r in self.waiting:
             self.waiting.remove(r)
         if self.metrics:
-            self.metrics.on_request_finish(len(r.prompt_ids), len(r.output_ids), time.perf_counter() - r.created)
+            self.metrics.on_request_finish(len(r.prompt_ids), len(r.output_ids), time.perf_counter() - r.created,
+                                           aborted=reason["type"] == "abort")
         r.sink(r.reply())
-
-    def _report_usage(self) -> None:
-        if self.metrics:
-            pages_total = sum(m.kv_pool.num_usable for m in self.ranks)
-            slots_total = sum(m.slot_pool.num_usable for m in self.ranks)
-            self.metrics.set_usage(
-                len(self.running), len(self.waiting),
-                pages_total - sum(m.kv_pool.num_free for m in self.ranks), pages_total,
-                slots_total - sum(m.slot_pool.num_free for m in self.ranks), slots_total)
