@@ -179,6 +179,29 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
     return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN)
 
 
+def _v_group_spec(bt: int, single_block: bool, hk: int, dk: int, r: int, dv: int) -> pl.BlockSpec:
+    """BlockSpec of key-head group h's v channels in ``mixed [B, Tp, conv_dim]``: ``[bt, r * dv]`` at channel
+    ``2 * Hk * dk + h * r * dv``; ``single_block``: the grid has one token block.
+
+    When the q|k width is a multiple of the group width (r = 1, 2, 4 at dims 128), that is block
+    ``2 * Hk * dk / (r * dv) + h`` of a blocked spec. Otherwise (Qwen3.5-27B: 16 key heads, 48 value heads,
+    4096 q|k channels, groups of 384) the window is placed by element offsets; the offsets' largest common
+    power-of-two factor is declared so that Mosaic can prove the DMA lane-aligned (128 at dims 128).
+    Slicing v out in XLA instead would copy every v channel of the step through HBM once more.
+    """
+    qk, width = 2 * hk * dk, r * dv
+    if qk % width == 0:
+        return pl.BlockSpec((None, bt, width), lambda b, h, t, *_: (b, t, qk // width + h))
+    align = math.gcd(qk, width) & -math.gcd(qk, width)  # largest power of two dividing every offset
+
+    def index(b, h, t, *_):
+        # One token block (decode: T = 1) starts at 0; Mosaic cannot prove ``t * 1`` sublane-aligned.
+        tok = 0 if single_block else pl.multiple_of(t * bt, bt)
+        return b, tok, pl.multiple_of(qk + h * width, align)
+
+    return pl.BlockSpec((None, pl.Element(bt), pl.Element(width)), index)
+
+
 @functools.partial(
     jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t", "interpret"),
     donate_argnums=(4, 5))
@@ -230,9 +253,8 @@ def fused_gdn(
         ``T == 1`` uses the recurrent form.
 
     Raises:
-        ValueError: when Hv is not a multiple of Hk, or the v channels of a key-head group do not start on a
-            multiple of the group's width (``2 * Hk * dk % (r * dv) != 0``), or ``gate`` comes without
-            ``norm_weight``.
+        ValueError: when Hv is not a multiple of Hk, ``conv_dim`` does not match the head layout, or ``gate``
+            comes without ``norm_weight``.
     """
     bsz, t, conv_dim = mixed.shape
     hv = g.shape[-1]
@@ -240,11 +262,8 @@ def fused_gdn(
     if hv % hk or conv_dim != 2 * hk * dk + hv * dv:
         raise ValueError(f"bad GDN dims: Hk={hk} Hv={hv} dk={dk} dv={dv} conv_dim={conv_dim}")
     r = hv // hk
-    if (2 * hk * dk) % (r * dv):
-        raise ValueError("v channels of a key-head group must start at a multiple of r * dv")
     if gate is not None and norm_weight is None:
         raise ValueError("a fused output norm needs norm_weight")
-    v_base = 2 * hk * dk // (r * dv)
     km1 = conv_weight.shape[1] - 1
     if t == 1:
         bt, tp = 1, 1
@@ -266,6 +285,7 @@ def fused_gdn(
     # The conv windows go through XLA as [B, K-1, conv_dim], the rows of the batch's slots: a Mosaic operand
     # of the whole pool would make XLA copy it around the call. The gather/scatter moves B x K-1 x conv_dim.
     conv_rows = gather_windows(conv_pool, layer, slot_ids, km1)
+    qk = 2 * hk * dk  # q|k channels; v channels follow
 
     norm = None
     norm_in_specs, norm_args = [], []
@@ -280,9 +300,11 @@ def fused_gdn(
     kernel = functools.partial(_kernel, dk=dk, dv=dv, r=r, chunk=CHUNK_SIZE, norm=norm)
     state_spec = pl.BlockSpec((None, None, r, dk, dv), lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
+    # The v windows and v conv taps are split off in XLA (a few KiB): their group blocks then start at
+    # multiples of r * dv whatever the q/k width.
     win_in_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                     pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, hk + h)),
-                    pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, v_base + h))]
+                    pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
     win_out_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
@@ -294,10 +316,10 @@ def fused_gdn(
             in_specs=[
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, h)),
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, hk + h)),
-                pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, v_base + h)),
+                _v_group_spec(bt, tp == bt, hk, dk, r, dv),
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (h, 0)),
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (hk + h, 0)),
-                pl.BlockSpec((r * dv, km1 + 1), lambda b, h, t, *_: (v_base + h, 0)),
+                pl.BlockSpec((r * dv, km1 + 1), lambda b, h, t, *_: (h, 0)),
                 gb_spec, gb_spec, *win_in_specs, state_spec, *norm_in_specs,
             ],
             out_specs=[pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)), *win_out_specs, state_spec],
@@ -330,7 +352,8 @@ def fused_gdn(
                                + 2 * bsz * hv * dk * dv * rec_pool.dtype.itemsize)),
     )(
         layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
-        conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
+        conv_weight, conv_weight, conv_weight[qk:], by_group(g), by_group(beta), conv_rows, conv_rows,
+        conv_rows[..., qk:], rec_pool,
         *norm_args,
     )
     conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1))
