@@ -19,7 +19,8 @@ Decode (T == 1) runs the recurrence directly.
 
 Layout and grid. One grid step is (sequence b, key head kh, block of ``block_t`` tokens); the
 ``r = Hv / Hk`` value heads that share key head ``kh`` are handled together, so q/k are convolved and
-normalised once for all of them. Inputs are read straight from the model's arrays:
+normalised once for all of them. Any r and any dk, dv run (released: r = 1, 2, 3, 4 at dk = dv = 128); on a
+TPU, Mosaic needs dk and dv to be multiples of 128. Inputs are read straight from the model's arrays:
 
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
     conv_weight  [conv_dim, K]
@@ -28,6 +29,8 @@ normalised once for all of them. Inputs are read straight from the model's array
     rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
     layer, slot_ids [B], new_lens [B], fresh [B]: scalar-prefetched (SMEM)
 
+A group's v channels start at ``2 * Hk * dk + kh * r * dv``: a whole block of width ``r * dv`` when the
+q|k width is a multiple of it, else an element-offset window (``_v_group_specs``; Qwen3.5-27B, r = 3).
 The recurrent state block of (layer, slot_ids[b], kh) is selected by the BlockSpec index map from the
 prefetched slot ids and stays resident in VMEM across the token blocks (its index does not depend on the
 token axis), so each state is read once and written once per call, in place. The conv window (K-1
@@ -179,27 +182,38 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
     return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN)
 
 
-def _v_group_spec(bt: int, single_block: bool, hk: int, dk: int, r: int, dv: int) -> pl.BlockSpec:
-    """BlockSpec of key-head group h's v channels in ``mixed [B, Tp, conv_dim]``: ``[bt, r * dv]`` at channel
-    ``2 * Hk * dk + h * r * dv``; ``single_block``: the grid has one token block.
+def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: int,
+                   dv: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
+    """BlockSpecs of key-head group h's v channels ``[2 * Hk * dk + h * r * dv, + r * dv)`` in ``mixed
+    [B, Tp, conv_dim]`` (``[bt, r * dv]``), ``conv_weight [conv_dim, K]`` and the gathered windows
+    ``[B, K-1, conv_dim]``. ``single_block``: the grid has one token block.
 
-    When the q|k width is a multiple of the group width (r = 1, 2, 4 at dims 128), that is block
+    When the q|k width is a multiple of the group width (r = 1, 2, 4 at dims 128) that is block
     ``2 * Hk * dk / (r * dv) + h`` of a blocked spec. Otherwise (Qwen3.5-27B: 16 key heads, 48 value heads,
-    4096 q|k channels, groups of 384) the window is placed by element offsets; the offsets' largest common
-    power-of-two factor is declared so that Mosaic can prove the DMA lane-aligned (128 at dims 128).
-    Slicing v out in XLA instead would copy every v channel of the step through HBM once more.
+    4096 q|k channels, groups of 384) the windows are placed by element offsets, and the offsets' largest
+    common power-of-two factor is declared so that Mosaic can prove each DMA lane-aligned (128 at dims 128).
+    Slicing v out in XLA instead would copy every v channel of the step through HBM once more (and slices
+    of the small operands took the on-chip memory XLA had kept the kernel's output in).
     """
     qk, width = 2 * hk * dk, r * dv
+    k = km1 + 1
     if qk % width == 0:
-        return pl.BlockSpec((None, bt, width), lambda b, h, t, *_: (b, t, qk // width + h))
+        base = qk // width
+        return (pl.BlockSpec((None, bt, width), lambda b, h, t, *_: (b, t, base + h)),
+                pl.BlockSpec((width, k), lambda b, h, t, *_: (base + h, 0)),
+                pl.BlockSpec((None, km1, width), lambda b, h, t, *_: (b, 0, base + h)))
     align = math.gcd(qk, width) & -math.gcd(qk, width)  # largest power of two dividing every offset
 
-    def index(b, h, t, *_):
-        # One token block (decode: T = 1) starts at 0; Mosaic cannot prove ``t * 1`` sublane-aligned.
-        tok = 0 if single_block else pl.multiple_of(t * bt, bt)
-        return b, tok, pl.multiple_of(qk + h * width, align)
+    def chan(h):
+        return pl.multiple_of(qk + h * width, align)
 
-    return pl.BlockSpec((None, pl.Element(bt), pl.Element(width)), index)
+    def tok(t):  # one token block (decode: T = 1) starts at 0; Mosaic cannot prove ``t * 1`` sublane-aligned
+        return 0 if single_block else pl.multiple_of(t * bt, bt)
+
+    el = pl.Element
+    return (pl.BlockSpec((None, el(bt), el(width)), lambda b, h, t, *_: (b, tok(t), chan(h))),
+            pl.BlockSpec((el(width), el(k)), lambda b, h, t, *_: (chan(h), 0)),
+            pl.BlockSpec((None, el(km1), el(width)), lambda b, h, t, *_: (b, 0, chan(h))))
 
 
 @functools.partial(
@@ -285,7 +299,6 @@ def fused_gdn(
     # The conv windows go through XLA as [B, K-1, conv_dim], the rows of the batch's slots: a Mosaic operand
     # of the whole pool would make XLA copy it around the call. The gather/scatter moves B x K-1 x conv_dim.
     conv_rows = gather_windows(conv_pool, layer, slot_ids, km1)
-    qk = 2 * hk * dk  # q|k channels; v channels follow
 
     norm = None
     norm_in_specs, norm_args = [], []
@@ -300,11 +313,9 @@ def fused_gdn(
     kernel = functools.partial(_kernel, dk=dk, dv=dv, r=r, chunk=CHUNK_SIZE, norm=norm)
     state_spec = pl.BlockSpec((None, None, r, dk, dv), lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
-    # The v windows and v conv taps are split off in XLA (a few KiB): their group blocks then start at
-    # multiples of r * dv whatever the q/k width.
+    v_mixed_spec, v_weight_spec, v_window_spec = _v_group_specs(bt, tp == bt, km1, hk, dk, r, dv)
     win_in_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
-                    pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, hk + h)),
-                    pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
+                    pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, hk + h)), v_window_spec]
     win_out_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
@@ -316,10 +327,10 @@ def fused_gdn(
             in_specs=[
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, h)),
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, hk + h)),
-                _v_group_spec(bt, tp == bt, hk, dk, r, dv),
+                v_mixed_spec,
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (h, 0)),
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (hk + h, 0)),
-                pl.BlockSpec((r * dv, km1 + 1), lambda b, h, t, *_: (h, 0)),
+                v_weight_spec,
                 gb_spec, gb_spec, *win_in_specs, state_spec, *norm_in_specs,
             ],
             out_specs=[pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)), *win_out_specs, state_spec],
@@ -352,8 +363,7 @@ def fused_gdn(
                                + 2 * bsz * hv * dk * dv * rec_pool.dtype.itemsize)),
     )(
         layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
-        conv_weight, conv_weight, conv_weight[qk:], by_group(g), by_group(beta), conv_rows, conv_rows,
-        conv_rows[..., qk:], rec_pool,
+        conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
         *norm_args,
     )
     conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1))
