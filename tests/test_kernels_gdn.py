@@ -2,7 +2,8 @@
 
 Seeded ragged batches over state pools: only decodes (recurrent form), only prefills (chunked form, several
 64-token chunks and token blocks), mixed lengths, fresh sequences (states read as zeros), padding rows on
-the trash slot, slots out of order. Tolerances (max abs error, values O(1)): fp32 state 1e-4 on outputs and
+the trash slot, slots out of order; and every head layout kind (value heads per key head 1-4, dk != dv, the
+element-offset v groups of Qwen3.5-27B's ratio). Tolerances (max abs error, values O(1)): fp32 state 1e-4 on outputs and
 states (both sides compute in fp32; the kernel inverts the chunk system by matmuls, the reference by a
 triangular solve). The bf16-state option is compared against the fp32 state over a prefill followed by
 decode steps and its error is printed and bounded.
