@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from conftest import record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict  # noqa: E402
 from sglang_tpu_qwen.engine.runner.compilation import configure_persistent_cache  # noqa: E402
 from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
     fp8_grouped_matmul_scatter_add,
@@ -29,6 +30,11 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig  # noqa: E402
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_pooled  # noqa: E402
+from sglang_tpu_qwen.model.param_layout import param_specs  # noqa: E402
+from sglang_tpu_qwen.quant.fp8 import fp8_specs  # noqa: E402
 
 topologies = pytest.importorskip("jax.experimental.topologies")
 
@@ -172,3 +178,63 @@ def test_fp8_swiglu_row_gather_compiles_for_ironwood(device, rows: int) -> None:
            f"fp8_grouped_swiglu[{rows} rows gathered from {src_rows}]: args {mem.argument_size_in_bytes / 2**20:.1f}"
            f" MiB, out {mem.output_size_in_bytes / 2**20:.1f} MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB")
     assert mem.temp_size_in_bytes < 64 * 2**20  # no gathered copy of the rows
+
+
+# The released GDN layouts, one per distinct (key heads, value heads, dk, dv, hidden): (Hk, Hv, dk, dv, hidden,
+# GDN layers). Qwen3-Next-80B-A3B has 35B-A3B's layout (16 / 32 heads of 128, hidden 2048).
+RELEASED_GDN = {
+    "397b-a17b": (16, 64, 128, 128, 4096, 45), "122b-a10b": (16, 64, 128, 128, 3072, 36),
+    "35b-a3b+next-80b": (16, 32, 128, 128, 2048, 30), "27b": (16, 48, 128, 128, 5120, 48),
+    "9b": (16, 32, 128, 128, 4096, 24), "4b": (16, 32, 128, 128, 2560, 24),
+    "2b": (16, 16, 128, 128, 2048, 18), "0.8b": (16, 16, 128, 128, 1024, 18),
+}
+
+
+@pytest.mark.parametrize("layout", RELEASED_GDN.values(), ids=RELEASED_GDN.keys())
+def test_gdn_layer_compiles_for_ironwood(device, layout) -> None:
+    """The model's GDN layer (FP8 projections, the fused kernel with its output norm, out_proj) of each released
+    head layout, as one DP rank runs it under the planner's plan on tpu7x:2x2x1 (dp 8, 64 requests): one
+    program holding a decode step (8 rows) and a prefill chunk (1024 tokens, the rank's share of the default
+    8192), so both kernel forms compile. State pools fp32, 8 slots + the trash slot, updated in place."""
+    import time
+
+    hk, hv, dk, dv, hidden, n_gdn = layout
+    d = embedded_config_dict()
+    d["text_config"].update(hidden_size=hidden, linear_num_key_heads=hk, linear_num_value_heads=hv,
+                            linear_key_head_dim=dk, linear_value_head_dim=dv)
+    config = Qwen35MoeConfig.from_hf_dict(d)
+    params = fp8_specs(param_specs(config, stacked=False)["layers"][0]["gdn"])
+    slots, km1 = 9, config.linear_conv_kernel_dim - 1
+
+    def on_dev(tree):
+        return jax.tree.map(lambda x: _spec(x.shape, x.dtype, device), tree)
+
+    def batch(mode, rows, tokens):
+        i32 = jnp.int32
+        return ForwardBatch(mode, _spec((rows, tokens), i32, device), _spec((rows,), i32, device),
+                            _spec((rows,), i32, device), _spec((rows, 1), i32, device), _spec((rows,), i32, device))
+
+    def step(p, x_dec, b_dec, x_pre, b_pre, conv, rec):
+        y_dec, conv, rec = gdn_layer_pooled(p, x_dec, b_dec, conv, rec, 0, config, fused_gdn)
+        y_pre, conv, rec = gdn_layer_pooled(p, x_pre, b_pre, conv, rec, 1, config, fused_gdn)
+        return y_dec, y_pre, conv, rec
+
+    start = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(5, 6)).lower(
+        on_dev(params),
+        _spec((8, 1, hidden), jnp.bfloat16, device), batch(ForwardMode.DECODE, 8, 1),
+        _spec((1, 1024, hidden), jnp.bfloat16, device), batch(ForwardMode.EXTEND, 1, 1024),
+        _spec((n_gdn, slots * km1, config.gdn_conv_dim), jnp.float32, device),
+        _spec((n_gdn, slots, hv, dk, dv), jnp.float32, device),
+    ).compile()
+    secs = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    record("Pallas kernels compiled for Ironwood (tpu7x:2x2x1, one device)",
+           f"gdn_layer[Hk {hk}, Hv {hv}, dk {dk}, dv {dv}, hidden {hidden}; decode 8x1 + prefill 1x1024]: compiled "
+           f"in {secs:.1f} s, args {mem.argument_size_in_bytes / 2**20:.1f} MiB, temp "
+           f"{mem.temp_size_in_bytes / 2**20:.1f} MiB, alias {mem.alias_size_in_bytes / 2**20:.1f} MiB")
+    # Both state pools updated in place (aliased, not copied), and temporaries no more than the chunk's
+    # activations (the projections' outputs are ~50 KiB per token at these sizes).
+    pools = n_gdn * slots * (km1 * config.gdn_conv_dim + hv * dk * dv) * 4
+    assert mem.alias_size_in_bytes >= pools
+    assert mem.temp_size_in_bytes < 1024 * 128 * 2**10

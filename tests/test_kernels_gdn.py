@@ -2,7 +2,8 @@
 
 Seeded ragged batches over state pools: only decodes (recurrent form), only prefills (chunked form, several
 64-token chunks and token blocks), mixed lengths, fresh sequences (states read as zeros), padding rows on
-the trash slot, slots out of order. Tolerances (max abs error, values O(1)): fp32 state 1e-4 on outputs and
+the trash slot, slots out of order; and every head layout kind (value heads per key head 1-4, dk != dv, the
+element-offset v groups of Qwen3.5-27B's ratio). Tolerances (max abs error, values O(1)): fp32 state 1e-4 on outputs and
 states (both sides compute in fp32; the kernel inverts the chunk system by matmuls, the reference by a
 triangular solve). The bf16-state option is compared against the fp32 state over a prefill followed by
 decode steps and its error is printed and bounded.
@@ -24,30 +25,34 @@ DIMS = dict(num_k_heads=HK, head_k_dim=DK, head_v_dim=DV)
 TOL = 1e-4
 
 
-def _pools(rng, layers=2, slots=8, dtype=jnp.float32):
-    conv = jnp.asarray(rng.standard_normal((layers, slots * (K - 1), CONV_DIM)), dtype)  # kernels/gdn/conv_pool.py
-    rec = jnp.asarray(rng.standard_normal((layers, slots, HV, DK, DV)) * 0.1, dtype)
+def _pools(rng, layers=2, slots=8, dtype=jnp.float32, heads=(HK, HV, DK, DV)):
+    hk, hv, dk, dv = heads
+    conv = jnp.asarray(rng.standard_normal((layers, slots * (K - 1), 2 * hk * dk + hv * dv)), dtype)  # conv_pool.py
+    rec = jnp.asarray(rng.standard_normal((layers, slots, hv, dk, dv)) * 0.1, dtype)
     return conv, rec
 
 
-def _step(rng, lens, t):
+def _step(rng, lens, t, heads=(HK, HV, DK, DV)):
     """Inputs of one step: pre-conv channels, log-decay and write strength, zero at padded tokens."""
+    hk, hv, dk, dv = heads
     lens = np.asarray(lens, np.int32)
     valid = (np.arange(t)[None, :] < lens[:, None])[..., None]
-    mixed = jnp.asarray(rng.standard_normal((len(lens), t, CONV_DIM)) * valid, jnp.float32)
-    g = jnp.asarray(-rng.uniform(0.0, 0.5, (len(lens), t, HV)) * valid, jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.0, 1.0, (len(lens), t, HV)) * valid, jnp.float32)
+    mixed = jnp.asarray(rng.standard_normal((len(lens), t, 2 * hk * dk + hv * dv)) * valid, jnp.float32)
+    g = jnp.asarray(-rng.uniform(0.0, 0.5, (len(lens), t, hv)) * valid, jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (len(lens), t, hv)) * valid, jnp.float32)
     return mixed, g, beta, jnp.asarray(lens)
 
 
-def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64):
-    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
-    conv, rec = _pools(rng)
-    mixed, g, beta, lens = _step(rng, lens, t)
+def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64, heads=(HK, HV, DK, DV)):
+    hk, hv, dk, dv = heads
+    dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+    conv_w = jnp.asarray(rng.standard_normal((2 * hk * dk + hv * dv, K)) * 0.5, jnp.float32)
+    conv, rec = _pools(rng, heads=heads)
+    mixed, g, beta, lens = _step(rng, lens, t, heads)
     slots, fresh = jnp.asarray(slots, jnp.int32), jnp.asarray(fresh, bool)
-    ref = fused_gdn_reference(mixed, conv_w, g, beta, conv, rec, layer, slots, lens, fresh, **DIMS)
+    ref = fused_gdn_reference(mixed, conv_w, g, beta, conv, rec, layer, slots, lens, fresh, **dims)
     ker = fused_gdn(mixed, conv_w, g, beta, jnp.array(conv, copy=True), jnp.array(rec, copy=True), layer, slots,
-                    lens, fresh, block_t=block_t, interpret=True, **DIMS)
+                    lens, fresh, block_t=block_t, interpret=True, **dims)
     valid = np.arange(t)[None, :] < np.asarray(lens)[:, None]
     return ref, ker, valid, (conv, rec)
 
@@ -81,6 +86,30 @@ def test_mixed_lengths_one_block() -> None:
     rng = np.random.default_rng(12)
     ref, ker, valid, before = _run_both(rng, [1, 64, 37, 0], 64, slots=[4, 1, 6, 0],
                                         fresh=[False, True, False, False], block_t=256)
+    _assert_close(ref, ker, valid, before)
+
+
+# Head layouts (Hk, Hv, dk, dv): value heads per key head 1, 2 (with dv != dk; the tests above run r = 2 at
+# dk = dv), 3, 4, and dk != dv both ways. Where the q|k
+# width 2 * Hk * dk is not a multiple of the group width r * dv (r = 3 here, and dv 48 > dk) the kernel places
+# the v block by element offset (kernel._v_group_spec); the others take the blocked spec. The last case is
+# Qwen3.5-27B's ratio at the released dims 128 (one key head).
+LAYOUTS = {
+    "r1": (2, 2, 32, 32), "r3": (2, 6, 32, 32), "r4": (2, 8, 32, 32),
+    "r2-dv48": (2, 4, 32, 48), "r3-dk48-dv16": (2, 6, 48, 16), "r3-d128": (1, 3, 128, 128),
+}
+
+
+@pytest.mark.parametrize("heads", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize(("lens", "t", "slots", "fresh"),
+                         [([1, 1, 0], 1, [5, 2, 0], [False, True, False]), ([130, 70], 130, [3, 6], [False, True])],
+                         ids=["decode", "prefill"])
+def test_head_layouts(heads, lens, t, slots, fresh) -> None:
+    """Every head layout, decode (recurrent form) and chunked prefill (3 token blocks of 64, one row
+    continuing a cached state), against the reference: outputs, conv windows and recurrent states."""
+    rng = np.random.default_rng(20)
+    ref, ker, valid, before = _run_both(rng, lens, t, slots, fresh, heads=heads)
+    assert ker[0].shape == ref[0].shape == (len(lens), t, heads[1], heads[3])
     _assert_close(ref, ker, valid, before)
 
 

@@ -3,9 +3,11 @@
 ``--attention-backend`` / ``--gdn-backend`` take ``auto | pallas | reference``. ``auto`` is ``pallas`` on a
 TPU backend and ``reference`` elsewhere. ``pallas`` on a non-TPU backend runs the kernels in Pallas TPU
 interpret mode (``pltpu.InterpretParams()``): exact but slow, for tests on CPU. Given the model config,
-``resolve_backends`` checks it against what the kernels support before anything is compiled: an explicit
-``pallas`` for an unsupported layout is a startup error naming the config fields, ``auto`` falls back to
-the reference with a warning.
+``resolve_backends`` checks it against what the kernels support before anything is compiled. The fused GDN
+kernel runs every head layout the model config accepts (any value heads per key head, any dk and dv); on a
+TPU, Mosaic needs dk and dv to be multiples of 128 (every released model's are 128). For another layout on a
+TPU, an explicit ``pallas`` is a startup error naming the config fields and ``auto`` uses the reference with
+a warning.
 """
 
 from __future__ import annotations
@@ -50,23 +52,21 @@ class KernelBackends:
         return self.platform == "cpu"
 
 
-def gdn_pallas_unsupported(config: Any) -> str | None:
+def gdn_pallas_unsupported(config: Any, interpret: bool = False) -> str | None:
     """Why the fused Pallas GDN kernel cannot run this model's Gated DeltaNet head layout, or None when it can.
 
-    The kernel reads each key-head group's v channels as whole (r * dv)-wide blocks of the conv output, so
-    linear_num_value_heads must be a multiple of linear_num_key_heads (r = Hv / Hk) and the q/k channels
-    (2 * Hk * dk) a multiple of r * dv (``kernels/gdn/kernel.py``). The message names the config fields.
+    The kernel takes any value heads per key head and any dk, dv (``kernels/gdn/kernel.py``; the config
+    itself rejects value heads that are not a multiple of key heads, as HF's ``repeat_interleave`` does).
+    Compiled for a TPU (``interpret`` False), its per-head blocks are ``[tokens, dk]`` and ``[tokens, r * dv]``
+    lane windows, which Mosaic tiles only when dk and dv are multiples of 128 (the lane width); in interpret
+    mode any size runs. The message names the config fields.
     """
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    if not config.num_gdn_layers:
+    if not config.num_gdn_layers or interpret:
         return None
-    if hv % hk:
-        return (f"linear_num_value_heads ({hv}) is not a multiple of linear_num_key_heads ({hk})")
-    r = hv // hk
-    if (2 * hk * dk) % (r * dv):
-        return (f"2 * linear_num_key_heads * linear_key_head_dim (2 * {hk} * {dk} = {2 * hk * dk}) is not a multiple "
-                f"of (linear_num_value_heads / linear_num_key_heads) * linear_value_head_dim ({r} * {dv} = {r * dv})")
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    if dk % 128 or dv % 128:
+        return (f"linear_key_head_dim ({dk}) and linear_value_head_dim ({dv}) must be multiples of 128 for the "
+                "TPU kernel (Mosaic tiles its per-head blocks in 128-lane units)")
     return None
 
 
@@ -77,15 +77,16 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
     Args:
         attention, gdn: ``auto``, ``pallas`` or ``reference``.
         platform: ``jax.default_backend()`` when None.
-        config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support. ``auto`` falls
-            back to the reference with a warning; an explicit ``pallas`` is refused.
+        config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support on ``platform``
+            (:func:`gdn_pallas_unsupported`). ``auto`` falls back to the reference with a warning; an explicit
+            ``pallas`` is refused.
 
     Returns:
         The resolved :class:`KernelBackends`.
 
     Raises:
         ValueError: for a value outside :data:`CHOICES`, or ``pallas`` chosen for a model config the kernel
-            cannot run (the message names the config fields and values).
+            cannot run on ``platform`` (the message names the config fields and values).
     """
     platform = platform or jax.default_backend()
     on_tpu = platform == "tpu"
@@ -98,7 +99,8 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         return flag
 
     resolved = KernelBackends(attention=one("attention", attention), gdn=one("gdn", gdn))
-    why = gdn_pallas_unsupported(config) if config is not None and resolved.gdn == "pallas" else None
+    checked = config is not None and resolved.gdn == "pallas"
+    why = gdn_pallas_unsupported(config, interpret=not on_tpu) if checked else None
     if why is not None:
         if gdn == "pallas":
             raise ValueError(f"--gdn-backend pallas cannot run this model: {why}. Use --gdn-backend reference "

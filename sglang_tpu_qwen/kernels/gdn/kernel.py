@@ -19,7 +19,8 @@ Decode (T == 1) runs the recurrence directly.
 
 Layout and grid. One grid step is (sequence b, key head kh, block of ``block_t`` tokens); the
 ``r = Hv / Hk`` value heads that share key head ``kh`` are handled together, so q/k are convolved and
-normalised once for all of them. Inputs are read straight from the model's arrays:
+normalised once for all of them. Any r and any dk, dv run (released: r = 1, 2, 3, 4 at dk = dv = 128); on a
+TPU, Mosaic needs dk and dv to be multiples of 128. Inputs are read straight from the model's arrays:
 
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
     conv_weight  [conv_dim, K]
@@ -28,6 +29,8 @@ normalised once for all of them. Inputs are read straight from the model's array
     rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
     layer, slot_ids [B], new_lens [B], fresh [B]: scalar-prefetched (SMEM)
 
+A group's v channels start at ``2 * Hk * dk + kh * r * dv``: a whole block of width ``r * dv`` when the
+q|k width is a multiple of it, else an element-offset window (``_v_group_specs``; Qwen3.5-27B, r = 3).
 The recurrent state block of (layer, slot_ids[b], kh) is selected by the BlockSpec index map from the
 prefetched slot ids and stays resident in VMEM across the token blocks (its index does not depend on the
 token axis), so each state is read once and written once per call, in place. The conv window (K-1
@@ -179,6 +182,40 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
     return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN)
 
 
+def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: int,
+                   dv: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
+    """BlockSpecs of key-head group h's v channels ``[2 * Hk * dk + h * r * dv, + r * dv)`` in ``mixed
+    [B, Tp, conv_dim]`` (``[bt, r * dv]``), ``conv_weight [conv_dim, K]`` and the gathered windows
+    ``[B, K-1, conv_dim]``. ``single_block``: the grid has one token block.
+
+    When the q|k width is a multiple of the group width (r = 1, 2, 4 at dims 128) that is block
+    ``2 * Hk * dk / (r * dv) + h`` of a blocked spec. Otherwise (Qwen3.5-27B: 16 key heads, 48 value heads,
+    4096 q|k channels, groups of 384) the windows are placed by element offsets, and the offsets' largest
+    common power-of-two factor is declared so that Mosaic can prove each DMA lane-aligned (128 at dims 128).
+    Slicing v out in XLA instead would copy every v channel of the step through HBM once more (and slices
+    of the small operands took the on-chip memory XLA had kept the kernel's output in).
+    """
+    qk, width = 2 * hk * dk, r * dv
+    k = km1 + 1
+    if qk % width == 0:
+        base = qk // width
+        return (pl.BlockSpec((None, bt, width), lambda b, h, t, *_: (b, t, base + h)),
+                pl.BlockSpec((width, k), lambda b, h, t, *_: (base + h, 0)),
+                pl.BlockSpec((None, km1, width), lambda b, h, t, *_: (b, 0, base + h)))
+    align = math.gcd(qk, width) & -math.gcd(qk, width)  # largest power of two dividing every offset
+
+    def chan(h):
+        return pl.multiple_of(qk + h * width, align)
+
+    def tok(t):  # one token block (decode: T = 1) starts at 0; Mosaic cannot prove ``t * 1`` sublane-aligned
+        return 0 if single_block else pl.multiple_of(t * bt, bt)
+
+    el = pl.Element
+    return (pl.BlockSpec((None, el(bt), el(width)), lambda b, h, t, *_: (b, tok(t), chan(h))),
+            pl.BlockSpec((el(width), el(k)), lambda b, h, t, *_: (chan(h), 0)),
+            pl.BlockSpec((None, el(km1), el(width)), lambda b, h, t, *_: (b, 0, chan(h))))
+
+
 @functools.partial(
     jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t", "interpret"),
     donate_argnums=(4, 5))
@@ -230,9 +267,8 @@ def fused_gdn(
         ``T == 1`` uses the recurrent form.
 
     Raises:
-        ValueError: when Hv is not a multiple of Hk, or the v channels of a key-head group do not start on a
-            multiple of the group's width (``2 * Hk * dk % (r * dv) != 0``), or ``gate`` comes without
-            ``norm_weight``.
+        ValueError: when Hv is not a multiple of Hk, ``conv_dim`` does not match the head layout, or ``gate``
+            comes without ``norm_weight``.
     """
     bsz, t, conv_dim = mixed.shape
     hv = g.shape[-1]
@@ -240,11 +276,8 @@ def fused_gdn(
     if hv % hk or conv_dim != 2 * hk * dk + hv * dv:
         raise ValueError(f"bad GDN dims: Hk={hk} Hv={hv} dk={dk} dv={dv} conv_dim={conv_dim}")
     r = hv // hk
-    if (2 * hk * dk) % (r * dv):
-        raise ValueError("v channels of a key-head group must start at a multiple of r * dv")
     if gate is not None and norm_weight is None:
         raise ValueError("a fused output norm needs norm_weight")
-    v_base = 2 * hk * dk // (r * dv)
     km1 = conv_weight.shape[1] - 1
     if t == 1:
         bt, tp = 1, 1
@@ -280,9 +313,9 @@ def fused_gdn(
     kernel = functools.partial(_kernel, dk=dk, dv=dv, r=r, chunk=CHUNK_SIZE, norm=norm)
     state_spec = pl.BlockSpec((None, None, r, dk, dv), lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
+    v_mixed_spec, v_weight_spec, v_window_spec = _v_group_specs(bt, tp == bt, km1, hk, dk, r, dv)
     win_in_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
-                    pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, hk + h)),
-                    pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, v_base + h))]
+                    pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, hk + h)), v_window_spec]
     win_out_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
@@ -294,10 +327,10 @@ def fused_gdn(
             in_specs=[
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, h)),
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, hk + h)),
-                pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, v_base + h)),
+                v_mixed_spec,
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (h, 0)),
                 pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (hk + h, 0)),
-                pl.BlockSpec((r * dv, km1 + 1), lambda b, h, t, *_: (v_base + h, 0)),
+                v_weight_spec,
                 gb_spec, gb_spec, *win_in_specs, state_spec, *norm_in_specs,
             ],
             out_specs=[pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)), *win_out_specs, state_spec],
