@@ -1,0 +1,271 @@
+"""The rest of the family against HF transformers, on tiny checkpoints built here with transformers' own classes:
+
+- dense Qwen3.5 (``Qwen3_5ForCausalLM`` tied, ``Qwen3_5ForConditionalGeneration`` untied with a vision tower
+  whose tensors the loader skips), each as a BF16 checkpoint and as a block-FP8 one (partial blocks);
+- Qwen3-Next (``Qwen3NextForCausalLM``: fused ``in_proj_qkvz`` / ``in_proj_ba``, one ``mlp_only_layers`` layer);
+- Qwen3.5-MoE with 3 value heads per key head.
+
+Each goes through our loader (``load_config`` + ``load_params``) and the paged forward: prompt logits, a greedy
+continuation with each step's logprobs against one full HF recompute. A dense checkpoint is also served over
+HTTP with both Pallas kernels (interpret mode on CPU) and gives HF's greedy tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import record  # noqa: E402
+from test_model_reference import LOGIT_TOL, _Batch, _randomise  # noqa: E402
+
+from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint  # noqa: E402
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config  # noqa: E402
+from sglang_tpu_qwen.model.forward import compute_logits  # noqa: E402
+from sglang_tpu_qwen.model.weights import load_params  # noqa: E402
+from sglang_tpu_qwen.quant.fp8 import Fp8Weight  # noqa: E402
+from sglang_tpu_qwen.quant.fp8_blocks import dequantize, quantize  # noqa: E402
+
+# log_softmax moves each logit by the same log-sum-exp, whose error is at most the largest logit error: a
+# logprob's error is at most twice the logits'.
+LOGPROB_TOL = 2 * LOGIT_TOL
+NUM_NEW = 12
+PROMPT_LENS = (13, 70)  # 70 > 64: the chunked GDN form crosses a chunk boundary
+FP8_BLOCK = (32, 16)  # HF [out, in] blocks (each side divides 128, as the FP8 kernel needs); partial edges
+QUANTISED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "in_proj_qkv.weight",
+             "in_proj_z.weight", "out_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+_TEXT = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    rms_norm_eps=1e-6, max_position_embeddings=512, eos_token_id=None, pad_token_id=0,
+)  # fmt: skip
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+               spatial_merge_size=2, temporal_patch_size=2)
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def _hf_model(kind: str) -> Any:
+    """A randomised tiny HF model of ``kind`` (see the module docstring)."""
+    torch.manual_seed(0)
+    if kind == "dense_tied":
+        model = transformers.Qwen3_5ForCausalLM(
+            transformers.Qwen3_5TextConfig(intermediate_size=96, tie_word_embeddings=True, **_TEXT))
+    elif kind == "dense_untied":
+        text = dict(_TEXT, intermediate_size=80, tie_word_embeddings=False, hidden_size=48, linear_key_head_dim=12)
+        model = transformers.Qwen3_5ForConditionalGeneration(
+            transformers.Qwen3_5Config(text_config=text, vision_config=_VISION, tie_word_embeddings=False))
+    elif kind == "next":
+        text = dict(_TEXT, layer_types=["linear_attention"] * 3 + ["full_attention"])
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1], **_MOE, **text))
+    elif kind == "moe_3v":
+        text = dict(_TEXT, linear_num_key_heads=2, linear_num_value_heads=6, linear_value_head_dim=8)
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**_MOE, **text))
+    else:
+        raise AssertionError(kind)
+    model.eval()
+    _randomise(model, seed=len(kind) * 7 + ord(kind[0]))
+    return model
+
+
+def _fp8_twin(model: Any, root: Path) -> tuple[Path, Any]:
+    """Write ``model`` as a block-FP8 checkpoint (its linear weights quantised, scales beside them) and return
+    (its dir, the HF model on the offline-dequantised weights: the oracle)."""
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    fp8, twin = {}, {}
+    for name, w in state.items():
+        if name.endswith(QUANTISED) and "visual" not in name:
+            q, s = quantize(w, FP8_BLOCK)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            twin[name] = dequantize(q, s, FP8_BLOCK)
+        else:
+            fp8[name] = twin[name] = w
+    if model.config.tie_word_embeddings:
+        fp8.pop("lm_head.weight", None)  # a tied release stores no lm_head
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(FP8_BLOCK)}
+    save_checkpoint(fp8, root)
+    (root / "config.json").write_text(json.dumps(cfg))
+    with torch.no_grad():
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in twin.items()})
+    return root, model
+
+
+@functools.cache
+def _build(case: str, tmp: str) -> tuple[Any, Qwen35MoeConfig, Any, Path]:
+    """(HF oracle in fp32, our config, our params in fp32, checkpoint dir) of ``case`` = ``kind`` or ``kind-fp8``.
+    BF16 cases: the checkpoint is written in bfloat16 (as released) and both sides read it in float32."""
+    kind, _, fmt = case.partition("-")
+    model = _hf_model(kind)
+    path = Path(tmp) / case
+    if fmt == "fp8":
+        path, model = _fp8_twin(model, path)
+    else:
+        model.to(torch.bfloat16).save_pretrained(path)
+        model = type(model).from_pretrained(path, dtype=torch.float32).eval()
+    config = load_config(path)
+    params = load_params(path, config, dtype=jnp.float32, keep_fp8=fmt == "fp8")
+    return model, config, params, path
+
+
+CASES = ["dense_tied", "dense_tied-fp8", "dense_untied", "dense_untied-fp8", "next", "moe_3v"]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ...]:
+    model, config, params, path = _build(request.param, str(tmp_path_factory.getbasetemp()))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, config.vocab_size, size=n).tolist() for n in PROMPT_LENS]
+    return request.param, model, config, params, prompts
+
+
+def _hf_logits(model: Any, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _report(case: str, what: str, err: float, tol: float) -> None:
+    record("HF reference check, the family: max abs error vs tolerance (fp32)",
+           f"[{case}] {what}: max abs err {err:.3e} (tol {tol:.1e})")
+    assert err < tol, (case, what, err)
+
+
+def test_config_and_params_of_the_case(setup: tuple[Any, ...]) -> None:
+    case, model, config, params, _ = setup
+    kind = case.split("-")[0]
+    want_mlp = {"dense_tied": ("dense",) * 4, "dense_untied": ("dense",) * 4, "next": ("moe", "dense", "moe", "moe"),
+                "moe_3v": ("moe",) * 4}[kind]
+    assert config.mlp_types == want_mlp
+    assert config.tie_word_embeddings == (kind == "dense_tied") and ("lm_head" in params) != config.tie_word_embeddings
+    assert config.gdn_fused_projections == (kind == "next")
+    layers = params["layers"]
+    assert all(("mlp" in lp) == (k == "dense") and ("moe" in lp) == (k == "moe") for lp, k in
+               zip(layers, want_mlp[: len(layers)], strict=True))
+    if case.endswith("fp8"):  # the dense MLP weights stay block-FP8 in device memory, as the experts do
+        mlp = layers[0]["mlp"]
+        assert all(isinstance(mlp[k], Fp8Weight) and mlp[k].q.dtype == jnp.float8_e4m3fn
+                   for k in ("gate_proj", "up_proj", "down_proj"))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cpu"])
+def test_prompt_logits_match_hf(setup: tuple[Any, ...], platform: str) -> None:
+    case, model, config, params, prompts = setup
+    batch = _Batch(config, num_rows=3, max_len=80)
+    batch.add(0)
+    batch.add(1)
+    hidden = batch.step([prompts[0], prompts[1], []], params, width=72, platform=platform)
+    for r, ids in enumerate(prompts):
+        ours = np.asarray(compute_logits(params, jnp.asarray(hidden[r, : len(ids)]), config=config))
+        ref = _hf_logits(model, ids)
+        assert float(np.abs(ref).max()) > 3.0  # logits are not trivially small
+        _report(case, f"prompt logits row {r} (len {len(ids)}, {platform} forms)", float(np.abs(ours - ref).max()),
+                LOGIT_TOL)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(setup: tuple[Any, ...]) -> None:
+    case, model, config, params, prompts = setup
+    batch = _Batch(config, num_rows=3, max_len=max(PROMPT_LENS) + NUM_NEW)
+    batch.add(0)
+    batch.add(1)
+    hidden = batch.step([prompts[0], prompts[1], []], params, width=72)
+    last = np.stack([hidden[r, len(p) - 1] for r, p in enumerate(prompts)])
+    outs: list[list[int]] = [[], []]
+    step_logits = []
+    for i in range(NUM_NEW):
+        logits = np.asarray(compute_logits(params, jnp.asarray(last), config=config))
+        step_logits.append(logits)
+        for r in range(2):
+            outs[r].append(int(np.argmax(logits[r])))
+        if i + 1 < NUM_NEW:
+            hidden = batch.step([[outs[0][-1]], [outs[1][-1]], []], params, width=1)
+            last = hidden[:2, 0]
+    for r, ids in enumerate(prompts):
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        assert outs[r] == gen, f"{case} row {r}: ours {outs[r]} vs HF {gen}"
+        full = _log_softmax(_hf_logits(model, ids + gen)[len(ids) - 1 : len(ids) - 1 + NUM_NEW])
+        ours = _log_softmax(np.stack([s[r] for s in step_logits]))
+        _report(case, f"decode-step logprobs row {r} vs full recompute", float(np.abs(ours - full).max()),
+                LOGPROB_TOL)
+
+
+def test_vision_and_mtp_tensors_skipped_with_a_log_line(tmp_path_factory: pytest.TempPathFactory,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    _, config, _, path = _build("dense_untied", str(tmp_path_factory.getbasetemp()))
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_qwen.model.weights"):
+        load_params(path, config, dtype=jnp.float32)
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 1 and "model.visual." in lines[0], lines
+
+
+# ---- served: a dense checkpoint over HTTP with both Pallas kernels (interpret mode on CPU) ----
+
+# The embedded model's mixer dims (head_dim 64, GDN 2 key / 4 value heads of 32): a layout the fused GDN
+# kernel takes (2 * Hk * dk = 128, a multiple of r * dv = 64), with a dense SwiGLU MLP.
+_SERVED = dict(_TEXT, hidden_size=128, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32,
+               intermediate_size=192, tie_word_embeddings=True,
+               layer_types=["linear_attention"] * 3 + ["full_attention"])
+SERVED_PROMPTS = [[5, 77, 301, 12, 9, 450, 3], list(range(20, 61, 3))]
+SERVED_NEW = 6
+
+
+def test_served_dense_checkpoint_with_pallas_kernels_matches_hf(tmp_path: Path) -> None:
+    import requests
+    from conftest import serve_app
+
+    from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
+    from sglang_tpu_qwen.engine.engine import Engine
+    from sglang_tpu_qwen.server.app import create_app
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**_SERVED)).eval()
+    _randomise(model, seed=5)
+    model.save_pretrained(tmp_path)  # float32 on disk: served in float32
+    want_ids, want_lp = [], []
+    with torch.no_grad():
+        for ids in SERVED_PROMPTS:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=SERVED_NEW, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            lp = _log_softmax(_hf_logits(model, ids + gen)[len(ids) - 1 : len(ids) - 1 + SERVED_NEW])
+            want_ids.append(gen)
+            want_lp.append([float(lp[i, t]) for i, t in enumerate(gen)])
+    eng = Engine(model_path=str(tmp_path), tokenizer_path=str(ensure_embedded_model()), dtype="float32",
+                 attention_backend="pallas", gdn_backend="pallas", page_size=4, max_total_tokens=256,
+                 max_running_requests=2, context_length=64, chunked_prefill_size=64, disable_radix_cache=True,
+                 grammar_backend="none", skip_server_warmup=True)
+    try:
+        assert (eng.runner.backends.attention, eng.runner.backends.gdn, eng.runner.backends.interpret) == (
+            "pallas", "pallas", True)
+        with serve_app(create_app(eng)) as url:
+            reply = requests.post(f"{url}/generate", json={
+                "input_ids": SERVED_PROMPTS, "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": SERVED_NEW, "ignore_eos": True}},
+                timeout=600)
+    finally:
+        eng.shutdown()
+    assert reply.status_code == 200, reply.text
+    for r, out in enumerate(reply.json()):
+        assert out["output_ids"] == want_ids[r], (r, out["output_ids"], want_ids[r])
+        got = [float(e[0]) for e in out["meta_info"]["output_token_logprobs"]]
+        _report("served dense, pallas", f"output logprobs row {r}", float(np.abs(np.array(got) - want_lp[r]).max()),
+                LOGPROB_TOL)
