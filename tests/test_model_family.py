@@ -269,3 +269,63 @@ def test_served_dense_checkpoint_with_pallas_kernels_matches_hf(tmp_path: Path) 
         got = [float(e[0]) for e in out["meta_info"]["output_token_logprobs"]]
         _report("served dense, pallas", f"output logprobs row {r}", float(np.abs(np.array(got) - want_lp[r]).max()),
                 LOGPROB_TOL)
+
+
+# ---- configs: the named releases, and the family's config.json forms ----
+
+# The table of the released configs (#29), written independently of model/catalog.py: layers, hidden,
+# q / kv heads, GDN key / value heads, and (experts, top-k, expert, shared) or the dense FFN width.
+RELEASES = {
+    "qwen3.5-397b-a17b": (60, 4096, 32, 2, 16, 64, (512, 10, 1024, 1024)),
+    "qwen3.5-122b-a10b": (48, 3072, 32, 2, 16, 64, (256, 8, 1024, 1024)),
+    "qwen3.5-35b-a3b": (40, 2048, 16, 2, 16, 32, (256, 8, 512, 512)),
+    "qwen3.5-27b": (64, 5120, 24, 4, 16, 48, 17408),
+    "qwen3.5-9b": (32, 4096, 16, 4, 16, 32, 12288),
+    "qwen3.5-4b": (32, 2560, 16, 4, 16, 32, 9216),
+    "qwen3.5-2b": (24, 2048, 8, 2, 16, 16, 6144),
+    "qwen3.5-0.8b": (24, 1024, 8, 2, 16, 16, 3584),
+    "qwen3-next-80b-a3b": (48, 2048, 16, 2, 16, 32, (512, 10, 512, 512)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASES))
+def test_catalog_entry_matches_the_release(name: str) -> None:
+    from sglang_tpu_qwen.model.catalog import MODEL_CONFIGS, model_config
+
+    c = model_config(name.upper())  # names are case-insensitive
+    layers, hidden, nq, nkv, hk, hv, ffn = RELEASES[name]
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (layers, hidden,
+                                                                                                 nq, nkv)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.head_dim, c.rotary_dim) == (hk, hv, 256, 64)
+    assert c.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * (layers // 4)
+    if isinstance(ffn, tuple):
+        assert c.is_moe and c.mlp_types == ("moe",) * layers
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                c.shared_expert_intermediate_size) == ffn
+    else:
+        assert not c.is_moe and c.mlp_types == ("dense",) * layers and c.intermediate_size == ffn
+    assert c.tie_word_embeddings == (name in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b"))
+    assert c.vocab_size == (151936 if name.startswith("qwen3-next") else 248320)
+    assert c.gdn_fused_projections == name.startswith("qwen3-next")
+    assert set(MODEL_CONFIGS) == set(RELEASES)
+
+
+def test_family_config_forms_and_errors() -> None:
+    text = dict(_TEXT, intermediate_size=96)
+    nested = transformers.Qwen3_5Config(text_config=text, vision_config=_VISION).to_dict()
+    flat = transformers.Qwen3_5TextConfig(**text).to_dict()
+    a, b = Qwen35MoeConfig.from_hf_dict(nested), Qwen35MoeConfig.from_hf_dict(flat)
+    assert a == b and a.mlp_types == ("dense",) * 4 and a.intermediate_size == 96 and a.num_experts == 0
+    # Qwen3-Next: MoE where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (HF's rule).
+    nxt = transformers.Qwen3NextConfig(**dict(_TEXT, num_hidden_layers=8, layer_types=None), **_MOE,
+                                       intermediate_size=96, decoder_sparse_step=2, mlp_only_layers=[3]).to_dict()
+    c = Qwen35MoeConfig.from_hf_dict(nxt)
+    assert c.mlp_types == ("dense", "moe", "dense", "dense", "dense", "moe", "dense", "moe")
+    assert c.gdn_fused_projections and c.is_moe
+    with pytest.raises(ValueError, match="intermediate_size"):
+        Qwen35MoeConfig.from_hf_dict({k: v for k, v in flat.items() if k != "intermediate_size"})
+    # HF builds every Qwen3-Next layer dense when num_experts is 0; a Qwen3.5-MoE config needs the field.
+    assert Qwen35MoeConfig.from_hf_dict(dict(nxt, num_experts=0)).mlp_types == ("dense",) * 8
+    moe = transformers.Qwen3_5MoeTextConfig(**_TEXT, **_MOE).to_dict()
+    with pytest.raises(ValueError, match="num_experts"):
+        Qwen35MoeConfig.from_hf_dict({k: v for k, v in moe.items() if k != "num_experts"})
