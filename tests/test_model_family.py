@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -270,6 +271,60 @@ def test_served_dense_checkpoint_with_pallas_kernels_matches_hf(tmp_path: Path) 
         _report("served dense, pallas", f"output logprobs row {r}", float(np.abs(np.array(got) - want_lp[r]).max()),
                 LOGPROB_TOL)
 
+
+
+# ---- served with DP attention: the dense weights whole on every rank ----
+
+def serve_greedy(model_dir: str, prompts: list[list[int]], num_new: int, **parallel: int) -> dict[str, Any]:
+    """Greedy tokens of our Engine (float32) on ``model_dir`` and, per device, the bytes of its dense MLP
+    weights (JSON-able: the dp test runs it in a child process with emulated devices)."""
+    from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
+    from sglang_tpu_qwen.engine.engine import Engine
+
+    eng = Engine(model_path=model_dir, tokenizer_path=str(ensure_embedded_model()), dtype="float32",
+                 context_length=128, max_total_tokens=512, max_running_requests=4,
+                 chunked_prefill_size=64 * parallel.get("dp_size", 1), grammar_backend="none",
+                 skip_server_warmup=True, **parallel)
+    try:
+        replies = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": num_new,
+                                                                   "ignore_eos": True})
+        mlp = [x for lp in eng.runner.params["layers"] for x in jax.tree.leaves(lp["mlp"])]
+        per_device: dict[str, int] = {}
+        for x in mlp:
+            for shard in x.addressable_shards:  # a replicated leaf: every device holds the whole array
+                assert shard.data.shape == x.shape
+                per_device[str(shard.device)] = per_device.get(str(shard.device), 0) + shard.data.nbytes
+        return {"tokens": [r["output_ids"] for r in replies], "mlp_bytes_per_device": per_device,
+                "mlp_bytes": sum(x.nbytes for x in mlp)}
+    finally:
+        eng.shutdown()
+
+
+def test_dense_fp8_checkpoint_served_dp4_ep4_matches_hf(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import os
+    import subprocess
+    import sys
+
+    model, config, _, path = _build("dense_untied-fp8", str(tmp_path_factory.getbasetemp()))
+    prompts = [[5, 77, 301, 12, 9, 450, 3], list(range(20, 61, 3)), [400, 2, 2, 2, 511, 17]]
+    want = []
+    with torch.no_grad():
+        for ids in prompts:
+            want.append(model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(ids):].tolist())
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + (
+        " --xla_force_host_platform_device_count=4 --xla_cpu_use_xnnpack=false"
+        " --xla_cpu_enable_concurrency_optimized_scheduler=false"))
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_model_family import serve_greedy; "
+            f"print('RESULT ' + json.dumps(serve_greedy({str(path)!r}, {prompts!r}, 8, dp_size=4, ep_size=4)))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parent.parent)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["tokens"] == want, (got["tokens"], want)
+    assert len(got["mlp_bytes_per_device"]) == 4
+    assert set(got["mlp_bytes_per_device"].values()) == {got["mlp_bytes"]}  # the whole MLP on each rank
 
 # ---- configs: the named releases, and the family's config.json forms ----
 
