@@ -2,7 +2,8 @@
 
 - dense Qwen3.5 (``Qwen3_5ForCausalLM`` tied, ``Qwen3_5ForConditionalGeneration`` untied with a vision tower
   whose tensors the loader skips), each as a BF16 checkpoint and as a block-FP8 one (partial blocks);
-- Qwen3-Next (``Qwen3NextForCausalLM``: fused ``in_proj_qkvz`` / ``in_proj_ba``, one ``mlp_only_layers`` layer);
+- Qwen3-Next (``Qwen3NextForCausalLM``: fused ``in_proj_qkvz`` / ``in_proj_ba``, one ``mlp_only_layers`` layer),
+  BF16 and block-FP8 (``in_proj_qkvz`` quantised, regrouped as FP8);
 - Qwen3.5-MoE with 3 value heads per key head.
 
 Each goes through our loader (``load_config`` + ``load_params``) and the paged forward: prompt logits, a greedy
@@ -43,8 +44,12 @@ LOGPROB_TOL = 2 * LOGIT_TOL
 NUM_NEW = 12
 PROMPT_LENS = (13, 70)  # 70 > 64: the chunked GDN form crosses a chunk boundary
 FP8_BLOCK = (32, 16)  # HF [out, in] blocks (each side divides 128, as the FP8 kernel needs); partial edges
+# Qwen3-Next's in_proj_qkvz groups rows per key head (16, 16, 32, 32 here): 16-row blocks start each part on a
+# block row, as the release's 128-row blocks do (dk = 128, r * dv = 256), so the loader regroups q and scales.
+FP8_BLOCK_NEXT = (16, 32)
 QUANTISED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "in_proj_qkv.weight",
-             "in_proj_z.weight", "out_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+             "in_proj_z.weight", "in_proj_qkvz.weight", "out_proj.weight", "gate_proj.weight", "up_proj.weight",
+             "down_proj.weight")
 
 _TEXT = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=4,
@@ -83,28 +88,39 @@ def _hf_model(kind: str) -> Any:
     return model
 
 
-def _fp8_twin(model: Any, root: Path) -> tuple[Path, Any]:
-    """Write ``model`` as a block-FP8 checkpoint (its linear weights quantised, scales beside them) and return
-    (its dir, the HF model on the offline-dequantised weights: the oracle)."""
+def _fp8_twin(model: Any, root: Path, block: tuple[int, int] = FP8_BLOCK) -> tuple[Path, Any]:
+    """Write ``model`` as a block-FP8 checkpoint (its linear weights quantised with ``block``, scales beside
+    them) and return (its dir, the HF model on the offline-dequantised weights: the oracle)."""
     state = {k: v.numpy() for k, v in model.state_dict().items()}
+    if isinstance(model, transformers.Qwen3NextForCausalLM):  # experts one by one, as the release stores them
+        for li in range(model.config.num_hidden_layers):
+            pre = f"model.layers.{li}.mlp.experts."
+            if pre + "gate_up_proj" in state:
+                gate_up, down = state.pop(pre + "gate_up_proj"), state.pop(pre + "down_proj")
+                half = gate_up.shape[1] // 2
+                for e in range(gate_up.shape[0]):
+                    state[f"{pre}{e}.gate_proj.weight"] = gate_up[e, :half]
+                    state[f"{pre}{e}.up_proj.weight"] = gate_up[e, half:]
+                    state[f"{pre}{e}.down_proj.weight"] = down[e]
     fp8, twin = {}, {}
     for name, w in state.items():
         if name.endswith(QUANTISED) and "visual" not in name:
-            q, s = quantize(w, FP8_BLOCK)
+            q, s = quantize(w, block)
             fp8[name], fp8[name + "_scale_inv"] = q, s
-            twin[name] = dequantize(q, s, FP8_BLOCK)
+            twin[name] = dequantize(q, s, block)
         else:
             fp8[name] = twin[name] = w
     if model.config.tie_word_embeddings:
         fp8.pop("lm_head.weight", None)  # a tied release stores no lm_head
     cfg = model.config.to_dict()
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(FP8_BLOCK)}
+                                  "weight_block_size": list(block)}
     save_checkpoint(fp8, root)
     (root / "config.json").write_text(json.dumps(cfg))
-    with torch.no_grad():
-        model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in twin.items()})
-    return root, model
+    (root / "twin").mkdir()
+    save_checkpoint(twin, root / "twin")
+    (root / "twin" / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return root, type(model).from_pretrained(root / "twin", dtype=torch.float32).eval()
 
 
 @functools.cache
@@ -115,7 +131,7 @@ def _build(case: str, tmp: str) -> tuple[Any, Qwen35MoeConfig, Any, Path]:
     model = _hf_model(kind)
     path = Path(tmp) / case
     if fmt == "fp8":
-        path, model = _fp8_twin(model, path)
+        path, model = _fp8_twin(model, path, FP8_BLOCK_NEXT if kind == "next" else FP8_BLOCK)
     else:
         model.to(torch.bfloat16).save_pretrained(path)
         model = type(model).from_pretrained(path, dtype=torch.float32).eval()
@@ -124,7 +140,7 @@ def _build(case: str, tmp: str) -> tuple[Any, Qwen35MoeConfig, Any, Path]:
     return model, config, params, path
 
 
-CASES = ["dense_tied", "dense_tied-fp8", "dense_untied", "dense_untied-fp8", "next", "moe_3v"]
+CASES = ["dense_tied", "dense_tied-fp8", "dense_untied", "dense_untied-fp8", "next", "next-fp8", "moe_3v"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -163,9 +179,12 @@ def test_config_and_params_of_the_case(setup: tuple[Any, ...]) -> None:
     assert all(("mlp" in lp) == (k == "dense") and ("moe" in lp) == (k == "moe") for lp, k in
                zip(layers, want_mlp[: len(layers)], strict=True))
     if case.endswith("fp8"):  # the dense MLP weights stay block-FP8 in device memory, as the experts do
-        mlp = layers[0]["mlp"]
-        assert all(isinstance(mlp[k], Fp8Weight) and mlp[k].q.dtype == jnp.float8_e4m3fn
+        dense = [lp for lp in layers if "mlp" in lp][0]["mlp"]
+        assert all(isinstance(dense[k], Fp8Weight) and dense[k].q.dtype == jnp.float8_e4m3fn
                    for k in ("gate_proj", "up_proj", "down_proj"))
+    if case == "next-fp8":  # regrouped from in_proj_qkvz, still FP8
+        gdn = layers[0]["gdn"]
+        assert isinstance(gdn["in_proj_qkv"], Fp8Weight) and isinstance(gdn["in_proj_z"], Fp8Weight)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cpu"])

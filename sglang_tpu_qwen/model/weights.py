@@ -308,13 +308,19 @@ def _read_leaf(leaf: _Leaf, experts: slice | None, block: tuple[int, int]) -> An
     for t, part in units:
         x, s = _hf_part(t, part, None if stack else experts, block)
         layout = t.spec.layout
-        if layout in ("qkvz", "ba"):  # Qwen3-Next: regroup the rows (dequantised: blocks straddle parts)
-            dense = fp8_blocks.dequantize(x, s, block) if s is not None else x
-            dense = split_grouped(dense, t.spec.groups, part, np).T  # type: ignore[arg-type]
-            if leaf.out_fp8:
-                q, sc = fp8_blocks.quantize(dense, leaf_block if leaf.stored_fp8 else BLOCK)
-            else:
-                q, sc = np.asarray(dense, dtype=leaf.dtype), None
+        if layout in ("qkvz", "ba"):  # Qwen3-Next: regroup the rows per key head
+            aligned = all(w % block[0] == 0 for w in t.spec.groups)
+            if leaf.out_fp8 and leaf.stored_fp8 and aligned:
+                # Every part starts on a block row: q rows and scale rows regroup alike, bit for bit.
+                q = split_grouped(x, t.spec.groups, part, np).T  # type: ignore[arg-type]
+                sc = split_grouped(s, tuple(w // block[0] for w in t.spec.groups), part, np).T.astype(np.float32)  # type: ignore[arg-type]
+            else:  # dequantised (a block straddles two parts), then quantised again if the leaf is FP8
+                dense = fp8_blocks.dequantize(x, s, block) if s is not None else x
+                dense = split_grouped(dense, t.spec.groups, part, np).T  # type: ignore[arg-type]
+                if leaf.out_fp8:
+                    q, sc = fp8_blocks.quantize(dense, leaf_block if leaf.stored_fp8 else BLOCK)
+                else:
+                    q, sc = np.asarray(dense, dtype=leaf.dtype), None
         elif leaf.out_fp8 and leaf.stored_fp8 and x.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
             q, sc = _to_leaf_layout(x, layout), _to_leaf_layout(s, layout).astype(np.float32)  # type: ignore[arg-type]
         else:
