@@ -39,6 +39,8 @@ def to_hf_state_dict(
     out: dict[str, np.ndarray] = {}
     for canon, spec in hf_table(config, fused).items():
         name = canon if canon == "lm_head.weight" else prefix + canon
+        if spec.layout in ("qkvz", "ba"):
+            raise NotImplementedError("writing Qwen3-Next's fused in_proj_qkvz / in_proj_ba is not supported")
         if spec.layout == "fused_gate_up":
             gate, up = (np.asarray(leaf_at(params, t)) for t in spec.targets())
             x = np.concatenate([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=1)

@@ -1,7 +1,11 @@
-"""Qwen3.5-MoE text-model configuration, parsed from a HF ``config.json``.
+"""Text-model configuration of the Qwen3.5 family and Qwen3-Next, parsed from a HF ``config.json``.
 
-Field names follow HF ``Qwen3_5MoeTextConfig`` (transformers
-``models/qwen3_5_moe/configuration_qwen3_5_moe.py``).
+Field names follow HF ``Qwen3_5MoeTextConfig`` / ``Qwen3_5TextConfig`` / ``Qwen3NextConfig`` (transformers
+``models/qwen3_5_moe``, ``models/qwen3_5``, ``models/qwen3_next``). One decoder serves them all: the
+same hybrid layer schedule, with a sparse MoE block or a dense SwiGLU MLP after each mixer
+(``mlp_types``). Qwen3-Next differs only in its checkpoint layout (fused ``in_proj_qkvz`` /
+``in_proj_ba``, ``gdn_fused_projections``) and its per-layer MoE choice (``decoder_sparse_step``,
+``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -11,13 +15,25 @@ import json
 import os
 from typing import Any
 
-_SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# model_type -> (nested under text_config, MoE family). Qwen3-Next is flat, MoE by default.
+_MODEL_TYPES = {
+    "qwen3_5_moe": (True, True), "qwen3_5_moe_text": (False, True),
+    "qwen3_5": (True, False), "qwen3_5_text": (False, False),
+    "qwen3_next": (False, True),
+}  # fmt: skip
+_SUPPORTED_MODEL_TYPES = tuple(_MODEL_TYPES)
 _LAYER_KINDS = ("linear_attention", "full_attention")
+_MLP_KINDS = ("moe", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen35MoeConfig:
-    """Hyper-parameters of the Qwen3.5-MoE text decoder (hashable: usable as a jit static arg)."""
+    """Hyper-parameters of a Qwen3.5 (MoE or dense) or Qwen3-Next text decoder (hashable: usable as a jit
+    static arg).
+
+    ``mlp_types[i]`` is ``"moe"`` (routed experts + gated shared expert: ``num_experts`` ...) or ``"dense"``
+    (SwiGLU of width ``intermediate_size``) for layer ``i``; the MoE fields are 0 for a dense model.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -39,10 +55,13 @@ class Qwen35MoeConfig:
     linear_value_head_dim: int
     linear_num_key_heads: int
     linear_num_value_heads: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    intermediate_size: int = 0
+    mlp_types: tuple[str, ...] = ()
+    gdn_fused_projections: bool = False
     norm_topk_prob: bool = True
     hidden_act: str = "silu"
     eos_token_id: tuple[int, ...] = ()
@@ -64,8 +83,24 @@ class Qwen35MoeConfig:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu'")
+        if not self.mlp_types:  # the MoE family's default: a sparse block in every layer
+            object.__setattr__(self, "mlp_types", ("moe",) * self.num_hidden_layers)
+        if len(self.mlp_types) != self.num_hidden_layers or set(self.mlp_types) - set(_MLP_KINDS):
+            raise ValueError(f"mlp_types must give one of {_MLP_KINDS} per layer, got {self.mlp_types}")
+        if "moe" in self.mlp_types and not (
+            self.num_experts > 0 and 0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError("a MoE layer needs num_experts, num_experts_per_tok <= num_experts and "
+                             "moe_intermediate_size > 0")
+        if "dense" in self.mlp_types and self.intermediate_size <= 0:
+            raise ValueError("a dense MLP layer needs intermediate_size > 0")
 
     # ---- derived ----
+    @property
+    def is_moe(self) -> bool:
+        """True when some layer has a sparse MoE block (then expert parallelism has experts to split)."""
+        return "moe" in self.mlp_types
+
     @property
     def attn_layer_ids(self) -> tuple[int, ...]:
         """Indices (into ``layer_types``) of the full-attention layers."""
@@ -104,18 +139,20 @@ class Qwen35MoeConfig:
     # ---- construction ----
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> Qwen35MoeConfig:
-        """Build from a HF config dict (``qwen3_5_moe`` with ``text_config``, or flat ``qwen3_5_moe_text``).
+        """Build from a HF config dict: ``qwen3_5_moe`` / ``qwen3_5`` with ``text_config``, or flat
+        ``qwen3_5_moe_text`` / ``qwen3_5_text`` / ``qwen3_next``.
 
         Raises:
             ValueError: unsupported ``model_type``, missing required field, or a ``rope_type`` other
                 than ``default``.
         """
         model_type = d.get("model_type")
-        if model_type not in _SUPPORTED_MODEL_TYPES:
+        if model_type not in _MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; expected one of {_SUPPORTED_MODEL_TYPES}")
-        if model_type == "qwen3_5_moe":
+        nested, moe_family = _MODEL_TYPES[model_type]
+        if nested:
             if not isinstance(d.get("text_config"), dict):
-                raise ValueError("qwen3_5_moe config has no 'text_config' dict")
+                raise ValueError(f"{model_type} config has no 'text_config' dict")
             outer = d
             t = d["text_config"]
         else:
@@ -157,6 +194,16 @@ class Qwen35MoeConfig:
             eos_ids = tuple(int(e) for e in eos)
 
         head_dim = int(get("head_dim", required=True))
+        if not moe_family:
+            mlp_types = ["dense"] * num_layers
+        elif model_type == "qwen3_next":  # HF Qwen3NextDecoderLayer: MoE unless listed or off the sparse step
+            only, step = set(get("mlp_only_layers") or ()), int(get("decoder_sparse_step", 1))
+            experts = int(get("num_experts", 0))
+            mlp_types = ["moe" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense"
+                         for i in range(num_layers)]
+        else:
+            mlp_types = ["moe"] * num_layers
+        moe = "moe" in mlp_types
         return cls(
             vocab_size=int(get("vocab_size", required=True)),
             hidden_size=int(get("hidden_size", required=True)),
@@ -178,10 +225,13 @@ class Qwen35MoeConfig:
             linear_value_head_dim=int(get("linear_value_head_dim", 128)),
             linear_num_key_heads=int(get("linear_num_key_heads", 16)),
             linear_num_value_heads=int(get("linear_num_value_heads", 32)),
-            num_experts=int(get("num_experts", required=True)),
-            num_experts_per_tok=int(get("num_experts_per_tok", required=True)),
-            moe_intermediate_size=int(get("moe_intermediate_size", required=True)),
-            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", required=True)),
+            num_experts=int(get("num_experts", required=moe)) if moe else 0,
+            num_experts_per_tok=int(get("num_experts_per_tok", required=moe)) if moe else 0,
+            moe_intermediate_size=int(get("moe_intermediate_size", required=moe)) if moe else 0,
+            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", required=moe)) if moe else 0,
+            intermediate_size=int(get("intermediate_size", required=True)) if "dense" in mlp_types else 0,
+            mlp_types=tuple(mlp_types),
+            gdn_fused_projections=model_type == "qwen3_next",
             norm_topk_prob=bool(get("norm_topk_prob", True)),
             hidden_act=str(get("hidden_act", "silu")),
             eos_token_id=eos_ids,

@@ -1,9 +1,9 @@
 """One batched model step over the paged KV cache and the GDN state slots (contract: docs/internals.md).
 
-Decoder layer (HF ``Qwen3_5MoeDecoderLayer``)::
+Decoder layer (HF ``Qwen3_5MoeDecoderLayer`` / ``Qwen3_5DecoderLayer`` / ``Qwen3NextDecoderLayer``)::
 
     h = h + mixer(rms_norm(h))        mixer: Gated DeltaNet or gated attention, per layer_types
-    h = h + moe(rms_norm(h))
+    h = h + mlp(rms_norm(h))          mlp: sparse MoE or dense SwiGLU, per mlp_types
 
 The layers run under one ``jax.lax.scan`` over groups of one layer period (model/stacking.py: 3 GDN +
 1 attention for Qwen3.5), so the compiled program holds each layer kind once whatever the depth; the
@@ -23,6 +23,7 @@ from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, g
 from sglang_tpu_qwen.kernels.gdn.conv_pool import pool_shape
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+from sglang_tpu_qwen.model.dense_mlp import dense_mlp
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_pooled
 from sglang_tpu_qwen.model.moe import moe_block
@@ -86,7 +87,8 @@ def forward_step(
             the recurrent GDN form, ``T > 1`` the chunked one.
         config: static model config.
         moe_fn: ``(moe_params, x [B, T, H], config) -> [B, T, H]``; default :func:`moe_block`. The
-            expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``.
+            expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``. Dense
+            MLP layers ignore it (their weights are whole on every device).
         backends: static kernel choice per layer kind and target platform (``kernels.dispatch``); None = the
             jnp reference in its accelerator forms.
 
@@ -126,7 +128,9 @@ def forward_step(
                 x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, gdn_i, config, backends.xla_cpu)
                 gdn_i += 1
             h = h + x
-            h = h + moe(lp["moe"], rms_norm(h, lp["post_attn_norm"], eps), config)
+            x = rms_norm(h, lp["post_attn_norm"], eps)
+            # A layer holds "moe" or "mlp" (model/param_layout.py, per config.mlp_types).
+            h = h + (moe(lp["moe"], x, config) if "moe" in lp else dense_mlp(lp["mlp"], x))
         return (h, k_cache, v_cache, conv, rec), None
 
     n_groups = config.num_hidden_layers // period

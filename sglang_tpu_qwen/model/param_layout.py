@@ -1,12 +1,17 @@
 """The parameter pytree's shapes (`param_specs`) and the HF checkpoint table that maps onto it.
 
-One table (`hf_table`) says, for every HF tensor of a Qwen3.5-MoE text model, its shape and where it
+One table (`hf_table`) says, for every HF tensor of a Qwen3.5 (MoE or dense) or Qwen3-Next text model, its
+shape and where it
 lands in the pytree; loading (model/weights.py) and saving (model/checkpoint_writer.py) both read it. HF
 names and shapes follow the reference model, transformers ``models/qwen3_5_moe/modeling_qwen3_5_moe.py``:
 linear weights are ``[out, in]`` (we store ``[in, out]``), ``conv1d.weight`` is ``[conv_dim, 1, K]``, fused
 experts are ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``;
 released checkpoints store experts one by one (``experts.{e}.gate_proj.weight [I, H]`` ...), which
-transformers fuses on load (its ``conversion_mapping.py``, ``qwen2_moe`` rules).
+transformers fuses on load (its ``conversion_mapping.py``, ``qwen2_moe`` rules). Dense layers hold
+``mlp.gate_proj / up_proj / down_proj`` (``Qwen3_5MLP``). Qwen3-Next (``modeling_qwen3_next.py``) stores
+the GDN input projections fused and grouped per key head: ``in_proj_qkvz [Hk * (2dk + 2r*dv), H]`` with
+rows ``[q_g, k_g, v_g, z_g]`` for each key head ``g`` (``r = Hv / Hk`` value heads per key head), and
+``in_proj_ba [Hk * 2r, H]`` with rows ``[b_g, a_g]``; the loader regroups them into our split leaves.
 """
 
 from __future__ import annotations
@@ -36,19 +41,55 @@ class HfSpec:
 
     same: identical; t: 2-D transpose; conv: [C, 1, K] -> [C, K];
     expert_t: leaf[expert] = tensor.T; fused_gate_up: [E, 2I, H] -> w_gate, w_up [E, H, I];
-    fused_down: [E, H, I] -> [E, I, H].
+    fused_down: [E, H, I] -> [E, I, H]; qkvz: Qwen3-Next's [Hk * (2dk + 2r*dv), H] -> in_proj_qkv,
+    in_proj_z; ba: [Hk * 2r, H] -> in_proj_b, in_proj_a (``groups``: the row widths of one key head's
+    group, in order, e.g. ``(dk, dk, r*dv, r*dv)``; see :func:`split_grouped`).
     """
 
     path: LeafPath
     hf_shape: tuple[int, ...]
     layout: str
     expert: int | None = None
+    groups: tuple[int, ...] = ()
+
+    def parts(self) -> list[tuple[str | None, LeafPath]]:
+        """``(part, leaf)`` for each leaf this tensor fills: ``w_gate`` and ``w_up`` for a fused gate_up,
+        ``in_proj_qkv`` / ``in_proj_z`` for a qkvz, ``in_proj_b`` / ``in_proj_a`` for a ba; else
+        ``[(None, path)]``."""
+        names = _PARTS.get(self.layout)
+        if names is None:
+            return [(None, self.path)]
+        return [(part, (*self.path, leaf)) for part, leaf in names]
 
     def targets(self) -> list[LeafPath]:
-        """The leaves this tensor fills: ``w_gate`` and ``w_up`` for a fused gate_up, else ``path``."""
-        if self.layout == "fused_gate_up":
-            return [(*self.path, "w_gate"), (*self.path, "w_up")]
-        return [self.path]
+        """The leaves this tensor fills (see :meth:`parts`)."""
+        return [leaf for _, leaf in self.parts()]
+
+
+# Layouts whose one HF tensor fills several leaves: (part name, leaf name under ``path``).
+_PARTS = {
+    "fused_gate_up": (("gate", "w_gate"), ("up", "w_up")),
+    "qkvz": (("qkv", "in_proj_qkv"), ("z", "in_proj_z")),
+    "ba": (("b", "in_proj_b"), ("a", "in_proj_a")),
+}
+
+
+def split_grouped(x: Any, groups: tuple[int, ...], part: str, xp: Any) -> Any:
+    """One part of a Qwen3-Next fused GDN projection, in HF ``[out, in]`` layout.
+
+    ``x`` is ``[Hk * sum(groups), H]``: for each key head, rows of widths ``groups``. For a qkvz
+    (``groups = (dk, dk, r*dv, r*dv)``) part ``"qkv"`` is ``[q of every head; k ...; v ...]`` and ``"z"`` the
+    z rows; for a ba (``groups = (r, r)``) ``"b"`` / ``"a"``. Key head ``g``'s value rows become value heads
+    ``g*r .. g*r + r - 1``, as HF's ``fix_query_key_value_ordering`` orders them. ``xp``: numpy or jax.numpy.
+    """
+    x = x.reshape(-1, sum(groups), x.shape[-1])
+    bounds = [0]
+    for w in groups:
+        bounds.append(bounds[-1] + w)
+    pieces = [x[:, a:b].reshape(-1, x.shape[-1]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if part == "qkv":
+        return xp.concatenate(pieces[:3], axis=0)
+    return pieces[{"z": 3, "b": 0, "a": 1}[part]]
 
 
 def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True) -> dict[str, Any]:
@@ -73,8 +114,12 @@ def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: 
             "shared_expert_gate": s(h, 1),
         }  # fmt: skip
 
+    def mlp() -> dict[str, Any]:
+        return {"gate_proj": s(h, c.intermediate_size), "up_proj": s(h, c.intermediate_size),
+                "down_proj": s(c.intermediate_size, h)}
+
     layers: list[dict[str, Any]] = []
-    for kind in c.layer_types:
+    for kind, mlp_kind in zip(c.layer_types, c.mlp_types, strict=True):
         layer: dict[str, Any] = {"input_norm": s(h), "post_attn_norm": s(h)}
         if kind == "full_attention":
             layer["attn"] = {
@@ -87,7 +132,10 @@ def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: 
                 "in_proj_b": s(h, hv), "in_proj_a": s(h, hv), "conv1d": s(c.gdn_conv_dim, k),
                 "dt_bias": s(hv), "A_log": s(hv, dt=jnp.float32), "norm": s(dv), "out_proj": s(hv * dv, h),
             }  # fmt: skip
-        layer["moe"] = moe()
+        if mlp_kind == "moe":
+            layer["moe"] = moe()
+        else:
+            layer["mlp"] = mlp()
         layers.append(layer)
     params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
     if not c.tie_word_embeddings:
@@ -116,6 +164,8 @@ def _hf_shape(layout: str, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (leaf_shape[0], 2 * leaf_shape[2], leaf_shape[1])
     if layout == "fused_down":
         return (leaf_shape[0], leaf_shape[2], leaf_shape[1])
+    if layout in ("qkvz", "ba"):  # not from one leaf's shape: see hf_table
+        return ()
     raise AssertionError(layout)
 
 
@@ -131,6 +181,7 @@ _MOE_DENSE = {
     "shared_expert_gate.weight": "shared_expert_gate",
 }  # fmt: skip
 _PER_EXPERT = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj")  # HF "layers.{i}.mlp.{name}.weight" -> our same-named leaf
 
 
 def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()) -> dict[str, HfSpec]:
@@ -152,10 +203,16 @@ def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()
         if kind == "full_attention":
             for leaf, layout in _ATTN.items():
                 add(f"{pre}self_attn.{leaf}.weight", (*lp, "attn", leaf), layout)
+        elif config.gdn_fused_projections:
+            _add_fused_gdn(table, add, config, pre, (*lp, "gdn"))
         else:
             for leaf, layout in _GDN.items():
                 suffix = "" if leaf in ("dt_bias", "A_log") else ".weight"
                 add(f"{pre}linear_attn.{leaf}{suffix}", (*lp, "gdn", leaf), layout)
+        if config.mlp_types[li] == "dense":
+            for leaf in _DENSE_MLP:
+                add(f"{pre}mlp.{leaf}.weight", (*lp, "mlp", leaf), "t")
+            continue
         mp = (*lp, "moe")
         for hf, leaf in _MOE_DENSE.items():
             add(f"{pre}mlp.{hf}", (*mp, leaf), "t")
@@ -173,6 +230,21 @@ def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()
     if not config.tie_word_embeddings:
         add("lm_head.weight", ("lm_head",), "same")
     return table
+
+
+def _add_fused_gdn(table: dict[str, HfSpec], add: Any, config: Qwen35MoeConfig, pre: str, gp: LeafPath) -> None:
+    """Qwen3-Next's GDN tensors: the fused ``in_proj_qkvz`` / ``in_proj_ba`` and the rest as in Qwen3.5."""
+    c = config
+    r = c.linear_num_value_heads // c.linear_num_key_heads
+    dk, dv, hk, h = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_key_heads, c.hidden_size
+    qkvz = (dk, dk, r * dv, r * dv)
+    table[f"{pre}linear_attn.in_proj_qkvz.weight"] = HfSpec(gp, (hk * sum(qkvz), h), "qkvz", groups=qkvz)
+    table[f"{pre}linear_attn.in_proj_ba.weight"] = HfSpec(gp, (hk * 2 * r, h), "ba", groups=(r, r))
+    for leaf, layout in _GDN.items():
+        if leaf in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            continue
+        suffix = "" if leaf in ("dt_bias", "A_log") else ".weight"
+        add(f"{pre}linear_attn.{leaf}{suffix}", (*gp, leaf), layout)
 
 
 def canonical_name(name: str) -> str | None:

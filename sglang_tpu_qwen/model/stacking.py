@@ -18,8 +18,9 @@ from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 
 def layer_period(config: Qwen35MoeConfig) -> int:
-    """Smallest p dividing the depth with ``layer_types[i] == layer_types[i % p]`` for every layer."""
-    types = config.layer_types
+    """Smallest p dividing the depth with layer ``i`` of the same kind as layer ``i % p`` for every layer
+    (kind: the mixer of ``layer_types`` and the MLP of ``mlp_types``)."""
+    types = list(zip(config.layer_types, config.mlp_types, strict=True))
     n = len(types)
     for p in range(1, n + 1):
         if n % p == 0 and all(types[i] == types[i % p] for i in range(n)):

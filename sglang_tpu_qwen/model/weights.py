@@ -32,6 +32,7 @@ from sglang_tpu_qwen.model.param_layout import (
     hf_table,
     leaf_at,
     param_specs,
+    split_grouped,
 )
 from sglang_tpu_qwen.model.safetensors_file import (
     FP8_DTYPES,
@@ -232,11 +233,8 @@ def _plan(
     np_dtype = np.dtype(dtype)
     by_leaf: dict[LeafPath, list[tuple[_Tensor, str | None]]] = {}
     for t in by_name.values():
-        if t.spec.layout == "fused_gate_up":
-            for part, target in zip(("gate", "up"), t.spec.targets(), strict=True):
-                by_leaf.setdefault(target, []).append((t, part))
-        else:
-            by_leaf.setdefault(t.spec.path, []).append((t, None))
+        for part, target in t.spec.parts():
+            by_leaf.setdefault(target, []).append((t, part))
     leaves: list[_Leaf] = []
     for path, ts in by_leaf.items():
         ts.sort(key=lambda tp: tp[0].spec.expert or 0)
@@ -310,7 +308,20 @@ def _read_leaf(leaf: _Leaf, experts: slice | None, block: tuple[int, int]) -> An
     for t, part in units:
         x, s = _hf_part(t, part, None if stack else experts, block)
         layout = t.spec.layout
-        if leaf.out_fp8 and leaf.stored_fp8 and x.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+        if layout in ("qkvz", "ba"):  # Qwen3-Next: regroup the rows per key head
+            aligned = all(w % block[0] == 0 for w in t.spec.groups)
+            if leaf.out_fp8 and leaf.stored_fp8 and aligned:
+                # Every part starts on a block row: q rows and scale rows regroup alike, bit for bit.
+                q = split_grouped(x, t.spec.groups, part, np).T  # type: ignore[arg-type]
+                sc = split_grouped(s, tuple(w // block[0] for w in t.spec.groups), part, np).T.astype(np.float32)  # type: ignore[arg-type]
+            else:  # dequantised (a block straddles two parts), then quantised again if the leaf is FP8
+                dense = fp8_blocks.dequantize(x, s, block) if s is not None else x
+                dense = split_grouped(dense, t.spec.groups, part, np).T  # type: ignore[arg-type]
+                if leaf.out_fp8:
+                    q, sc = fp8_blocks.quantize(dense, leaf_block if leaf.stored_fp8 else BLOCK)
+                else:
+                    q, sc = np.asarray(dense, dtype=leaf.dtype), None
+        elif leaf.out_fp8 and leaf.stored_fp8 and x.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
             q, sc = _to_leaf_layout(x, layout), _to_leaf_layout(s, layout).astype(np.float32)  # type: ignore[arg-type]
         else:
             dense = fp8_blocks.dequantize(x, s, block) if s is not None else x

@@ -1,7 +1,9 @@
 """One table from every parameter and cache array to its ``PartitionSpec`` on a :class:`mesh.Layout`.
 
 - experts (``w_gate``, ``w_up``, ``w_down``, and their FP8 scales): dim 0 split over ``expert``;
-- every other parameter (embeddings, attention, Gated DeltaNet, router, shared expert, norms): replicated;
+- every other parameter (embeddings, attention, Gated DeltaNet, router, shared expert, the dense SwiGLU MLP
+  of dense layers, norms): replicated, so under DP attention each rank holds a dense model whole
+  (docs/parallelism.md says what that costs against tensor parallelism);
 - KV pages (dim 1 of ``k``/``v``) and GDN slots (dim 1 of ``conv``/``rec``): split over the batch axes, so
   data-parallel rank ``r`` owns a contiguous block of pages and slots and addresses them by *local* ids
   (0 .. per-rank count - 1, local page 0 and slot 0 being that rank's trash targets);

@@ -14,7 +14,8 @@ def attention_flops_per_token(config: Qwen35MoeConfig, context: float) -> float:
 
 def analytic_flops_per_token(config: Qwen35MoeConfig, context: int) -> float:
     """Matmul flops (2 per multiply-add) of one token through the model at ``context`` visible keys,
-    counting the k routed experts, the shared expert, all projections and attention scores / values;
+    counting the k routed experts and the shared expert (or a dense layer's SwiGLU), all projections and
+    attention scores / values;
     not the lm_head (counted per row by the caller)."""
     c = config
     h, hd = c.hidden_size, c.head_dim
@@ -24,7 +25,8 @@ def analytic_flops_per_token(config: Qwen35MoeConfig, context: int) -> float:
     gdn = 2 * h * (c.gdn_conv_dim + hv * dv + 2 * hv) + 2 * hv * dv * h + 2 * 2 * hv * dk * dv
     moe = 2 * h * c.num_experts + c.num_experts_per_tok * 6 * h * c.moe_intermediate_size
     moe += 6 * h * c.shared_expert_intermediate_size
-    return float(c.num_attn_layers * attn + c.num_gdn_layers * gdn + c.num_hidden_layers * moe) + (
+    mlp = sum(moe if t == "moe" else 6 * h * c.intermediate_size for t in c.mlp_types)  # dense: one SwiGLU
+    return float(c.num_attn_layers * attn + c.num_gdn_layers * gdn + mlp) + (
         attention_flops_per_token(c, context))
 
 
