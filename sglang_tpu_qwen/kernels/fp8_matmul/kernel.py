@@ -293,6 +293,16 @@ def linear_tiles(m: int, k: int, n: int, itemsize: int = 2, vmem_budget: int = 3
                 break  # the widest fitting tn for this (tm, tk)
     if best is None:
         raise ValueError(f"no FP8 linear tiling of [{m}, {k}] @ [{k}, {n}] fits {vmem_budget} bytes of VMEM")
+    # The default tiles (128-row, 512-deep, N split evenly into at most 6144 columns) unless they move over 1%
+    # more: at decode (one row tile) they already read each weight once, and a block holding a whole small
+    # weight let XLA prefetch that weight's 15-layer stack into VMEM every layer (397B's k/v projections:
+    # +0.47 GiB per decode step).
+    tn0 = -(-n128 // -(-n128 // 6144) // 128) * 128
+    default = {"tm": min(m16, 128), "tk": min(512, k128), "tn": tn0}
+    d_cost = _cost(m, k, n, 1, itemsize, default["tm"], None, tiles_n=-(-n // tn0),
+                   tiles_k=-(-k // default["tk"])).bytes_accessed
+    if _vmem(default["tm"], default["tk"], tn0, 1, itemsize, k) <= vmem_budget and d_cost <= 1.01 * best[0]:
+        return default
     return best[2]
 
 
