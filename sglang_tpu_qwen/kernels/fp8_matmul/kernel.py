@@ -271,7 +271,8 @@ def linear_tiles(m: int, k: int, n: int, itemsize: int = 2, vmem_budget: int = 3
     weight again (its blocks change every step), so 128-row tiles at a 1024-token prefill read each weight 8
     times; one row tile reads it once, and x is read again per N tile unless it is one whole tile. Candidates:
     ``tm`` all rows (rounded to 16) or halves of it down to 128, ``tk`` all of K or 2048 / 1024 / 512 / 256,
-    ``tn`` the widest multiple of 128 splitting N evenly (at most 6144) that fits. Ties go to fewer grid steps."""
+    ``tn`` the widest multiple of 128 splitting N evenly (at most 6144, at least 256: the MXU's width) that
+    fits. Ties go to fewer grid steps."""
     best: tuple[float, int, dict[str, int]] | None = None
     m16 = -(-m // 16) * 16
     tms = [m16] + [t for t in (1024, 512, 256, 128) if t < m16]
@@ -284,6 +285,8 @@ def linear_tiles(m: int, k: int, n: int, itemsize: int = 2, vmem_budget: int = 3
                 if (n128 // 128) % parts:
                     continue  # N split evenly: no partial edge tile
                 tn = n128 // parts
+                if tn < min(256, n128):
+                    break  # narrower than the MXU (256 wide on Ironwood): fewer bytes, half the MXU idle
                 if _vmem(tm, tk, tn, 1, itemsize, k) > vmem_budget:
                     continue
                 steps = -(-m // tm) * -(-k // tk) * -(-n // tn)
