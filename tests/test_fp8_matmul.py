@@ -18,9 +18,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (
+    _cost,
     fp8_grouped_matmul,
     fp8_grouped_matmul_scatter_add,
     fp8_grouped_swiglu,
+    linear_tiles,
 )
 from sglang_tpu_qwen.kernels.fp8_matmul.reference import (
     dequantize_blocks,
@@ -252,6 +254,34 @@ def test_xla_path_and_linear():
         dense = xb @ dequantize_blocks(one.q, one.scale, one.block, jnp.float32)
         assert _rel(jax.jit(fp8.linear)(xb, one), dense) < TOL
         assert _rel(jax.jit(functools.partial(fp8.linear, interpret=True))(xb, one), dense) < TOL
+
+
+def test_linear_tiles_read_each_weight_once():
+    """A 1024-token prefill projection takes one row tile (its weight streamed once: 128-row tiles with
+    512-deep K tiles streamed it once per row tile, 8 times), and the kernel declares that traffic; a decode
+    step keeps the default tiles, already at one weight read. One row tile of 256 rows through ``linear``
+    (interpret) equals the dense product."""
+    m, k, n = 1024, 2048, 8192
+    t = linear_tiles(m, k, n)
+    assert t["tm"] == m
+
+    def declared(tiles: dict[str, int]) -> float:  # the pl.CostEstimate the kernel hands XLA
+        return _cost(m, k, n, 1, 2, tiles["tm"], None, tiles_n=-(-n // tiles["tn"]),
+                     tiles_k=-(-k // tiles["tk"])).bytes_accessed
+
+    own_min = k * n + 2 * m * k + 2 * m * n  # FP8 weight once, bf16 x read once, bf16 product written once
+    assert own_min <= declared(t) <= 1.01 * own_min
+    # The default 128-row tiles stream the weight once per row tile (what the kernel really moves).
+    assert declared({"tm": 128, "tk": 512, "tn": 4096}) > 7 * k * n
+    assert linear_tiles(8, 4096, 12288) == {"tm": 16, "tk": 512, "tn": 6144}
+
+    rng = np.random.default_rng(3)
+    w = _weights(rng, 1, 1024, 256, (128, 128))
+    one = fp8.Fp8Weight(q=w.q[0], scale=w.scale[0], block=w.block)
+    xs = jnp.asarray(rng.standard_normal((256, 1024)), jnp.float32)
+    assert linear_tiles(256, 1024, 256, 4)["tm"] == 256  # the default: two 512-deep K tiles, 2 weight reads
+    dense = xs @ dequantize_blocks(w.q[0], w.scale[0], w.block, jnp.float32)
+    assert _rel(jax.jit(functools.partial(fp8.linear, interpret=True))(xs, one), dense) < TOL
 
 
 def test_quantize_partial_blocks():

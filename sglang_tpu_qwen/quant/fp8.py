@@ -25,13 +25,11 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (
     fp8_grouped_matmul,
     fp8_grouped_matmul_scatter_add,
     fp8_grouped_swiglu,
+    linear_tiles,
 )
 from sglang_tpu_qwen.kernels.fp8_matmul.reference import dequantize_blocks
 
 BLOCK = (128, 128)
-# Tiles of the FP8 kernel for linear layers (one group): at most 6144 output columns by 512 input rows,
-# ~27 MiB of VMEM by the kernel's estimate (its limit stays under an Ironwood core's 64 MiB).
-LINEAR_TN, LINEAR_TK = 6144, 512
 # The forward multiplies Fp8Weight leaves directly (linear / grouped below): the loader keeps them FP8.
 FORWARD_CONSUMES_FP8 = True
 # Leaves the FP8 releases quantise (linear layers); embeddings, lm_head, router, gates, norms, conv and
@@ -432,11 +430,10 @@ def linear(x: jax.Array, w: Any, *, interpret: bool = False) -> jax.Array:
     flat = x.reshape(-1, k)
     q = LayerSlice(w.q.stack[:, None], w.q.index) if isinstance(w.q, LayerSlice) else w.q[None]
     one = Fp8Weight(q=q, scale=w.scale[None], block=w.block)
-    # One group covering every row: nothing past it to zero. The kernel reads x once per N tile, so a linear
-    # layer takes wide N tiles (at most LINEAR_TN columns, split evenly) and shallow K tiles to keep the
-    # weight tile's VMEM the same: a 4096 x 12288 projection reads its input twice instead of 12 times.
+    # One group covering every row: nothing past it to zero. Tiles by the fewest HBM bytes (linear_tiles):
+    # at a 1024-token prefill one row tile, so each weight is read once instead of once per 128-row tile.
     n = w.shape[-1]
-    tn = -(-n // -(-n // LINEAR_TN) // 128) * 128
+    tiles = linear_tiles(flat.shape[0], k, n, jnp.dtype(x.dtype).itemsize)
     out = _fp8_grouped(flat, one, jnp.full((1,), flat.shape[0], jnp.int32), x.dtype, interpret, None, zero_tail=False,
-                       tiles={"tn": tn, "tk": LINEAR_TK})
+                       tiles=tiles)
     return out.reshape(*lead, n)

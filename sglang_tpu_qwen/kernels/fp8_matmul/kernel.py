@@ -254,22 +254,89 @@ def _tile(dim: int, target: int, unit: int) -> int:
     return full if full <= target else target
 
 
+def _vmem(tm: int, tk: int, tn: int, n_w: int, itemsize: int, k_dim: int) -> int:
+    """VMEM bytes of one grid step by the kernel's estimate: double-buffered x, weight and output tiles, the
+    f32 accumulators, the dequantised weight tile and the scale tiles (the scatter and gather add theirs)."""
+    kb_pad = -(-k_dim // tk) * tk // 128
+    vmem = 2 * (tm * tk * itemsize + n_w * tk * tn + tm * tn * itemsize) + n_w * tm * tn * 4
+    return vmem + tk * tn * (itemsize + 4) + 2 * n_w * kb_pad * 128 * 4 + 2 * tm * 128 * 4
+
+
+def linear_tiles(m: int, k: int, n: int, itemsize: int = 2, vmem_budget: int = 32 * 2**20) -> dict[str, int]:
+    """Tiles ``{"tm", "tk", "tn"}`` for one group of ``m`` rows (a linear layer ``[m, k] @ [k, n]``) that move
+    the fewest HBM bytes by :func:`_cost`'s count within ``vmem_budget`` of :func:`_vmem` (the kernel's VMEM
+    limit is twice its estimate: 64 MiB, an Ironwood core's VMEM).
+
+    The grid walks (N tile, row tile, K tile): with more than one K tile every row tile streams the whole
+    weight again (its blocks change every step), so 128-row tiles at a 1024-token prefill read each weight 8
+    times; one row tile reads it once, and x is read again per N tile unless it is one whole tile. Candidates:
+    ``tm`` all rows (rounded to 16) or halves of it down to 128, ``tk`` all of K or 2048 / 1024 / 512 / 256,
+    ``tn`` the widest multiple of 128 splitting N evenly (at most 6144, at least 256: the MXU's width) that
+    fits. Ties go to fewer grid steps."""
+    best: tuple[float, int, dict[str, int]] | None = None
+    m16 = -(-m // 16) * 16
+    tms = [m16] + [t for t in (1024, 512, 256, 128) if t < m16]
+    k128 = -(-k // 128) * 128
+    tks = sorted({k128, *(t for t in (2048, 1024, 512, 256) if t < k128)}, reverse=True)
+    n128 = -(-n // 128) * 128
+    for tm in tms:
+        for tk in tks:
+            for parts in range(max(1, -(-n128 // 6144)), n128 // 128 + 1):
+                if (n128 // 128) % parts:
+                    continue  # N split evenly: no partial edge tile
+                tn = n128 // parts
+                if tn < min(256, n128):
+                    break  # narrower than the MXU (256 wide on Ironwood): fewer bytes, half the MXU idle
+                if _vmem(tm, tk, tn, 1, itemsize, k) > vmem_budget:
+                    continue
+                steps = -(-m // tm) * -(-k // tk) * -(-n // tn)
+                cost = _cost(m, k, n, 1, itemsize, tm, None, tiles_n=-(-n // tn), tiles_k=-(-k // tk)).bytes_accessed
+                if best is None or (cost, steps) < best[:2]:
+                    best = (cost, steps, {"tm": tm, "tk": tk, "tn": tn})
+                break  # the widest fitting tn for this (tm, tk)
+    if best is None:
+        raise ValueError(f"no FP8 linear tiling of [{m}, {k}] @ [{k}, {n}] fits {vmem_budget} bytes of VMEM")
+    # The default tiles (128-row, 512-deep, N split evenly into at most 6144 columns) unless they move over 1%
+    # more: at decode (one row tile) they already read each weight once, and a block holding a whole small
+    # weight let XLA prefetch that weight's 15-layer stack into VMEM every layer (397B's k/v projections:
+    # +0.47 GiB per decode step).
+    tn0 = -(-n128 // -(-n128 // 6144) // 128) * 128
+    default = {"tm": min(m16, 128), "tk": min(512, k128), "tn": tn0}
+    d_cost = _cost(m, k, n, 1, itemsize, default["tm"], None, tiles_n=-(-n // tn0),
+                   tiles_k=-(-k // default["tk"])).bytes_accessed
+    if _vmem(default["tm"], default["tk"], tn0, 1, itemsize, k) <= vmem_budget and d_cost <= 1.01 * best[0]:
+        return default
+    return best[2]
+
+
 def _cost(m: int, k: int, n: int, g: int, itemsize: int, tm: int, expected_rows: int | None,
           n_w: int = 1, scatter: bool = False, gather: bool = False, tiles_n: int = 1,
-          overwrites: int = 0, zeros: int = 0) -> pl.CostEstimate:
-    """XLA cannot see into the kernel; this is its traffic. Weights (``n_w`` of them): FP8 bytes of the groups
-    that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them for rows routed uniformly (all G when
-    ``expected_rows`` is None); scales once per visited group; activations for the row tiles the groups
-    visit (the rows they cover plus one shared tile per group boundary; tiles past the groups are not read
-    or written): read once per N tile (the grid walks the row tiles again for each), written once. A gather
-    reads the covered rows only; a scatter reads and writes each covered row's destination instead of
-    writing the output (``overwrites`` of them only written), and writes the ``zeros`` rows it zeroes."""
+          overwrites: int = 0, zeros: int = 0, tiles_k: int = 1) -> pl.CostEstimate:
+    """XLA cannot see into the kernel; this is its traffic, counted the way Pallas's pipeline moves blocks (a
+    block is copied in only when its index differs from the previous grid step's, written back when the
+    output's index changes).
+
+    Weights (``n_w`` of them): FP8 bytes of the groups that have rows, ``G * (1 - (1 - 1/G) ** rows)`` of them
+    for rows routed uniformly (all G when ``expected_rows`` is None), and scales once per visited group: each
+    once when the K axis has one tile (a group's visits keep its block), else once per visit (the K blocks
+    change every step: a group spanning r row tiles streams its weight r times). Activations: the row tiles
+    the groups cover (the rows, rounded up to whole tiles) read once per N tile, or once in all when they
+    are one tile and K one tile (the block never changes); with several K tiles, a tile shared by two groups
+    is read once per group. Outputs: the covered tiles, written once. A gather reads the covered rows only,
+    once per N tile; a scatter reads and writes each covered row's destination instead of writing the
+    output (``overwrites`` of them only written), and writes the ``zeros`` rows it zeroes."""
     rows = m if expected_rows is None else expected_rows
     active = g * (1.0 - (1.0 - 1.0 / g) ** rows) if expected_rows is not None else g
-    weight = n_w * active * (k * n + 4 * -(-k // 128) * -(-n // 128))
-    visited = min(m, rows + int(active) * tm)
-    out_rows = 2 * rows - min(overwrites, rows) + zeros if scatter else visited
-    acts = tiles_n * (rows if gather else visited) * k * itemsize + out_rows * n * itemsize
+    covered = min(m, -(-rows // tm) * tm)
+    visits = min(-(-m // tm) + g - 1, -(-rows // tm) + max(int(active) - 1, 0))
+    per_group = k * n + 4 * -(-k // 128) * -(-n // 128)
+    weight = n_w * (active if tiles_k == 1 else max(active, visits)) * per_group
+    if tiles_k == 1:
+        x_rows = covered if covered <= tm else tiles_n * covered
+    else:
+        x_rows = tiles_n * min(m, rows + int(active) * tm)
+    out_rows = 2 * rows - min(overwrites, rows) + zeros if scatter else covered
+    acts = (tiles_n * rows if gather else x_rows) * k * itemsize + out_rows * n * itemsize
     return pl.CostEstimate(flops=2 * n_w * rows * k * n, transcendentals=rows * n if n_w == 2 else 0,
                            bytes_accessed=int(weight + acts))
 
@@ -495,8 +562,7 @@ def _grouped_call(
                                row_scale=row_scale is not None, scatter=scatter is not None,
                                gather=gather is not None, acc_in=scatter is not None and scatter[1] is not None,
                                zeroing=scatter is not None and scatter[3] is not None)
-    vmem = 2 * (tm * tk * x.dtype.itemsize + n_w * tk * tn + tm * tn * x.dtype.itemsize) + n_w * tm * tn * 4
-    vmem += tk * tn * (x.dtype.itemsize + 4) + 2 * n_w * kb_pad * 128 * 4 + 2 * tm * 128 * 4
+    vmem = _vmem(tm, tk, tn, n_w, x.dtype.itemsize, k_dim)
     weight_specs = [
         pl.BlockSpec((None, None, tk, tn), lambda j, t, kk, lay, gr, ti, *_: (lay[0], gr[t], kk, j)),
         pl.BlockSpec((1, 1, kb_pad, tn // b1), lambda j, t, kk, lay, gr, ti, *_: (gr[t], j, 0, 0)),
@@ -578,7 +644,7 @@ def _grouped_call(
         interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
             pltpu.InterpretParams() if interpret else False),
         cost_estimate=_cost(m, k_dim, n, g, x.dtype.itemsize, tm, expected_rows, n_w, scatter is not None,
-                            gather is not None, tiles_n, *scatter_counts),
+                            gather is not None, tiles_n, *scatter_counts, tiles_k=tiles_k),
     )(layer_arr, group, tile, starts, ends, total, x, *operands)
     if scatter is not None:
         return out
