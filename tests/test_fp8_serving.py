@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import record  # noqa: E402
+from emulated_devices import run_on_devices  # noqa: E402
 
 from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint  # noqa: E402
@@ -165,15 +163,8 @@ def test_fp8_checkpoint_one_device(checkpoints) -> None:
 
 def test_fp8_checkpoint_dp4_ep4(checkpoints) -> None:
     model_dir, want, n_quantised = checkpoints
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + (
-        " --xla_force_host_platform_device_count=4 --xla_cpu_use_xnnpack=false"
-        " --xla_cpu_enable_concurrency_optimized_scheduler=false"))
-    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_fp8_serving import _serve; "
+    code = ("import json; from test_fp8_serving import _serve; "
             f"print('RESULT ' + json.dumps(_serve({str(model_dir)!r}, dp_size=4, ep_size=4)))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).resolve().parent.parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    got = json.loads(lines[-1][len("RESULT "):])
+    got = run_on_devices(code, 4)
     assert got["devices"] == 4
     _check(got, want, n_quantised, "dp4 ep4")

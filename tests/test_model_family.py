@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import record  # noqa: E402
+from emulated_devices import run_on_devices  # noqa: E402
 from test_model_reference import LOGIT_TOL, _Batch, _randomise  # noqa: E402
 
 from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint  # noqa: E402
@@ -324,10 +325,6 @@ def serve_greedy(model_dir: str, prompts: list[list[int]], num_new: int, **paral
 
 
 def test_dense_fp8_checkpoint_served_dp4_ep4_matches_hf(tmp_path_factory: pytest.TempPathFactory) -> None:
-    import os
-    import subprocess
-    import sys
-
     model, config, _, path = _build("dense_untied-fp8", str(tmp_path_factory.getbasetemp()))
     prompts = [[5, 77, 301, 12, 9, 450, 3], list(range(20, 61, 3)), [400, 2, 2, 2, 511, 17]]
     want = []
@@ -335,16 +332,9 @@ def test_dense_fp8_checkpoint_served_dp4_ep4_matches_hf(tmp_path_factory: pytest
         for ids in prompts:
             want.append(model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)[0, len(ids):].tolist())
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + (
-        " --xla_force_host_platform_device_count=4 --xla_cpu_use_xnnpack=false"
-        " --xla_cpu_enable_concurrency_optimized_scheduler=false"))
-    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_model_family import serve_greedy; "
+    code = ("import json; from test_model_family import serve_greedy; "
             f"print('RESULT ' + json.dumps(serve_greedy({str(path)!r}, {prompts!r}, 8, dp_size=4, ep_size=4)))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).resolve().parent.parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    got = json.loads(lines[-1][len("RESULT "):])
+    got = run_on_devices(code, 4)
     assert got["tokens"] == want, (got["tokens"], want)
     assert len(got["mlp_bytes_per_device"]) == 4
     assert set(got["mlp_bytes_per_device"].values()) == {got["mlp_bytes"]}  # the whole MLP on each rank
