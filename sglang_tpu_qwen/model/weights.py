@@ -347,7 +347,7 @@ def _read_leaf(leaf: _Leaf, experts: slice | None, block: tuple[int, int]) -> An
                 q, sc = fp8_blocks.quantize(dense, leaf_block if leaf.stored_fp8 else BLOCK)
             else:
                 q, sc = np.asarray(dense, dtype=leaf.dtype), None
-        outs_q.append(np.ascontiguousarray(q))
+        outs_q.append(np.ascontiguousarray(q).reshape(q.shape))  # ascontiguousarray makes a 0-d array 1-d
         if sc is not None:
             outs_s.append(np.ascontiguousarray(sc))
         _mark_read(t, None if stack else experts)
@@ -494,8 +494,11 @@ def load_params(
             def read(g: int | None, experts: slice | None, out: _OutLeaf = out) -> Any:
                 member = out.members[0 if g is None else g]
                 host = _read_leaf(member, experts, plan.block)
-                n = member.shape[0]
-                bar.update(member.nbytes * len(range(*experts.indices(n))) // n if experts else member.nbytes)
+                if experts is None:  # the whole leaf (a scalar KV cache scale has no rows to split)
+                    bar.update(member.nbytes)
+                else:
+                    n = member.shape[0]
+                    bar.update(member.nbytes * len(range(*experts.indices(n))) // n)
                 return host
 
             value = place(out.abstract, leaf_at(sh_tree, out.path), read, out.stacked)
