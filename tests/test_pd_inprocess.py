@@ -75,13 +75,12 @@ def test_split_4_4_matches_colocated(split, fp8_engine):
     prompts = mixed_prompts()
     sp = [{"temperature": 0, "max_new_tokens": 8 + 4 * (i % 3)} for i in range(len(prompts))]
     want = []
-    for p, s in zip(prompts, sp, strict=True):  # every request a prefix-cache miss
+    for p, s in zip(prompts, sp, strict=True):  # a prefix-cache miss, then the same request hitting it
         assert engine.flush_cache()
         want.append(engine.generate(input_ids=p, sampling_params=s)["output_ids"])
-    # Hits: the same prompts again, now cached (colocated hit == miss).
-    again = [engine.generate(input_ids=p, sampling_params=s) for p, s in zip(prompts, sp, strict=True)]
-    assert all(r["meta_info"]["cached_tokens"] > 0 for r, p in zip(again, prompts, strict=True) if len(p) >= 64)
-    assert [r["output_ids"] for r in again] == want
+        hit = engine.generate(input_ids=p, sampling_params=s)
+        assert hit["output_ids"] == want[-1]
+        assert hit["meta_info"]["cached_tokens"] > 0 or len(p) < 64
     before = d_info["transfers_done"]
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -93,12 +92,15 @@ def test_split_4_4_matches_colocated(split, fp8_engine):
         assert r.status_code == 200, r.text
     assert [r.json()["output_ids"] for r in replies] == want
     assert decode.info()["disaggregation"]["transfers_done"] - before == len(prompts)
-    # Through PD again: the prefill server's prefix cache now hits, and the tokens stay the misses' tokens.
-    hits = [httpx.post(router.url + "/generate", timeout=300, json={"input_ids": p, "sampling_params": s})
-            for p, s in zip(prompts, sp, strict=True)]
-    assert all(r.status_code == 200 for r in hits), [r.text for r in hits]
-    assert all(r.json()["meta_info"]["cached_tokens"] > 0 for r, p in zip(hits, prompts, strict=True) if len(p) >= 64)
-    assert [r.json()["output_ids"] for r in hits] == want
+    # Through PD, long prompts sent twice in a row: the second hits the prefill server's prefix cache (its
+    # snapshot budget is small, so right after the first) and gives the colocated miss's tokens.
+    for i in (3, 6, 7):
+        for _ in range(2):
+            r = httpx.post(router.url + "/generate", timeout=300, json={"input_ids": prompts[i],
+                                                                        "sampling_params": sp[i]})
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == want[i]
+        assert r.json()["meta_info"]["cached_tokens"] > 0, r.json()["meta_info"]
     record("pd", f"in-process PD (colocated-split, 8 emulated devices 4/4, dp4 ep4 meshes, FP8 KV pages) via smg: 8 "
                  f"concurrent prompts token-identical to colocated FP8, misses and prefix-cache hits, {elapsed:.1f} s")
     assert_idle_and_free(prefill)
