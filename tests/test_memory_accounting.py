@@ -74,7 +74,8 @@ def test_engine_memory_usage(engine) -> None:
     assert usage["token_capacity"] == (runner.sizing.num_pages - 1) * runner.sizing.page_size
     info = engine.get_server_info()
     assert info["internal_states"] == [{"memory_usage": usage}]
-    assert np.dtype(runner.cache["k"].dtype) == np.dtype(runner.dtype)
+    assert np.dtype(runner.cache["k"].dtype) == np.dtype(runner.dtype) == np.dtype(runner.kv_dtype)  # auto
+    assert (info["kv_cache_dtype"], usage["kv_cache_dtype"]) == ("auto", np.dtype(runner.dtype).name)
 
 
 def test_server_info_shows_memory_usage(server) -> None:
