@@ -192,3 +192,25 @@ def test_flush_refused_while_running(warm):
     assert warm.flush_cache() is False
     list(it)
     _assert_all_free(warm)
+
+
+def test_host_store_keeps_pending_device_copies_until_done():
+    """A demotion's device copy is pending until settle() finds it done; then only host arrays remain."""
+    import jax.numpy as jnp
+
+    from sglang_tpu_qwen.memory.host_budget import HostMemoryGuard
+    from sglang_tpu_qwen.memory.host_snapshots import HostSnapshotStore
+
+    store = HostSnapshotStore(2**20, guard=HostMemoryGuard(reserve_bytes=0))
+    conv, rec = jnp.arange(6.0).reshape(1, 2, 3), jnp.ones((1, 2, 2, 2))
+    conv.copy_to_host_async()
+    hid = store.put(conv, rec)
+    assert store.num_pending == 1 and store.used_bytes == conv.nbytes + rec.nbytes
+    assert store.get(hid)[0] is conv  # a hit now uploads from the device copy
+    conv.block_until_ready(), rec.block_until_ready()
+    store.settle()
+    got = store.get(hid)
+    assert store.num_pending == 0 and all(isinstance(a, np.ndarray) for a in got)
+    np.testing.assert_array_equal(got[0], np.arange(6.0).reshape(1, 2, 3))
+    store.drop(hid)
+    assert len(store) == store.used_bytes == store.num_pending == 0

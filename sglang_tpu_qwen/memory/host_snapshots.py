@@ -8,8 +8,8 @@ can never be mistaken for device slot ids.
 Demotion does not wait for the device. An entry arrives as device arrays whose copy to the host has
 started (gdn_state.read_slot_async); it stays *pending* until `settle` finds the copy done and keeps only
 the host arrays (freeing the device copy). A hit on a pending entry uploads from the device copy, with no
-host round trip. At most MAX_PENDING entries are pending: beyond that the oldest is waited for, which
-bounds the device memory the tier borrows (Qwen3.5-397B: ~184 MiB per fp32 snapshot).
+host round trip. Pending entries hold at most MAX_PENDING_BYTES of device memory (Qwen3.5-397B: ~5 fp32
+snapshots of ~184 MiB; thousands of the embedded model's): beyond that the oldest is waited for.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from sglang_tpu_qwen.memory.host_budget import HostMemoryGuard
 
 HOST_ID_BASE = 1 << 30
-MAX_PENDING = 8
+MAX_PENDING_BYTES = 1 << 30
 
 
 def is_host_id(snapshot_id: int) -> bool:
@@ -43,7 +43,8 @@ class HostSnapshotStore:
         self.refused_low_memory = 0  # demotions the guard refused
         self._guard = guard if guard is not None or budget_bytes <= 0 else HostMemoryGuard()
         self._data: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
-        self._pending: OrderedDict[int, None] = OrderedDict()  # ids whose arrays are still device arrays
+        self._pending: OrderedDict[int, int] = OrderedDict()  # id -> bytes, while its arrays are device arrays
+        self._pending_bytes = 0
         self._ids = itertools.count(HOST_ID_BASE)
 
     def __len__(self) -> int:
@@ -75,13 +76,15 @@ class HostSnapshotStore:
 
     def put(self, conv: Any, rec: Any) -> int:
         """Store copies (numpy arrays, or device arrays whose host copy started: pending); returns the new
-        host id. With more than MAX_PENDING pending entries, waits for the oldest one's transfer."""
+        host id. With more than MAX_PENDING_BYTES pending, waits for the oldest ones' transfers."""
         hid = next(self._ids)
+        nbytes = conv.nbytes + rec.nbytes
         self._data[hid] = (conv, rec)
-        self.used_bytes += conv.nbytes + rec.nbytes
+        self.used_bytes += nbytes
         if not isinstance(conv, np.ndarray):
-            self._pending[hid] = None
-            while len(self._pending) > MAX_PENDING:
+            self._pending[hid] = nbytes
+            self._pending_bytes += nbytes
+            while self._pending_bytes > MAX_PENDING_BYTES and len(self._pending) > 1:
                 self._to_host(next(iter(self._pending)))
         return hid
 
@@ -96,7 +99,7 @@ class HostSnapshotStore:
     def _to_host(self, hid: int) -> None:
         conv, rec = self._data[hid]
         self._data[hid] = (np.asarray(conv), np.asarray(rec))
-        del self._pending[hid]
+        self._pending_bytes -= self._pending.pop(hid)
 
     def get(self, hid: int) -> tuple[Any, Any]:
         """The arrays of a host id, host or (pending) device ones; marks it most recently used. Raises
@@ -106,5 +109,5 @@ class HostSnapshotStore:
 
     def drop(self, hid: int) -> None:
         conv, rec = self._data.pop(hid)
-        self._pending.pop(hid, None)
+        self._pending_bytes -= self._pending.pop(hid, 0)
         self.used_bytes -= conv.nbytes + rec.nbytes
