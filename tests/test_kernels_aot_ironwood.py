@@ -78,22 +78,43 @@ def _report(name: str, compiled, in_place: bool = True) -> None:
     assert mem.temp_size_in_bytes < 64 * 2**20
 
 
-@pytest.mark.parametrize(("batch", "tokens"), [(64, 1), (4, 256)], ids=["decode", "prefill"])
-def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens: int) -> None:
+# FP8 pages compile (Mosaic takes the 1-byte page tiles, the in-kernel upcast and the float32 scales in SMEM) and
+# the pool is aliased in place at half the bf16 bytes, but XLA gives the [L, N, page, 2, 256] float8 pool a
+# layout other than the kernel's and copies it in and out around the call (temp = 2x the pool): a known gap,
+# kept visible here (strict: the test fails once the copy is gone, so the mark gets removed).
+_FP8_RELAYOUT = pytest.mark.xfail(raises=AssertionError, strict=True,
+                                  reason="XLA relayouts the float8 page pool around the kernel (temp 2x the pool)")
+
+
+@pytest.mark.parametrize(("batch", "tokens", "kv_dtype"),
+                         [(64, 1, jnp.bfloat16), (4, 256, jnp.bfloat16),
+                          pytest.param(64, 1, jnp.float8_e4m3fn, marks=_FP8_RELAYOUT)],
+                         ids=["decode", "prefill", "decode-fp8"])
+def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens: int, kv_dtype) -> None:
+    """bf16 pages, and FP8 pages (--kv-cache-dtype fp8_e4m3: 1-byte tiles, in-kernel upcast, scales from SMEM,
+    traced as the model passes them) aliased in place at half the cache bytes."""
     layers, pages, pages_per_seq = 15, 256, 16
     fn = functools.partial(ragged_paged_attention, block_sizes=block_sizes_for(HD, PAGE, "TPU7x"))
-    compiled = jax.jit(fn, donate_argnums=(3, 4)).lower(
+    fp8 = kv_dtype == jnp.float8_e4m3fn
+    args = [
         _spec((batch, tokens, NQ, HD), jnp.bfloat16, device),
         _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
         _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
-        _spec((layers, pages, PAGE, NKV, HD), jnp.bfloat16, device),
-        _spec((layers, pages, PAGE, NKV, HD), jnp.bfloat16, device),
+        _spec((layers, pages, PAGE, NKV, HD), kv_dtype, device),
+        _spec((layers, pages, PAGE, NKV, HD), kv_dtype, device),
         _spec((), jnp.int32, device),
         _spec((batch,), jnp.int32, device),
         _spec((batch,), jnp.int32, device),
         _spec((batch, pages_per_seq), jnp.int32, device),
-    ).compile()
-    _report(f"ragged_paged_attention[{batch}x{tokens}]", compiled)
+    ]
+    if fp8:
+        scaled = fn
+        fn = lambda *a: scaled(*a[:-2], k_scale=a[-2], v_scale=a[-1])  # noqa: E731
+        args += [_spec((), jnp.float32, device), _spec((), jnp.float32, device)]
+    compiled = jax.jit(fn, donate_argnums=(3, 4)).lower(*args).compile()
+    cache_bytes = 2 * layers * pages * PAGE * NKV * HD * jnp.dtype(kv_dtype).itemsize
+    assert compiled.memory_analysis().alias_size_in_bytes == cache_bytes  # FP8: half the bf16 pool, in place
+    _report(f"ragged_paged_attention[{batch}x{tokens}, {jnp.dtype(kv_dtype).name} pages]", compiled)
 
 
 @pytest.mark.parametrize(("batch", "tokens"), [(16, 1), (2, 256)], ids=["decode", "prefill"])

@@ -26,7 +26,8 @@ def _config() -> Qwen35MoeConfig:
     })  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_dtype, state_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+@pytest.mark.parametrize("kv_dtype, state_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                                   (jnp.float8_e4m3fn, jnp.float32)])
 def test_cache_units_follow_the_dtypes(kv_dtype, state_dtype) -> None:
     c = _config()
     u = cache_units(c, 16, kv_dtype, state_dtype)
@@ -73,7 +74,8 @@ def test_engine_memory_usage(engine) -> None:
     assert usage["token_capacity"] == (runner.sizing.num_pages - 1) * runner.sizing.page_size
     info = engine.get_server_info()
     assert info["internal_states"] == [{"memory_usage": usage}]
-    assert np.dtype(runner.cache["k"].dtype) == np.dtype(runner.dtype)
+    assert np.dtype(runner.cache["k"].dtype) == np.dtype(runner.dtype) == np.dtype(runner.kv_dtype)  # auto
+    assert (info["kv_cache_dtype"], usage["kv_cache_dtype"]) == ("auto", np.dtype(runner.dtype).name)
 
 
 def test_server_info_shows_memory_usage(server) -> None:
@@ -82,3 +84,17 @@ def test_server_info_shows_memory_usage(server) -> None:
     assert {"weight", "kvcache", "token_capacity"} <= usage.keys() and usage["weight"] > 0
     assert usage == memory_accounting.memory_usage(server.engine.runner.params, server.engine.runner.cache,
                                                    usage["token_capacity"])[0]
+
+
+def test_kv_cache_dtype_resolves_and_fp8_pool_holds_twice_the_tokens() -> None:
+    from sglang_tpu_qwen.engine.runner.sizing import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", jnp.float32) == jnp.float32  # auto: the compute dtype, unchanged
+    assert resolve_kv_dtype("bf16", jnp.float32) == resolve_kv_dtype("bfloat16", jnp.float32) == jnp.bfloat16
+    assert resolve_kv_dtype("fp8_e4m3", jnp.bfloat16) == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        resolve_kv_dtype("fp8_e5m2", jnp.bfloat16)
+    c, dev = _config(), _Device(8 * GB)
+    bf16 = kv_pool_tokens(dev, 0.5, GB, 10, cache_units(c, 16, jnp.bfloat16, jnp.float32))
+    fp8 = kv_pool_tokens(dev, 0.5, GB, 10, cache_units(c, 16, jnp.float8_e4m3fn, jnp.float32))
+    assert abs(fp8 - 2 * bf16) <= 2 * 16  # the same bytes, twice the tokens (page rounding aside)

@@ -2,7 +2,9 @@
 
 One launch_server subprocess on 8 emulated CPU devices serves a prefill engine on devices 0-3 and a decode
 engine on devices 4-7 (each a dp 4 / ep 4 mesh), each on its own HTTP port; request state moves with
-`jax.device_put` (the in-process backend). Outputs must equal the colocated single-device engine of conftest.
+`jax.device_put` (the in-process backend). Both serve FP8 KV pages (--kv-cache-dtype fp8_e4m3: the transfer
+carries float8_e4m3fn pages); outputs must equal a colocated single-device engine with FP8 pages, both when
+every request misses the prefix cache and when it hits (auto pages through PD: tests/test_pd_tcp.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port, record
+from conftest import ENGINE_KWARGS, free_port, record
 from pd_harness import SMALL, RouterProc, ServerProc, assert_idle_and_free, mixed_prompts
 
 XLA_8_DEVICES = ("--xla_force_host_platform_device_count=8 --xla_cpu_use_xnnpack=false "
@@ -27,7 +29,7 @@ def split(tmp_path_factory):
     # Each engine: data-parallel attention over its 4 devices, experts split 4 ways (docs/internals.md, "parallel/").
     # --chunked-prefill-size is split over the DP ranks (SGLang's rule): 256 keeps SMALL's 64 tokens per rank.
     server = ServerProc.start(logs, "split", [*SMALL, "--dp-size", "4", "--ep-size", "4",
-                                              "--chunked-prefill-size", "256",
+                                              "--chunked-prefill-size", "256", "--kv-cache-dtype", "fp8_e4m3",
                                               "--disaggregation-mode", "colocated-split",
                                               "--disaggregation-prefill-devices", "4",
                                               "--disaggregation-decode-port", str(dport),
@@ -44,17 +46,41 @@ def split(tmp_path_factory):
         server.stop()
 
 
-def test_split_4_4_matches_colocated(split, engine):
+@pytest.fixture(scope="module")
+def fp8_engine():
+    """The colocated reference: conftest's engine settings with FP8 KV pages."""
+    from sglang_tpu_qwen.engine.engine import Engine
+
+    eng = Engine(**{**ENGINE_KWARGS, "kv_cache_dtype": "fp8_e4m3"})
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def test_split_4_4_matches_colocated(split, fp8_engine):
     prefill, decode, router = split
+    engine = fp8_engine
     p_info, d_info = prefill.info()["disaggregation"], decode.info()["disaggregation"]
     assert p_info["mode"] == "prefill" and d_info["mode"] == "decode"
     assert p_info["transfer_backend"] == d_info["transfer_backend"] == "inprocess"
     # Device ids: each engine's mesh spans its own group of the 8.
     assert p_info["devices"] == [0, 1, 2, 3] and d_info["devices"] == [4, 5, 6, 7], (p_info, d_info)
 
+    for info in (prefill.info(), decode.info(), engine.get_server_info()):
+        assert info["kv_cache_dtype"] == "fp8_e4m3"
+        assert {u["kv_cache_dtype"] for u in (x["memory_usage"] for x in info["internal_states"])} == {
+            "float8_e4m3fn"}
+
     prompts = mixed_prompts()
     sp = [{"temperature": 0, "max_new_tokens": 8 + 4 * (i % 3)} for i in range(len(prompts))]
-    want = [engine.generate(input_ids=p, sampling_params=s)["output_ids"] for p, s in zip(prompts, sp, strict=True)]
+    want = []
+    for p, s in zip(prompts, sp, strict=True):  # a prefix-cache miss, then the same request hitting it
+        assert engine.flush_cache()
+        want.append(engine.generate(input_ids=p, sampling_params=s)["output_ids"])
+        hit = engine.generate(input_ids=p, sampling_params=s)
+        assert hit["output_ids"] == want[-1]
+        assert hit["meta_info"]["cached_tokens"] > 0 or len(p) < 64
     before = d_info["transfers_done"]
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -66,7 +92,16 @@ def test_split_4_4_matches_colocated(split, engine):
         assert r.status_code == 200, r.text
     assert [r.json()["output_ids"] for r in replies] == want
     assert decode.info()["disaggregation"]["transfers_done"] - before == len(prompts)
-    record("pd", f"in-process PD (colocated-split, 8 emulated devices 4/4, dp4 ep4 meshes) via smg: 8 concurrent "
-                 f"prompts token-identical to colocated, {elapsed:.1f} s")
+    # Through PD, long prompts sent twice in a row: the second hits the prefill server's prefix cache (its
+    # snapshot budget is small, so right after the first) and gives the colocated miss's tokens.
+    for i in (3, 6, 7):
+        for _ in range(2):
+            r = httpx.post(router.url + "/generate", timeout=300, json={"input_ids": prompts[i],
+                                                                        "sampling_params": sp[i]})
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == want[i]
+        assert r.json()["meta_info"]["cached_tokens"] > 0, r.json()["meta_info"]
+    record("pd", f"in-process PD (colocated-split, 8 emulated devices 4/4, dp4 ep4 meshes, FP8 KV pages) via smg: 8 "
+                 f"concurrent prompts token-identical to colocated FP8, misses and prefix-cache hits, {elapsed:.1f} s")
     assert_idle_and_free(prefill)
     assert_idle_and_free(decode)

@@ -31,7 +31,7 @@ LAYOUT = StateLayout(fingerprint="abc", kv_dtype="float32", state_dtype="float32
 def test_frame_round_trip_keeps_dtypes_and_shapes():
     a, b = socket.socketpair()
     arrays = [np.arange(24, dtype=np.float32).reshape(2, 3, 4), np.ones((5,), ml_dtypes.bfloat16),
-              np.zeros((0, 3), np.int32)]
+              np.zeros((0, 3), np.int32), np.linspace(-448, 448, 12).astype(ml_dtypes.float8_e4m3fn).reshape(2, 6)]
     send_message(a, Message({"kind": "kv", "start": 0, "end": 3}, arrays))
     got = recv_message(b)
     assert got.meta == {"kind": "kv", "start": 0, "end": 3}
@@ -49,6 +49,12 @@ def test_layout_mismatch_names_the_fields():
     assert "kv_dtype: prefill bfloat16 vs decode float32" in e.value.message
     assert "rec_shape" in e.value.message and "fingerprint" not in e.value.message
     assert StateLayout.from_json(LAYOUT.to_json()) == LAYOUT
+    # FP8 pages on one side only (--kv-cache-dtype fp8_e4m3 vs auto): refused, naming the flag.
+    fp8 = StateLayout(**{**LAYOUT.__dict__, "kv_dtype": "float8_e4m3fn"})
+    with pytest.raises(TransferError) as e:
+        StateLayout(**{**LAYOUT.__dict__, "kv_dtype": "bfloat16"}).check_matches(fp8)
+    assert "kv_dtype: prefill float8_e4m3fn vs decode bfloat16" in e.value.message
+    assert "--kv-cache-dtype" in e.value.message
 
 
 def _reqs(ns: list[int]) -> list:

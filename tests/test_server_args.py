@@ -14,11 +14,13 @@ def test_sglang_flag_names_parse():
     assert (args.model_path, args.page_size, args.chunked_prefill_size) == ("/m", 32, 256)
     assert (args.max_running_requests, args.enable_metrics, args.disable_radix_cache) == (7, True, True)
     assert (args.mem_fraction_static, args.gdn_snapshot_host_gb) == (0.5, 1.5)
+    assert ServerArgs().kv_cache_dtype == "auto"
+    assert prepare_server_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
 
 
 @pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--page-size", "0"], ["--schedule-policy", "random"],
                                   ["--top-p", "0.5"], ["--mem-fraction-static", "2"],
-                                  ["--gdn-snapshot-host-gb", "-1"]])
+                                  ["--gdn-snapshot-host-gb", "-1"], ["--kv-cache-dtype", "fp8_e5m2"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         prepare_server_args(argv)

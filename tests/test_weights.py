@@ -187,6 +187,35 @@ def test_wrong_shape(tmp_path: Path) -> None:
     assert "expected shape (16, 32)" in msg and "found (32, 16)" in msg
 
 
+@pytest.mark.parametrize("fault", ["one_layer", "shape", "twice"])
+def test_kv_cache_scales_loaded_or_refused(tmp_path: Path, fault: str) -> None:
+    """FP8 KV cache scales load in any accepted spelling into float32 attn.k_scale / v_scale leaves; one layer
+    without them, a non-scalar scale, or two spellings of one scale stop loading with the tensor's name."""
+    config = small_config()
+    tensors = to_hf_state_dict(random_params(config), config)
+    pre = "model.language_model.layers.{}.self_attn."
+    for n, li in enumerate(config.attn_layer_ids):
+        tensors[pre.format(li) + ("k_proj.k_scale" if n % 2 else "k_scale")] = np.array([0.5 + li], np.float32)
+        tensors[pre.format(li) + "attn.v_scale"] = np.array(0.25 + li, np.float32)
+    save_checkpoint(tensors, tmp_path / "ok", max_shard_bytes=20_000)
+    got = load_params(tmp_path / "ok", config, jnp.bfloat16, stacked=False)
+    for li in config.attn_layer_ids:
+        attn = got["layers"][li]["attn"]
+        assert attn["k_scale"].dtype == jnp.float32 and attn["k_scale"].shape == ()
+        assert (float(attn["k_scale"]), float(attn["v_scale"])) == (0.5 + li, 0.25 + li)
+    first = pre.format(config.attn_layer_ids[0])
+    if fault == "one_layer":
+        del tensors[first + "attn.v_scale"]
+        want = "v_scale (expected: (), found: absent)"
+    elif fault == "shape":
+        tensors[first + "attn.v_scale"] = np.ones(2, np.float32)
+        want = "must be one float"
+    else:
+        tensors[first + "k_proj.k_scale"] = np.array([1.0], np.float32)
+        want = "stored twice"
+    assert want in _save_and_load(tmp_path / fault, tensors, config)
+
+
 def test_reader_matches_safetensors(tmp_path: Path) -> None:
     """Our memory-mapped reader returns what safetensors wrote (bf16 and fp8 through ml_dtypes)."""
     rng = np.random.default_rng(4)

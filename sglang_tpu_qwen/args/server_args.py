@@ -14,6 +14,8 @@ from typing import Any, get_type_hints
 # Fewest prompt tokens a DP rank's prefill step may be bounded to: the smallest compiled extend size
 # (engine/runner/buckets.py MIN_EXTEND_TOKENS is this value); a smaller budget would pad every step to it.
 MIN_PREFILL_CHUNK = 16
+# --kv-cache-dtype choices: SGLang's names for what is implemented (SGLang also has fp8_e5m2 and fp4_e2m1).
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
 
 
 @dataclass
@@ -47,6 +49,10 @@ class ServerArgs:
         default="auto",
         metadata={"help": "Compute dtype: auto (float32 on CPU, bfloat16 on TPU/GPU), float32, bfloat16."},
     )
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache storage dtype (SGLang's flag): auto (the compute dtype), bf16 / bfloat16, or fp8_e4m3 "
+                "(float8_e4m3fn pages, 2x the tokens per byte, scaled by the checkpoint's per-layer k_scale / "
+                "v_scale, else 1.0)."})
     quantization: str | None = field(default=None, metadata={
         "help": "fp8: quantise a bf16 checkpoint's linear weights to 128x128-block FP8 on load (block-FP8 "
                 "checkpoints stay FP8 without it)."})
@@ -166,7 +172,8 @@ class ServerArgs:
                              f"at least {MIN_PREFILL_CHUNK * self.dp_size}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
                    "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
-                   "grammar_backend": ("xgrammar", "llguidance", "none")}
+                   "grammar_backend": ("xgrammar", "llguidance", "none"),
+                   "kv_cache_dtype": KV_CACHE_DTYPES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")

@@ -26,7 +26,8 @@ PROTOCOL_VERSION = 1
 class StateLayout:
     """Dtypes and per-token / per-request shapes of the transferred state.
 
-    KV chunks are token-major: k and v are each `[n_attn_layers, tokens, kv_heads, head_dim]` kv_dtype.
+    KV chunks are token-major: k and v are each `[n_attn_layers, tokens, kv_heads, head_dim]` kv_dtype (the
+    pages' dtype, --kv-cache-dtype: FP8 pages travel as their bytes, dequantised only by the attention).
     GDN state is `conv [n_gdn_layers, conv_dim, K - 1]` and `rec [n_gdn_layers, Hv, dk, dv]`, state_dtype.
     `fingerprint` hashes the model config, so two checkpoints of the same shape are told apart too.
     """
@@ -73,7 +74,8 @@ class StateLayout:
                  for f in dataclasses.fields(self) if getattr(sender, f.name) != getattr(self, f.name)]
         if diffs:
             raise TransferError("the prefill and decode servers' state layouts differ (" + "; ".join(diffs)
-                                + "); serve the same model with the same --dtype on both")
+                                + "); serve the same model with the same --dtype and --kv-cache-dtype on "
+                                  "both")
 
 
 def config_fingerprint(config: Qwen35MoeConfig) -> str:

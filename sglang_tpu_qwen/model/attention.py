@@ -36,17 +36,19 @@ def attention_layer(
 
     Args:
         p: ``{"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}`` (see docs/internals.md); the
-            projections dense or :class:`quant.fp8.Fp8Weight`.
+            projections dense or :class:`quant.fp8.Fp8Weight`; optionally the checkpoint's ``"k_scale"``,
+            ``"v_scale"`` (float32 scalars), which an FP8 cache stores and reads its pages with (1.0 without;
+            kernels/ragged_paged_attention/kv_quant.py) and any other cache ignores.
         x: ``[B, T, H]`` normalised hidden states.
         batch: the step (model/forward_batch.py): its page table, positions, valid tokens (padded tokens'
             K/V go to trash page 0) and KV lengths.
         rope: ``(cos, sin)``, each ``[B, T, rotary_dim]`` float32, for ``batch.positions``.
-        k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``.
+        k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``, the compute dtype or float8_e4m3fn.
         layer: index of this layer among the attention layers.
         config: model config.
         core: optional replacement for write_kv + paged_attention with the signature of
             ``kernels.ragged_paged_attention`` (``(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens,
-            page_table) -> (attn, k_cache, v_cache)``); None runs this module's reference.
+            page_table, *, k_scale, v_scale) -> (attn, k_cache, v_cache)``); None runs this module's reference.
 
     Returns:
         ``(out [B, T, H], k_cache, v_cache)`` with the new K/V written.
@@ -63,14 +65,16 @@ def attention_layer(
     k = apply_rope(k, *rope)
 
     valid, kv_lens, page_table = batch.valid, batch.kv_lens, batch.page_table
+    k_scale, v_scale = p.get("k_scale"), p.get("v_scale")
     if core is not None:
         q_lens = jnp.sum(valid, axis=1, dtype=jnp.int32)
-        attn, k_cache, v_cache = core(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens, page_table)
+        attn, k_cache, v_cache = core(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens, page_table,
+                                      k_scale=k_scale, v_scale=v_scale)
     else:
         positions = batch.positions
         pages, offsets = page_slots(positions, valid, page_table, k_cache.shape[2])
-        k_cache = write_kv(k_cache, layer, k, pages, offsets)
-        v_cache = write_kv(v_cache, layer, v, pages, offsets)
-        attn = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens)
+        k_cache = write_kv(k_cache, layer, k, pages, offsets, k_scale)
+        v_cache = write_kv(v_cache, layer, v, pages, offsets, v_scale)
+        attn = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens, k_scale, v_scale)
     out = attn.reshape(b, t, nq * hd) * jax.nn.sigmoid(gate)
     return linear(out, p["o_proj"]), k_cache, v_cache

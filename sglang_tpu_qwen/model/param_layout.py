@@ -12,11 +12,17 @@ transformers fuses on load (its ``conversion_mapping.py``, ``qwen2_moe`` rules).
 the GDN input projections fused and grouped per key head: ``in_proj_qkvz [Hk * (2dk + 2r*dv), H]`` with
 rows ``[q_g, k_g, v_g, z_g]`` for each key head ``g`` (``r = Hv / Hk`` value heads per key head), and
 ``in_proj_ba [Hk * 2r, H]`` with rows ``[b_g, a_g]``; the loader regroups them into our split leaves.
+
+FP8 KV cache scales: checkpoints quantised with KV scales (ModelOpt, compressed-tensors, Quark) store one
+float32 per attention layer for K and one for V, named (vLLM's ``maybe_remap_kv_scale_name`` accepts the same
+three) ``self_attn.k_scale``, ``self_attn.k_proj.k_scale`` or ``self_attn.attn.k_scale`` (and ``v_``); shape
+``[]`` or ``[1]``. They become the float32 scalar leaves ``attn.k_scale`` / ``attn.v_scale`` when present.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -39,7 +45,7 @@ LeafPath = tuple[str | int, ...]
 class HfSpec:
     """One HF tensor. ``layout`` says how it maps onto the leaf at ``path``:
 
-    same: identical; t: 2-D transpose; conv: [C, 1, K] -> [C, K];
+    same: identical; t: 2-D transpose; conv: [C, 1, K] -> [C, K]; scalar: [] or [1] -> [] (KV cache scales);
     expert_t: leaf[expert] = tensor.T; fused_gate_up: [E, 2I, H] -> w_gate, w_up [E, H, I];
     fused_down: [E, H, I] -> [E, I, H]; qkvz: Qwen3-Next's [Hk * (2dk + 2r*dv), H] -> in_proj_qkv,
     in_proj_z; ba: [Hk * 2r, H] -> in_proj_b, in_proj_a (``groups``: the row widths of one key head's
@@ -92,12 +98,15 @@ def split_grouped(x: Any, groups: tuple[int, ...], part: str, xp: Any) -> Any:
     return pieces[{"z": 3, "b": 0, "a": 1}[part]]
 
 
-def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True) -> dict[str, Any]:
+def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True,
+                kv_scales: bool = False) -> dict[str, Any]:
     """Shapes and dtypes of the parameter pytree (docs/internals.md) as ``jax.ShapeDtypeStruct`` leaves.
 
     ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32. ``stacked``: the
     layers in the scanned layout of model/stacking.py (what ``forward_step`` takes); False gives one
-    dict per layer (the loader's and the checkpoint table's view). Useful for ahead-of-time compilation.
+    dict per layer (the loader's and the checkpoint table's view). ``kv_scales``: the attention layers also
+    hold the checkpoint's FP8 KV cache scales ``k_scale`` / ``v_scale`` (float32 scalars). Useful for
+    ahead-of-time compilation.
     """
     c = config
     h, e, i, i_s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
@@ -126,6 +135,8 @@ def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: 
                 "q_proj": s(h, nq * hd * 2), "k_proj": s(h, nkv * hd), "v_proj": s(h, nkv * hd),
                 "o_proj": s(nq * hd, h), "q_norm": s(hd), "k_norm": s(hd),
             }  # fmt: skip
+            if kv_scales:
+                layer["attn"].update(k_scale=s(dt=jnp.float32), v_scale=s(dt=jnp.float32))
         else:
             layer["gdn"] = {
                 "in_proj_qkv": s(h, c.gdn_conv_dim), "in_proj_z": s(h, hv * dv),
@@ -164,7 +175,7 @@ def _hf_shape(layout: str, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (leaf_shape[0], 2 * leaf_shape[2], leaf_shape[1])
     if layout == "fused_down":
         return (leaf_shape[0], leaf_shape[2], leaf_shape[1])
-    if layout in ("qkvz", "ba"):  # not from one leaf's shape: see hf_table
+    if layout in ("qkvz", "ba", "scalar"):  # not from one leaf's shape: see hf_table (scalar: [] or [1])
         return ()
     raise AssertionError(layout)
 
@@ -184,12 +195,14 @@ _PER_EXPERT = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 _DENSE_MLP = ("gate_proj", "up_proj", "down_proj")  # HF "layers.{i}.mlp.{name}.weight" -> our same-named leaf
 
 
-def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()) -> dict[str, HfSpec]:
+def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset(),
+             kv_scales: bool = False) -> dict[str, HfSpec]:
     """Every HF tensor name (prefix removed) of the text model -> its `HfSpec`, in checkpoint order.
 
-    Layers in ``fused_layers`` store their experts fused, the others per expert.
+    Layers in ``fused_layers`` store their experts fused, the others per expert. ``kv_scales``: every attention
+    layer also has ``self_attn.k_scale`` / ``self_attn.v_scale`` (the names :func:`kv_scale_name` gives).
     """
-    shapes = param_specs(config, stacked=False)
+    shapes = param_specs(config, stacked=False, kv_scales=kv_scales)
     table: dict[str, HfSpec] = {}
 
     def add(name: str, path: LeafPath, layout: str, expert: int | None = None) -> None:
@@ -203,6 +216,9 @@ def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()
         if kind == "full_attention":
             for leaf, layout in _ATTN.items():
                 add(f"{pre}self_attn.{leaf}.weight", (*lp, "attn", leaf), layout)
+            if kv_scales:
+                for leaf in ("k_scale", "v_scale"):
+                    add(f"{pre}self_attn.{leaf}", (*lp, "attn", leaf), "scalar")
         elif config.gdn_fused_projections:
             _add_fused_gdn(table, add, config, pre, (*lp, "gdn"))
         else:
@@ -257,3 +273,16 @@ def canonical_name(name: str) -> str | None:
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name  # bare text-model names load as they are; any other prefix is reported as unexpected
+
+
+# The spellings of an attention layer's FP8 KV cache scale (module docstring) -> "self_attn.{k,v}_scale".
+_KV_SCALE = re.compile(r"^(layers\.\d+\.self_attn)\.(?:([kv])_proj\.|attn\.)?([kv])_scale$")
+
+
+def kv_scale_name(canon: str) -> str | None:
+    """``layers.{i}.self_attn.k_scale`` (or ``v_``) for any accepted spelling of a KV cache scale (a table
+    name, prefix removed), else None. ``k_proj.v_scale`` and the like are not scales of this layer: None."""
+    m = _KV_SCALE.match(canon)
+    if m is None or (m.group(2) is not None and m.group(2) != m.group(3)):
+        return None
+    return f"{m.group(1)}.{m.group(3)}_scale"

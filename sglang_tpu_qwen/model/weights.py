@@ -30,6 +30,7 @@ from sglang_tpu_qwen.model.param_layout import (
     LeafPath,
     canonical_name,
     hf_table,
+    kv_scale_name,
     leaf_at,
     param_specs,
     split_grouped,
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 # Block-FP8 releases store `<weight>_scale_inv` beside each quantised weight.
 _SCALE_SUFFIX = "_scale_inv"
+# Leaves kept in float32 whatever the compute dtype: the GDN decay's log, the FP8 KV cache scales.
+_FLOAT32_LEAVES = frozenset({"A_log", "k_scale", "v_scale"})
 
 
 def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -126,6 +129,7 @@ class _Plan:
     leaves: list[_Leaf]
     files: dict[Path, SafetensorsFile]
     block: tuple[int, int]  # FP8 quantisation block [rows, cols] of the checkpoint's [out, in] tensors
+    kv_scales: bool = False  # the attention layers carry FP8 KV cache scales (param_layout.kv_scale_name)
 
 
 def _fp8_block(model_dir: Path) -> tuple[int, int]:
@@ -177,6 +181,7 @@ def _plan(
         if canon is None or (canon == "lm_head.weight" and config.tie_word_embeddings):
             skipped.append(name)  # a tied checkpoint may still carry a copy of lm_head
             continue
+        canon = kv_scale_name(canon) or canon  # one name for each spelling of a KV cache scale
         if name.endswith(_SCALE_SUFFIX):
             if name[: -len(_SCALE_SUFFIX)] not in files:
                 raise CheckpointError(f"tensor {name} is a block scale, but its weight "
@@ -196,7 +201,9 @@ def _plan(
     fused = frozenset(
         li for li in range(config.num_hidden_layers) if f"layers.{li}.mlp.experts.gate_up_proj" in weights
     )
-    table = hf_table(config, fused)
+    # KV cache scales are all or nothing, like block FP8: with one present, every attention layer needs both.
+    kv_scales = any(kv_scale_name(c) for c in weights)
+    table = hf_table(config, fused, kv_scales)
     unexpected = sorted(n for c, n in weights.items() if c not in table)
     if unexpected:
         shown = ", ".join(
@@ -211,6 +218,11 @@ def _plan(
         raise CheckpointError(f"missing tensor(s): {shown}{more}")
     by_name = {name: tensor(name, table[c]) for c, name in weights.items()}
     for t in by_name.values():
+        if t.spec.layout == "scalar":
+            if t.info.shape not in ((), (1,)) or t.info.dtype not in ("F32", "BF16", "F16"):
+                raise CheckpointError(f"tensor {t.name}: a KV cache scale must be one float (shape [] or [1]), "
+                                      f"found {t.info.dtype} {_fmt(t.info.shape)}")
+            continue
         if t.info.shape != t.spec.hf_shape:
             raise CheckpointError(
                 f"tensor {t.name}: expected shape {_fmt(t.spec.hf_shape)} from the config, found {_fmt(t.info.shape)}"
@@ -229,7 +241,7 @@ def _plan(
             raise CheckpointError(f"tensor {t.name}: the gate / up halves ({t.info.shape[1] // 2} rows) do not "
                                   f"split on a {block[0]}-row block boundary of {t.scale.name}")  # type: ignore[union-attr]
 
-    shapes = param_specs(config, stacked=False)
+    shapes = param_specs(config, stacked=False, kv_scales=kv_scales)
     np_dtype = np.dtype(dtype)
     by_leaf: dict[LeafPath, list[tuple[_Tensor, str | None]]] = {}
     for t in by_name.values():
@@ -247,9 +259,12 @@ def _plan(
         stored_fp8 = kinds == {True}
         quantisable = path[-1] in QUANTISED_LEAVES
         out_fp8 = quantisable and ((stored_fp8 and keep_fp8) or (quantize and not stored_fp8))
-        leaf_dtype = np.dtype(np.float32) if path[-1] == "A_log" else np_dtype
+        leaf_dtype = np.dtype(np.float32) if path[-1] in _FLOAT32_LEAVES else np_dtype
         leaves.append(_Leaf(path, tuple(leaf_at(shapes, path).shape), leaf_dtype, ts, stored_fp8, out_fp8))
-    return _Plan(leaves, opened, block)
+    if kv_scales:
+        logger.info("checkpoint has FP8 KV cache scales (k_scale / v_scale) for its %d attention layers; an "
+                    "FP8 KV cache (--kv-cache-dtype fp8_e4m3) uses them", config.num_attn_layers)
+    return _Plan(leaves, opened, block, kv_scales)
 
 
 def _hf_part(t: _Tensor, part: str | None, experts: slice | None, block: tuple[int, int]
@@ -277,6 +292,8 @@ def _to_leaf_layout(x: np.ndarray, layout: str) -> np.ndarray:
         return x.T
     if layout == "conv":
         return x[:, 0, :]
+    if layout == "scalar":
+        return x.reshape(())
     if layout in ("fused_gate_up", "fused_down"):
         return x.transpose(0, 2, 1)
     return x
@@ -330,7 +347,7 @@ def _read_leaf(leaf: _Leaf, experts: slice | None, block: tuple[int, int]) -> An
                 q, sc = fp8_blocks.quantize(dense, leaf_block if leaf.stored_fp8 else BLOCK)
             else:
                 q, sc = np.asarray(dense, dtype=leaf.dtype), None
-        outs_q.append(np.ascontiguousarray(q))
+        outs_q.append(np.ascontiguousarray(q).reshape(q.shape))  # ascontiguousarray makes a 0-d array 1-d
         if sc is not None:
             outs_s.append(np.ascontiguousarray(sc))
         _mark_read(t, None if stack else experts)
@@ -374,7 +391,7 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
     """
     if not stacked:
         outs = [_OutLeaf(lf.path, [lf], False) for lf in plan.leaves]
-        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=False))
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=False, kv_scales=plan.kv_scales))
     else:
         period = layer_period(config)
         groups: dict[LeafPath, list[_Leaf]] = {}
@@ -394,7 +411,7 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
                     f"layers {a.path[1]} and {b.path[1]} store {'.'.join(map(str, a.path[2:]))} differently "
                     "(one block-FP8, one not): a stacked layer group needs them alike")
             outs.append(_OutLeaf(path, members, True))
-        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=True))
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=True, kv_scales=plan.kv_scales))
     for out in outs:
         lead = (len(out.members),) if out.stacked else ()
         out.abstract = _leaf_abstract(out.members[0], plan.block, lead)
@@ -419,7 +436,9 @@ def load_params(
     validated headers and memory maps (model/safetensors_file.py). Accepts the ``model.language_model.``
     and ``model.`` prefixes, per-expert or fused experts; skips ``mtp.*`` and visual tensors (one log
     line). Matrices come out ``[in, out]``; every dense leaf is ``dtype`` except ``A_log`` (float32).
-    With ``tie_word_embeddings`` there is no ``lm_head``.
+    With ``tie_word_embeddings`` there is no ``lm_head``. FP8 KV cache scales (``self_attn.k_scale`` /
+    ``v_scale`` and the spellings model/param_layout.py lists), when present, become float32 scalar leaves
+    ``attn.k_scale`` / ``attn.v_scale`` of every attention layer (all layers or none).
 
     ``stacked``: the layer-scan layout (COORDINATION.md contract 1): ``params["layers"]`` is a list of
     ``layer_period(config)`` dicts whose leaves have a leading dim G = layers / period, layer
@@ -475,8 +494,11 @@ def load_params(
             def read(g: int | None, experts: slice | None, out: _OutLeaf = out) -> Any:
                 member = out.members[0 if g is None else g]
                 host = _read_leaf(member, experts, plan.block)
-                n = member.shape[0]
-                bar.update(member.nbytes * len(range(*experts.indices(n))) // n if experts else member.nbytes)
+                if experts is None:  # the whole leaf (a scalar KV cache scale has no rows to split)
+                    bar.update(member.nbytes)
+                else:
+                    n = member.shape[0]
+                    bar.update(member.nbytes * len(range(*experts.indices(n))) // n)
                 return host
 
             value = place(out.abstract, leaf_at(sh_tree, out.path), read, out.stacked)

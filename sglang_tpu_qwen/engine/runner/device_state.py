@@ -108,18 +108,19 @@ class Placement:
 class DeviceState:
     """The KV pages and GDN slots of every DP rank (`cache`) and the kept sampled ids, with their operations.
 
-    cache: {"k", "v": [L_attn, dp * num_pages, page_size, kv_heads, head_dim] compute dtype; "conv", "rec":
+    cache: {"k", "v": [L_attn, dp * num_pages, page_size, kv_heads, head_dim] KV dtype (--kv-cache-dtype:
+    the compute dtype, bfloat16 or float8_e4m3fn); "conv", "rec":
     GDN state of dp * num_slots slots, float32} (model/forward.py `init_cache`), split over the DP ranks.
     """
 
-    def __init__(self, config: Qwen35MoeConfig, sizing: RunnerSizing, placement: Placement, dtype: Any,
+    def __init__(self, config: Qwen35MoeConfig, sizing: RunnerSizing, placement: Placement, kv_dtype: Any,
                  abstract_only: bool = False) -> None:
         """Allocate the cache as zeros in its sharding (no device ever holds the global cache), committed like
         the caches the compiled steps return, so eager slot copies see one signature. `abstract_only`: the
         planner's state, ShapeDtypeStructs with shardings; nothing is allocated."""
         self.sizing, self.placement = sizing, placement
         make_cache = partial(init_cache, config, sizing.dp * sizing.num_pages, sizing.page_size,
-                             sizing.dp * sizing.num_slots, dtype, STATE_DTYPE)
+                             sizing.dp * sizing.num_slots, kv_dtype, STATE_DTYPE)
         target = placement.cache_shardings()
         if abstract_only:
             shapes = jax.eval_shape(make_cache)

@@ -95,7 +95,7 @@ def kv_pool_tokens(
 def memory_usage(params: Any, cache: Any, token_capacity: int) -> list[dict[str, Any]]:
     """Per device (SGLang's ``memory_usage`` of ``/get_server_info``, one entry per device):
     ``{"device", "weight", "kvcache", "gdn_state" (GB), "weight_bytes", "token_capacity" (KV tokens of the
-    rank)}``."""
+    rank), "kv_cache_dtype" (the pages' dtype name, e.g. "float8_e4m3fn")}``."""
     weights = bytes_per_device(params)
     kv = bytes_per_device({k: cache[k] for k in _KV_KEYS})
     state = bytes_per_device({k: cache[k] for k in _STATE_KEYS})
@@ -107,4 +107,5 @@ def memory_usage(params: Any, cache: Any, token_capacity: int) -> list[dict[str,
         "kvcache": round(kv.get(d, 0) / GB, 6),
         "gdn_state": round(state.get(d, 0) / GB, 6),
         "token_capacity": int(token_capacity),
+        "kv_cache_dtype": cache["k"].dtype.name,
     } for d in devices]

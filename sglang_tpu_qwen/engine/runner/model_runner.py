@@ -30,7 +30,7 @@ from sglang_tpu_qwen.engine.runner import compilation, greedy_screen, memory_acc
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, Placement
 from sglang_tpu_qwen.engine.runner.programs import ProgramTable, SampleKind
-from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing, resolve_dtype
+from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing, resolve_dtype, resolve_kv_dtype
 from sglang_tpu_qwen.engine.runner.step_executor import (
     SampleOutput,
     SamplingBatch,
@@ -53,9 +53,10 @@ __all__ = ["ModelRunner", "SamplingBatch", "SampleOutput", "StepOutput"]
 class ModelRunner:
     """Weights, KV pages and GDN slots on device, and the compiled forward / sampling programs.
 
-    Public parts: `config`, `dtype`, `params`, `placement` (`layout`: the mesh or None), `sizing` (pages, slots,
-    context), `buckets`, `backends`, `state` (the device buffers and their slot / KV operations; `cache` reads
-    its cache), `memory_usage` (per device, for /get_server_info), `observers` (benchmark hooks).
+    Public parts: `config`, `dtype` (compute), `kv_dtype` (the KV pages: --kv-cache-dtype), `params`, `placement`
+    (`layout`: the mesh or None), `sizing` (pages, slots, context), `buckets`, `backends`, `state` (the device
+    buffers and their slot / KV operations; `cache` reads its cache), `memory_usage` (per device, for
+    /get_server_info), `observers` (benchmark hooks).
     """
 
     def __init__(self, config: Qwen35MoeConfig, args: ServerArgs, params: dict[str, Any],
@@ -72,6 +73,7 @@ class ModelRunner:
         compilation.install_counter()
         self.config, self.placement, self.layout = config, placement, placement.layout
         self.dtype = resolve_dtype(args.dtype, placement.platform)
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         kinds = {isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)}
         if len(kinds) != 1:
             raise ValueError("params must be all arrays or all ShapeDtypeStructs")
@@ -83,12 +85,13 @@ class ModelRunner:
                         args.moe_combine)
         # The KV pool gets what the weights and the GDN slots leave (engine/runner/memory_accounting.py).
         weight_bytes = None if self.is_abstract else memory_accounting.bytes_per_device(self.params)
-        self.sizing = sizing = RunnerSizing.build(config, args, self.dtype, weight_bytes)
-        self.state = DeviceState(config, sizing, placement, self.dtype, abstract_only=self.is_abstract)
+        self.sizing = sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes)
+        self.state = DeviceState(config, sizing, placement, self.kv_dtype, abstract_only=self.is_abstract)
         self.memory_usage: list[dict[str, Any]] = [] if self.is_abstract else memory_accounting.memory_usage(
             self.params, self.state.cache, sizing.kv_tokens)
-        logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots%s", sizing.num_pages - 1,
-                    sizing.page_size, sizing.num_running_slots - 1, sizing.num_snapshot_slots,
+        logger.info("KV pool: %d pages x %d tokens, %s; GDN slots: %d running + %d snapshots%s",
+                    sizing.num_pages - 1, sizing.page_size, self.kv_dtype.name, sizing.num_running_slots - 1,
+                    sizing.num_snapshot_slots,
                     f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "")
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
                                          config=config)

@@ -43,6 +43,16 @@ def resolve_dtype(name: str, platform: str | None = None) -> jnp.dtype:
     return jnp.dtype(table[name])
 
 
+def resolve_kv_dtype(name: str, compute_dtype: Any) -> jnp.dtype:
+    """KV cache dtype from --kv-cache-dtype (SGLang's names): auto is the compute dtype, bf16 / bfloat16
+    bfloat16, fp8_e4m3 float8_e4m3fn (scaled pages, kernels/ragged_paged_attention/kv_quant.py).
+    Raises ValueError for another name."""
+    table = {"auto": compute_dtype, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
+    if name not in table:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(table)}; got {name!r}")
+    return jnp.dtype(table[name])
+
+
 def resolve_device_defaults(args: ServerArgs, devices: list[Any] | None = None) -> None:
     """Fill in the flag defaults that depend on the devices (--chunked-prefill-size, from the first device's
     memory), as SGLang does at start. Called once, before the runner is built (Engine); a value already set
@@ -121,7 +131,8 @@ class RunnerSizing:
         of the fullest device leaves after its weights and GDN slots.
 
         Args:
-            dtype: the KV cache dtype (the compute dtype).
+            dtype: the KV cache dtype (resolve_kv_dtype: --kv-cache-dtype, auto = the compute dtype); an FP8
+                pool holds twice the tokens of a bfloat16 one in the same bytes.
             weight_bytes: device -> weight bytes on it (memory_accounting.bytes_per_device); None for abstract
                 weights, which need --max-total-tokens.
         Raises:

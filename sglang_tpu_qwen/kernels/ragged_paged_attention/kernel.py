@@ -28,8 +28,13 @@ kernel the queries are ``[B, nkv, T * G, hd]`` (transposed by XLA outside).
 Grid ``(B / rows_per_step, T / q_block)``. T == 1 (a decode step): ``decode_seqs`` sequences per grid step.
 T > 1: one sequence per step, ``prefill_q`` query tokens per step. The row axis is "parallel", the query-block
 axis "arbitrary" (the K/V write at the first query block must precede the reads of later blocks). Scalar
-metadata (layer, lengths, flattened page table) is scalar-prefetched into SMEM. Block sizes:
-``block_sizes.py``. Page fetches are double-buffered: block kb + 1's pages load while block kb computes.
+metadata (layer, lengths, flattened page table, the layer's K/V scales) is scalar-prefetched into SMEM. Block
+sizes: ``block_sizes.py``. Page fetches are double-buffered: block kb + 1's pages load while block kb computes.
+
+FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the call, so the write DMAs
+move bytes as they are; reads upcast each page tile to the query dtype in VMEM (exact) and apply the scales
+to the float32 scores (K) and the output (V). A 1-byte page is tiled (32, 128) on TPU: the VMEM page buffers
+pad ``nkv`` to 32 sublanes instead of 16, which leaves their bytes as for bf16.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes, block_sizes_for
+from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
 
 # Integer division in the kernel uses lax.div / lax.rem (operands are >= 0): jnp's floor division lowers
 # through `sign`, whose Mosaic rule asks the *local* device for its TPU generation, which breaks deviceless AOT.
@@ -49,26 +55,28 @@ _MASK = -1e30  # finite: a fully masked row must not turn into NaN via (-inf) - 
 
 
 def _kernel(
-    layer_ref, qlen_ref, kvlen_ref, pt_ref,  # scalar prefetch (SMEM)
+    layer_ref, qlen_ref, kvlen_ref, pt_ref, scale_ref,  # scalar prefetch (SMEM)
     q_ref, knew_hbm, vnew_hbm, _kc_in, _vc_in,  # inputs
     o_ref, kc_hbm, vc_hbm,  # outputs (the caches are aliased to their inputs)
     kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref,  # scratch
     *, rows_per_step: int, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int,
-    sm_scale: float,
+    sm_scale: float, fp8: bool,
 ):
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
+    # FP8 pages: the K scale folds into the score scale, the V scale multiplies the output (module docstring).
+    score_scale, out_scale = (sm_scale * scale_ref[0], scale_ref[1]) if fp8 else (sm_scale, None)
     for s in range(rows_per_step):
         _one_sequence(s, i * rows_per_step + s, j, layer, qlen_ref, kvlen_ref, pt_ref, q_ref, knew_hbm, vnew_hbm,
-                      o_ref, kc_hbm, vc_hbm, kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref, q_block=q_block,
-                      groups=groups, page_size=page_size, kv_pages=kv_pages, pages_per_seq=pages_per_seq,
-                      sm_scale=sm_scale)
+                      o_ref, kc_hbm, vc_hbm, kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref, score_scale, out_scale,
+                      q_block=q_block, groups=groups, page_size=page_size, kv_pages=kv_pages,
+                      pages_per_seq=pages_per_seq)
 
 
 def _one_sequence(
     s, b, j, layer, qlen_ref, kvlen_ref, pt_ref, q_ref, knew_hbm, vnew_hbm, o_ref, kc_hbm, vc_hbm,
-    kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref,
-    *, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int, sm_scale: float,
+    kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref, score_scale, out_scale,
+    *, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int,
 ):
     """Query block j of sequence b (row s of this grid step's block): write its K/V (j == 0), then attend."""
     nkv = q_ref.shape[1]
@@ -142,11 +150,12 @@ def _one_sequence(
         key_ok = key_col < kv_len  # [keys, 1]
         for h in range(nkv):
             q = q_ref[s, h]  # [rows, hd]
-            # Zero keys/values past the context: stale or trash-page contents must not reach a row as NaN.
-            k = jnp.where(key_ok, k_all[:, h, :], 0).astype(q.dtype)
-            v = jnp.where(key_ok, v_all[:, h, :], 0).astype(q.dtype)
+            # Zero keys/values past the context: stale or trash-page contents must not reach a row as NaN. The
+            # upcast comes first (exact for FP8 pages): the select then runs on the query dtype's tiles.
+            k = jnp.where(key_ok, k_all[:, h, :].astype(q.dtype), 0)
+            v = jnp.where(key_ok, v_all[:, h, :].astype(q.dtype), 0)
             sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            sc = jnp.where(mask, sc * sm_scale, _MASK)
+            sc = jnp.where(mask, sc * score_scale, _MASK)
             m_prev = m_ref[h]  # [rows, 128], lanes equal
             m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
             pr = jnp.where(mask, jnp.exp(sc - m_new[:, :1]), 0.0)
@@ -160,7 +169,10 @@ def _one_sequence(
     jax.lax.fori_loop(0, n_blocks, kv_block, 0)
     for h in range(nkv):
         denom = l_ref[h][:, :1]
-        o_ref[s, h] = (acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
+        out = acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)
+        if out_scale is not None:
+            out = out * out_scale
+        o_ref[s, h] = out.astype(o_ref.dtype)
 
 
 
@@ -176,6 +188,8 @@ def ragged_paged_attention(
     kv_lens: jax.Array,
     page_table: jax.Array,
     *,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     sm_scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
@@ -184,12 +198,16 @@ def ragged_paged_attention(
 
     Args:
         q: ``[B, T, nq, hd]`` queries; ``nq`` a multiple of ``nkv``.
-        k_new, v_new: ``[B, T, nkv, hd]`` new keys / values (cast to the cache dtype when written).
-        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``, donated and updated in place.
+        k_new, v_new: ``[B, T, nkv, hd]`` new keys / values (stored as ``kv_quant.quantize_kv`` gives them: cast to
+            the cache dtype, or for FP8 caches divided by the scale and saturated).
+        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``, donated and updated in place; float32, bfloat16
+            or float8_e4m3fn.
         layer: attention-layer index into the caches (int32 scalar, may be traced).
         q_lens: ``[B]`` int32 valid new tokens per row (``<= T``).
         kv_lens: ``[B]`` int32 context length including the new tokens.
         page_table: ``[B, P]`` int32 page ids.
+        k_scale, v_scale: this layer's FP8 dequantisation scales (float32 scalars, may be traced; None = 1.0);
+            ignored for other cache dtypes.
         sm_scale: softmax scale, default ``hd ** -0.5``.
         block_sizes: tiling; default from ``block_sizes_for(hd, page_size)`` for the current device.
         interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
@@ -221,17 +239,21 @@ def ragged_paged_attention(
     bp, tp = b + pad_b, t + pad_t
     pages_per_seq = page_table.shape[1]
     qt = q.reshape(bp, tp, nkv, groups, hd).transpose(0, 2, 1, 3, 4).reshape(bp, nkv, tp * groups, hd)
-    k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
+    fp8 = is_fp8(k_cache.dtype)
+    if is_fp8(v_cache.dtype) != fp8:
+        raise ValueError(f"K and V caches must both be FP8 or neither: {k_cache.dtype}, {v_cache.dtype}")
+    k_new, v_new = quantize_kv(k_new, k_cache.dtype, k_scale), quantize_kv(v_new, v_cache.dtype, v_scale)
+    scales = jnp.stack([scale_or_one(k_scale), scale_or_one(v_scale)])
     rows = q_block * groups
     kernel = functools.partial(
         _kernel, rows_per_step=rows_per_step, q_block=q_block, groups=groups, page_size=page_size,
-        kv_pages=bs.kv_pages, pages_per_seq=pages_per_seq, sm_scale=sm_scale or hd**-0.5)
+        kv_pages=bs.kv_pages, pages_per_seq=pages_per_seq, sm_scale=sm_scale or hd**-0.5, fp8=fp8)
     q_spec = pl.BlockSpec((rows_per_step, nkv, rows, hd), lambda i, j, *_: (i, 0, j, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(bp // rows_per_step, tp // q_block),
             in_specs=[q_spec, any_spec, any_spec, any_spec, any_spec],
             out_specs=[q_spec, any_spec, any_spec],
@@ -248,8 +270,8 @@ def ragged_paged_attention(
         out_shape=[jax.ShapeDtypeStruct(qt.shape, q.dtype),
                    jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        # Operand indices count the 4 scalar-prefetch operands: k_cache is operand 7, v_cache operand 8.
-        input_output_aliases={7: 1, 8: 2},
+        # Operand indices count the 5 scalar-prefetch operands: k_cache is operand 8, v_cache operand 9.
+        input_output_aliases={8: 1, 9: 2},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=bs.vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
@@ -262,7 +284,7 @@ def ragged_paged_attention(
                                + 2 * bp * pages_per_seq * page_size * nkv * hd * k_cache.dtype.itemsize)),
     )(
         jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32).reshape(-1), qt, k_new, v_new, k_cache, v_cache,
+        page_table.astype(jnp.int32).reshape(-1), scales, qt, k_new, v_new, k_cache, v_cache,
     )
     out = out.reshape(bp, nkv, tp, groups, hd).transpose(0, 2, 1, 3, 4).reshape(bp, tp, nq, hd)
     return out[:b, :t], k_cache, v_cache

@@ -3,13 +3,19 @@
 Same signature and layouts as :func:`kernel.ragged_paged_attention`; the math is
 ``page_slots`` / ``write_kv`` / ``paged_attention`` below (Kwon et al., SOSP 2023), which the model imports
 and runs off TPU. One difference by design: the reference writes padded tokens to trash page 0, the
-kernel skips them; page 0 is never read by a real row.
+kernel skips them; page 0 is never read by a real row. FP8 caches (kv_quant.py): writes store
+``x / scale`` saturated to float8_e4m3fn, reads dequantise ``q * scale`` with the scale applied to the
+float32 scores (K) and to the output (V), the same product as scaling every element, one multiply per row.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
 
 
 def page_slots(
@@ -33,7 +39,8 @@ def page_slots(
     return pages, positions % page_size
 
 
-def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:
+def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, offsets: jax.Array,
+             scale: Any = None) -> jax.Array:
     """Scatter new keys (or values) of one layer into the paged cache.
 
     Args:
@@ -41,11 +48,12 @@ def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, off
         layer: attention-layer index into ``cache``.
         new: ``[B, T, nkv, hd]``.
         pages, offsets: ``[B, T]`` from :func:`page_slots`.
+        scale: the layer's K (or V) scale, float32 scalar or None (1.0); used only by an FP8 cache.
 
     Returns:
-        The updated cache (same shape and dtype).
+        The updated cache (same shape and dtype), ``new`` stored as ``kv_quant.quantize_kv`` gives it.
     """
-    return cache.at[layer, pages, offsets].set(new.astype(cache.dtype))
+    return cache.at[layer, pages, offsets].set(quantize_kv(new, cache.dtype, scale))
 
 
 _PAGES_PER_BLOCK = 8  # key block of the reference loop: 8 pages (128 keys at page size 16)
@@ -60,6 +68,8 @@ def paged_attention(
     page_table: jax.Array,
     q_positions: jax.Array,
     kv_lens: jax.Array,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> jax.Array:
     """Causal GQA attention of new queries over the pages of the whole context.
 
@@ -75,6 +85,9 @@ def paged_attention(
         page_table: ``[B, P]`` int32; key position ``j`` of row ``b`` lives in page ``page_table[b, j // ps]``.
         q_positions: ``[B, T]`` int32 absolute query positions.
         kv_lens: ``[B]`` int32 context length (keys at positions ``>= kv_len`` are masked).
+        k_scale, v_scale: the layer's dequantisation scales (float32 scalars, None = 1.0), read only when the
+            caches are FP8 (kv_quant.py); the pages are upcast to ``q.dtype`` (exact: every e4m3 value is a
+            bfloat16) and the scales multiply the float32 scores and the output.
 
     Returns:
         ``[B, T, nq, hd]`` in ``q.dtype``. Rows with no visible key (padding rows) give zeros.
@@ -89,6 +102,8 @@ def paged_attention(
     num_blocks = jnp.minimum((jnp.max(kv_lens) + blk - 1) // blk, page_table.shape[1] // bp)
     qg = q.reshape(b, t, nkv, nq // nkv, hd)
     g = nq // nkv
+    fp8 = is_fp8(k_cache.dtype)
+    score_scale = hd**-0.5 * scale_or_one(k_scale) if fp8 else hd**-0.5
 
     def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         m, denom, acc = carry
@@ -101,7 +116,7 @@ def paged_attention(
         k = jnp.where(key_ok[:, :, None, None], k, 0).astype(q.dtype)
         v = jnp.where(key_ok[:, :, None, None], v, 0).astype(q.dtype)
         mask = (key_ok[:, None, :] & (key_pos[None, None, :] <= q_positions[:, :, None]))[:, None, None]
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (hd**-0.5)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * score_scale
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -113,6 +128,8 @@ def paged_attention(
             jnp.zeros((b, nkv, g, t, hd), jnp.float32))
     _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, nkv, g, T, hd]
+    if fp8:
+        out = out * scale_or_one(v_scale)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nq, hd).astype(q.dtype)
 
 
@@ -126,6 +143,9 @@ def ragged_paged_attention_reference(
     q_lens: jax.Array,
     kv_lens: jax.Array,
     page_table: jax.Array,
+    *,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write new K/V, then causal GQA attention over the pages (shapes as the kernel).
 
@@ -135,6 +155,7 @@ def ragged_paged_attention_reference(
         layer: attention-layer index.
         q_lens, kv_lens: ``[B]`` int32 new tokens and context length (prefix + new).
         page_table: ``[B, P]`` int32.
+        k_scale, v_scale: FP8 caches' per-layer scales (float32 scalars, None = 1.0; kv_quant.py).
 
     Returns:
         ``(out [B, T, nq, hd] in q.dtype, k_cache, v_cache)``.
@@ -144,7 +165,7 @@ def ragged_paged_attention_reference(
     positions = (kv_lens - q_lens)[:, None] + ar[None, :]
     valid = ar[None, :] < q_lens[:, None]
     pages, offsets = page_slots(positions, valid, page_table, k_cache.shape[2])
-    k_cache = write_kv(k_cache, layer, k_new, pages, offsets)
-    v_cache = write_kv(v_cache, layer, v_new, pages, offsets)
-    out = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens)
+    k_cache = write_kv(k_cache, layer, k_new, pages, offsets, k_scale)
+    v_cache = write_kv(v_cache, layer, v_new, pages, offsets, v_scale)
+    out = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens, k_scale, v_scale)
     return out, k_cache, v_cache

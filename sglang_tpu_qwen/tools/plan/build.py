@@ -71,9 +71,11 @@ def plan(
     combine: str = "hierarchical",
     steps: tuple[str, ...] = ("decode", "prefill"),
     max_gdn_snapshots: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Compile the server's decode and prefill programs and return the report (JSON-able dict; see
-    docs/parallelism.md#the-planner for its fields).
+    docs/parallelism.md#the-planner for its fields). ``kv_cache_dtype``: the server's --kv-cache-dtype (the KV
+    pool keeps its tokens, ``rows_per_rank * context_length``, so FP8 pages halve its bytes).
 
     Raises:
         ValueError: unknown chip family, or sizes that do not divide (requests or experts vs dp / ep).
@@ -93,7 +95,7 @@ def plan(
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
                       context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                       max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
-                      max_gdn_snapshots=max_gdn_snapshots)
+                      max_gdn_snapshots=max_gdn_snapshots, kv_cache_dtype=kv_cache_dtype)
     hbm_dev = chip.hbm_bytes / chip.devices_per_chip
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip
     peak = chip.bf16_flops_per_s / chip.devices_per_chip
@@ -107,7 +109,7 @@ def plan(
     rep_w, exp_w = programs.weight_bytes_per_device(specs, ep)
     kv_dev = programs.nbytes({k: runner.cache[k] for k in ("k", "v")}) // dp
     gdn_dev = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // dp
-    kv_per_token = 2 * c.num_attn_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
+    kv_per_token = 2 * c.num_attn_layers * c.num_key_value_heads * c.head_dim * runner.kv_dtype.itemsize
     state_per_req = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // (dp * runner.sizing.num_slots)
     embed_b = c.vocab_size * c.hidden_size * runner.dtype.itemsize
     e_local = c.num_experts // ep
@@ -122,7 +124,8 @@ def plan(
                   "hidden": c.hidden_size, "fp8": fp8, "fp8_block": list(block)},
         "topology": topology, "devices": n_dev, "chips": n_dev // chip.devices_per_chip, "dp": dp, "ep": ep,
         "moe_combine": combine, "max_running_requests": max_running_requests, "context_length": context_length,
-        "page_size": page_size, "chunked_prefill_size": args.chunked_prefill_size,
+        "page_size": page_size, "kv_cache_dtype": runner.kv_dtype.name,
+        "chunked_prefill_size": args.chunked_prefill_size,
         "prefill_tokens_per_rank": args.chunked_prefill_per_rank,
         "kernels": {"attention": runner.backends.attention, "gdn": runner.backends.gdn,
                     "fp8_matmul": "pallas" if fp8 else None},

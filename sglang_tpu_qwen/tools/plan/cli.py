@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from sglang_tpu_qwen.args.server_args import KV_CACHE_DTYPES
 from sglang_tpu_qwen.tools.plan.build import plan
 from sglang_tpu_qwen.tools.plan.models import load_model_config
 from sglang_tpu_qwen.tools.plan.report import format_report
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", default="decode,prefill", help="comma-separated: decode, prefill")
     ap.add_argument("--max-gdn-snapshots", type=int, default=None,
                     help="server flag: GDN prefix-cache snapshot slots per DP rank (default 2 per running request)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="server flag: KV page dtype (auto: the compute dtype, bfloat16 on TPU; fp8_e4m3 halves "
+                         "the pool's bytes per token)")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args(argv)
     hf_block = [int(x) for x in a.fp8_block.split(",")]
@@ -39,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         load_model_config(a.model_config), a.topology, a.dp, a.ep, a.max_running_requests, a.context_length,
         fp8=a.fp8, block=block, page_size=a.page_size, chunked_prefill_size=a.chunked_prefill_size,
         combine=a.moe_combine, steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     print(format_report(report))
     print(json.dumps(report))
