@@ -49,6 +49,10 @@ def test_layout_mismatch_names_the_fields():
     assert "kv_dtype: prefill bfloat16 vs decode float32" in e.value.message
     assert "rec_shape" in e.value.message and "fingerprint" not in e.value.message
     assert StateLayout.from_json(LAYOUT.to_json()) == LAYOUT
+    # A decode server with another --mamba-ssm-dtype refuses the state rather than converting it.
+    bf16_state = StateLayout(**{**LAYOUT.__dict__, "state_dtype": "bfloat16"})
+    with pytest.raises(TransferError, match="state_dtype: prefill bfloat16 vs decode float32.*--mamba-ssm-dtype"):
+        LAYOUT.check_matches(bf16_state)
 
 
 def _reqs(ns: list[int]) -> list:

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", default="decode,prefill", help="comma-separated: decode, prefill")
     ap.add_argument("--max-gdn-snapshots", type=int, default=None,
                     help="server flag: GDN prefix-cache snapshot slots per DP rank (default 2 per running request)")
+    ap.add_argument("--mamba-ssm-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="server flag: GDN state storage dtype (default: the model config's mamba_ssm_dtype)")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args(argv)
     hf_block = [int(x) for x in a.fp8_block.split(",")]
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         load_model_config(a.model_config), a.topology, a.dp, a.ep, a.max_running_requests, a.context_length,
         fp8=a.fp8, block=block, page_size=a.page_size, chunked_prefill_size=a.chunked_prefill_size,
         combine=a.moe_combine, steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
+        mamba_ssm_dtype=a.mamba_ssm_dtype,
     )
     print(format_report(report))
     print(json.dumps(report))
