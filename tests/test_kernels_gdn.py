@@ -43,11 +43,11 @@ def _step(rng, lens, t, heads=(HK, HV, DK, DV)):
     return mixed, g, beta, jnp.asarray(lens)
 
 
-def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64, heads=(HK, HV, DK, DV), state_dtype=jnp.float32):
+def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64, heads=(HK, HV, DK, DV)):
     hk, hv, dk, dv = heads
     dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
     conv_w = jnp.asarray(rng.standard_normal((2 * hk * dk + hv * dv, K)) * 0.5, jnp.float32)
-    conv, rec = _pools(rng, heads=heads, dtype=state_dtype)
+    conv, rec = _pools(rng, heads=heads)
     mixed, g, beta, lens = _step(rng, lens, t, heads)
     slots, fresh = jnp.asarray(slots, jnp.int32), jnp.asarray(fresh, bool)
     ref = fused_gdn_reference(mixed, conv_w, g, beta, conv, rec, layer, slots, lens, fresh, **dims)
@@ -87,23 +87,6 @@ def test_mixed_lengths_one_block() -> None:
     ref, ker, valid, before = _run_both(rng, [1, 64, 37, 0], 64, slots=[4, 1, 6, 0],
                                         fresh=[False, True, False, False], block_t=256)
     _assert_close(ref, ker, valid, before)
-
-
-def test_bf16_pools_kernel_matches_reference() -> None:
-    """--mamba-ssm-dtype bfloat16: kernel and reference both load bf16 state, compute in f32 and round on store.
-    Outputs agree as with f32 pools; stored states agree to one bf16 rounding (the f32 values they round differ
-    by ~1e-6, which can cross a rounding boundary)."""
-    rng = np.random.default_rng(16)
-    ref, ker, valid, before = _run_both(rng, [1, 64, 37, 0], 64, slots=[4, 1, 6, 0],
-                                        fresh=[False, True, False, False], state_dtype=jnp.bfloat16)
-    o_r, conv_r, rec_r = (np.asarray(x, np.float32) for x in ref)
-    o_k, conv_k, rec_k = (np.asarray(x, np.float32) for x in ker)
-    assert ker[1].dtype == ker[2].dtype == ref[2].dtype == jnp.bfloat16
-    assert np.abs(o_k - o_r)[valid].max() <= TOL
-    np.testing.assert_allclose(conv_k[:, K - 1 :], conv_r[:, K - 1 :], rtol=2**-7, atol=1e-6)
-    np.testing.assert_allclose(rec_k[:, 1:], rec_r[:, 1:], rtol=2**-7, atol=1e-6)
-    np.testing.assert_array_equal(rec_k[0], np.asarray(before[1], np.float32)[0])  # other layer untouched
-    assert np.abs(rec_k[1] - np.asarray(before[1], np.float32)[1]).max() > 0  # the step wrote the state
 
 
 # Head layouts (Hk, Hv, dk, dv): value heads per key head 1, 2 (with dv != dk; the tests above run r = 2 at
