@@ -4,6 +4,7 @@ GDN slots, from the dtypes in use; /get_server_info reports memory_usage per dev
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import httpx
 import jax
@@ -13,17 +14,28 @@ import pytest
 
 from sglang_tpu_qwen.engine.runner import memory_accounting
 from sglang_tpu_qwen.engine.runner.memory_accounting import GB, CacheUnits, cache_units, kv_pool_tokens
+from sglang_tpu_qwen.engine.runner.sizing import resolve_state_dtype
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 
-def _config() -> Qwen35MoeConfig:
-    return Qwen35MoeConfig.from_hf_dict({
+def _config(**extra: Any) -> Qwen35MoeConfig:
+    return Qwen35MoeConfig.from_hf_dict({**extra,
         "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
         "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 2,
         "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8,
     })  # fmt: skip
+
+
+def test_state_dtype_from_the_flag_else_the_checkpoint() -> None:
+    """--mamba-ssm-dtype wins; unset, the config's mamba_ssm_dtype (Qwen3.5 releases: float32); absent, float32."""
+    assert resolve_state_dtype(None, _config()) == jnp.float32
+    assert resolve_state_dtype(None, _config(mamba_ssm_dtype="bfloat16")) == jnp.bfloat16
+    assert resolve_state_dtype("float32", _config(mamba_ssm_dtype="bfloat16")) == jnp.float32
+    assert resolve_state_dtype("bfloat16", _config(mamba_ssm_dtype="float32")) == jnp.bfloat16
+    with pytest.raises(ValueError, match="the checkpoint's mamba_ssm_dtype must be one of float32, bfloat16"):
+        resolve_state_dtype(None, _config(mamba_ssm_dtype="float16"))
 
 
 @pytest.mark.parametrize("kv_dtype, state_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),

@@ -106,6 +106,10 @@ class ServerArgs:
     max_gdn_snapshots: int | None = field(
         default=None, metadata={"help": "GDN state snapshot slots on device (default: 2x max running requests)."}
     )
+    mamba_ssm_dtype: str | None = field(default=None, metadata={
+        "help": "Storage dtype of the GDN (Mamba-style) recurrent and conv state in running slots, snapshots, "
+                "the host tier and the PD wire: float32 or bfloat16 (SGLang's flag). Default: the checkpoint "
+                "config's mamba_ssm_dtype, float32 when absent. The kernels compute in float32 either way."})
     gdn_snapshot_host_gb: float | None = field(default=None, metadata={
         "help": "Host memory (GiB) that GDN snapshots evicted from the device may move to (the host tier); 0: off. "
                 "Default: 25% of the host memory available at start, at most 128 GiB (memory/host_budget.py): a "
@@ -179,6 +183,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be one of 0, 1, 2, 3, got {self.log_requests_level}")
+        if self.mamba_ssm_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"--mamba-ssm-dtype must be float32 or bfloat16, got {self.mamba_ssm_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"--quantization must be fp8 (or absent), got {self.quantization!r}")
         for name in ("precompile_bs_paddings", "precompile_token_paddings"):

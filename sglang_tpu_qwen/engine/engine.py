@@ -424,6 +424,8 @@ class Engine:
         info.update({
             "model_path": self.model_path,
             "context_length": self.context_length,
+            # The resolved --mamba-ssm-dtype (the flag, else the checkpoint's): the GDN state's storage dtype.
+            "mamba_ssm_dtype": self.runner.sizing.state_dtype.name,
             "memory": self.scheduler.memory_usage(),
             # SGLang's place for it: one internal state per device, memory_usage in GB (memory_accounting.py).
             "internal_states": [{"memory_usage": usage} for usage in self.runner.memory_usage],

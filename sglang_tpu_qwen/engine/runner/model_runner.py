@@ -89,10 +89,11 @@ class ModelRunner:
         self.state = DeviceState(config, sizing, placement, self.kv_dtype, abstract_only=self.is_abstract)
         self.memory_usage: list[dict[str, Any]] = [] if self.is_abstract else memory_accounting.memory_usage(
             self.params, self.state.cache, sizing.kv_tokens)
-        logger.info("KV pool: %d pages x %d tokens, %s; GDN slots: %d running + %d snapshots%s",
-                    sizing.num_pages - 1, sizing.page_size, self.kv_dtype.name, sizing.num_running_slots - 1,
-                    sizing.num_snapshot_slots,
-                    f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "")
+        logger.info("KV pool: %d pages x %d tokens, %s; GDN slots: %d running + %d snapshots%s, state %s (%.2f "
+                    "MiB per slot)", sizing.num_pages - 1, sizing.page_size, self.kv_dtype.name,
+                    sizing.num_running_slots - 1, sizing.num_snapshot_slots,
+                    f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "",
+                    sizing.state_dtype.name, sizing.units.gdn_per_slot / 2**20)
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
                                          config=config)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,

@@ -27,7 +27,21 @@ from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 logger = logging.getLogger(__name__)
 
-STATE_DTYPE = jnp.float32  # GDN conv and recurrent state, stored and computed in float32
+# --mamba-ssm-dtype choices (SGLang's flag; SGLang also takes float16, which no Qwen3.5 release asks for).
+STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_state_dtype(flag: str | None, config: Qwen35MoeConfig) -> jnp.dtype:
+    """Storage dtype of the GDN state (conv and recurrent, running and snapshot slots, host tier, PD wire):
+    --mamba-ssm-dtype, else the checkpoint config's `mamba_ssm_dtype` (absent: float32), as SGLang reads it.
+
+    The kernels compute in float32 whatever this is: they upcast on load and round on store.
+    Raises ValueError for a dtype outside float32 / bfloat16 (from the flag or the checkpoint)."""
+    name = flag if flag is not None else config.mamba_ssm_dtype
+    if name not in STATE_DTYPES:
+        source = "--mamba-ssm-dtype" if flag is not None else "the checkpoint's mamba_ssm_dtype"
+        raise ValueError(f"{source} must be one of {', '.join(STATE_DTYPES)}; got {name!r}")
+    return jnp.dtype(STATE_DTYPES[name])
 
 
 def resolve_dtype(name: str, platform: str | None = None) -> jnp.dtype:
@@ -79,6 +93,7 @@ class RunnerSizing:
         chunked_prefill_per_rank: prompt tokens one rank prefills per step.
         bs_paddings, token_paddings: --precompile-bs-paddings / --precompile-token-paddings (None: default).
         units: bytes of one KV page and one GDN slot at the cache dtypes.
+        state_dtype: storage dtype of the GDN conv and recurrent state (resolve_state_dtype).
     """
 
     dp: int
@@ -92,6 +107,7 @@ class RunnerSizing:
     bs_paddings: tuple[int, ...] | None
     token_paddings: tuple[int, ...] | None
     units: CacheUnits
+    state_dtype: Any = jnp.dtype(jnp.float32)
 
     @property
     def num_running_slots(self) -> int:
@@ -137,7 +153,8 @@ class RunnerSizing:
                 weights, which need --max-total-tokens.
         Raises:
             ValueError: --chunked-prefill-size unresolved (resolve_device_defaults), abstract weights without
-                --max-total-tokens, or too little device memory for the KV pool.
+                --max-total-tokens, too little device memory for the KV pool, or a state dtype outside
+                float32 / bfloat16 (resolve_state_dtype).
         """
         dp = args.dp_size
         per_rank = -(-args.max_running_requests // dp)
@@ -145,7 +162,8 @@ class RunnerSizing:
             snapshots = 0
         else:
             snapshots = 2 * per_rank if args.max_gdn_snapshots is None else args.max_gdn_snapshots
-        units = memory_accounting.cache_units(config, args.page_size, dtype, STATE_DTYPE)
+        state_dtype = resolve_state_dtype(args.mamba_ssm_dtype, config)
+        units = memory_accounting.cache_units(config, args.page_size, dtype, state_dtype)
         if args.max_total_tokens:
             max_tokens = args.max_total_tokens
         elif weight_bytes is None:
@@ -162,4 +180,4 @@ class RunnerSizing:
             chunked_prefill_per_rank=args.chunked_prefill_per_rank,
             bs_paddings=tuple(args.precompile_bs_paddings) if args.precompile_bs_paddings else None,
             token_paddings=tuple(args.precompile_token_paddings) if args.precompile_token_paddings else None,
-            units=units)
+            units=units, state_dtype=state_dtype)

@@ -72,6 +72,7 @@ def plan(
     steps: tuple[str, ...] = ("decode", "prefill"),
     max_gdn_snapshots: int | None = None,
     kv_cache_dtype: str = "auto",
+    mamba_ssm_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Compile the server's decode and prefill programs and return the report (JSON-able dict; see
     docs/parallelism.md#the-planner for its fields). ``kv_cache_dtype``: the server's --kv-cache-dtype (the KV
@@ -95,7 +96,8 @@ def plan(
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
                       context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                       max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
-                      max_gdn_snapshots=max_gdn_snapshots, kv_cache_dtype=kv_cache_dtype)
+                      max_gdn_snapshots=max_gdn_snapshots, kv_cache_dtype=kv_cache_dtype,
+                      mamba_ssm_dtype=mamba_ssm_dtype)
     hbm_dev = chip.hbm_bytes / chip.devices_per_chip
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip
     peak = chip.bf16_flops_per_s / chip.devices_per_chip
@@ -126,6 +128,7 @@ def plan(
         "moe_combine": combine, "max_running_requests": max_running_requests, "context_length": context_length,
         "page_size": page_size, "kv_cache_dtype": runner.kv_dtype.name,
         "chunked_prefill_size": args.chunked_prefill_size,
+        "mamba_ssm_dtype": runner.sizing.state_dtype.name,
         "prefill_tokens_per_rank": args.chunked_prefill_per_rank,
         "kernels": {"attention": runner.backends.attention, "gdn": runner.backends.gdn,
                     "fp8_matmul": "pallas" if fp8 else None},
