@@ -83,7 +83,9 @@ def test_overrides_and_limits_of_the_split() -> None:
     assert split_memory(**ON_DEVICE, snapshots=False).snapshot_slots == 0
     # --max-total-tokens on a device: KV as given (10 pages + trash), the state slots get what is left (49 MiB).
     s = split_memory(**ON_DEVICE, max_total_tokens=640)
-    assert (s.rule, s.num_pages, s.num_slots) == ("after the KV pool", 11, 16)
+    assert (s.rule, s.num_pages, s.num_slots, s.over_budget) == ("after the KV pool", 11, 16, 0)
+    s = split_memory(**ON_DEVICE, max_total_tokens=64 * 50)  # 51 MiB of KV + 5 running slots: 6 MiB over
+    assert (s.snapshot_slots, s.over_budget, s.as_dict()["over_budget_bytes"]) == (0, 6 * MIB, 6 * MIB)
     # No device limit (CPU): the default KV pool and r times its bytes for the state slots.
     s = split_memory(**{**ON_DEVICE, "device_limit": None})
     assert (s.rule, s.num_pages, s.num_slots) == ("ratio of the KV pool", 1025, int(0.9 * 1025 * MIB) // (3 * MIB))

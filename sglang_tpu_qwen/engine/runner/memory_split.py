@@ -83,6 +83,12 @@ class MemorySplit:
     def kv_bytes(self) -> int:
         return self.num_pages * self.page_bytes
 
+    @property
+    def over_budget(self) -> int:
+        """Bytes the pools take beyond the budget on a device with a limit (0 within it): fixed sizes
+        (--max-total-tokens, the running slots) may exceed it, eating into the temporaries' room."""
+        return max(0, self.state_bytes + self.kv_bytes - self.budget) if self.device_limit else 0
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-able figures (bytes, slot and token counts) for /get_server_info and the startup log."""
         return {
@@ -92,6 +98,7 @@ class MemorySplit:
             "running_slots": self.running_slots, "snapshot_slots": self.snapshot_slots,
             "state_slot_bytes": self.slot_bytes, "running_slots_bytes": (1 + self.running_slots) * self.slot_bytes,
             "snapshot_slots_bytes": self.snapshot_slots * self.slot_bytes, "state_pool_bytes": self.state_bytes,
+            "over_budget_bytes": self.over_budget,
         }  # fmt: skip
 
     def describe(self) -> str:
@@ -101,7 +108,9 @@ class MemorySplit:
                 f"{self.budget / GB:.3f} GiB, rule: {self.rule}, --mamba-full-memory-ratio {self.ratio}): KV "
                 f"{self.kv_tokens} tokens ({self.kv_bytes / GB:.3f} GiB); GDN state {self.running_slots} running + "
                 f"{self.snapshot_slots} snapshot slots ({self.state_bytes / GB:.3f} GiB, "
-                f"{self.slot_bytes} bytes a slot)")
+                f"{self.slot_bytes} bytes a slot)"
+                + (f"; {self.over_budget / GB:.3f} GiB over the budget (--max-total-tokens and the running slots "
+                   "are fixed sizes)" if self.over_budget else ""))
 
 
 def split_memory(

@@ -92,7 +92,7 @@ class ModelRunner:
         logger.info("KV pool: %d pages x %d tokens; GDN slots: %d running + %d snapshots%s", sizing.num_pages - 1,
                     sizing.page_size, sizing.num_running_slots - 1, sizing.num_snapshot_slots,
                     f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "")
-        logger.info("%s", sizing.split.describe())
+        (logger.warning if sizing.split.over_budget else logger.info)("%s", sizing.split.describe())
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
                                          config=config)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
