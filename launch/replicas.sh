@@ -5,7 +5,9 @@
 #   bash launch/replicas.sh 2                          # 2 replicas of the embedded tiny model
 #   bash launch/replicas.sh 4 --model-path /path/to/Qwen3.5 --tp-size 1 ...   # extra flags go to every replica
 # Replicas listen on $BASE_PORT+1 .. $BASE_PORT+N (default 30001..), the router on $ROUTER_PORT (30000);
-# POLICY=round_robin (or any smg policy) to compare. Ctrl-C stops all.
+# POLICY=round_robin (or any smg policy) to compare. Ctrl-C stops all. cache_aware runs with the settings of
+# launch/smg_cache_aware.args (why there, and in docs/performance.md "Replicas behind smg"); the tests use the
+# same file.
 # Devices: with accelerators each replica gets its own share (DEVICES_PER_REPLICA, default all / N):
 #   NVIDIA GPUs: CUDA_VISIBLE_DEVICES; TPU chips (/dev/accel*, /dev/vfio): TPU_VISIBLE_CHIPS with one process
 #   per chip group (TPU_PROCESS_BOUNDS=1,1,1, own TPU_PROCESS_PORT; TPU_CHIPS_PER_PROCESS_BOUNDS defaults to
@@ -64,7 +66,9 @@ for i in $(seq 1 "$N"); do
     sleep 1
   done
 done
-.venv/bin/smg launch --worker-urls "${urls[@]}" --policy "$POLICY" --host $HOST --port "$ROUTER_PORT" \
+policy_args=()
+[ "$POLICY" != cache_aware ] || mapfile -t policy_args < <(sed 's/#.*//' launch/smg_cache_aware.args | xargs -n1)
+.venv/bin/smg launch --worker-urls "${urls[@]}" --policy "$POLICY" "${policy_args[@]}" --host $HOST --port "$ROUTER_PORT" \
   --prometheus-host $HOST --prometheus-port "${ROUTER_METRICS_PORT:-29000}" --log-level warn >"$LOGS/router.log" 2>&1 &
 pids+=($!)
 until curl -sf "http://$HOST:$ROUTER_PORT/generate" -H 'Content-Type: application/json' \

@@ -38,6 +38,12 @@ def compile_cache_env() -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+def cache_aware_args() -> list[str]:
+    """The smg cache-aware settings launch/replicas.sh uses (launch/smg_cache_aware.args, comments dropped)."""
+    path = Path(__file__).resolve().parents[1] / "launch" / "smg_cache_aware.args"
+    return [w for line in path.read_text().splitlines() for w in line.split("#", 1)[0].split()]
+
+
 def smg_binary() -> str:
     """The `smg` executable next to this interpreter (installed with the test extra)."""
     path = Path(sys.executable).with_name("smg")

@@ -1,10 +1,12 @@
-"""bench_serving against the real HTTP server (session fixture `server`): each dataset on a tiny setting."""
+"""bench_serving against the real HTTP server (session fixture `server`): each dataset on a tiny setting; agent
+traces in lock-step, their cached tokens checked against the server's own hit counter."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import httpx
 import pytest
 
 from sglang_tpu_qwen.bench.serving import NORMAL_ID_LIMIT, build_sessions, main, parse_args, run, summarize
@@ -71,3 +73,28 @@ def test_multi_turn_resends_conversation(server) -> None:
     # Turn k's prompt = system + k * (user message + 4-token reply) + a new user message.
     assert sorted(r.prompt_len for r in results) == sorted([32 + 8 + k * 12 for k in range(3)] * 2)
     _check_consistent(summarize(results, duration, 6), 6, 6 * 4, 2 * sum(32 + 8 + k * 12 for k in range(3)))
+
+
+def test_agent_traces_in_lockstep_and_server_counts(server) -> None:
+    argv = ["--base-url", server.url, "--dataset-name", "agent", "--mt-num-sessions", "3", "--mt-num-turns", "3",
+            "--mt-system-prompt-len", "24", "--mt-turn-input-len", "6", "--mt-turn-output-len", "3",
+            "--agent-tool-result-len", "20", "--agent-tool-result-range-ratio", "0.5", "--mt-lockstep", *COMMON]
+    args = parse_args(argv)
+    sessions = build_sessions(args)
+    assert sessions == build_sessions(args) and len(sessions) == 3
+    # Turn 0: the shared system prompt + the task; later turns: a tool result of 10..20 tokens.
+    assert len({tuple(s[0].new_ids[:24]) for s in sessions}) == 1 and all(len(s[0].new_ids) == 30 for s in sessions)
+    tools = [len(t.new_ids) for s in sessions for t in s[1:]]
+    assert min(tools) >= 10 and max(tools) <= 20 and len(set(tools)) > 1
+    # Turn k's prompt: the task, then for each earlier turn the 3-token reply and the next tool result.
+    want = [[30 + sum(3 + len(t.new_ids) for t in s[1:k + 1]) for s in sessions] for k in range(3)]
+    info = server.url + "/get_server_info"
+    hits0 = httpx.get(info, timeout=30).json()["memory"]["cache_hit_tokens"]
+    results, duration = asyncio.run(run(args, sessions))
+    # Lock-step: results arrive wave by wave (turn k of every session before any turn k + 1).
+    assert [sorted(r.prompt_len for r in results[3 * k:3 * k + 3]) for k in range(3)] == [sorted(w) for w in want]
+    m = summarize(results, duration, 9)
+    _check_consistent(m, 9, 9 * 3, sum(map(sum, want)))
+    # The usage fields' cached tokens are the server's own hit counter over the run; later turns hit.
+    assert m["cached_tokens"] == httpx.get(info, timeout=30).json()["memory"]["cache_hit_tokens"] - hits0
+    assert m["cached_tokens"] >= sum(want[1])

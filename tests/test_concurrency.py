@@ -74,3 +74,6 @@ def test_64_concurrent_requests_free_all_memory(server):
     assert mem["gdn_slots_free"] == mem["gdn_slots_total"] > 0
     assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"] > 0
     assert mem["cached_pages"] == 0 and mem["cached_snapshots"] == 0
+    # The GDN snapshot host tier is on with default flags, and empty once flushed.
+    assert info["gdn_snapshot_host_tier"]["rule"] == "default" and mem["host_snapshot_budget_bytes"] > 0
+    assert mem["host_snapshots"] == mem["host_snapshot_bytes"] == mem["host_snapshots_pending"] == 0

@@ -1,5 +1,6 @@
 """GDN slot operations (memory/gdn_state.py) on a cache split over 8 data-parallel ranks equal the same
-operations on one device, slot for slot: copies within ranks, NaN fill, a host write and reads.
+operations on one device, slot for slot: copies within ranks, NaN fill, a host write and reads, and the host
+tier's asynchronous demotion (a pending device copy, its source slot overwritten right after, written back).
 
 8 CPU devices need XLA_FLAGS before JAX starts, so the check runs in a child process (this file as a
 script), which prints "OK" after comparing every slot of both caches exactly (copies move bytes; nothing
@@ -57,6 +58,10 @@ def _main() -> None:
         cache = gdn_state.copy_slots(cache, pairs)
         cache = gdn_state.fill_nan(cache, nan_slots)
         cache = gdn_state.write_slot(cache, g(6, 5), conv, rec)
+        # Demotion without waiting, the slot reused at once (NaN here), then a promotion from the pending copy.
+        pending = gdn_state.read_slot_async(cache, g(4, 2))
+        cache = gdn_state.fill_nan(cache, [g(4, 2)])
+        cache = gdn_state.write_slot(cache, g(1, 3), *pending)
         if name == "plain":
             plain = cache
         else:
@@ -76,6 +81,8 @@ def _main() -> None:
             expect[:, d] = host[key][:, s]
         expect[:, nan_slots] = np.nan
         expect[:, g(6, 5)] = host[key][:, g(2, 1)]
+        expect[:, g(1, 3)] = host[key][:, g(4, 2)]
+        expect[:, g(4, 2)] = np.nan
         np.testing.assert_array_equal(want, expect)
     for slot in (g(0, 4), g(6, 5), g(7, 1)):
         for a, b in zip(gdn_state.read_slot(split, slot), gdn_state.read_slot(plain, slot), strict=True):

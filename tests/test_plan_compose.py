@@ -6,17 +6,20 @@
 - routing: the slowest device's distinct experts and (token, expert) pairs, analytic against a fixed-seed
   Monte-Carlo, uniform and Zipf, within a stated tolerance; the uniform mean in closed form;
 - chips.collective_time: an all-gather and a reduce-scatter on a 2x2 slice of two-core chips by hand;
-- calibration: the blog's discount in its roofline's unit.
+- calibration: the blog's discount in its roofline's unit;
+- capacity: concurrent and idle sessions per host from a tiny config's cache units written out by hand, and the
+  per-device weights split ep ways.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import pytest
 
 from sglang_tpu_qwen.tools import plan
-from sglang_tpu_qwen.tools.plan import chips, routing
+from sglang_tpu_qwen.tools.plan import capacity, chips, routing
 
 CHIP = plan.CHIPS["tpu7x"]
 BW = 7380e9 / 2  # per TensorCore
@@ -158,3 +161,51 @@ def test_prompt_rate_the_measurements_imply():
     assert r["decode_step_s"] == pytest.approx(step, rel=1e-12)
     assert r["prompt_tok_s_chip"] == pytest.approx(64 * 8192 / (64 * 9216 / (3707 * 4) - 1024 * step) / 4, rel=1e-12)
     assert 10_000 < r["prompt_tok_s_chip"] < 11_000
+
+
+def _tiny_config() -> plan.Qwen35MoeConfig:
+    return plan.Qwen35MoeConfig.from_hf_dict({
+        "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8,
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("kv, state", [("bfloat16", "float32"), ("fp8_e4m3", "bfloat16")])
+def test_capacity_row_by_hand(kv, state):
+    c = _tiny_config()
+    kv_item, st_item = {"bfloat16": 2, "fp8_e4m3": 1}[kv], {"float32": 4, "bfloat16": 2}[state]
+    # K and V of 1 attention layer x 2 heads x 16 dims per token; conv [2*2*8 + 4*6, 3] + rec [4, 8, 6] x 3 layers.
+    kv_token = 2 * 1 * 2 * 16 * kv_item
+    st = 3 * ((2 * 2 * 8 + 4 * 6) * 3 + 4 * 8 * 6) * st_item
+    # 100 tokens at page 16: 7 pages. Budget 0.5 x 1 MiB - 100 KiB on each of 4 devices.
+    budget = (1 << 19) - 100 * 1024
+    per = 7 * 16 * kv_token + st
+    r = capacity.capacity_row(c, kv_dtype=capacity.KV_DTYPES[kv], state_dtype=capacity.STATE_DTYPES[state],
+                              page_size=16, session_tokens=100, hbm_per_device=1 << 20, mem_fraction_static=0.5,
+                              weight_bytes=100 * 1024, devices=4, running_per_host=6, host_bytes=1e6)
+    assert (r["kv_per_token"], r["state"], r["session_kv"]) == (kv_token, st, 7 * 16 * kv_token)
+    assert r["concurrent"] == 4 * (budget // per)
+    assert r["idle_hbm"] == 4 * ((budget - 2 * per) // per)  # 6 running over 4 devices: 2 on the fullest
+    assert r["idle_states_host"] == int(1e6 // st) and r["idle_sessions_host"] == int(1e6 // per)
+    with pytest.raises(ValueError, match="leave nothing"):
+        capacity.capacity_row(c, kv_dtype=jnp.bfloat16, state_dtype=jnp.float32, page_size=16, session_tokens=100,
+                              hbm_per_device=1 << 20, mem_fraction_static=0.5, weight_bytes=1 << 19, devices=4,
+                              running_per_host=0, host_bytes=0)
+
+
+def test_capacity_weights_are_the_planners():
+    # Per-device weights: replicated leaves whole, expert stacks split ep ways (programs.weight_bytes_per_device).
+    c = _tiny_config()
+    w1, w4 = capacity.weights_per_device(c, 1, fp8=False), capacity.weights_per_device(c, 4, fp8=False)
+    experts = 4 * 3 * 4 * 32 * 16 * 2  # 4 layers x (gate, up, down) x 4 experts x 32 x 16 bf16
+    assert w1 - w4 == experts - experts // 4
+    t = capacity.capacity_table(plan.load_model_config("qwen3.5-397b-a17b"))
+    assert t["devices"] == 8 and t["host_ram"] == 960e9
+    rows = {(r["state_dtype"], r["kv_dtype"]): r for r in t["rows"]}
+    # The 397B layout: 15 attention layers x K, V x 2 KV heads x 256 dims; 45 GDN layers of [64,128,128] + conv.
+    assert rows["float32", "bfloat16"]["kv_per_token"] == 15 * 2 * 2 * 256 * 2
+    assert rows["float32", "bfloat16"]["state"] == 45 * (64 * 128 * 128 + 12288 * 3) * 4
+    assert rows["bfloat16", "fp8_e4m3"]["concurrent"] > rows["float32", "bfloat16"]["concurrent"]

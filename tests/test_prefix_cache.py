@@ -63,6 +63,7 @@ def _assert_all_free(eng: Engine) -> None:
     assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
     assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
     assert mem["cached_pages"] == mem["cached_snapshots"] == mem["host_snapshots"] == 0
+    assert mem["host_snapshot_bytes"] == mem["host_snapshots_pending"] == 0
 
 
 @pytest.mark.parametrize("length", [3 * PAGE - 1, 3 * PAGE, 3 * PAGE + 1, 45])
@@ -130,8 +131,16 @@ def test_interleaved_turns_with_nan_filled_free_slots(cold, warm):
 
 
 def test_snapshot_evicted_to_host_and_back(cold):
-    eng = Engine(max_gdn_snapshots=2, gdn_snapshot_host_gb=0.01, debug_nan_fill_freed_slots=True, **COMMON)
+    """The host tier is on with default flags (memory/host_budget.py); a snapshot demoted to it and promoted
+    back gives the tokens of a cache miss."""
+    eng = Engine(max_gdn_snapshots=2, debug_nan_fill_freed_slots=True, **COMMON)
     try:
+        info = eng.get_server_info()
+        tier = info["gdn_snapshot_host_tier"]
+        assert tier["rule"] == "default" and tier["budget_bytes"] > 0
+        assert tier["budget_bytes"] <= min(tier["cap_bytes"], tier["share"] * tier["available_bytes_at_start"])
+        assert info["memory"]["host_snapshot_budget_bytes"] == tier["budget_bytes"]
+        assert info["gdn_snapshot_host_gb"] == tier["budget_bytes"] / 2**30
         target = _ids(7, 50)
         _gen(eng, target)
         for i in range(6):  # push the target's snapshots out of the 2 device snapshot slots
@@ -139,6 +148,8 @@ def test_snapshot_evicted_to_host_and_back(cold):
         assert eng.get_server_info()["memory"]["host_snapshots"] > 0
         again = _gen(eng, target)
         assert again["meta_info"]["cached_tokens"] >= PAGE * ((len(target) - 1) // PAGE)
+        mem = eng.get_server_info()["memory"]
+        assert mem["snapshot_hits_host"] == 1 and mem["host_snapshot_refused_low_memory"] == 0
         _same(again, _gen(cold, target))
         _assert_all_free(eng)
     finally:
@@ -148,7 +159,7 @@ def test_snapshot_evicted_to_host_and_back(cold):
 def test_leak_free_after_mixed_load_with_aborts_and_evictions():
     """Tiny pools force evictions and retractions; aborts mid-stream; after a flush everything is free."""
     eng = Engine(page_size=PAGE, max_total_tokens=256, max_running_requests=4, chunked_prefill_size=32,
-                 max_gdn_snapshots=3, gdn_snapshot_host_gb=0.001)
+                 max_gdn_snapshots=3)  # the host tier on, as by default
     try:
         shared = _ids(8, 40)
         results: list = []
@@ -181,3 +192,25 @@ def test_flush_refused_while_running(warm):
     assert warm.flush_cache() is False
     list(it)
     _assert_all_free(warm)
+
+
+def test_host_store_keeps_pending_device_copies_until_done():
+    """A demotion's device copy is pending until settle() finds it done; then only host arrays remain."""
+    import jax.numpy as jnp
+
+    from sglang_tpu_qwen.memory.host_budget import HostMemoryGuard
+    from sglang_tpu_qwen.memory.host_snapshots import HostSnapshotStore
+
+    store = HostSnapshotStore(2**20, guard=HostMemoryGuard(reserve_bytes=0))
+    conv, rec = jnp.arange(6.0).reshape(1, 2, 3), jnp.ones((1, 2, 2, 2))
+    conv.copy_to_host_async()
+    hid = store.put(conv, rec)
+    assert store.num_pending == 1 and store.used_bytes == conv.nbytes + rec.nbytes
+    assert store.get(hid)[0] is conv  # a hit now uploads from the device copy
+    conv.block_until_ready(), rec.block_until_ready()
+    store.settle()
+    got = store.get(hid)
+    assert store.num_pending == 0 and all(isinstance(a, np.ndarray) for a in got)
+    np.testing.assert_array_equal(got[0], np.arange(6.0).reshape(1, 2, 3))
+    store.drop(hid)
+    assert len(store) == store.used_bytes == store.num_pending == 0

@@ -17,7 +17,8 @@ def test_sglang_flag_names_parse():
 
 
 @pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--page-size", "0"], ["--schedule-policy", "random"],
-                                  ["--top-p", "0.5"], ["--mem-fraction-static", "2"]])
+                                  ["--top-p", "0.5"], ["--mem-fraction-static", "2"],
+                                  ["--gdn-snapshot-host-gb", "-1"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         prepare_server_args(argv)
@@ -74,3 +75,30 @@ def test_chunked_prefill_size_is_split_over_dp_ranks():
 def test_engine_kwargs_reject_unknown_names():
     with pytest.raises(TypeError, match="bogus_flag"):
         ServerArgs.from_kwargs(bogus_flag=1)
+
+
+def test_host_tier_default_is_a_capped_share_of_available_host_memory():
+    from sglang_tpu_qwen.memory.host_budget import (
+        HOST_TIER_CAP_BYTES,
+        HOST_TIER_SHARE,
+        HostMemoryGuard,
+        host_available_bytes,
+        resolve_host_tier,
+    )
+    from sglang_tpu_qwen.memory.host_snapshots import HostSnapshotStore
+
+    small = ServerArgs()
+    budget = resolve_host_tier(small, available_bytes=8 * 2**30)
+    assert (budget.rule, budget.budget_bytes) == ("default", int(HOST_TIER_SHARE * 8 * 2**30))
+    assert small.gdn_snapshot_host_gb == budget.budget_bytes / 2**30
+    assert resolve_host_tier(small).rule == "explicit"  # resolved once: a second call keeps the value
+    big = ServerArgs()
+    assert resolve_host_tier(big, available_bytes=2**50).budget_bytes == HOST_TIER_CAP_BYTES
+    off = ServerArgs(gdn_snapshot_host_gb=0)
+    assert (resolve_host_tier(off, available_bytes=2**40).budget_bytes, off.gdn_snapshot_host_gb) == (0, 0)
+    no_tree = ServerArgs(disable_radix_cache=True)
+    assert resolve_host_tier(no_tree).rule == "off" and no_tree.gdn_snapshot_host_gb == 0
+    # The live guard: a store that would leave less than the reserve available is refused and counted.
+    assert HostMemoryGuard(reserve_bytes=0).allows(1)
+    starved = HostSnapshotStore(2**30, guard=HostMemoryGuard(reserve_bytes=host_available_bytes() + 2**40))
+    assert not starved.fits(1024) and starved.refused_low_memory == 1

@@ -111,7 +111,11 @@ class ServerArgs:
         "help": "GDN state snapshot slots of the prefix cache per DP rank: overrides --mamba-full-memory-ratio "
                 "and --max-mamba-cache-size (default: as many as the ratio's share holds beyond the running "
                 "requests)."})
-    gdn_snapshot_host_gb: float = field(default=0.0, metadata={"help": "Host memory for evicted snapshots (GB)."})
+    gdn_snapshot_host_gb: float | None = field(default=None, metadata={
+        "help": "Host memory (GiB) that GDN snapshots evicted from the device may move to (the host tier); 0: off. "
+                "Default: 25% of the host memory available at start, at most 128 GiB (memory/host_budget.py): a "
+                "cap on what is stored, not an allocation; a demotion that would leave under 10% of the host's "
+                "memory available is refused."})
     debug_nan_fill_freed_slots: bool = field(
         default=False, metadata={"help": "Fill freed GDN slots with NaN so a stale read fails loudly."}
     )
@@ -185,6 +189,8 @@ class ServerArgs:
             values = getattr(self, name)
             if values is not None and (not values or any(not isinstance(v, int) or v <= 0 for v in values)):
                 raise ValueError(f"--{name.replace('_', '-')} must be positive integers, got {values}")
+        if self.gdn_snapshot_host_gb is not None and not self.gdn_snapshot_host_gb >= 0:
+            raise ValueError(f"--gdn-snapshot-host-gb must be >= 0 (0: no host tier), got {self.gdn_snapshot_host_gb}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         self._check_state_budget()

@@ -13,6 +13,15 @@ Datasets (seeded, token ids in [0, NORMAL_ID_LIMIT): no special tokens):
 - ``multi-turn``: ``--mt-num-sessions`` concurrent sessions of ``--mt-num-turns`` turns; turn k sends the
   system prompt, every earlier user message and model reply (the server's ``output_ids``), and a new user
   message. Turns of a session are sequential; sessions run concurrently.
+- ``agent``: agent traces over the same ``--mt-*`` sizes: turn 0 sends the shared system prompt
+  (``--mt-system-prompt-len``) and the user's task (``--mt-turn-input-len``); every later turn appends a tool
+  result of ``--agent-tool-result-len * --agent-tool-result-range-ratio`` .. ``--agent-tool-result-len`` random
+  tokens (uniform) after the model's reply (``--mt-turn-output-len``, the tool call), so the context grows by
+  a tool result and a reply per turn.
+
+``--mt-lockstep`` (multi-turn and agent) sends turn k of every session only after turn k - 1 of every session
+has finished: each wave's requests go out together, and what a server (or a router) holds when a wave starts
+does not depend on how fast other sessions ran.
 
 ``--request-rate`` (requests/s, Poisson arrivals; inf = all at once) paces independent requests and the start
 of sessions; ``--max-concurrency`` caps requests in flight. ``--ignore-eos`` (default on) fixes output lengths.
@@ -23,7 +32,10 @@ unconstrained ones do and the two output throughputs compare grammar overhead al
 
 Report: completed/failed requests, duration (s), request / input / output / total throughput (per s), TTFT
 and ITL mean/p50/p90/p99 (ms), prompt tokens, cached tokens, hit rate = cached / prompt tokens, and prefill
-tokens computed = prompt - cached; printed as text and written as JSON with ``--output-file``.
+tokens computed = prompt - cached; printed as text and written as JSON with ``--output-file``. Cached tokens
+come from each reply's usage fields (``meta_info.cached_tokens`` / ``usage.prompt_tokens_details``), which the
+server fills from the same count as its ``cache_hit_tokens`` counter (``/get_server_info``), so they hold through
+a router too.
 
 ``--profile`` (SGLang's flag and ``--profile-*`` options) asks the server for a jax.profiler trace of its steps
 around the run (``/start_profile`` before, ``/stop_profile`` after).
@@ -125,6 +137,15 @@ def build_sessions(args: argparse.Namespace) -> list[list[Turn]]:
         system = _ids(rng, args.mt_system_prompt_len)
         return [[Turn((system if k == 0 else []) + _ids(rng, args.mt_turn_input_len), args.mt_turn_output_len)
                  for k in range(args.mt_num_turns)] for _ in range(args.mt_num_sessions)]
+    if name == "agent":
+        lo = int(args.agent_tool_result_len * args.agent_tool_result_range_ratio)
+        if min(args.mt_num_sessions, args.mt_num_turns, args.mt_turn_input_len, args.mt_turn_output_len,
+               args.agent_tool_result_len) <= 0 or not 0.0 <= args.agent_tool_result_range_ratio <= 1.0:
+            raise ValueError("--mt-* and --agent-tool-result-len must be positive, the range ratio in [0, 1]")
+        system = _ids(rng, args.mt_system_prompt_len)
+        return [[Turn(system + _ids(rng, args.mt_turn_input_len), args.mt_turn_output_len)]
+                + [Turn(_ids(rng, rng.randint(max(1, lo), args.agent_tool_result_len)), args.mt_turn_output_len)
+                   for _ in range(args.mt_num_turns - 1)] for _ in range(args.mt_num_sessions)]
     raise ValueError(f"unknown --dataset-name {name!r}")
 
 
@@ -220,10 +241,20 @@ async def run(args: argparse.Namespace, sessions: list[list[Turn]]) -> tuple[lis
     results: list[RequestResult] = []
     bar = tqdm(total=sum(len(s) for s in sessions), disable=args.disable_tqdm, desc="requests")
 
+    # Lock-step: every session waits for all the others between turns (a failed session keeps arriving).
+    barrier = asyncio.Barrier(len(sessions)) if getattr(args, "mt_lockstep", False) and sessions else None
+    turns_max = max((len(s) for s in sessions), default=0)
+
     async def one_session(client: httpx.AsyncClient, turns: list[Turn], delay: float) -> None:
         await asyncio.sleep(delay)
         history: list[int] = []
-        for turn in turns:
+        failed = False
+        for k in range(turns_max if barrier is not None else len(turns)):
+            if barrier is not None and k > 0:
+                await barrier.wait()
+            if failed or k >= len(turns):
+                continue
+            turn = turns[k]
             prompt = history + turn.new_ids
             if sem is not None:
                 async with sem:
@@ -233,7 +264,10 @@ async def run(args: argparse.Namespace, sessions: list[list[Turn]]) -> tuple[lis
             results.append(res)
             bar.update(1)
             if not res.ok:
-                return  # later turns depend on this reply
+                failed = True  # later turns depend on this reply
+                if barrier is None:
+                    return
+                continue
             history = prompt + res.output_ids
 
     delays = np.zeros(len(sessions))
@@ -303,7 +337,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--base-url", default=None, help="overrides --host/--port, e.g. http://127.0.0.1:30000")
     p.add_argument("--model", default=None, help="model name for --backend sglang-oai")
-    p.add_argument("--dataset-name", choices=["random", "generated-shared-prefix", "multi-turn"], default="random")
+    p.add_argument("--dataset-name", choices=["random", "generated-shared-prefix", "multi-turn", "agent"],
+                   default="random")
     p.add_argument("--num-prompts", type=int, default=100, help="random dataset: number of prompts")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=float("inf"))
@@ -322,6 +357,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mt-system-prompt-len", type=int, default=1024)
     p.add_argument("--mt-turn-input-len", type=int, default=128)
     p.add_argument("--mt-turn-output-len", type=int, default=64)
+    p.add_argument("--mt-lockstep", action="store_true",
+                   help="multi-turn / agent: send turn k of every session after turn k-1 of all has finished")
+    p.add_argument("--agent-tool-result-len", type=int, default=4096, help="agent: longest tool result (tokens)")
+    p.add_argument("--agent-tool-result-range-ratio", type=float, default=0.5,
+                   help="agent: shortest tool result as a share of --agent-tool-result-len")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json-schema", nargs="?", const="records", default=None,
                    help="constrain every request to a JSON Schema: JSON text, @file, or bare for a built-in schema")

@@ -32,6 +32,7 @@ from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
 from sglang_tpu_qwen.grammar.manager import create_grammar_manager
 from sglang_tpu_qwen.grammar.spec import CONSTRAINT_KEYS, GrammarSpec
 from sglang_tpu_qwen.grammar.whitespace import resolve_json_whitespace
+from sglang_tpu_qwen.memory.host_budget import resolve_host_tier
 from sglang_tpu_qwen.parsers.markers import THINK_END
 from sglang_tpu_qwen.tokenizer.detokenizer import IncrementalDetokenizer
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
@@ -90,6 +91,7 @@ class Engine:
         self.served_model_name = args.served_model_name or self.model_path
         self.tokenizer = Tokenizer(self.tokenizer_path)
         resolve_device_defaults(args, devices)  # once, before the runner (which reads the flags, never sets them)
+        self.host_tier = resolve_host_tier(args)  # --gdn-snapshot-host-gb's default, from host memory
         self.runner = ModelRunner.from_checkpoint(self.model_path, args, devices=devices)
         self.model_config = self.runner.config
         self.context_length = self.runner.sizing.context_length
@@ -433,6 +435,8 @@ class Engine:
             "jit_compilations": compilation.jit_compilations(),
             "jit_compilations_from_cache": compilation.cache_hits(),
             "precompile": self.precompile_stats,
+            # How --gdn-snapshot-host-gb was set (memory/host_budget.py); usage is under "memory".
+            "gdn_snapshot_host_tier": self.host_tier.as_dict(),
         })
         if self.disagg is not None:
             info["disaggregation"] = self.disagg.stats()

@@ -166,35 +166,61 @@ def fill_nan(cache: dict, slots: list[int]) -> dict:
     return _run(cache, arr, body=_fill_nan_body, split=None, num_ids=1)
 
 
-def read_slot(cache: dict, slot: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host copies of one slot's state: (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv])."""
+@partial(jax.jit, static_argnames=("taps",))
+def _read_body(conv: jax.Array, rec: jax.Array, slot: jax.Array, taps: int) -> tuple[jax.Array, jax.Array]:
+    """Fresh device copies of one slot's state (not aliasing the cache, which a later op may donate)."""
+    return conv_pool.read_slot(conv, slot, taps), jax.lax.dynamic_index_in_dim(rec, slot, axis=1, keepdims=False)
+
+
+def read_slot_async(cache: dict, slot: int) -> tuple[jax.Array, jax.Array]:
+    """Device copies of one slot's state, (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv]), with their
+    copy to the host started; returns without waiting for the device (the host tier's demotion).
+
+    The copies are taken in dispatch order, so the slot may be overwritten right after this returns. On a
+    cache split over DP ranks they are read on the device holding the slot (no collective) and live there.
+    `np.asarray` of a result waits for its transfer only.
+    """
     taps = _taps(cache)
-    if _rank_split(cache) is not None:  # read from the device holding the slot, no collective
-        return _read_local(cache["conv"], slot, taps), _read_local(cache["rec"], slot)
-    return np.asarray(conv_pool.read_slot(cache["conv"], slot, taps)), np.asarray(cache["rec"][:, slot])
+    if _rank_split(cache) is None:
+        conv, rec = _read_body(cache["conv"], cache["rec"], np.int32(slot), taps=taps)
+    else:
+        conv_shard, rec_shard, local = _local_shards(cache, slot)
+        conv, rec = _read_body(conv_shard, rec_shard, np.int32(local), taps=taps)
+    conv.copy_to_host_async()
+    rec.copy_to_host_async()
+    return conv, rec
 
 
-def _read_local(arr: jax.Array, slot: int, taps: int | None = None) -> np.ndarray:
-    """Slot ``slot`` of ``arr`` from the shard holding it (the conv pool's rows when ``taps`` is given)."""
-    row = slot if taps is None else slot * taps
-    for shard in arr.addressable_shards:
-        block = shard.index[1]
-        start, stop = block.start or 0, arr.shape[1] if block.stop is None else block.stop
-        if start <= row < stop:  # sliced on the device: only the slot's bytes cross to the host
-            if taps is None:
-                return np.asarray(shard.data[:, row - start])
-            return np.asarray(conv_pool.read_slot(shard.data, (row - start) // taps, taps))
+def read_slot(cache: dict, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host copies of one slot's state: (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv]); blocks."""
+    conv, rec = read_slot_async(cache, slot)
+    return np.asarray(conv), np.asarray(rec)
+
+
+def _local_shards(cache: dict, slot: int) -> tuple[jax.Array, jax.Array, int]:
+    """The conv and rec shards (one device's blocks) holding global slot ``slot``, and its index in them."""
+    taps = _taps(cache)
+    for conv_shard in cache["conv"].addressable_shards:
+        block = conv_shard.index[1]
+        start = block.start or 0
+        stop = cache["conv"].shape[1] if block.stop is None else block.stop
+        if start <= slot * taps < stop:
+            local = slot - start // taps
+            rec_shard = next(s for s in cache["rec"].addressable_shards if s.device == conv_shard.device)
+            return conv_shard.data, rec_shard.data, local
     raise ValueError(f"slot {slot} is not held by this process")
 
 
-def write_slot(cache: dict, slot: int, conv: np.ndarray, rec: np.ndarray) -> dict:
-    """Upload a host copy (from read_slot) into a slot; returns the new cache."""
+def write_slot(cache: dict, slot: int, conv: np.ndarray | jax.Array, rec: np.ndarray | jax.Array) -> dict:
+    """Upload a copy (host arrays from read_slot, or device arrays from read_slot_async) into a slot; returns
+    the new cache. Dispatched without waiting: the upload overlaps the step the device is running."""
     split = _rank_split(cache)
     if split is not None:
         rank, local = split.local(slot)
         ids = np.full(split.ranks, split.per_rank, np.int32)  # other ranks: out of range, dropped
         ids[rank] = local
-        return _run(cache, jnp.asarray(ids), jnp.asarray(conv), jnp.asarray(rec), body=_write_body, split=split,
-                    num_ids=1)
+        # Replicated over the mesh (a pending host-tier entry is a device array on its rank's device).
+        conv, rec = jax.device_put([conv, rec], NamedSharding(split.mesh, P()))
+        return _run(cache, jnp.asarray(ids), conv, rec, body=_write_body, split=split, num_ids=1)
     return _run(cache, jnp.asarray(slot, jnp.int32), jnp.asarray(conv), jnp.asarray(rec), body=_write_body,
                 split=None, num_ids=1)

@@ -142,6 +142,7 @@ class EngineStateCollector:
       sglang:gdn_snapshot_slots_total       gauge, device slots reserved for snapshots
       sglang:gdn_snapshot_host_bytes        gauge, bytes of the host tier in use
       sglang:gdn_snapshot_host_budget_bytes gauge, --gdn-snapshot-host-gb in bytes
+      sglang:gdn_snapshot_host_refused_total counter, demotions refused because the host ran low on memory
       sglang:num_transfer_done_reqs_total{role="prefill"|"decode"}  counter, PD transfers completed
       sglang:kv_transfer_bytes_total        counter, KV + GDN state bytes received by a PD decode server
     Every name is always exported (0 without a prefix cache or PD), so a dashboard never shows "no data" for
@@ -209,6 +210,8 @@ class EngineStateCollector:
                     m.get("host_snapshot_bytes", 0))
         yield gauge("sglang:gdn_snapshot_host_budget_bytes", "Host-tier budget for GDN snapshots (bytes).",
                     m.get("host_snapshot_budget_bytes", 0))
+        yield counter("sglang:gdn_snapshot_host_refused", "GDN snapshot demotions refused: host memory low.",
+                      m.get("host_snapshot_refused_low_memory", 0))
         done = CounterMetricFamily("sglang:num_transfer_done_reqs", "PD transfers completed.", labels=["role"])
         for role in ("prefill", "decode"):
             done.add_metric([role], pd.get("transfers_done", 0) if pd.get("mode") == role else 0)

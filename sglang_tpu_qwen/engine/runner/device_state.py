@@ -166,8 +166,13 @@ class DeviceState:
         """Host copy of one slot's GDN state (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv])."""
         return gdn_state.read_slot(self.cache, slot)
 
-    def write_slot(self, slot: int, conv: np.ndarray, rec: np.ndarray) -> None:
-        """Upload a host copy (from read_slot) into a slot."""
+    def read_slot_async(self, slot: int) -> tuple[jax.Array, jax.Array]:
+        """Device copies of one slot's GDN state with their host copy started, without waiting
+        (gdn_state.read_slot_async: the host tier's demotion)."""
+        return gdn_state.read_slot_async(self.cache, slot)
+
+    def write_slot(self, slot: int, conv: np.ndarray | jax.Array, rec: np.ndarray | jax.Array) -> None:
+        """Upload a copy (from read_slot or read_slot_async) into a slot, without waiting."""
         self.cache = gdn_state.write_slot(self.cache, slot, conv, rec)
 
     def gather_kv(self, pages: list[int], start: int, end: int) -> tuple[jax.Array, jax.Array]:
@@ -190,12 +195,17 @@ class DeviceState:
     def precompile_slot_copies(self, max_rows: int, host_tier: bool) -> None:
         """The prefix cache copies GDN slots in groups padded to powers of two (memory/gdn_state.py): run each
         size up to next_pow2(max_rows) once on trash slot 0 (a copy onto itself) so its program exists
-        before serving; with the host tier also a read and a write of slot 0."""
+        before serving; with the host tier also a read and a write of each DP rank's trash slot (a read runs
+        on the device holding the slot)."""
         # The copies are plain jit calls keyed on the cache's sharding, which may differ between a cache from
         # a step program and one from a copy (meshes): the caller runs a step program first; every size
         # twice, so both inputs are seen.
         sizes = [1 << i for i in range(next_pow2(max_rows).bit_length())]
         for n in sizes + sizes:
             self.cache = gdn_state.copy_slots(self.cache, [(0, 0)] * n)
-        if host_tier:  # demotion to host memory and restore from it
-            self.cache = gdn_state.write_slot(self.cache, 0, *gdn_state.read_slot(self.cache, 0))
+        if host_tier:  # demotion to host memory and restore from it: from host arrays and from pending device ones
+            for rank in range(self.sizing.dp):
+                trash = self.sizing.slot_base(rank)
+                pending = gdn_state.read_slot_async(self.cache, trash)
+                self.cache = gdn_state.write_slot(self.cache, trash, *pending)
+                self.cache = gdn_state.write_slot(self.cache, trash, *(np.asarray(a) for a in pending))

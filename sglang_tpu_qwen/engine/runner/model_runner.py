@@ -102,7 +102,8 @@ class ModelRunner:
                                      self.dtype)
         self.executor = StepExecutor(self.programs, self.state)
         self.observers = self.executor.observers
-        self._host_snapshot_tier = args.gdn_snapshot_host_gb > 0
+        # Unresolved (None: a runner built without the Engine, e.g. the planner's) counts as off.
+        self._host_snapshot_tier = (args.gdn_snapshot_host_gb or 0) > 0
 
     @classmethod
     def from_checkpoint(cls, model_path: str, args: ServerArgs, devices: list[Any] | None = None) -> ModelRunner:

@@ -98,6 +98,9 @@ class PrefixCache:
         return next((t for t in r.snapshot_targets if t > r.cached_len), None)
 
     def _restore(self, snapshot: int, slot: int | None) -> None:
+        """Copy a snapshot into a running slot: device -> device, or an upload from the host tier. Neither
+        waits: the upload is dispatched while the previous step runs and the next step's forward follows it
+        on the device."""
         assert slot is not None
         self.snapshot_hits["host" if is_host_id(snapshot) else "device"] += 1
         if is_host_id(snapshot):
@@ -109,6 +112,7 @@ class PrefixCache:
     # ---- after each step -----------------------------------------------------------------------
     def after_step(self, rows: list[Request], is_extend: bool) -> None:
         """Take the snapshots due after a step (rows' cached_len already advanced)."""
+        self.host.settle()  # earlier demotions whose device->host copy is done keep only their host arrays
         ps = self.page_size
         due = [r for r in rows if r.cached_len % ps == 0 and r.cached_len > 0 and not r.finished]
         if not due:
@@ -243,7 +247,9 @@ class PrefixCache:
         nbytes = sum(cache[k].nbytes for k in ("conv", "rec")) // cache["rec"].shape[1]
         if not self.host.fits(nbytes):  # decided before reading: no device copy for a snapshot the host cannot hold
             return
-        conv, rec = self.runner.state.read_slot(sid)
+        # Not waited for: the copy is dispatched after the step just launched and lands while the host goes on
+        # (memory/host_snapshots.py); the slot may be reused at once, the copy reads it first.
+        conv, rec = self.runner.state.read_slot_async(sid)
         for old in self.host.over_budget_ids(nbytes):
             old_key = self._where.get(old)
             if old_key is not None and self.tree.drop_snapshot(old_key, old):
@@ -275,7 +281,9 @@ class PrefixCache:
                "evicted_pages": c["evicted_pages"], "evicted_snapshots": c["evicted_snapshots"],
                "snapshot_hits_device": self.snapshot_hits["device"], "snapshot_hits_host": self.snapshot_hits["host"],
                "host_snapshots": len(self.host), "host_snapshot_bytes": self.host.used_bytes,
-               "host_snapshot_budget_bytes": self.host.budget_bytes}
+               "host_snapshot_budget_bytes": self.host.budget_bytes,
+               "host_snapshots_pending": self.host.num_pending,
+               "host_snapshot_refused_low_memory": self.host.refused_low_memory}
         if self.snap_pool is not None:
             out.update(snapshot_slots_total=self.snap_pool.num_usable, snapshot_slots_free=self.snap_pool.num_free)
         elif self.has_gdn:  # the memory split left no snapshot slots

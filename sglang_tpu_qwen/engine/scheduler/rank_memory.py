@@ -37,7 +37,7 @@ class RankMemory:
         kv_pool = IdPool(page_base + sizing.num_pages, "page", start=page_base + 1)
         slot_pool = IdPool(slot_base + sizing.num_running_slots, "slot", start=slot_base + 1)
         prefix_cache = None if args.disable_radix_cache else PrefixCache(
-            runner, kv_pool, sizing.page_size, int(args.gdn_snapshot_host_gb * 2**30) // sizing.dp,
+            runner, kv_pool, sizing.page_size, int((args.gdn_snapshot_host_gb or 0) * 2**30) // sizing.dp,
             args.debug_nan_fill_freed_slots, slot_base=slot_base)
         return cls(rank, kv_pool, slot_pool, prefix_cache, sizing.max_running_per_rank, sizing.page_size)
 

@@ -14,7 +14,9 @@ Modules, one concept each:
 - ``collectives``: the compiled HLO's collectives over the ICI, overlapped or exposed;
 - ``compose``: the published workloads in total and decode-only output tok/s/chip;
 - ``calibration``: the published figures, predicted vs measured; ``report``: tables; ``cli``: the command;
-- ``models``: built-in model configs (``load_model_config``).
+- ``models``: built-in model configs (``load_model_config``);
+- ``capacity``: concurrent and idle long sessions per host at each cache dtype (arithmetic, no compile;
+  ``python -m sglang_tpu_qwen.tools.plan.capacity``).
 """
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
