@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--fp8-block", default="128,128", help="quantization_config.weight_block_size (HF [out, in])")
     ap.add_argument("--steps", default="decode,prefill", help="comma-separated: decode, prefill")
     ap.add_argument("--max-gdn-snapshots", type=int, default=None,
-                    help="server flag: GDN prefix-cache snapshot slots per DP rank (default 2 per running request)")
+                    help="server flag: GDN prefix-cache snapshot slots per DP rank (default: what the server's memory "
+                         "rule leaves after the weights, KV and running slots, engine/runner/memory_split.py)")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="server flag: KV page dtype (auto: the compute dtype, bfloat16 on TPU; fp8_e4m3 halves "
                          "the pool's bytes per token)")
