@@ -23,7 +23,7 @@ import pytest
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv
-from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import logical, stored
+from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import logical, pool_shape, stored
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
@@ -134,6 +134,9 @@ def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int) -> None:
     k8 = stored(quantize_kv(inputs["k_cache"] * 40.0, FP8_KV_DTYPE, k_scale))  # spread over e4m3's range
     v8 = stored(quantize_kv(inputs["v_cache"], FP8_KV_DTYPE, v_scale))
     assert k8.shape[2:] == (inputs["k_cache"].shape[2] * nkv // 4, 4, 128)
+    with pytest.raises(ValueError, match="page size 6 must be a multiple of 4"):
+        pool_shape(1, 1, 6, 1, 128, FP8_KV_DTYPE)
+    assert pool_shape(1, 1, 6, 1, 128, jnp.bfloat16) == (1, 1, 6, 1, 128)  # other dtypes: unpacked
     k_new, v_new = inputs["k_new"] * 40.0, inputs["v_new"]
     out_k, kc_k, vc_k = ragged_paged_attention(**{**inputs, "k_new": k_new, "v_new": v_new,  # donates its caches
                                                   "k_cache": jnp.array(k8, copy=True),

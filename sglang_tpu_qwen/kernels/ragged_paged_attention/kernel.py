@@ -31,10 +31,14 @@ axis "arbitrary" (the K/V write at the first query block must precede the reads 
 metadata (layer, lengths, flattened page table, the layer's K/V scales) is scalar-prefetched into SMEM. Block
 sizes: ``block_sizes.py``. Page fetches are double-buffered: block kb + 1's pages load while block kb computes.
 
-FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the call, so the write DMAs
-move bytes as they are; reads upcast each page tile to the query dtype in VMEM (exact) and apply the scales
-to the float32 scores (K) and the output (V). A 1-byte page is tiled (32, 128) on TPU: the VMEM page buffers
-pad ``nkv`` to 32 sublanes instead of 16, which leaves their bytes as for bf16.
+FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the call; reads upcast each
+page tile to the query dtype in VMEM (exact) and apply the scales to the float32 scores (K) and the output (V).
+An FP8 pool is stored packed, ``[L, N, page_size / r, r * nkv, hd]`` with ``r * nkv`` a multiple of 4
+(page_layout.py: otherwise XLA's default layout for the pool differs from the kernel's and it copies the pool
+around every call). One token of a packed row is a sub-tile slice Mosaic's DMA cannot address, so for FP8 the
+new tokens are written by an XLA whole-row scatter before the call (``_scatter_rows``, in place), and a block's
+head ``h`` is read as the ``r`` sublane slices ``p * nkv + h`` stacked (keys reordered; ``_key_offsets`` gives
+their positions for the masks).
 """
 
 from __future__ import annotations
@@ -244,8 +248,8 @@ def ragged_paged_attention(
         q: ``[B, T, nq, hd]`` queries; ``nq`` a multiple of ``nkv``.
         k_new, v_new: ``[B, T, nkv, hd]`` new keys / values (stored as ``kv_quant.quantize_kv`` gives them: cast to
             the cache dtype, or for FP8 caches divided by the scale and saturated).
-        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``, donated and updated in place; float32, bfloat16
-            or float8_e4m3fn.
+        k_cache, v_cache: ``page_layout.pool_shape(L, num_pages, page_size, nkv, hd, dtype)`` (``[L, num_pages,
+            page_size, nkv, hd]``, FP8 packed), donated and updated in place; float32, bfloat16 or float8_e4m3fn.
         layer: attention-layer index into the caches (int32 scalar, may be traced).
         q_lens: ``[B]`` int32 valid new tokens per row (``<= T``).
         kv_lens: ``[B]`` int32 context length including the new tokens.
@@ -261,7 +265,7 @@ def ragged_paged_attention(
         but meaningless (0 for rows with ``q_lens[b] == 0``); the K/V of padded tokens is not written.
 
     Raises:
-        ValueError: when ``nq`` is not a multiple of ``nkv``.
+        ValueError: when ``nq`` is not a multiple of ``nkv``, or the caches are not in ``pool_shape``.
     """
     b, t, nq, hd = q.shape
     nkv = k_new.shape[2]

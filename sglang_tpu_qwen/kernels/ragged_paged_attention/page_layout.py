@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8
 
@@ -36,7 +37,7 @@ def pool_shape(layers: int, num_pages: int, page_size: int, nkv: int, hd: int, d
     """Stored shape of a K or V pool. Raises ValueError when ``page_size`` is not a multiple of ``r``."""
     r = tokens_per_row(dtype, nkv)
     if page_size % r:
-        raise ValueError(f"page size {page_size} must be a multiple of {r} for a {jax.numpy.dtype(dtype).name} "
+        raise ValueError(f"page size {page_size} must be a multiple of {r} for a {jnp.dtype(dtype).name} "
                          f"KV cache with {nkv} KV heads (tokens packed per 32-bit sublane row)")
     return layers, num_pages, page_size // r, r * nkv, hd
 
