@@ -76,6 +76,46 @@ def engine() -> Iterator[Any]:
         eng.shutdown()
 
 
+# The low-precision caches, --mamba-ssm-dtype bfloat16 and --kv-cache-dtype fp8_e4m3, with a host snapshot tier
+# and 2 device snapshot slots: the colocated reference of the PD test (test_pd_inprocess.py) and the
+# bf16 host-tier test (test_prefix_cache.py).
+# A near-tie for the bf16 GDN state: the reference's best two tokens within this many nats. 2.5x the largest
+# |dlogprob| that bf16 vs f32 state caused on the embedded checkpoint (0.04, test_model_reference.py
+# test_bf16_state_tracks_fp32_state): the two tokens can move that much each, in opposite directions.
+BF16_TIE_MARGIN = 0.1
+BF16_STATE_KWARGS: dict[str, Any] = dict(ENGINE_KWARGS, mamba_ssm_dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
+                                         max_gdn_snapshots=2,
+                                         gdn_snapshot_host_gb=0.01, debug_nan_fill_freed_slots=True)
+
+
+@pytest.fixture(scope="session")
+def engine_bf16() -> Iterator[Any]:
+    """The real Engine with the embedded model, the GDN state stored in bfloat16 and FP8 KV pages
+    (BF16_STATE_KWARGS)."""
+    from sglang_tpu_qwen.engine.engine import Engine
+
+    eng = Engine(**BF16_STATE_KWARGS)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def first_divergence_is_a_tie(got: list[int], meta: dict[str, Any], margin: float) -> int:
+    """Compare `got` with a greedy reply (`meta`: its meta_info with output_top_logprobs of >= 2 entries):
+    return how many leading tokens agree; a divergence must sit where the reference's best two tokens are
+    within `margin` nats (a near-tie that a different rounding of the same numbers may flip), else it fails."""
+    want = [int(t[1]) for t in meta["output_token_logprobs"]]
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            top = meta["output_top_logprobs"][i]
+            gap = float(top[0][0]) - float(top[1][0])
+            assert gap < margin, f"token {i}: {a} vs the reference's {b}, whose lead is {gap:.3f} nats"
+            return i
+    assert len(got) == len(want), (got, want)
+    return len(got)
+
+
 @pytest.fixture(scope="session")
 def server(engine: Any) -> Iterator[LiveServer]:
     """`create_app(engine)` served over HTTP for the whole session."""

@@ -271,6 +271,12 @@ def test_memory_pressure_retracts_and_recovers():
         assert all(o is not None and len(o["output_ids"]) == 24 for o in outs)
         # Retraction recomputes: the tokens equal the uncontended run.
         assert [o["output_ids"] for o in outs[:2]] == [a["output_ids"] for a in alone]
+        # 0.9 x 96 tokens of KV bytes hold fewer GDN slots than the running requests: no snapshot slots
+        # (engine/runner/memory_split.py), so a repeat must not reuse KV pages without their GDN state.
+        assert eng.runner.sizing.num_snapshot_slots == 0
+        for _ in range(2):  # the first repeat puts its pages back in the tree, the second finds them
+            again = eng.generate(prompts[0], {**GREEDY, "max_new_tokens": 24, "ignore_eos": True})
+            assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == alone[0]["output_ids"]
         _assert_idle_and_free(eng)
     finally:
         eng.shutdown()

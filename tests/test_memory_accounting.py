@@ -1,9 +1,11 @@
-"""Memory accounting (engine/runner/memory_accounting.py): the KV pool is what is left after the weights and the
-GDN slots, from the dtypes in use; /get_server_info reports memory_usage per device as SGLang does."""
+"""Memory accounting (engine/runner/memory_accounting.py, memory_split.py): GDN slots and KV pages split what the
+weights leave by --mamba-full-memory-ratio, from the dtypes in use; /get_server_info reports memory_usage per
+device as SGLang does, and the split."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import httpx
 import jax
@@ -11,19 +13,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.runner import memory_accounting
-from sglang_tpu_qwen.engine.runner.memory_accounting import GB, CacheUnits, cache_units, kv_pool_tokens
+from sglang_tpu_qwen.engine.runner.memory_accounting import GB, cache_units
+from sglang_tpu_qwen.engine.runner.memory_split import split_memory
+from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing, resolve_state_dtype
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 
-def _config() -> Qwen35MoeConfig:
-    return Qwen35MoeConfig.from_hf_dict({
+def _config(**extra: Any) -> Qwen35MoeConfig:
+    return Qwen35MoeConfig.from_hf_dict({**extra,
         "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
         "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 2,
         "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8,
     })  # fmt: skip
+
+
+def test_state_dtype_from_the_flag_else_the_checkpoint() -> None:
+    """--mamba-ssm-dtype wins; unset, the config's mamba_ssm_dtype (Qwen3.5 releases: float32); absent, float32."""
+    assert resolve_state_dtype(None, _config()) == jnp.float32
+    assert resolve_state_dtype(None, _config(mamba_ssm_dtype="bfloat16")) == jnp.bfloat16
+    assert resolve_state_dtype("float32", _config(mamba_ssm_dtype="bfloat16")) == jnp.float32
+    assert resolve_state_dtype("bfloat16", _config(mamba_ssm_dtype="float32")) == jnp.bfloat16
+    with pytest.raises(ValueError, match="the checkpoint's mamba_ssm_dtype must be one of float32, bfloat16"):
+        resolve_state_dtype(None, _config(mamba_ssm_dtype="float16"))
 
 
 @pytest.mark.parametrize("kv_dtype, state_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),
@@ -49,14 +64,78 @@ class _Device:
         return {"bytes_limit": self.limit}
 
 
-def test_pool_is_sized_after_weights_and_gdn_slots() -> None:
-    units = CacheUnits(kv_per_page=1 << 20, gdn_per_slot=3 << 20, page_size=64)
-    dev = _Device(100 << 20)
-    # 0.8 * 100 MiB - 20 MiB weights - 5 slots x 3 MiB = 45 MiB -> 45 pages, one of them the trash page.
-    assert kv_pool_tokens(dev, 0.8, 20 << 20, 5, units) == 44 * 64
-    assert kv_pool_tokens(dev, 0.8, 20 << 20, 0, units) == 59 * 64  # fewer slots, more pages
-    with pytest.raises(ValueError, match=r"not enough device memory for the KV pool: .* 20 GDN slots"):
-        kv_pool_tokens(dev, 0.8, 20 << 20, 20, units)
+MIB = 1 << 20
+UNITS = dict(page_bytes=MIB, slot_bytes=3 * MIB, page_size=64)
+# 100 MiB device x 0.8 - 20 MiB weights: a 60 MiB budget, 4 running requests per rank.
+ON_DEVICE = dict(UNITS, running_slots=4, device_limit=100 * MIB, weight_bytes=20 * MIB, mem_fraction_static=0.8,
+                 ratio=0.9)
+
+
+def test_ratio_splits_the_budget() -> None:
+    """State : KV = r: the state slots get floor(60 MiB x 0.9 / 1.9 / 3 MiB) = 9 (trash + 4 running + 4
+    snapshots), the KV pool the 33 MiB they leave: 33 pages, one the trash page."""
+    split = split_memory(**ON_DEVICE)
+    assert (split.rule, split.budget) == ("ratio", 60 * MIB)
+    assert (split.num_slots, split.snapshot_slots, split.num_pages, split.kv_tokens) == (9, 4, 33, 32 * 64)
+    assert split.state_bytes + split.kv_bytes <= split.budget
+    fig = split.as_dict()
+    assert fig["snapshot_slots_bytes"] == 4 * 3 * MIB and fig["kv_pool_bytes"] == 33 * MIB
+    assert fig["mamba_full_memory_ratio"] == 0.9 and fig["running_slots"] == 4
+
+
+def test_overrides_and_limits_of_the_split() -> None:
+    # --max-gdn-snapshots 2: 1 + 4 + 2 slots, 60 - 21 MiB of pages; --max-mamba-cache-size 10 (running included).
+    assert split_memory(**ON_DEVICE, max_snapshots=2).num_pages == 39
+    s = split_memory(**ON_DEVICE, max_mamba_cache_size=10)
+    assert (s.rule, s.snapshot_slots, s.num_pages) == ("--max-mamba-cache-size", 6, 27)
+    # A small ratio's share (5.45 MiB) holds fewer slots than the running requests: no snapshots, the running
+    # slots come out of the KV share.
+    s = split_memory(**{**ON_DEVICE, "ratio": 0.1})
+    assert (s.snapshot_slots, s.num_pages) == (0, 45)
+    assert split_memory(**ON_DEVICE, snapshots=False).snapshot_slots == 0
+    # --max-total-tokens on a device: KV as given (10 pages + trash), the state slots get what is left (49 MiB).
+    s = split_memory(**ON_DEVICE, max_total_tokens=640)
+    assert (s.rule, s.num_pages, s.num_slots, s.over_budget) == ("after the KV pool", 11, 16, 0)
+    s = split_memory(**ON_DEVICE, max_total_tokens=64 * 50)  # 51 MiB of KV + 5 running slots: 6 MiB over
+    assert (s.snapshot_slots, s.over_budget, s.as_dict()["over_budget_bytes"]) == (0, 6 * MIB, 6 * MIB)
+    # No device limit (CPU): the default KV pool and r times its bytes for the state slots.
+    s = split_memory(**{**ON_DEVICE, "device_limit": None})
+    assert (s.rule, s.num_pages, s.num_slots) == ("ratio of the KV pool", 1025, int(0.9 * 1025 * MIB) // (3 * MIB))
+    s = split_memory(**{**ON_DEVICE, "device_limit": None}, max_total_tokens=640)
+    assert (s.num_pages, s.num_slots) == (11, max(5, int(0.9 * 11 * MIB) // (3 * MIB)))
+
+
+def test_split_errors() -> None:
+    with pytest.raises(ValueError, match=r"not enough device memory for the KV pool: .* 25 GDN slots"):
+        split_memory(**ON_DEVICE, max_snapshots=20)
+    with pytest.raises(ValueError, match=r"does not hold the weights"):
+        split_memory(**{**ON_DEVICE, "weight_bytes": 90 * MIB})
+    with pytest.raises(ValueError, match=r"fewer than the 4 running requests"):
+        split_memory(**ON_DEVICE, max_mamba_cache_size=3)
+    for bad, msg in ((dict(mamba_full_memory_ratio=0.0), "must be > 0"),
+                     (dict(mamba_full_memory_ratio=-1.0), "must be > 0"),
+                     (dict(max_gdn_snapshots=-1), "must be >= 0"),
+                     (dict(max_mamba_cache_size=-4), "must hold at least the 32 running"),
+                     (dict(max_gdn_snapshots=4, max_mamba_cache_size=64), "not both"),
+                     (dict(max_total_tokens=-16), "must be positive")):
+        with pytest.raises(ValueError, match=msg):
+            ServerArgs(**bad)
+
+
+def test_runner_sizing_uses_the_split() -> None:
+    """RunnerSizing.build on a device that reports a limit: the slot and page counts are the split's for the
+    config's real unit sizes."""
+    c = _config()
+    args = ServerArgs(max_running_requests=8, dp_size=2, page_size=16, chunked_prefill_size=64)
+    units = cache_units(c, 16, jnp.float32, jnp.float32)
+    sizing = RunnerSizing.build(c, args, jnp.float32, {_Device(4 * MIB): MIB})
+    budget = int(4 * MIB * 0.8) - MIB
+    slots = int(budget * 0.9 / 1.9) // units.gdn_per_slot
+    assert sizing.num_slots == slots and sizing.num_snapshot_slots == slots - 5
+    assert sizing.num_pages == (budget - slots * units.gdn_per_slot) // units.kv_per_page
+    args.mamba_ssm_dtype = "bfloat16"
+    bf16 = RunnerSizing.build(c, args, jnp.float32, {_Device(4 * MIB): MIB})
+    assert bf16.units.gdn_per_slot * 2 == units.gdn_per_slot and bf16.num_slots in (2 * slots, 2 * slots + 1)
 
 
 def test_engine_memory_usage(engine) -> None:
@@ -84,6 +163,18 @@ def test_server_info_shows_memory_usage(server) -> None:
     assert {"weight", "kvcache", "token_capacity"} <= usage.keys() and usage["weight"] > 0
     assert usage == memory_accounting.memory_usage(server.engine.runner.params, server.engine.runner.cache,
                                                    usage["token_capacity"])[0]
+    # The split: no device limit on CPU, so the state slots get r times the default KV pool's bytes.
+    split, sizing = info["memory_split"], server.engine.runner.sizing
+    cache = server.engine.runner.cache
+    assert split["rule"] == "ratio of the KV pool" and split["mamba_full_memory_ratio"] == 0.9
+    assert split["kv_pool_tokens"] == usage["token_capacity"] == sizing.kv_tokens
+    assert split["kv_pool_bytes"] == cache["k"].nbytes + cache["v"].nbytes
+    assert split["state_pool_bytes"] == cache["conv"].nbytes + cache["rec"].nbytes
+    assert split["running_slots"] == sizing.max_running_per_rank
+    assert split["snapshot_slots"] == sizing.num_snapshot_slots
+    assert split["snapshot_slots_bytes"] == sizing.num_snapshot_slots * sizing.units.gdn_per_slot
+    assert split["state_pool_bytes"] <= 0.9 * split["kv_pool_bytes"] < split["state_pool_bytes"] + split[
+        "state_slot_bytes"]
 
 
 def test_kv_cache_dtype_resolves_and_fp8_pool_holds_twice_the_tokens() -> None:
@@ -94,7 +185,8 @@ def test_kv_cache_dtype_resolves_and_fp8_pool_holds_twice_the_tokens() -> None:
     assert resolve_kv_dtype("fp8_e4m3", jnp.bfloat16) == jnp.float8_e4m3fn
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         resolve_kv_dtype("fp8_e5m2", jnp.bfloat16)
-    c, dev = _config(), _Device(8 * GB)
-    bf16 = kv_pool_tokens(dev, 0.5, GB, 10, cache_units(c, 16, jnp.bfloat16, jnp.float32))
-    fp8 = kv_pool_tokens(dev, 0.5, GB, 10, cache_units(c, 16, jnp.float8_e4m3fn, jnp.float32))
+    c = _config()
+    args = ServerArgs(max_running_requests=8, page_size=16, chunked_prefill_size=64)
+    bf16 = RunnerSizing.build(c, args, jnp.bfloat16, {_Device(8 * MIB): MIB}).kv_tokens
+    fp8 = RunnerSizing.build(c, args, jnp.float8_e4m3fn, {_Device(8 * MIB): MIB}).kv_tokens
     assert abs(fp8 - 2 * bf16) <= 2 * 16  # the same bytes, twice the tokens (page rounding aside)

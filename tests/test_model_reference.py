@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import record  # noqa: E402
+from conftest import BF16_TIE_MARGIN, record  # noqa: E402
 
 from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends  # noqa: E402
@@ -44,7 +44,11 @@ PAGE_SIZE = 4
 NUM_NEW = 32
 _CURRENT = ["?"]  # the config the running test uses, for the summary lines
 PROMPT_LENS = (13, 70)  # 70 > 64: the chunked GDN form crosses a chunk boundary
-FP8_NUM_NEW = 64  # greedy positions of the FP8 KV test
+NUM_PARITY = 64  # greedy positions of the FP8 KV and bf16-state comparisons with float32 caches
+# bf16 state vs f32 state on the embedded checkpoint, teacher-forced on the f32 greedy tokens of both parity
+# prompts (test_bf16_state_tracks_fp32_state, 2026-12-03, CPU): mean |dlogprob| of the f32 greedy token 1.01e-2,
+# max 4.0e-2; 4 of 128 tokens flipped, at leads of 0.008-0.018 nats. Bound: twice the measured mean.
+BF16_LOGPROB_TOL = 2e-2
 
 CONFIGS = {
     "a": dict(
@@ -135,10 +139,13 @@ def _build(name: str, tmp: str) -> tuple[Any, Qwen35MoeConfig, Any]:
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ...]:
     model, config, params = _build(request.param, str(tmp_path_factory.getbasetemp()))
     _CURRENT[0] = request.param
+    return model, config, params, _prompts(config)
+
+
+def _prompts(config: Qwen35MoeConfig) -> list[list[int]]:
+    """The parity prompts: PROMPT_LENS ordinary (non-special) token ids of the config's vocabulary."""
     rng = np.random.default_rng(1)
-    # Ordinary (non-special) token ids of the config's vocabulary.
-    prompts = [rng.integers(1, min(config.vocab_size, 248044), size=n).tolist() for n in PROMPT_LENS]
-    return model, config, params, prompts
+    return [rng.integers(1, min(config.vocab_size, 248044), size=n).tolist() for n in PROMPT_LENS]
 
 
 @functools.cache
@@ -152,10 +159,12 @@ def _step_fn(platform: str = "tpu") -> Any:
 class _Batch:
     """Host-side bookkeeping for a few sequences: shuffled (non-contiguous) pages >= 1, GDN slots >= 1."""
 
-    def __init__(self, config: Qwen35MoeConfig, num_rows: int, max_len: int, kv_dtype: Any = jnp.float32) -> None:
+    def __init__(self, config: Qwen35MoeConfig, num_rows: int, max_len: int, kv_dtype: Any = jnp.float32,
+                 state_dtype: Any = jnp.float32) -> None:
         self.pages_per_row = -(-max_len // PAGE_SIZE)
         self.config = config
-        self.cache = init_cache(config, 1 + num_rows * self.pages_per_row, PAGE_SIZE, num_rows + 1, kv_dtype)
+        self.cache = init_cache(config, 1 + num_rows * self.pages_per_row, PAGE_SIZE, num_rows + 1, kv_dtype,
+                                state_dtype)
         self.page_table = np.zeros((num_rows, self.pages_per_row), np.int32)
         self.free_pages = np.random.default_rng(2).permutation(np.arange(1, 1 + num_rows * self.pages_per_row))
         self.slot_ids = np.zeros(num_rows, np.int32)
@@ -221,7 +230,8 @@ def test_prompt_logits_match_hf(setup: tuple[Any, ...], platform: str) -> None:
 @pytest.mark.parametrize("platform", ["tpu", "cpu"])
 def test_greedy_continuation_and_decode_logits_match_hf(setup: tuple[Any, ...], platform: str) -> None:
     model, config, params, prompts = setup
-    batch = _Batch(config, num_rows=3, max_len=max(PROMPT_LENS) + FP8_NUM_NEW)  # shapes shared with the FP8 test
+    # The cache shape of the FP8 KV test's and the bf16-state test's float32 runs, so they reuse these steps.
+    batch = _Batch(config, num_rows=3, max_len=max(PROMPT_LENS) + NUM_PARITY)
     batch.add(0)
     batch.add(1)
     hidden = batch.step([prompts[0], prompts[1], []], params, width=72, platform=platform)
@@ -281,6 +291,64 @@ def test_chunked_prefill_equals_one_shot(setup: tuple[Any, ...]) -> None:
         a = np.asarray(one.cache[key][:, pages]).reshape(config.num_attn_layers, -1, *one.cache[key].shape[3:])
         b = np.asarray(two.cache[key][:, pages]).reshape(a.shape)
         _report(f"chunked vs one-shot prefill: {key} pages", float(np.abs(a[:, :n] - b[:, :n]).max()), CHUNK_TOL)
+
+
+def _greedy_log_probs(config: Qwen35MoeConfig, params: Any, prompts: list[list[int]], state_dtype: Any,
+                      platform: str, forced: list[list[int]] | None = None) -> tuple[list[list[int]], np.ndarray]:
+    """NUM_PARITY greedy steps of both prompts with the GDN state stored in `state_dtype`: (tokens per row,
+    log-softmax [steps, rows, V]). With `forced`, those tokens are fed instead of the argmax (teacher forcing),
+    so two runs are compared on the same prefixes at every step."""
+    batch = _Batch(config, num_rows=3, max_len=max(PROMPT_LENS) + NUM_PARITY, state_dtype=state_dtype)
+    batch.add(0)
+    batch.add(1)
+    hidden = batch.step([prompts[0], prompts[1], []], params, width=72, platform=platform)
+    last = np.stack([hidden[r, len(p) - 1] for r, p in enumerate(prompts)])
+    outs: list[list[int]] = [[], []]
+    logps = []
+    for i in range(NUM_PARITY):
+        logits = _logits(params, config, last)
+        logps.append(np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1)))
+        for r in range(2):
+            outs[r].append(int(np.argmax(logits[r])))
+        if i == NUM_PARITY - 1:
+            break
+        feed = forced if forced is not None else outs
+        hidden = batch.step([[feed[0][i]], [feed[1][i]], []], params, width=1, platform=platform)
+        last = hidden[:2, 0]
+    assert batch.cache["rec"].dtype == state_dtype
+    return outs, np.stack(logps)
+
+
+def test_bf16_state_tracks_fp32_state(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--mamba-ssm-dtype bfloat16: the GDN state stored in bf16 (computed in f32) gives the greedy tokens of the
+    f32 state over NUM_PARITY tokens on the parity prompts, except at near-ties (the f32 state's best two tokens
+    within BF16_TIE_MARGIN), and the mean |dlogprob| of the f32 greedy token stays within BF16_LOGPROB_TOL.
+
+    On the embedded checkpoint (the server's default model, the real model's layer mix at small width) with the
+    CPU server's GDN form (the "tpu" forms give the same figures to 3 digits). The tiny random configs "a" and "b"
+    amplify state error (see LOGIT_TOL): there bf16 state moves the mean |dlogprob| by 2.4e-2 to 3.1e-2 (max up
+    to 1.0) and flips tokens with leads up to 0.16 nats, so they are not held to these bounds."""
+    _CURRENT[0] = "embedded"
+    platform = "cpu"
+    _, config, params = _build("embedded", str(tmp_path_factory.getbasetemp()))
+    prompts = _prompts(config)
+    want, lp32 = _greedy_log_probs(config, params, prompts, jnp.float32, platform)
+    got, lp16 = _greedy_log_probs(config, params, prompts, jnp.bfloat16, platform, forced=want)
+    top2 = np.sort(lp32, axis=-1)[..., -2:]
+    margin = top2[..., 1] - top2[..., 0]  # [steps, rows] f32-state gap between the best two tokens
+    flips = [(i, r) for r in range(2) for i in range(NUM_PARITY) if got[r][i] != want[r][i]]
+    for i, r in flips:
+        assert margin[i, r] < BF16_TIE_MARGIN, f"row {r} step {i}: bf16 picked {got[r][i]}, f32 {want[r][i]} " \
+                                               f"with a margin of {margin[i, r]:.3f}"
+    chosen = np.array([[want[r][i] for r in range(2)] for i in range(NUM_PARITY)])
+    pick = np.take_along_axis
+    d = np.abs(pick(lp16, chosen[..., None], -1) - pick(lp32, chosen[..., None], -1))[..., 0]
+    record("bf16 GDN state vs fp32 state (teacher-forced greedy, 2 prompts x 64 tokens)",
+           f"[{_CURRENT[0]}, {platform} forms] mean |dlogprob| {d.mean():.2e}, max {d.max():.2e}; "
+           f"greedy flips {len(flips)} (near-ties, f32 margin < {BF16_TIE_MARGIN}); smallest f32 margin "
+           f"{margin.min():.3f}")
+    assert d.mean() <= BF16_LOGPROB_TOL
+    assert d.max() > 0  # the bf16 state is in use: its rounding shows
 
 
 def test_config_nested_flat_and_errors() -> None:
@@ -354,20 +422,20 @@ def test_fp8_kv_tracks_auto_kv(setup: tuple[Any, ...], tmp_path: Path,
     def log_softmax(p: Any, hidden: np.ndarray) -> np.ndarray:
         return np.asarray(jax.nn.log_softmax(_logits(p, config, hidden), axis=-1))
 
-    auto = _Batch(config, 3, max(PROMPT_LENS) + FP8_NUM_NEW)  # the greedy test's shapes: its programs are reused
+    auto = _Batch(config, 3, max(PROMPT_LENS) + NUM_PARITY)  # the greedy test's shapes: its programs are reused
     auto.add(0)
     auto.add(1)
     hidden = auto.step([*prompts, []], params, width=72, platform="cpu")
     last = np.stack([hidden[r, len(p) - 1] for r, p in enumerate(prompts)])
     ref_steps, seqs = [], [list(p) for p in prompts]
-    for step in range(FP8_NUM_NEW):
+    for step in range(NUM_PARITY):
         ref_steps.append(log_softmax(params, last))
         toks = ref_steps[-1].argmax(-1)
-        if step < FP8_NUM_NEW - 1:
+        if step < NUM_PARITY - 1:
             for r in range(2):
                 seqs[r].append(int(toks[r]))
             last = auto.step([[int(t)] for t in toks] + [[]], params, width=1, platform="cpu")[:2, 0]
-    ref = np.stack(ref_steps, axis=1).reshape(2 * FP8_NUM_NEW, -1)  # row-major: prompt 0's positions first
+    ref = np.stack(ref_steps, axis=1).reshape(2 * NUM_PARITY, -1)  # row-major: prompt 0's positions first
     want = ref.argmax(-1)
 
     width = max(len(x) for x in seqs)
@@ -377,7 +445,7 @@ def test_fp8_kv_tracks_auto_kv(setup: tuple[Any, ...], tmp_path: Path,
     hidden = f8.step(seqs, fp8_params, width=width, platform="cpu")
     assert f8.cache["k"].dtype == jnp.float8_e4m3fn
     got = log_softmax(fp8_params, np.concatenate(
-        [hidden[r, len(p) - 1 : len(p) - 1 + FP8_NUM_NEW] for r, p in enumerate(prompts)]))
+        [hidden[r, len(p) - 1 : len(p) - 1 + NUM_PARITY] for r, p in enumerate(prompts)]))
 
     top2 = np.sort(ref, axis=-1)[:, -2:]
     gaps = top2[:, 1] - top2[:, 0]

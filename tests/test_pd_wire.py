@@ -55,6 +55,10 @@ def test_layout_mismatch_names_the_fields():
         StateLayout(**{**LAYOUT.__dict__, "kv_dtype": "bfloat16"}).check_matches(fp8)
     assert "kv_dtype: prefill float8_e4m3fn vs decode bfloat16" in e.value.message
     assert "--kv-cache-dtype" in e.value.message
+    # A decode server with another --mamba-ssm-dtype refuses the state rather than converting it.
+    bf16_state = StateLayout(**{**LAYOUT.__dict__, "state_dtype": "bfloat16"})
+    with pytest.raises(TransferError, match="state_dtype: prefill bfloat16 vs decode float32.*--mamba-ssm-dtype"):
+        LAYOUT.check_matches(bf16_state)
 
 
 def _reqs(ns: list[int]) -> list:

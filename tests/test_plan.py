@@ -38,6 +38,12 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
     mem = r["memory_per_device"]
     # FP8 experts: 60 layers x 512 experts x 3 x 4096 x 1024 bytes (+ scales), one eighth per device.
     assert 45 * 2**30 < mem["weights_experts"] < 50 * 2**30
+    # The server's memory rule on 96 GiB a device: KV for every row's context, the GDN snapshot slots what
+    # --mem-fraction-static leaves after the weights and the KV (engine/runner/memory_split.py).
+    split = mem["split"]
+    assert split["rule"] == "after the KV pool" and split["over_budget_bytes"] == 0
+    room = (split["budget_bytes"] - split["kv_pool_bytes"]) // split["state_slot_bytes"]
+    assert mem["gdn_snapshot_slots"] == room - 9 > 0
     # Issue 11's bounds: bytes accessed at most 1.3x the bytes the step must move at decode, 2x at prefill.
     for name, bound in (("decode", 1.3), ("prefill", 2.0)):
         s = r["steps"][name]

@@ -156,6 +156,31 @@ def test_snapshot_evicted_to_host_and_back(cold):
         eng.shutdown()
 
 
+def test_bf16_state_through_the_host_tier(engine_bf16):
+    """--mamba-ssm-dtype bfloat16 (with FP8 KV pages): snapshots demoted to the host tier hold bf16 state (half
+    the f32 bytes), and a hit promoted from there gives the tokens and logprobs of the same engine's miss. Exact,
+    not up to near-ties: the miss's prefill chunk ends where the snapshot is taken, so both runs round the state
+    at the same places (and an FP8 page holds the same bytes whichever step wrote it)."""
+    eng = engine_bf16
+    assert eng.get_server_info()["mamba_ssm_dtype"] == "bfloat16"
+    assert eng.get_server_info()["kv_cache_dtype"] == "fp8_e4m3"
+    units = eng.runner.sizing.units
+    target = _ids(17, 50)
+    miss = _gen(eng, target)
+    assert miss["meta_info"]["cached_tokens"] == 0
+    before = eng.get_server_info()["memory"]["snapshot_hits_host"]
+    for i in range(4):  # push the target's snapshots out of the 2 device snapshot slots
+        _gen(eng, _ids(300 + i, 40))
+    mem = eng.get_server_info()["memory"]
+    assert mem["host_snapshots"] > 0
+    assert mem["host_snapshot_bytes"] == mem["host_snapshots"] * units.gdn_per_slot  # bf16 arrays, as on device
+    hit = _gen(eng, target)
+    assert eng.get_server_info()["memory"]["snapshot_hits_host"] > before
+    assert hit["meta_info"]["cached_tokens"] >= 16 * ((len(target) - 1) // 16)
+    _same(hit, miss)
+    _assert_all_free(eng)
+
+
 def test_leak_free_after_mixed_load_with_aborts_and_evictions():
     """Tiny pools force evictions and retractions; aborts mid-stream; after a flush everything is free."""
     eng = Engine(page_size=PAGE, max_total_tokens=256, max_running_requests=4, chunked_prefill_size=32,

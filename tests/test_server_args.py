@@ -10,10 +10,12 @@ from sglang_tpu_qwen.args.server_args import ServerArgs, prepare_server_args
 def test_sglang_flag_names_parse():
     args = prepare_server_args(["--model-path", "/m", "--page-size", "32", "--chunked-prefill-size", "256",
                                 "--max-running-requests", "7", "--enable-metrics", "--disable-radix-cache",
-                                "--mem-fraction-static", "0.5", "--gdn-snapshot-host-gb", "1.5"])
+                                "--mem-fraction-static", "0.5", "--gdn-snapshot-host-gb", "1.5",
+                                "--mamba-ssm-dtype", "bfloat16"])
     assert (args.model_path, args.page_size, args.chunked_prefill_size) == ("/m", 32, 256)
     assert (args.max_running_requests, args.enable_metrics, args.disable_radix_cache) == (7, True, True)
-    assert (args.mem_fraction_static, args.gdn_snapshot_host_gb) == (0.5, 1.5)
+    assert (args.mem_fraction_static, args.gdn_snapshot_host_gb, args.mamba_ssm_dtype) == (0.5, 1.5, "bfloat16")
+    assert prepare_server_args([]).mamba_ssm_dtype is None  # unset: the checkpoint config decides
     assert ServerArgs().kv_cache_dtype == "auto"
     assert prepare_server_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
     assert prepare_server_args(["--kv-cache-dtype", "fp8_e4m3", "--page-size", "4"]).page_size == 4
@@ -24,7 +26,8 @@ def test_sglang_flag_names_parse():
 
 @pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--page-size", "0"], ["--schedule-policy", "random"],
                                   ["--top-p", "0.5"], ["--mem-fraction-static", "2"],
-                                  ["--gdn-snapshot-host-gb", "-1"], ["--kv-cache-dtype", "fp8_e5m2"]])
+                                  ["--gdn-snapshot-host-gb", "-1"], ["--kv-cache-dtype", "fp8_e5m2"],
+                                  ["--mamba-ssm-dtype", "float16"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         prepare_server_args(argv)

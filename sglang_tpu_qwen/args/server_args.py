@@ -103,9 +103,24 @@ class ServerArgs:
     disable_overlap_schedule: bool = field(default=False, metadata={
         "help": "Run each step synchronously: by default the host builds step N+1 while step N runs on the "
                 "device (finish checks and streaming then apply one step late)."})
-    max_gdn_snapshots: int | None = field(
-        default=None, metadata={"help": "GDN state snapshot slots on device (default: 2x max running requests)."}
-    )
+    mamba_full_memory_ratio: float = field(default=0.9, metadata={
+        "help": "GDN state pool : KV pool bytes (SGLang's flag, its default 0.9). Per DP rank, the state slots "
+                "(running requests first, then the prefix cache's snapshots) get r / (1 + r) of the memory left "
+                "after the weights (device limit x --mem-fraction-static - weights), the KV pages the rest; "
+                "with --max-total-tokens on a device, the state slots get what is left after the KV pool; without "
+                "a device memory limit (CPU), r times the KV pool's bytes. Must be > 0."})
+    max_mamba_cache_size: int | None = field(default=None, metadata={
+        "help": "GDN state slots over all DP ranks, running requests included (SGLang's flag): replaces the "
+                "--mamba-full-memory-ratio share; the rest beyond the running requests are snapshot slots. At "
+                "least --max-running-requests."})
+    max_gdn_snapshots: int | None = field(default=None, metadata={
+        "help": "GDN state snapshot slots of the prefix cache per DP rank: overrides --mamba-full-memory-ratio "
+                "and --max-mamba-cache-size (default: as many as the ratio's share holds beyond the running "
+                "requests)."})
+    mamba_ssm_dtype: str | None = field(default=None, metadata={
+        "help": "Storage dtype of the GDN (Mamba-style) recurrent and conv state in running slots, snapshots, "
+                "the host tier and the PD wire: float32 or bfloat16 (SGLang's flag). Default: the checkpoint "
+                "config's mamba_ssm_dtype, float32 when absent. The kernels compute in float32 either way."})
     gdn_snapshot_host_gb: float | None = field(default=None, metadata={
         "help": "Host memory (GiB) that GDN snapshots evicted from the device may move to (the host tier); 0: off. "
                 "Default: 25% of the host memory available at start, at most 128 GiB (memory/host_budget.py): a "
@@ -183,6 +198,8 @@ class ServerArgs:
                              f"(FP8 pages pack up to 4 tokens per TPU sublane row), got {self.page_size}")
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be one of 0, 1, 2, 3, got {self.log_requests_level}")
+        if self.mamba_ssm_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"--mamba-ssm-dtype must be float32 or bfloat16, got {self.mamba_ssm_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"--quantization must be fp8 (or absent), got {self.quantization!r}")
         for name in ("precompile_bs_paddings", "precompile_token_paddings"):
@@ -193,6 +210,7 @@ class ServerArgs:
             raise ValueError(f"--gdn-snapshot-host-gb must be >= 0 (0: no host tier), got {self.gdn_snapshot_host_gb}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        self._check_state_budget()
         from sglang_tpu_qwen.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 
         for name, allowed in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_CALL_PARSERS)):
@@ -200,6 +218,23 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         self._check_disaggregation()
         self._check_multihost()
+
+    def _check_state_budget(self) -> None:
+        """Refuse GDN state budgets that mean nothing (engine/runner/memory_split.py uses them). Raises ValueError."""
+        if not self.mamba_full_memory_ratio > 0:
+            raise ValueError(f"--mamba-full-memory-ratio must be > 0 (GDN state bytes : KV bytes), got "
+                             f"{self.mamba_full_memory_ratio}")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < self.max_running_requests:
+            raise ValueError(f"--max-mamba-cache-size {self.max_mamba_cache_size} must hold at least the "
+                             f"{self.max_running_requests} running requests (--max-running-requests): it counts "
+                             "their GDN slots too")
+        if self.max_gdn_snapshots is not None and self.max_gdn_snapshots < 0:
+            raise ValueError(f"--max-gdn-snapshots must be >= 0, got {self.max_gdn_snapshots}")
+        if self.max_gdn_snapshots is not None and self.max_mamba_cache_size is not None:
+            raise ValueError("give --max-gdn-snapshots or --max-mamba-cache-size, not both: each sets the GDN "
+                             "snapshot slots")
+        if self.max_total_tokens is not None and self.max_total_tokens < 0:
+            raise ValueError(f"--max-total-tokens must be positive, got {self.max_total_tokens}")
 
     def _check_multihost(self) -> None:
         """Refuse the multi-host flags nothing reads yet, so a multi-host launch fails at start, not later.

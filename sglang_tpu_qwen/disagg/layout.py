@@ -74,8 +74,8 @@ class StateLayout:
                  for f in dataclasses.fields(self) if getattr(sender, f.name) != getattr(self, f.name)]
         if diffs:
             raise TransferError("the prefill and decode servers' state layouts differ (" + "; ".join(diffs)
-                                + "); serve the same model with the same --dtype and --kv-cache-dtype on "
-                                  "both")
+                                + "); serve the same model with the same --dtype, --kv-cache-dtype and "
+                                  "--mamba-ssm-dtype on both")
 
 
 def config_fingerprint(config: Qwen35MoeConfig) -> str:

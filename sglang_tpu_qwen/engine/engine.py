@@ -424,9 +424,13 @@ class Engine:
         info.update({
             "model_path": self.model_path,
             "context_length": self.context_length,
+            # The resolved --mamba-ssm-dtype (the flag, else the checkpoint's): the GDN state's storage dtype.
+            "mamba_ssm_dtype": self.runner.sizing.state_dtype.name,
             "memory": self.scheduler.memory_usage(),
             # SGLang's place for it: one internal state per device, memory_usage in GB (memory_accounting.py).
             "internal_states": [{"memory_usage": usage} for usage in self.runner.memory_usage],
+            # How each DP rank's memory was split between GDN slots and KV pages, and the rule that decided.
+            "memory_split": self.runner.sizing.split.as_dict(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "version": _version(),

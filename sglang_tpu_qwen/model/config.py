@@ -66,6 +66,8 @@ class Qwen35MoeConfig:
     hidden_act: str = "silu"
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    # The checkpoint's precision for the GDN state (Qwen3.5 configs say "float32"); --mamba-ssm-dtype overrides.
+    mamba_ssm_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -236,6 +238,7 @@ class Qwen35MoeConfig:
             hidden_act=str(get("hidden_act", "silu")),
             eos_token_id=eos_ids,
             torch_dtype=str(get("torch_dtype", get("dtype", "bfloat16"))),
+            mamba_ssm_dtype=str(get("mamba_ssm_dtype", "float32")),
         )
 
 

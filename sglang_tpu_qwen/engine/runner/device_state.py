@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
-from sglang_tpu_qwen.engine.runner.sizing import STATE_DTYPE, RunnerSizing
+from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing
 from sglang_tpu_qwen.memory import gdn_state, kv_io
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import init_cache
@@ -109,8 +109,8 @@ class DeviceState:
     """The KV pages and GDN slots of every DP rank (`cache`) and the kept sampled ids, with their operations.
 
     cache: {"k", "v": [L_attn, dp * num_pages, page_size, kv_heads, head_dim] KV dtype (--kv-cache-dtype:
-    the compute dtype, bfloat16 or float8_e4m3fn); "conv", "rec":
-    GDN state of dp * num_slots slots, float32} (model/forward.py `init_cache`), split over the DP ranks.
+    the compute dtype, bfloat16 or float8_e4m3fn); "conv", "rec": GDN state of dp * num_slots slots,
+    sizing.state_dtype (--mamba-ssm-dtype)} (model/forward.py `init_cache`), split over the DP ranks.
     """
 
     def __init__(self, config: Qwen35MoeConfig, sizing: RunnerSizing, placement: Placement, kv_dtype: Any,
@@ -120,7 +120,7 @@ class DeviceState:
         planner's state, ShapeDtypeStructs with shardings; nothing is allocated."""
         self.sizing, self.placement = sizing, placement
         make_cache = partial(init_cache, config, sizing.dp * sizing.num_pages, sizing.page_size,
-                             sizing.dp * sizing.num_slots, kv_dtype, STATE_DTYPE)
+                             sizing.dp * sizing.num_slots, kv_dtype, sizing.state_dtype)
         target = placement.cache_shardings()
         if abstract_only:
             shapes = jax.eval_shape(make_cache)

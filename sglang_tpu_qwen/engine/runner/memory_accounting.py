@@ -1,5 +1,6 @@
-"""Device memory accounting, as SGLang does it: weights first, then the fixed GDN state slots, then the
-KV pool gets what is left of ``--mem-fraction-static``; ``/get_server_info`` reports the result per device.
+"""Device memory accounting, as SGLang does it: the weights first, then the GDN state slots and the KV pool
+share what is left of ``--mem-fraction-static`` (engine/runner/memory_split.py has the rule);
+``/get_server_info`` reports the result per device.
 
 Bytes come from the arrays actually built (per-device shard sizes from ``addressable_shards``) and from
 the cache layout ``init_cache`` produces for the dtypes in use (``jax.eval_shape``, nothing allocated),
@@ -12,17 +13,16 @@ weights, hybrid-GDN models first reserving their mamba/state pool) and the sched
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Any
 
 import jax
 
+from sglang_tpu_qwen.engine.runner.memory_split import GB
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import init_cache
 
-GB = 1 << 30
-# KV pool when the device reports no memory limit (XLA:CPU) and --max-total-tokens is absent.
-DEFAULT_KV_TOKENS_WITHOUT_LIMIT = 65536
 _KV_KEYS = ("k", "v")
 _STATE_KEYS = ("conv", "rec")
 
@@ -52,44 +52,28 @@ def cache_units(config: Qwen35MoeConfig, page_size: int, kv_dtype: Any, state_dt
 
 
 def bytes_per_device(tree: Any) -> dict[Any, int]:
-    """Device -> bytes of the shards of ``tree``'s arrays that live on it."""
+    """Device -> bytes of the shards of ``tree``'s arrays that live on it. ShapeDtypeStructs (the planner's
+    abstract weights) count the shard their sharding gives each of its devices."""
     out: dict[Any, int] = defaultdict(int)
     for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            shard = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+            for device in leaf.sharding.device_set:
+                out[device] += shard
+            continue
         for shard in leaf.addressable_shards:
             out[shard.device] += shard.data.nbytes
     return dict(out)
 
 
 def device_memory_limit(device: Any) -> int | None:
-    """Bytes of memory the runtime lets ``device`` use (its ``bytes_limit``); None where it reports none (CPU)."""
-    return (device.memory_stats() or {}).get("bytes_limit")
-
-
-def kv_pool_tokens(
-    device: Any, mem_fraction_static: float, weight_bytes: int, num_slots: int, units: CacheUnits
-) -> int:
-    """KV tokens per DP rank that fit on ``device`` after the weights and ``num_slots`` GDN slots.
-
-    ``weight_bytes``: the weights on that device; ``num_slots``: one rank's running + snapshot slots
-    (each device holds one rank's pages and slots). A page is kept back for the trash target.
-    Without a device memory limit (CPU): DEFAULT_KV_TOKENS_WITHOUT_LIMIT.
-
-    Raises:
-        ValueError: fewer than 4 pages fit (message has the figures).
-    """
-    limit = device_memory_limit(device)
-    if not limit:
-        return DEFAULT_KV_TOKENS_WITHOUT_LIMIT
-    budget = int(limit * mem_fraction_static) - weight_bytes - num_slots * units.gdn_per_slot
-    pages = budget // units.kv_per_page - 1
-    if pages < 4:
-        raise ValueError(
-            f"not enough device memory for the KV pool: {limit / GB:.2f} GB x --mem-fraction-static "
-            f"{mem_fraction_static} - weights {weight_bytes / GB:.2f} GB - {num_slots} GDN slots "
-            f"{num_slots * units.gdn_per_slot / GB:.2f} GB leaves {max(budget, 0) / GB:.3f} GB, under 4 pages of "
-            f"{units.kv_per_page} bytes; raise --mem-fraction-static, lower --max-running-requests / "
-            "--max-gdn-snapshots, or use more devices")
-    return pages * units.page_size
+    """Bytes of memory the runtime lets ``device`` use (its ``bytes_limit``); None where it reports none (CPU, or
+    a deviceless topology's device, whose memory_stats raises)."""
+    try:
+        stats = device.memory_stats()
+    except jax.errors.JaxRuntimeError:
+        return None
+    return (stats or {}).get("bytes_limit")
 
 
 def memory_usage(params: Any, cache: Any, token_capacity: int) -> list[dict[str, Any]]:

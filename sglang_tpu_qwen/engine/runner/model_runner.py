@@ -60,15 +60,16 @@ class ModelRunner:
     """
 
     def __init__(self, config: Qwen35MoeConfig, args: ServerArgs, params: dict[str, Any],
-                 placement: Placement) -> None:
+                 placement: Placement, device_memory_bytes: int | None = None) -> None:
         """Build the runner on `params` placed per `placement`: arrays (the server's weights, already in their
         shardings) or ShapeDtypeStructs carrying their shardings (the planner's; then the cache is abstract
-        too and nothing is allocated).
+        too and nothing is allocated). `device_memory_bytes`: each device's memory limit where the devices
+        report none (the planner's deviceless TPUs); default the devices' own.
 
         Raises:
             ValueError: `params` mixes arrays and ShapeDtypeStructs; bad --dtype or kernel backend flags;
-                --chunked-prefill-size unresolved; abstract weights without --max-total-tokens; too little
-                device memory for the KV pool; bucket overrides that do not fit (engine/runner/buckets.py).
+                --chunked-prefill-size unresolved; too little device memory for the KV pool (memory_split.py);
+                bucket overrides that do not fit (engine/runner/buckets.py).
         """
         compilation.install_counter()
         self.config, self.placement, self.layout = config, placement, placement.layout
@@ -83,16 +84,19 @@ class ModelRunner:
             logger.info("mesh %s: attention dp=%d over %s, experts ep=%d, MoE combine %s",
                         dict(self.layout.mesh.shape), args.dp_size, "+".join(self.layout.batch_axes), args.ep_size,
                         args.moe_combine)
-        # The KV pool gets what the weights and the GDN slots leave (engine/runner/memory_accounting.py).
-        weight_bytes = None if self.is_abstract else memory_accounting.bytes_per_device(self.params)
-        self.sizing = sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes)
+        # GDN slots and KV pages share what the weights leave (engine/runner/memory_split.py).
+        weight_bytes = memory_accounting.bytes_per_device(self.params)
+        self.sizing = sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes,
+                                                  device_limit=device_memory_bytes)
         self.state = DeviceState(config, sizing, placement, self.kv_dtype, abstract_only=self.is_abstract)
         self.memory_usage: list[dict[str, Any]] = [] if self.is_abstract else memory_accounting.memory_usage(
             self.params, self.state.cache, sizing.kv_tokens)
-        logger.info("KV pool: %d pages x %d tokens, %s; GDN slots: %d running + %d snapshots%s",
-                    sizing.num_pages - 1, sizing.page_size, self.kv_dtype.name, sizing.num_running_slots - 1,
-                    sizing.num_snapshot_slots,
-                    f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "")
+        logger.info("KV pool: %d pages x %d tokens, %s; GDN slots: %d running + %d snapshots%s, state %s (%.2f "
+                    "MiB per slot)", sizing.num_pages - 1, sizing.page_size, self.kv_dtype.name,
+                    sizing.num_running_slots - 1, sizing.num_snapshot_slots,
+                    f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "",
+                    sizing.state_dtype.name, sizing.units.gdn_per_slot / 2**20)
+        (logger.warning if sizing.split.over_budget else logger.info)("%s", sizing.split.describe())
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
                                          config=config)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
@@ -123,11 +127,13 @@ class ModelRunner:
 
     @classmethod
     def abstract(cls, config: Qwen35MoeConfig, args: ServerArgs, devices: list[Any] | None = None, *,
-                 platform: str | None = None, fp8_block: tuple[int, int] | None = None) -> ModelRunner:
+                 platform: str | None = None, fp8_block: tuple[int, int] | None = None,
+                 device_memory_bytes: int | None = None) -> ModelRunner:
         """The planner's runner: the server's runner for `config` and `args` on abstract weights
         (ShapeDtypeStructs with the shardings the server would load them into), for `devices` (e.g. a
         deviceless TPU topology's) and `platform` (its kernels and --dtype auto; default the JAX backend).
-        `fp8_block`: block-FP8 weights with that [in, out] block. Needs --max-total-tokens.
+        `fp8_block`: block-FP8 weights with that [in, out] block. `device_memory_bytes`: each device's memory
+        (deviceless devices report none); without it the pools are sized as on a device without a limit.
         """
         placement = Placement.for_devices(args, devices, platform)
         specs = param_specs(config, resolve_dtype(args.dtype, placement.platform))
@@ -135,7 +141,7 @@ class ModelRunner:
             specs = fp8_specs(specs, fp8_block)
         params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), specs,
                               placement.param_shardings(specs))
-        return cls(config, args, params, placement)
+        return cls(config, args, params, placement, device_memory_bytes)
 
     # ---- programs ------------------------------------------------------------------------------
     def program_keys(self) -> list[tuple]:

@@ -1,10 +1,10 @@
 """How much a model runner holds: KV pages, GDN slots, context and prefill sizes (a plain frozen object).
 
-`RunnerSizing.build` computes it from the model config, the server flags and, when --max-total-tokens is not
-given, the memory the weights leave on the fullest device (engine/runner/memory_accounting.py). The server
-and the planner both get theirs there (ModelRunner.__init__). Server flags whose defaults depend on the
-devices (--chunked-prefill-size) are resolved before, once, by `resolve_device_defaults`; nothing here
-changes a ServerArgs.
+`RunnerSizing.build` computes it from the model config, the server flags and the memory the weights leave on
+the fullest device, split between GDN slots and KV pages by engine/runner/memory_split.py's rule (SGLang's
+--mamba-full-memory-ratio). The server and the planner both get theirs there (ModelRunner.__init__). Server
+flags whose defaults depend on the devices (--chunked-prefill-size) are resolved before, once, by
+`resolve_device_defaults`; nothing here changes a ServerArgs.
 
 Per DP rank: page 0 and slot 0 are the rank's trash targets; slots [1, R] hold running requests and
 (R, R + S] the prefix cache's GDN snapshots. Rank r's global ids start at r * num_pages / r * num_slots.
@@ -20,14 +20,29 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
-from sglang_tpu_qwen.engine.runner import memory_accounting
+from sglang_tpu_qwen.engine.runner import memory_accounting, memory_split
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet
 from sglang_tpu_qwen.engine.runner.memory_accounting import CacheUnits
+from sglang_tpu_qwen.engine.runner.memory_split import MemorySplit
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 logger = logging.getLogger(__name__)
 
-STATE_DTYPE = jnp.float32  # GDN conv and recurrent state, stored and computed in float32
+# --mamba-ssm-dtype choices (SGLang's flag; SGLang also takes float16, which no Qwen3.5 release asks for).
+STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_state_dtype(flag: str | None, config: Qwen35MoeConfig) -> jnp.dtype:
+    """Storage dtype of the GDN state (conv and recurrent, running and snapshot slots, host tier, PD wire):
+    --mamba-ssm-dtype, else the checkpoint config's `mamba_ssm_dtype` (absent: float32), as SGLang reads it.
+
+    The kernels compute in float32 whatever this is: they upcast on load and round on store.
+    Raises ValueError for a dtype outside float32 / bfloat16 (from the flag or the checkpoint)."""
+    name = flag if flag is not None else config.mamba_ssm_dtype
+    if name not in STATE_DTYPES:
+        source = "--mamba-ssm-dtype" if flag is not None else "the checkpoint's mamba_ssm_dtype"
+        raise ValueError(f"{source} must be one of {', '.join(STATE_DTYPES)}; got {name!r}")
+    return jnp.dtype(STATE_DTYPES[name])
 
 
 def resolve_dtype(name: str, platform: str | None = None) -> jnp.dtype:
@@ -79,6 +94,8 @@ class RunnerSizing:
         chunked_prefill_per_rank: prompt tokens one rank prefills per step.
         bs_paddings, token_paddings: --precompile-bs-paddings / --precompile-token-paddings (None: default).
         units: bytes of one KV page and one GDN slot at the cache dtypes.
+        split: how the memory was split and by which rule (engine/runner/memory_split.py).
+        state_dtype: storage dtype of the GDN conv and recurrent state (resolve_state_dtype).
     """
 
     dp: int
@@ -92,6 +109,8 @@ class RunnerSizing:
     bs_paddings: tuple[int, ...] | None
     token_paddings: tuple[int, ...] | None
     units: CacheUnits
+    split: MemorySplit
+    state_dtype: Any = jnp.dtype(jnp.float32)
 
     @property
     def num_running_slots(self) -> int:
@@ -125,41 +144,48 @@ class RunnerSizing:
             token_paddings=list(self.token_paddings) if self.token_paddings else None)
 
     @classmethod
-    def build(cls, config: Qwen35MoeConfig, args: ServerArgs, dtype: Any,
-              weight_bytes: dict[Any, int] | None) -> RunnerSizing:
-        """Sizes from the config and flags; the KV pool is --max-total-tokens, else what --mem-fraction-static
-        of the fullest device leaves after its weights and GDN slots.
+    def build(cls, config: Qwen35MoeConfig, args: ServerArgs, dtype: Any, weight_bytes: dict[Any, int] | None, *,
+              device_limit: int | None = None) -> RunnerSizing:
+        """Sizes from the config and flags; GDN slots and KV pages split the memory the weights leave on the
+        fullest device by engine/runner/memory_split.py's rule (--mamba-full-memory-ratio,
+        --max-mamba-cache-size, --max-gdn-snapshots, --max-total-tokens, --mem-fraction-static).
 
         Args:
             dtype: the KV cache dtype (resolve_kv_dtype: --kv-cache-dtype, auto = the compute dtype); an FP8
                 pool holds twice the tokens of a bfloat16 one in the same bytes.
-            weight_bytes: device -> weight bytes on it (memory_accounting.bytes_per_device); None for abstract
-                weights, which need --max-total-tokens.
+            weight_bytes: device -> weight bytes on it (memory_accounting.bytes_per_device, which also counts
+                ShapeDtypeStructs); None: no weights to count (a runner without a device limit).
+            device_limit: the memory limit of each device; default: the fullest device's own (its
+                ``bytes_limit``; None on XLA:CPU). The planner passes its chip's HBM for deviceless devices.
         Raises:
-            ValueError: --chunked-prefill-size unresolved (resolve_device_defaults), abstract weights without
-                --max-total-tokens, or too little device memory for the KV pool.
+            ValueError: --chunked-prefill-size unresolved (resolve_device_defaults), a device limit without
+                weight bytes, too little device memory (memory_split.split_memory), or a state dtype outside
+                float32 / bfloat16 (resolve_state_dtype).
         """
         dp = args.dp_size
         per_rank = -(-args.max_running_requests // dp)
-        if args.disable_radix_cache or not config.num_gdn_layers:
-            snapshots = 0
-        else:
-            snapshots = 2 * per_rank if args.max_gdn_snapshots is None else args.max_gdn_snapshots
-        units = memory_accounting.cache_units(config, args.page_size, dtype, STATE_DTYPE)
-        if args.max_total_tokens:
-            max_tokens = args.max_total_tokens
-        elif weight_bytes is None:
-            raise ValueError("a runner on abstract weights needs --max-total-tokens (no device memory to size from)")
-        else:
+        state_dtype = resolve_state_dtype(args.mamba_ssm_dtype, config)
+        units = memory_accounting.cache_units(config, args.page_size, dtype, state_dtype)
+        weights = 0
+        if weight_bytes:
             device = max(weight_bytes, key=weight_bytes.__getitem__)
-            max_tokens = memory_accounting.kv_pool_tokens(device, args.mem_fraction_static, weight_bytes[device],
-                                                          per_rank + 1 + snapshots, units)
+            weights = weight_bytes[device]
+            if device_limit is None:
+                device_limit = memory_accounting.device_memory_limit(device)
+        elif device_limit:
+            raise ValueError("a device memory limit needs the weights' bytes per device to split the rest")
+        split = memory_split.split_memory(
+            page_bytes=units.kv_per_page, slot_bytes=units.gdn_per_slot if config.num_gdn_layers else 0,
+            page_size=args.page_size, running_slots=per_rank, device_limit=device_limit, weight_bytes=weights,
+            mem_fraction_static=args.mem_fraction_static, ratio=args.mamba_full_memory_ratio,
+            max_total_tokens=args.max_total_tokens,
+            max_mamba_cache_size=None if args.max_mamba_cache_size is None else args.max_mamba_cache_size // dp,
+            max_snapshots=args.max_gdn_snapshots, snapshots=not args.disable_radix_cache)
         return cls(
             dp=dp, page_size=args.page_size, max_running_requests=args.max_running_requests,
-            max_running_per_rank=per_rank, num_snapshot_slots=snapshots,
-            num_pages=max_tokens // args.page_size + 1,
+            max_running_per_rank=per_rank, num_snapshot_slots=split.snapshot_slots, num_pages=split.num_pages,
             context_length=args.context_length or config.max_position_embeddings,
             chunked_prefill_per_rank=args.chunked_prefill_per_rank,
             bs_paddings=tuple(args.precompile_bs_paddings) if args.precompile_bs_paddings else None,
             token_paddings=tuple(args.precompile_token_paddings) if args.precompile_token_paddings else None,
-            units=units)
+            units=units, split=split, state_dtype=state_dtype)

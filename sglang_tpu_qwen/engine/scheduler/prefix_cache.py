@@ -48,14 +48,17 @@ class PrefixCache:
         self.runner = runner
         self.kv_pool = kv_pool
         self.page_size = page_size
-        self.has_gdn = cfg.num_gdn_layers > 0 and runner.sizing.num_snapshot_slots > 0
+        # A hybrid model's tree needs a snapshot at a hit's position even when the memory rule left no
+        # snapshot slots (engine/runner/memory_split.py): KV pages alone would skip the GDN state.
+        self.has_gdn = cfg.num_gdn_layers > 0
+        self.takes_snapshots = self.has_gdn and runner.sizing.num_snapshot_slots > 0
         # A snapshot's eviction cost in KV tokens of the same bytes, at the cache dtypes in use.
         units = runner.sizing.units
         cost = max(1, units.gdn_per_slot // max(units.kv_per_token, 1))
         self.tree = RadixCache(page_size, has_gdn=self.has_gdn, snapshot_cost_tokens=cost)
         sizing = runner.sizing
         self.snap_pool = (IdPool(slot_base + sizing.num_slots, "snapshot", start=slot_base + sizing.num_running_slots)
-                          if self.has_gdn else None)
+                          if self.takes_snapshots else None)
         self.host = HostSnapshotStore(host_bytes)
         self.nan_fill = nan_fill
         self._where: dict[int, tuple[int, ...]] = {}  # snapshot id in the tree -> its token prefix
@@ -117,14 +120,14 @@ class PrefixCache:
         if is_extend:
             for r in due:
                 self._insert(r, r.cached_len)
-            if self.has_gdn:
+            if self.takes_snapshots:
                 taken = list(zip(due, self._alloc_snapshots(len(due)), strict=False))  # the first ones get slots
                 # All allocations, then one copy, then the attaches: an attached snapshot could be evicted
                 # (and demoted) by a later allocation before its copy; an unattached one cannot.
                 self.runner.state.copy_slots([(r.slot, snap) for r, snap in taken])
                 for r, snap in taken:
                     self._attach(r.fill_ids[: r.cached_len], snap)
-        elif self.has_gdn:
+        elif self.takes_snapshots:
             pairs = []
             fresh = iter(self._alloc_snapshots(sum(r.private_snapshot is None for r in due)))
             for r in due:
@@ -283,4 +286,6 @@ class PrefixCache:
                "host_snapshot_refused_low_memory": self.host.refused_low_memory}
         if self.snap_pool is not None:
             out.update(snapshot_slots_total=self.snap_pool.num_usable, snapshot_slots_free=self.snap_pool.num_free)
+        elif self.has_gdn:  # the memory split left no snapshot slots
+            out.update(snapshot_slots_total=0, snapshot_slots_free=0)
         return out

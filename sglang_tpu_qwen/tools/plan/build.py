@@ -19,14 +19,16 @@ MC_TRIALS = {"decode": 400, "prefill": 4}  # Monte-Carlo layer steps per distrib
 
 
 def abstract_runner(config: Qwen35MoeConfig, args: Any, devices: Any, *, fp8: bool, block: tuple[int, int],
-                    platform: str = "tpu") -> Any:
+                    platform: str = "tpu", device_memory_bytes: int | None = None) -> Any:
     """The server's ``ModelRunner`` for ``config`` and ``args`` (device-dependent defaults already resolved) on
     abstract parameters and cache (ShapeDtypeStructs carrying their shardings on the mesh of ``devices``), with
     the kernels the server picks on ``platform``: ``ModelRunner.abstract``, the constructor the server's
-    runner goes through too. ``fp8``: block-FP8 weights with ``block`` ([in, out])."""
+    runner goes through too. ``fp8``: block-FP8 weights with ``block`` ([in, out]). ``device_memory_bytes``: each
+    device's HBM, which the server's memory rule splits (deviceless devices report none)."""
     from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
 
-    return ModelRunner.abstract(config, args, devices, platform=platform, fp8_block=block if fp8 else None)
+    return ModelRunner.abstract(config, args, devices, platform=platform, fp8_block=block if fp8 else None,
+                                device_memory_bytes=device_memory_bytes)
 
 
 def moe_extra(config: Qwen35MoeConfig, ep: int, tokens: int, per_expert_bytes: float, name: str) -> dict[str, Any]:
@@ -72,6 +74,7 @@ def plan(
     steps: tuple[str, ...] = ("decode", "prefill"),
     max_gdn_snapshots: int | None = None,
     kv_cache_dtype: str = "auto",
+    mamba_ssm_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Compile the server's decode and prefill programs and return the report (JSON-able dict; see
     docs/parallelism.md#the-planner for its fields). ``kv_cache_dtype``: the server's --kv-cache-dtype (the KV
@@ -95,12 +98,15 @@ def plan(
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
                       context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                       max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
-                      max_gdn_snapshots=max_gdn_snapshots, kv_cache_dtype=kv_cache_dtype)
+                      max_gdn_snapshots=max_gdn_snapshots, kv_cache_dtype=kv_cache_dtype,
+                      mamba_ssm_dtype=mamba_ssm_dtype)
     hbm_dev = chip.hbm_bytes / chip.devices_per_chip
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip
     peak = chip.bf16_flops_per_s / chip.devices_per_chip
     args.resolve_chunked_prefill_size("tpu", int(hbm_dev))  # the server's default for the device memory
-    runner = abstract_runner(config, args, topo.devices, fp8=fp8, block=block)
+    # The server's memory rule on the chip's HBM: KV is the planned context of every row (--max-total-tokens),
+    # the GDN snapshot slots get what --mem-fraction-static leaves after it (engine/runner/memory_split.py).
+    runner = abstract_runner(config, args, topo.devices, fp8=fp8, block=block, device_memory_bytes=int(hbm_dev))
     c = config
     mesh_devices = list(runner.layout.mesh.devices.flat)
     n_dev = len(mesh_devices)
@@ -126,6 +132,7 @@ def plan(
         "moe_combine": combine, "max_running_requests": max_running_requests, "context_length": context_length,
         "page_size": page_size, "kv_cache_dtype": runner.kv_dtype.name,
         "chunked_prefill_size": args.chunked_prefill_size,
+        "mamba_ssm_dtype": runner.sizing.state_dtype.name,
         "prefill_tokens_per_rank": args.chunked_prefill_per_rank,
         "kernels": {"attention": runner.backends.attention, "gdn": runner.backends.gdn,
                     "fp8_matmul": "pallas" if fp8 else None},
@@ -133,7 +140,10 @@ def plan(
         "routing": {d.name: {"label": d.label, "zipf_s": d.s, "placement_seed": routing.PLACEMENT_SEED}
                     for d in routing.DISTRIBUTIONS},
         "memory_per_device": {"weights_replicated": rep_w, "weights_experts": exp_w, "kv_pool": kv_dev,
-                              "gdn_slots": gdn_dev, "hbm": hbm_dev},
+                              "gdn_slots": gdn_dev, "hbm": hbm_dev,
+                              "gdn_running_slots": runner.sizing.num_running_slots - 1,
+                              "gdn_snapshot_slots": runner.sizing.num_snapshot_slots,
+                              "split": runner.sizing.split.as_dict()},
         "steps": {},
     }  # fmt: skip
     worst_total = 0.0

@@ -31,10 +31,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--fp8-block", default="128,128", help="quantization_config.weight_block_size (HF [out, in])")
     ap.add_argument("--steps", default="decode,prefill", help="comma-separated: decode, prefill")
     ap.add_argument("--max-gdn-snapshots", type=int, default=None,
-                    help="server flag: GDN prefix-cache snapshot slots per DP rank (default 2 per running request)")
+                    help="server flag: GDN prefix-cache snapshot slots per DP rank (default: what the server's memory "
+                         "rule leaves after the weights, KV and running slots, engine/runner/memory_split.py)")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="server flag: KV page dtype (auto: the compute dtype, bfloat16 on TPU; fp8_e4m3 halves "
                          "the pool's bytes per token)")
+    ap.add_argument("--mamba-ssm-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="server flag: GDN state storage dtype (default: the model config's mamba_ssm_dtype)")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args(argv)
     hf_block = [int(x) for x in a.fp8_block.split(",")]
@@ -44,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fp8=a.fp8, block=block, page_size=a.page_size, chunked_prefill_size=a.chunked_prefill_size,
         combine=a.moe_combine, steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
         kv_cache_dtype=a.kv_cache_dtype,
+        mamba_ssm_dtype=a.mamba_ssm_dtype,
     )
     print(format_report(report))
     print(json.dumps(report))

@@ -1,0 +1,181 @@
+"""How one DP rank's memory is split between GDN state slots and KV pages (SGLang's mamba / full-attention rule).
+
+SGLang (``ModelRunner``'s mamba cache handling) gives a hybrid model's state pool the share
+``r / (1 + r)`` of the memory left after the weights, ``r`` = ``--mamba-full-memory-ratio`` (state bytes :
+KV bytes, default 0.9), unless ``--max-mamba-cache-size`` fixes the pool's slot count; the KV pool gets the
+rest. Its state pool holds the running requests' states and the prefix cache's, as ours does: running slots
+first, snapshot slots after them. The rule here, per DP rank (each device holds one rank's pools):
+
+* Budget ``B``. On a device with a memory limit ``M``: ``M * --mem-fraction-static - weights``; the
+  ``(1 - f) * M`` left over is the room of the step programs' temporaries (and the runtime's). Without a
+  limit (XLA:CPU) ``B`` is nominal: ``(1 + r)`` times the KV pool (``--max-total-tokens``, else
+  DEFAULT_KV_TOKENS_WITHOUT_LIMIT), so the state pool gets ``r`` times the KV pool's bytes.
+* State slots ``N`` (the trash slot, ``R`` running, ``S`` snapshots). ``--max-gdn-snapshots S``: ``N = 1 + R +
+  S``. Else ``--max-mamba-cache-size C`` (over all DP ranks, like SGLang's): ``N = 1 + C / dp``, at least the
+  running requests. Else the ratio: ``N = floor(share / slot bytes)`` with share ``B * r / (1 + r)`` (or, when
+  ``--max-total-tokens`` fixes the KV pool on a device with a limit, what ``B`` leaves after it). Running slots
+  are always there: when the share holds fewer, there are no snapshots and the running slots come out of the KV
+  share. Without the prefix cache (or GDN layers) ``S = 0``.
+* KV pages: ``--max-total-tokens``, else (device limit) what ``B`` leaves after the ``N`` slots, at least 4
+  pages (ValueError otherwise), else DEFAULT_KV_TOKENS_WITHOUT_LIMIT tokens.
+
+Everything here is integers and bytes: no JAX, no devices (callers pass the limit and the weights' bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GB = 1 << 30
+# KV pool when the device reports no memory limit (XLA:CPU) and --max-total-tokens is absent.
+DEFAULT_KV_TOKENS_WITHOUT_LIMIT = 65536
+MIN_KV_PAGES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySplit:
+    """One DP rank's pools and the rule that sized them (``/get_server_info`` ``memory_split``).
+
+    Attributes:
+        rule: which rule set the state slots: "ratio" (--mamba-full-memory-ratio of the budget), "ratio of the
+            KV pool" (no device limit), "after the KV pool" (--max-total-tokens on a device with a limit),
+            "--max-gdn-snapshots", "--max-mamba-cache-size", "running only" (no prefix cache or no GDN layers).
+        ratio: --mamba-full-memory-ratio.
+        device_limit: bytes the device lets the runtime use (None: no limit, XLA:CPU).
+        budget: the bytes the pools share (B above); nominal without a device limit.
+        weight_bytes: the weights on the fullest device.
+        running_slots: slots of running requests (the trash slot not counted).
+        snapshot_slots: GDN snapshot slots of the prefix cache.
+        slot_bytes: bytes of one GDN slot (all GDN layers, at the state dtype).
+        num_pages: KV pages including the trash page.
+        page_bytes: bytes of one KV page (every attention layer's K and V).
+        page_size: tokens per page.
+    """
+
+    rule: str
+    ratio: float
+    device_limit: int | None
+    budget: int
+    weight_bytes: int
+    running_slots: int
+    snapshot_slots: int
+    slot_bytes: int
+    num_pages: int
+    page_bytes: int
+    page_size: int
+
+    @property
+    def num_slots(self) -> int:
+        """Trash + running + snapshot slots."""
+        return 1 + self.running_slots + self.snapshot_slots
+
+    @property
+    def kv_tokens(self) -> int:
+        """Usable KV tokens (the trash page excluded)."""
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def over_budget(self) -> int:
+        """Bytes the pools take beyond the budget on a device with a limit (0 within it): fixed sizes
+        (--max-total-tokens, the running slots) may exceed it, eating into the temporaries' room."""
+        return max(0, self.state_bytes + self.kv_bytes - self.budget) if self.device_limit else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able figures (bytes, slot and token counts) for /get_server_info and the startup log."""
+        return {
+            "rule": self.rule, "mamba_full_memory_ratio": self.ratio, "device_limit_bytes": self.device_limit,
+            "budget_bytes": self.budget, "weight_bytes": self.weight_bytes,
+            "kv_pool_bytes": self.kv_bytes, "kv_pool_tokens": self.kv_tokens, "kv_pages": self.num_pages - 1,
+            "running_slots": self.running_slots, "snapshot_slots": self.snapshot_slots,
+            "state_slot_bytes": self.slot_bytes, "running_slots_bytes": (1 + self.running_slots) * self.slot_bytes,
+            "snapshot_slots_bytes": self.snapshot_slots * self.slot_bytes, "state_pool_bytes": self.state_bytes,
+            "over_budget_bytes": self.over_budget,
+        }  # fmt: skip
+
+    def describe(self) -> str:
+        """One log line: the split and the rule."""
+        limit = f"{self.device_limit / GB:.2f} GiB device" if self.device_limit else "no device limit"
+        return (f"memory split per DP rank ({limit}, weights {self.weight_bytes / GB:.3f} GiB, budget "
+                f"{self.budget / GB:.3f} GiB, rule: {self.rule}, --mamba-full-memory-ratio {self.ratio}): KV "
+                f"{self.kv_tokens} tokens ({self.kv_bytes / GB:.3f} GiB); GDN state {self.running_slots} running + "
+                f"{self.snapshot_slots} snapshot slots ({self.state_bytes / GB:.3f} GiB, "
+                f"{self.slot_bytes} bytes a slot)"
+                + (f"; {self.over_budget / GB:.3f} GiB over the budget (--max-total-tokens and the running slots "
+                   "are fixed sizes)" if self.over_budget else ""))
+
+
+def split_memory(
+    *, page_bytes: int, slot_bytes: int, page_size: int, running_slots: int, device_limit: int | None,
+    weight_bytes: int, mem_fraction_static: float, ratio: float, max_total_tokens: int | None = None,
+    max_mamba_cache_size: int | None = None, max_snapshots: int | None = None, snapshots: bool = True,
+) -> MemorySplit:
+    """Split one DP rank's memory between GDN slots and KV pages by the rule in this module's docstring.
+
+    Args:
+        page_bytes, slot_bytes: one KV page / one GDN slot at the cache dtypes (memory_accounting.CacheUnits);
+            slot_bytes 0 for a model without GDN layers.
+        running_slots: running requests of the rank (ceil(--max-running-requests / dp)).
+        device_limit: bytes the device may use; None without a limit (XLA:CPU).
+        weight_bytes: the weights on the fullest device.
+        max_total_tokens: --max-total-tokens (the rank's KV pool), or None.
+        max_mamba_cache_size: --max-mamba-cache-size divided over the DP ranks (running + snapshot slots).
+        max_snapshots: --max-gdn-snapshots (per rank).
+        snapshots: the prefix cache keeps GDN snapshots (radix cache on and GDN layers present).
+    Raises:
+        ValueError: --max-mamba-cache-size under the running requests, no budget left after the weights, or
+            fewer than MIN_KV_PAGES KV pages left (the message has the figures and what to change).
+    """
+    kv_fixed = max_total_tokens // page_size + 1 if max_total_tokens else None
+    if device_limit:
+        budget = int(device_limit * mem_fraction_static) - weight_bytes
+        if budget <= 0:
+            raise ValueError(f"not enough device memory: {device_limit / GB:.2f} GB x --mem-fraction-static "
+                             f"{mem_fraction_static} does not hold the weights ({weight_bytes / GB:.2f} GB); raise "
+                             "--mem-fraction-static or use more devices")
+    else:
+        kv_nominal = kv_fixed or DEFAULT_KV_TOKENS_WITHOUT_LIMIT // page_size + 1
+        budget = int((1 + ratio) * kv_nominal * page_bytes)
+    least = 1 + running_slots
+    if not snapshots or slot_bytes == 0:
+        rule, num_slots = "running only", least
+    elif max_snapshots is not None:
+        rule, num_slots = "--max-gdn-snapshots", least + max_snapshots
+    elif max_mamba_cache_size is not None:
+        if max_mamba_cache_size < running_slots:
+            raise ValueError(f"--max-mamba-cache-size holds {max_mamba_cache_size} GDN slots per DP rank, fewer than "
+                             f"the {running_slots} running requests per rank (--max-running-requests); raise it")
+        rule, num_slots = "--max-mamba-cache-size", 1 + max_mamba_cache_size
+    else:
+        if not device_limit:
+            rule, share = "ratio of the KV pool", budget - (kv_fixed or kv_nominal) * page_bytes
+        elif kv_fixed is not None:
+            rule, share = "after the KV pool", budget - kv_fixed * page_bytes
+        else:
+            rule, share = "ratio", int(budget * ratio / (1 + ratio))
+        num_slots = max(least, share // slot_bytes)
+    if kv_fixed is not None:
+        num_pages = kv_fixed
+    elif device_limit:
+        left = budget - num_slots * slot_bytes
+        num_pages = left // page_bytes
+        if num_pages - 1 < MIN_KV_PAGES:
+            raise ValueError(
+                f"not enough device memory for the KV pool: {device_limit / GB:.2f} GB x --mem-fraction-static "
+                f"{mem_fraction_static} - weights {weight_bytes / GB:.2f} GB - {num_slots} GDN slots "
+                f"{num_slots * slot_bytes / GB:.2f} GB leaves {max(left, 0) / GB:.3f} GB, under {MIN_KV_PAGES} pages "
+                f"of {page_bytes} bytes; raise --mem-fraction-static, lower --max-running-requests / "
+                "--max-gdn-snapshots / --max-mamba-cache-size / --mamba-full-memory-ratio, or use more devices")
+    else:
+        num_pages = DEFAULT_KV_TOKENS_WITHOUT_LIMIT // page_size + 1
+    return MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
+                       weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
+                       slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size)
