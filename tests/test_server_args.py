@@ -18,6 +18,10 @@ def test_sglang_flag_names_parse():
     assert prepare_server_args([]).mamba_ssm_dtype is None  # unset: the checkpoint config decides
     assert ServerArgs().kv_cache_dtype == "auto"
     assert prepare_server_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    assert prepare_server_args(["--kv-cache-dtype", "fp8_e4m3", "--page-size", "4"]).page_size == 4
+    with pytest.raises(ValueError, match="needs a --page-size that is a multiple of 4"):
+        ServerArgs(kv_cache_dtype="fp8_e4m3", page_size=6)
+    assert ServerArgs(page_size=6).page_size == 6  # bf16 / auto pages: any size
 
 
 @pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--page-size", "0"], ["--schedule-policy", "random"],

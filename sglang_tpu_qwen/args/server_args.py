@@ -192,6 +192,10 @@ class ServerArgs:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        if self.kv_cache_dtype.startswith("fp8") and self.page_size % 4:
+            # FP8 pages are stored up to 4 tokens per 32-bit sublane row (kernels/ragged_paged_attention/page_layout.py)
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs a --page-size that is a multiple of 4 "
+                             f"(FP8 pages pack up to 4 tokens per TPU sublane row), got {self.page_size}")
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be one of 0, 1, 2, 3, got {self.log_requests_level}")
         if self.mamba_ssm_dtype not in (None, "float32", "bfloat16"):

@@ -47,7 +47,7 @@ class StateLayout:
             fingerprint=config_fingerprint(config),
             kv_dtype=np.dtype(k.dtype).name,
             state_dtype=np.dtype(conv.dtype).name,
-            kv_token_shape=(k.shape[0], k.shape[3], k.shape[4]),
+            kv_token_shape=(k.shape[0], config.num_key_value_heads, k.shape[4]),  # not k.shape[3]: FP8 packs rows
             conv_shape=(conv.shape[0], conv.shape[2], conv_pool.taps_of(conv, rec.shape[1])),
             rec_shape=(rec.shape[0], rec.shape[2], rec.shape[3], rec.shape[4]),
         )

@@ -16,12 +16,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.kernels.gdn import conv_pool
+from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import page_size_of
 from sglang_tpu_qwen.utils.shapes import next_pow2
 
 
-@jax.jit
-def _gather(k: jax.Array, v: jax.Array, page_ids: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return k[:, page_ids, offsets], v[:, page_ids, offsets]
+@partial(jax.jit, static_argnames=("per_row",))
+def _gather(k: jax.Array, v: jax.Array, page_ids: jax.Array, offsets: jax.Array,
+            per_row: int) -> tuple[jax.Array, jax.Array]:
+    """Tokens at (page, offset) from pools stored with ``per_row`` tokens per row (page_layout.py): the rows
+    are gathered in the stored shape (a reshape of the whole pool would be a relayout copy on TPU)."""
+    rows, sub = offsets // per_row, offsets % per_row
+
+    def one(pool: jax.Array) -> jax.Array:
+        got = pool[:, page_ids, rows]  # [L, n, r * nkv, hd]
+        got = got.reshape(got.shape[0], got.shape[1], per_row, -1, got.shape[-1])
+        return jnp.take_along_axis(got, sub[None, :, None, None, None], axis=2)[:, :, 0]
+
+    return one(k), one(v)
 
 
 def gather_kv(cache: dict, pages: list[int], page_size: int, start: int, end: int) -> tuple[jax.Array, jax.Array]:
@@ -38,7 +49,8 @@ def gather_kv(cache: dict, pages: list[int], page_size: int, start: int, end: in
     table = np.asarray(pages, np.int32)
     page_ids = np.where(pos < end, table[np.minimum(pos, end - 1) // page_size], 0).astype(np.int32)
     offsets = np.where(pos < end, pos % page_size, 0).astype(np.int32)
-    k, v = _gather(cache["k"], cache["v"], jnp.asarray(page_ids), jnp.asarray(offsets))
+    per_row = page_size // cache["k"].shape[2]
+    k, v = _gather(cache["k"], cache["v"], jnp.asarray(page_ids), jnp.asarray(offsets), per_row)
     return k[:, :n], v[:, :n]
 
 
@@ -49,11 +61,11 @@ def read_gdn(cache: dict, slot: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _scatter_impl(cache: dict, pages: jax.Array, k_tok: jax.Array, v_tok: jax.Array) -> dict:
-    n_layers, _, heads, dim = k_tok.shape
-    num_pages, page_size = pages.shape[0], cache["k"].shape[2]
+    # Whole pages in the stored shape (page_layout.py: a packed FP8 page is a row-major reshape of the tokens).
+    page_shape = (k_tok.shape[0], pages.shape[0], *cache["k"].shape[2:])
     out = dict(cache)
-    out["k"] = cache["k"].at[:, pages].set(k_tok.reshape(n_layers, num_pages, page_size, heads, dim))
-    out["v"] = cache["v"].at[:, pages].set(v_tok.reshape(n_layers, num_pages, page_size, heads, dim))
+    out["k"] = cache["k"].at[:, pages].set(k_tok.reshape(page_shape))
+    out["v"] = cache["v"].at[:, pages].set(v_tok.reshape(page_shape))
     return out
 
 
@@ -92,7 +104,7 @@ def write_kv(cache: dict, pages: list[int], k: Any, v: Any) -> dict:
     k, v: `[n_attn, T, kv_heads, head_dim]`, host numpy or device arrays placed by `input_placement`.
     Positions past T in the last page are zero-filled (a later step overwrites them before reading).
     """
-    page_size = cache["k"].shape[2]
+    page_size = page_size_of(cache["k"], k.shape[2])
     num_tokens = k.shape[1]
     if len(pages) * page_size < num_tokens:
         raise ValueError(f"{len(pages)} pages of {page_size} cannot hold {num_tokens} tokens")

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import logical, page_size_of
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import page_slots, paged_attention, write_kv
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
@@ -43,7 +44,8 @@ def attention_layer(
         batch: the step (model/forward_batch.py): its page table, positions, valid tokens (padded tokens'
             K/V go to trash page 0) and KV lengths.
         rope: ``(cos, sin)``, each ``[B, T, rotary_dim]`` float32, for ``batch.positions``.
-        k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``, the compute dtype or float8_e4m3fn.
+        k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``, the compute dtype or float8_e4m3fn (an FP8
+            pool stored packed: kernels/ragged_paged_attention/page_layout.py).
         layer: index of this layer among the attention layers.
         config: model config.
         core: optional replacement for write_kv + paged_attention with the signature of
@@ -72,9 +74,10 @@ def attention_layer(
                                       k_scale=k_scale, v_scale=v_scale)
     else:
         positions = batch.positions
-        pages, offsets = page_slots(positions, valid, page_table, k_cache.shape[2])
+        pages, offsets = page_slots(positions, valid, page_table, page_size_of(k_cache, nkv))
         k_cache = write_kv(k_cache, layer, k, pages, offsets, k_scale)
         v_cache = write_kv(v_cache, layer, v, pages, offsets, v_scale)
-        attn = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens, k_scale, v_scale)
+        attn = paged_attention(q, logical(k_cache, nkv), logical(v_cache, nkv), layer, page_table, positions,
+                               kv_lens, k_scale, v_scale)
     out = attn.reshape(b, t, nq * hd) * jax.nn.sigmoid(gate)
     return linear(out, p["o_proj"]), k_cache, v_cache

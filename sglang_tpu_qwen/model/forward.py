@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, gdn_kernel
 from sglang_tpu_qwen.kernels.gdn.conv_pool import pool_shape
+from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import pool_shape as kv_pool_shape
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.dense_mlp import dense_mlp
@@ -46,11 +47,13 @@ def init_cache(
     """Zeroed cache for all layers.
 
     Returns:
-        ``{"k", "v": [n_attn_layers, num_pages, page_size, nkv, hd] kv_dtype,
+        ``{"k", "v": [n_attn_layers, num_pages, page_size, nkv, hd] kv_dtype (FP8: the packed row-major reshape
+        ``[.., page_size / r, r * nkv, hd]`` of kernels/ragged_paged_attention/page_layout.py),
         "conv": [n_gdn_layers, num_slots * (K-1), conv_dim] state_dtype (kernels/gdn/conv_pool.py),
         "rec": [n_gdn_layers, num_slots, Hv, dk, dv] state_dtype}``. Page 0 and slot 0 are trash targets.
     """
-    kv_shape = (config.num_attn_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    kv_shape = kv_pool_shape(config.num_attn_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim,
+                             kv_dtype)
     conv_shape = pool_shape(config.num_gdn_layers, num_slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1)
     rec_shape = (
         config.num_gdn_layers,

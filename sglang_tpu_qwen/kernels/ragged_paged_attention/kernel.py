@@ -31,10 +31,14 @@ axis "arbitrary" (the K/V write at the first query block must precede the reads 
 metadata (layer, lengths, flattened page table, the layer's K/V scales) is scalar-prefetched into SMEM. Block
 sizes: ``block_sizes.py``. Page fetches are double-buffered: block kb + 1's pages load while block kb computes.
 
-FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the call, so the write DMAs
-move bytes as they are; reads upcast each page tile to the query dtype in VMEM (exact) and apply the scales
-to the float32 scores (K) and the output (V). A 1-byte page is tiled (32, 128) on TPU: the VMEM page buffers
-pad ``nkv`` to 32 sublanes instead of 16, which leaves their bytes as for bf16.
+FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the call; reads upcast each
+page tile to the query dtype in VMEM (exact) and apply the scales to the float32 scores (K) and the output (V).
+An FP8 pool is stored packed, ``[L, N, page_size / r, r * nkv, hd]`` with ``r * nkv`` a multiple of 4
+(page_layout.py: otherwise XLA's default layout for the pool differs from the kernel's and it copies the pool
+around every call). One token of a packed row is a sub-tile slice Mosaic's DMA cannot address, so for FP8 the
+new tokens are written by an XLA whole-row scatter before the call (``_scatter_rows``, in place), and a block's
+head ``h`` is read as the ``r`` sublane slices ``p * nkv + h`` stacked (keys reordered; ``_key_offsets`` gives
+their positions for the masks).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes, block_sizes_for
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
+from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import page_size_of, pool_shape, tokens_per_row
 
 # Integer division in the kernel uses lax.div / lax.rem (operands are >= 0): jnp's floor division lowers
 # through `sign`, whose Mosaic rule asks the *local* device for its TPU generation, which breaks deviceless AOT.
@@ -60,7 +65,7 @@ def _kernel(
     o_ref, kc_hbm, vc_hbm,  # outputs (the caches are aliased to their inputs)
     kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref,  # scratch
     *, rows_per_step: int, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int,
-    sm_scale: float, fp8: bool,
+    sm_scale: float, fp8: bool, per_row: int,
 ):
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -70,13 +75,13 @@ def _kernel(
         _one_sequence(s, i * rows_per_step + s, j, layer, qlen_ref, kvlen_ref, pt_ref, q_ref, knew_hbm, vnew_hbm,
                       o_ref, kc_hbm, vc_hbm, kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref, score_scale, out_scale,
                       q_block=q_block, groups=groups, page_size=page_size, kv_pages=kv_pages,
-                      pages_per_seq=pages_per_seq)
+                      pages_per_seq=pages_per_seq, per_row=per_row)
 
 
 def _one_sequence(
     s, b, j, layer, qlen_ref, kvlen_ref, pt_ref, q_ref, knew_hbm, vnew_hbm, o_ref, kc_hbm, vc_hbm,
     kbuf, vbuf, rsem, wsem, m_ref, l_ref, acc_ref, score_scale, out_scale,
-    *, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int,
+    *, q_block: int, groups: int, page_size: int, kv_pages: int, pages_per_seq: int, per_row: int,
 ):
     """Query block j of sequence b (row s of this grid step's block): write its K/V (j == 0), then attend."""
     nkv = q_ref.shape[1]
@@ -86,27 +91,28 @@ def _one_sequence(
     kv_len = kvlen_ref[b]
     prefix = kv_len - q_len
 
-    @pl.when(j == 0)
-    def _write_new_kv():
-        def copies(t):
-            pos = prefix + t
-            page = pt_ref[b * pages_per_seq + jax.lax.div(pos, page_size)]
-            off = jax.lax.rem(pos, page_size)
-            return (pltpu.make_async_copy(knew_hbm.at[b, t], kc_hbm.at[layer, page, off], wsem.at[0]),
-                    pltpu.make_async_copy(vnew_hbm.at[b, t], vc_hbm.at[layer, page, off], wsem.at[1]))
+    if per_row == 1:  # packed rows (r > 1) were written by XLA before the call
+        @pl.when(j == 0)
+        def _write_new_kv():
+            def copies(t):
+                pos = prefix + t
+                page = pt_ref[b * pages_per_seq + jax.lax.div(pos, page_size)]
+                off = jax.lax.rem(pos, page_size)
+                return (pltpu.make_async_copy(knew_hbm.at[b, t], kc_hbm.at[layer, page, off], wsem.at[0]),
+                        pltpu.make_async_copy(vnew_hbm.at[b, t], vc_hbm.at[layer, page, off], wsem.at[1]))
 
-        def start(t, c):
-            for cp in copies(t):
-                cp.start()
-            return c
+            def start(t, c):
+                for cp in copies(t):
+                    cp.start()
+                return c
 
-        def wait(t, c):
-            for cp in copies(t):  # only the shape of the descriptor matters for a wait
-                cp.wait()
-            return c
+            def wait(t, c):
+                for cp in copies(t):  # only the shape of the descriptor matters for a wait
+                    cp.wait()
+                return c
 
-        jax.lax.fori_loop(0, q_len, start, 0)
-        jax.lax.fori_loop(0, q_len, wait, 0)
+            jax.lax.fori_loop(0, q_len, start, 0)
+            jax.lax.fori_loop(0, q_len, wait, 0)
 
     q_start = j * q_block
     # Absolute position of each query row (row r holds token r // G of the block).
@@ -142,18 +148,18 @@ def _one_sequence(
 
         for cp in fetch(kb, slot):
             cp.wait()
-        k_all = kbuf[slot].reshape(keys, nkv, -1)
-        v_all = vbuf[slot].reshape(keys, nkv, -1)
-        key_row = kb * keys + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-        key_col = kb * keys + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
+        k_all = kbuf[slot].reshape(keys // per_row, per_row * nkv, -1)
+        v_all = vbuf[slot].reshape(keys // per_row, per_row * nkv, -1)
+        key_row = kb * keys + _key_offsets((1, keys), 1, keys, per_row)
+        key_col = kb * keys + _key_offsets((keys, 1), 0, keys, per_row)
         mask = (key_row < kv_len) & (key_row <= q_pos)  # [rows, keys]
         key_ok = key_col < kv_len  # [keys, 1]
         for h in range(nkv):
             q = q_ref[s, h]  # [rows, hd]
             # Zero keys/values past the context: stale or trash-page contents must not reach a row as NaN. The
             # upcast comes first (exact for FP8 pages): the select then runs on the query dtype's tiles.
-            k = jnp.where(key_ok, k_all[:, h, :].astype(q.dtype), 0)
-            v = jnp.where(key_ok, v_all[:, h, :].astype(q.dtype), 0)
+            k = jnp.where(key_ok, _head(k_all, h, nkv, per_row).astype(q.dtype), 0)
+            v = jnp.where(key_ok, _head(v_all, h, nkv, per_row).astype(q.dtype), 0)
             sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             sc = jnp.where(mask, sc * score_scale, _MASK)
             m_prev = m_ref[h]  # [rows, 128], lanes equal
@@ -174,6 +180,48 @@ def _one_sequence(
             out = out * out_scale
         o_ref[s, h] = out.astype(o_ref.dtype)
 
+
+def _head(kv_all, h: int, nkv: int, per_row: int):
+    """Head h's ``[keys, hd]`` rows of a block read as ``[keys / r, r * nkv, hd]``: the r sublane slices of the
+    head stacked (key order: all tokens ``t % r == 0``, then ``1``, ...; softmax does not depend on key order,
+    and :func:`_key_offsets` gives each row its position)."""
+    if per_row == 1:
+        return kv_all[:, h, :]
+    return jnp.concatenate([kv_all[:, p * nkv + h, :] for p in range(per_row)], axis=0)
+
+
+def _key_offsets(shape: tuple[int, int], dim: int, keys: int, per_row: int):
+    """Position within the block of each key row as :func:`_head` orders them."""
+    i = jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+    if per_row == 1:
+        return i
+    n = keys // per_row
+    return jax.lax.rem(i, n) * per_row + jax.lax.div(i, n)
+
+
+def _scatter_rows(pool, new, layer, q_lens, kv_lens, page_table, page_size: int, per_row: int):
+    """Write ``new [B, T, nkv, hd]`` (already in the pool dtype) into a packed pool ``[L, N, page / r, r * nkv,
+    hd]`` in place. Whole rows (one (4, 128)-tiled sublane group each) are scattered, so XLA keeps the pool's
+    layout: the first new token of each row writes the row, merging the step's other tokens of that row and
+    the row's old contents (tokens of the prefix); padded tokens and the row's later tokens write nothing."""
+    b, t, nkv, hd = new.shape
+    layer = jnp.asarray(layer, jnp.int32)
+    tok = jnp.arange(t, dtype=jnp.int32)[None, :]
+    prefix = (kv_lens - q_lens).astype(jnp.int32)[:, None]
+    pos = prefix + tok  # [B, T]
+    col = jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)
+    page = jnp.take_along_axis(page_table.astype(jnp.int32), col, axis=1)
+    row = (pos % page_size) // per_row
+    first = (tok < q_lens[:, None]) & ((pos % per_row == 0) | (tok == 0))
+    old = pool[layer, page, row].reshape(b, t, per_row, nkv, hd)  # [B, T, r, nkv, hd]
+    # Token of the step at each sublane group p of the row (may be outside [0, q_len): then the old contents).
+    src = (pos - pos % per_row)[..., None] + jnp.arange(per_row, dtype=jnp.int32) - prefix[..., None]
+    fresh = (src >= 0) & (src < q_lens[:, None, None])
+    picked = jnp.take_along_axis(new, jnp.clip(src, 0, t - 1).reshape(b, t * per_row)[..., None, None], axis=1)
+    merged = jnp.where(fresh[..., None, None], picked.reshape(b, t, per_row, nkv, hd), old)
+    page = jnp.where(first, page, pool.shape[1])  # out of range: dropped
+    return pool.at[layer, page, row].set(merged.reshape(b, t, per_row * nkv, hd), mode="drop",
+                                         unique_indices=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"), donate_argnums=(3, 4))
@@ -200,8 +248,8 @@ def ragged_paged_attention(
         q: ``[B, T, nq, hd]`` queries; ``nq`` a multiple of ``nkv``.
         k_new, v_new: ``[B, T, nkv, hd]`` new keys / values (stored as ``kv_quant.quantize_kv`` gives them: cast to
             the cache dtype, or for FP8 caches divided by the scale and saturated).
-        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``, donated and updated in place; float32, bfloat16
-            or float8_e4m3fn.
+        k_cache, v_cache: ``page_layout.pool_shape(L, num_pages, page_size, nkv, hd, dtype)`` (``[L, num_pages,
+            page_size, nkv, hd]``, FP8 packed), donated and updated in place; float32, bfloat16 or float8_e4m3fn.
         layer: attention-layer index into the caches (int32 scalar, may be traced).
         q_lens: ``[B]`` int32 valid new tokens per row (``<= T``).
         kv_lens: ``[B]`` int32 context length including the new tokens.
@@ -217,10 +265,14 @@ def ragged_paged_attention(
         but meaningless (0 for rows with ``q_lens[b] == 0``); the K/V of padded tokens is not written.
 
     Raises:
-        ValueError: when ``nq`` is not a multiple of ``nkv``.
+        ValueError: when ``nq`` is not a multiple of ``nkv``, or the caches are not in ``pool_shape``.
     """
     b, t, nq, hd = q.shape
-    _, _, page_size, nkv, _ = k_cache.shape
+    nkv = k_new.shape[2]
+    page_size = page_size_of(k_cache, nkv)
+    per_row = tokens_per_row(k_cache.dtype, nkv)
+    if k_cache.shape != pool_shape(k_cache.shape[0], k_cache.shape[1], page_size, nkv, hd, k_cache.dtype):
+        raise ValueError(f"cache shape {k_cache.shape} is not page_layout.pool_shape for {nkv} KV heads of {hd}")
     if nq % nkv:
         raise ValueError(f"query heads ({nq}) must be a multiple of KV heads ({nkv})")
     groups = nq // nkv
@@ -243,11 +295,17 @@ def ragged_paged_attention(
     if is_fp8(v_cache.dtype) != fp8:
         raise ValueError(f"K and V caches must both be FP8 or neither: {k_cache.dtype}, {v_cache.dtype}")
     k_new, v_new = quantize_kv(k_new, k_cache.dtype, k_scale), quantize_kv(v_new, v_cache.dtype, v_scale)
+    if per_row > 1:
+        # A token is a sub-tile slice of a packed row ((4, 128) tiles of 1-byte sublanes), which Mosaic's DMA
+        # cannot address; XLA's scatter writes it in place (the pool is donated) before the kernel reads.
+        k_cache = _scatter_rows(k_cache, k_new, layer, q_lens, kv_lens, page_table, page_size, per_row)
+        v_cache = _scatter_rows(v_cache, v_new, layer, q_lens, kv_lens, page_table, page_size, per_row)
     scales = jnp.stack([scale_or_one(k_scale), scale_or_one(v_scale)])
     rows = q_block * groups
     kernel = functools.partial(
         _kernel, rows_per_step=rows_per_step, q_block=q_block, groups=groups, page_size=page_size,
-        kv_pages=bs.kv_pages, pages_per_seq=pages_per_seq, sm_scale=sm_scale or hd**-0.5, fp8=fp8)
+        kv_pages=bs.kv_pages, pages_per_seq=pages_per_seq, sm_scale=sm_scale or hd**-0.5, fp8=fp8,
+        per_row=per_row)
     q_spec = pl.BlockSpec((rows_per_step, nkv, rows, hd), lambda i, j, *_: (i, 0, j, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out, k_cache, v_cache = pl.pallas_call(
@@ -258,8 +316,8 @@ def ragged_paged_attention(
             in_specs=[q_spec, any_spec, any_spec, any_spec, any_spec],
             out_specs=[q_spec, any_spec, any_spec],
             scratch_shapes=[
-                pltpu.VMEM((2, bs.kv_pages, page_size, nkv, hd), k_cache.dtype),
-                pltpu.VMEM((2, bs.kv_pages, page_size, nkv, hd), v_cache.dtype),
+                pltpu.VMEM((2, bs.kv_pages, *k_cache.shape[2:]), k_cache.dtype),
+                pltpu.VMEM((2, bs.kv_pages, *v_cache.shape[2:]), v_cache.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((nkv, rows, 128), jnp.float32),

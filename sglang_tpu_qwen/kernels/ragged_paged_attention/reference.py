@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
+from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import logical, page_size_of, stored
 
 
 def page_slots(
@@ -44,7 +45,8 @@ def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, off
     """Scatter new keys (or values) of one layer into the paged cache.
 
     Args:
-        cache: ``[L, num_pages, page_size, nkv, hd]`` all attention layers.
+        cache: all attention layers, as ``page_layout.pool_shape`` stores them (``[L, num_pages, page_size,
+            nkv, hd]`` or its packed FP8 reshape).
         layer: attention-layer index into ``cache``.
         new: ``[B, T, nkv, hd]``.
         pages, offsets: ``[B, T]`` from :func:`page_slots`.
@@ -53,7 +55,8 @@ def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, off
     Returns:
         The updated cache (same shape and dtype), ``new`` stored as ``kv_quant.quantize_kv`` gives it.
     """
-    return cache.at[layer, pages, offsets].set(quantize_kv(new, cache.dtype, scale))
+    view = logical(cache, new.shape[2])  # a packed FP8 pool (page_layout.py) as [L, N, page_size, nkv, hd]
+    return stored(view.at[layer, pages, offsets].set(quantize_kv(new, cache.dtype, scale)))
 
 
 _PAGES_PER_BLOCK = 8  # key block of the reference loop: 8 pages (128 keys at page size 16)
@@ -151,7 +154,7 @@ def ragged_paged_attention_reference(
 
     Args:
         q: ``[B, T, nq, hd]``; k_new, v_new: ``[B, T, nkv, hd]``.
-        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``.
+        k_cache, v_cache: as ``page_layout.pool_shape`` stores them.
         layer: attention-layer index.
         q_lens, kv_lens: ``[B]`` int32 new tokens and context length (prefix + new).
         page_table: ``[B, P]`` int32.
@@ -164,8 +167,10 @@ def ragged_paged_attention_reference(
     ar = jnp.arange(t, dtype=jnp.int32)
     positions = (kv_lens - q_lens)[:, None] + ar[None, :]
     valid = ar[None, :] < q_lens[:, None]
-    pages, offsets = page_slots(positions, valid, page_table, k_cache.shape[2])
+    nkv = k_new.shape[2]
+    pages, offsets = page_slots(positions, valid, page_table, page_size_of(k_cache, nkv))
     k_cache = write_kv(k_cache, layer, k_new, pages, offsets, k_scale)
     v_cache = write_kv(v_cache, layer, v_new, pages, offsets, v_scale)
-    out = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens, k_scale, v_scale)
+    out = paged_attention(q, logical(k_cache, nkv), logical(v_cache, nkv), layer, page_table, positions, kv_lens,
+                          k_scale, v_scale)
     return out, k_cache, v_cache
