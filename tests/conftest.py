@@ -88,6 +88,19 @@ BF16_STATE_KWARGS: dict[str, Any] = dict(ENGINE_KWARGS, mamba_ssm_dtype="bfloat1
                                          gdn_snapshot_host_gb=0.01, debug_nan_fill_freed_slots=True)
 
 
+def tiny_hybrid_config(**extra: Any) -> Any:
+    """A 4-layer Qwen3.5-MoE config (3 GDN layers, 1 attention layer, odd head sizes) for arithmetic over the
+    cache layout (memory accounting, the planner's capacity table); nothing is built from it."""
+    from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+
+    return Qwen35MoeConfig.from_hf_dict({**extra,
+        "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8,
+    })  # fmt: skip
+
 @pytest.fixture(scope="session")
 def engine_bf16() -> Iterator[Any]:
     """The real Engine with the embedded model, the GDN state stored in bfloat16 and FP8 KV pages

@@ -5,30 +5,21 @@ device as SGLang does, and the split."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_hybrid_config
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.runner import memory_accounting
 from sglang_tpu_qwen.engine.runner.memory_accounting import GB, cache_units
 from sglang_tpu_qwen.engine.runner.memory_split import split_memory
 from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing, resolve_state_dtype
-from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
-
-def _config(**extra: Any) -> Qwen35MoeConfig:
-    return Qwen35MoeConfig.from_hf_dict({**extra,
-        "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 2,
-        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8,
-    })  # fmt: skip
+_config = tiny_hybrid_config
 
 
 def test_state_dtype_from_the_flag_else_the_checkpoint() -> None:

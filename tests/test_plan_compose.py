@@ -17,6 +17,7 @@ import math
 
 import jax.numpy as jnp
 import pytest
+from conftest import tiny_hybrid_config
 
 from sglang_tpu_qwen.tools import plan
 from sglang_tpu_qwen.tools.plan import capacity, chips, routing
@@ -163,14 +164,7 @@ def test_prompt_rate_the_measurements_imply():
     assert 10_000 < r["prompt_tok_s_chip"] < 11_000
 
 
-def _tiny_config() -> plan.Qwen35MoeConfig:
-    return plan.Qwen35MoeConfig.from_hf_dict({
-        "model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 2,
-        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8,
-    })  # fmt: skip
+_tiny_config = tiny_hybrid_config
 
 
 @pytest.mark.parametrize("kv, state", [("bfloat16", "float32"), ("fp8_e4m3", "bfloat16")])
