@@ -92,18 +92,21 @@ class Engine:
         self.tokenizer = Tokenizer(self.tokenizer_path)
         resolve_device_defaults(args, devices)  # once, before the runner (which reads the flags, never sets them)
         self.host_tier = resolve_host_tier(args)  # --gdn-snapshot-host-gb's default, from host memory
-        self.runner = ModelRunner.from_checkpoint(self.model_path, args, devices=devices)
-        self.model_config = self.runner.config
-        self.context_length = self.runner.sizing.context_length
-        self.metrics = Metrics() if args.enable_metrics else None
-        self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
-        self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
-        if args.disaggregation_mode != "null" and role is None:
-            raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs its role: build the engine "
-                             "with role=disagg.roles.setup (launch_server does)")
-        self.disagg = role(self) if role is not None else None  # PD: the scheduler's hooks, its transport
-        # Every step shape and sampling program, before the server can report ready (engine/runner/buckets.py).
-        self.precompile_stats = None if args.disable_precompile else self.runner.precompile()
+        # Loading, building and precompiling compile programs; with another engine of this process already
+        # serving (colocated-split) they are not late compiles (engine/runner/compilation.py).
+        with compilation.precompiling():
+            self.runner = ModelRunner.from_checkpoint(self.model_path, args, devices=devices)
+            self.model_config = self.runner.config
+            self.context_length = self.runner.sizing.context_length
+            self.metrics = Metrics() if args.enable_metrics else None
+            self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
+            self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
+            if args.disaggregation_mode != "null" and role is None:
+                raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs its role: build the engine "
+                                 "with role=disagg.roles.setup (launch_server does)")
+            self.disagg = role(self) if role is not None else None  # PD: the scheduler's hooks, its transport
+            # Every step shape and sampling program, before the server can report ready (engine/runner/buckets.py).
+            self.precompile_stats = None if args.disable_precompile else self.runner.precompile()
         # Constrained decoding; the backend (xgrammar imports torch: seconds of CPU) loads on a background
         # thread, started after the precompile so it does not take a core from the compiler; a grammar
         # request that comes before it finishes waits for it.

@@ -5,14 +5,18 @@ Every XLA program JAX builds goes through `compile_or_get_cached`, which reports
 cache, which additionally reports `/jax/compilation_cache/cache_hits`). A `jax.monitoring` listener
 counts both; `sglang:jit_compilations` on /metrics and `jit_compilations` in /get_server_info read them.
 Once an engine has precompiled its buckets (`arm`), any further compilation is logged as an error: a
-request reached a shape outside the compiled set.
+request reached a shape outside the compiled set. While an engine of the process starts (`precompiling`:
+Engine loads, builds and precompiles inside it; colocated-split starts its decode engine after the prefill
+engine is armed), compilations are that start's and are not logged as errors; the counter still counts them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -31,6 +35,7 @@ class _Counter:
         self.compilations = 0
         self.cache_hits = 0
         self.armed = 0  # engines that finished precompiling and are serving
+        self.precompiling = 0  # engines precompiling now
         self._installed = False
 
     def install(self) -> None:
@@ -46,8 +51,8 @@ class _Counter:
             return
         with self._lock:
             self.compilations += 1
-            armed = self.armed
-        if armed:
+            unexpected = self.armed and not self.precompiling
+        if unexpected:
             logger.error("compiled %s (%.2f s) after the server was ready: a step fell outside the precompiled "
                          "buckets (engine/runner/buckets.py)", kwargs.get("fun_name", "?"), duration_s)
 
@@ -79,6 +84,19 @@ def arm() -> None:
     """An engine finished precompiling: from now on a compilation is an error (logged)."""
     with COUNTER._lock:
         COUNTER.armed += 1
+
+
+@contextlib.contextmanager
+def precompiling() -> Iterator[None]:
+    """Around an engine's start (load, build, precompile): the compilations meanwhile are expected, even with
+    another engine of the process armed."""
+    with COUNTER._lock:
+        COUNTER.precompiling += 1
+    try:
+        yield
+    finally:
+        with COUNTER._lock:
+            COUNTER.precompiling -= 1
 
 
 def disarm() -> None:

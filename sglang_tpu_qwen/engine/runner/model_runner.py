@@ -164,12 +164,13 @@ class ModelRunner:
         """
         start = time.perf_counter()
         hits0, comps0 = compilation.cache_hits(), compilation.jit_compilations()
-        bar_programs = self.programs.compile_missing(progress)
-        for b in self.buckets.sample_batches():
-            self.executor.unused_inputs(b)
-        self.executor.warm_up()
-        if self.sizing.num_snapshot_slots > 0:  # after a step program ran (device_state.precompile_slot_copies)
-            self.state.precompile_slot_copies(self.buckets.max_decode_rows, self._host_snapshot_tier)
+        with compilation.precompiling():
+            bar_programs = self.programs.compile_missing(progress)
+            for b in self.buckets.sample_batches():
+                self.executor.unused_inputs(b)
+            self.executor.warm_up()
+            if self.sizing.num_snapshot_slots > 0:  # after a step program ran (device_state.precompile_slot_copies)
+                self.state.precompile_slot_copies(self.buckets.max_decode_rows, self._host_snapshot_tier)
         stats = {"programs": compilation.jit_compilations() - comps0,
                  "from_cache": compilation.cache_hits() - hits0,
                  "seconds": time.perf_counter() - start}
