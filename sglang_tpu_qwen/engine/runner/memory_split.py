@@ -135,6 +135,7 @@ def split_memory(
             fewer than MIN_KV_PAGES KV pages left (the message has the figures and what to change).
     """
     kv_fixed = max_total_tokens // page_size + 1 if max_total_tokens else None
+    kv_nominal = kv_fixed or DEFAULT_KV_TOKENS_WITHOUT_LIMIT // page_size + 1  # the pool without a device limit
     if device_limit:
         budget = int(device_limit * mem_fraction_static) - weight_bytes
         if budget <= 0:
@@ -142,7 +143,6 @@ def split_memory(
                              f"{mem_fraction_static} does not hold the weights ({weight_bytes / GB:.2f} GB); raise "
                              "--mem-fraction-static or use more devices")
     else:
-        kv_nominal = kv_fixed or DEFAULT_KV_TOKENS_WITHOUT_LIMIT // page_size + 1
         budget = int((1 + ratio) * kv_nominal * page_bytes)
     least = 1 + running_slots
     if not snapshots or slot_bytes == 0:
@@ -156,15 +156,17 @@ def split_memory(
         rule, num_slots = "--max-mamba-cache-size", 1 + max_mamba_cache_size
     else:
         if not device_limit:
-            rule, share = "ratio of the KV pool", budget - (kv_fixed or kv_nominal) * page_bytes
+            rule, share = "ratio of the KV pool", budget - kv_nominal * page_bytes
         elif kv_fixed is not None:
             rule, share = "after the KV pool", budget - kv_fixed * page_bytes
         else:
             rule, share = "ratio", int(budget * ratio / (1 + ratio))
         num_slots = max(least, share // slot_bytes)
-    if kv_fixed is not None:
+    if not device_limit:
+        num_pages = kv_nominal
+    elif kv_fixed is not None:
         num_pages = kv_fixed
-    elif device_limit:
+    else:
         left = budget - num_slots * slot_bytes
         num_pages = left // page_bytes
         if num_pages - 1 < MIN_KV_PAGES:
@@ -174,8 +176,6 @@ def split_memory(
                 f"{num_slots * slot_bytes / GB:.2f} GB leaves {max(left, 0) / GB:.3f} GB, under {MIN_KV_PAGES} pages "
                 f"of {page_bytes} bytes; raise --mem-fraction-static, lower --max-running-requests / "
                 "--max-gdn-snapshots / --max-mamba-cache-size / --mamba-full-memory-ratio, or use more devices")
-    else:
-        num_pages = DEFAULT_KV_TOKENS_WITHOUT_LIMIT // page_size + 1
     return MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
                        weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
                        slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size)

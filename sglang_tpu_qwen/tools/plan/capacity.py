@@ -27,6 +27,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.engine.runner.memory_accounting import cache_units
+from sglang_tpu_qwen.engine.runner.memory_split import GB as GIB
+from sglang_tpu_qwen.engine.runner.sizing import STATE_DTYPES, resolve_kv_dtype
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.param_layout import param_specs
 from sglang_tpu_qwen.quant.fp8 import fp8_specs
@@ -34,14 +36,13 @@ from sglang_tpu_qwen.tools.plan.chips import CHIPS, Figure
 from sglang_tpu_qwen.tools.plan.models import load_model_config
 from sglang_tpu_qwen.tools.plan.programs import weight_bytes_per_device
 
-GIB = 1 << 30
 # Host RAM of one VM (one host) per chip family, and its chips.
 HOST_RAM = {
     "tpu7x": (Figure(960e9, "B", source="Google Cloud TPU7x docs (docs.cloud.google.com/tpu/docs/tpu7x), system "
                      "architecture table: RAM 960 GB and 224 vCPUs per 4-chip VM"), 4),
 }  # fmt: skip
-STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-KV_DTYPES = {"bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
+# The table's columns: every --mamba-ssm-dtype, and the --kv-cache-dtype choices of an accelerator (auto = bf16).
+KV_DTYPES = {name: resolve_kv_dtype(name, jnp.bfloat16) for name in ("bfloat16", "fp8_e4m3")}
 
 
 def weights_per_device(config: Qwen35MoeConfig, ep: int, *, fp8: bool, block: tuple[int, int] = (128, 128),
