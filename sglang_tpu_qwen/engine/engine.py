@@ -19,7 +19,9 @@ from typing import Any, Protocol
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
 from sglang_tpu_qwen.engine.io.errors import InvalidRequestError, RequestFailedError, failed_status
+from sglang_tpu_qwen.engine.io.multimodal import ImageItem
 from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.io.request_images import Encode, RequestImages
 from sglang_tpu_qwen.engine.io.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_qwen.engine.observability.health import HealthSnapshot
 from sglang_tpu_qwen.engine.observability.metrics import Metrics
@@ -70,13 +72,18 @@ class Engine:
     """
 
     def __init__(self, server_args: ServerArgs | None = None, *, devices: list[Any] | None = None,
-                 role: Callable[[Engine], ServingRole | None] | None = None, **kwargs: Any) -> None:
+                 role: Callable[[Engine], ServingRole | None] | None = None, image_encoder: Encode | None = None,
+                 **kwargs: Any) -> None:
         """`devices`: the JAX devices to place weights and cache on (default: all, or device 0 without a
         mesh); disaggregation's colocated-split gives each of its two engines its own group.
 
         `role`: builds the serving role of --disaggregation-mode and hooks it into the scheduler before it
         starts (the launcher passes `disagg.roles.setup`; the engine does not import disagg/). Raises
         ValueError when --disaggregation-mode is not `null` and no role builder is given.
+
+        `image_encoder`: for a vision-language checkpoint, the vision encoder's call (list of ImageItem ->
+        per image [num_tokens, hidden] arrays, engine/io/request_images.py); without one, requests with images
+        are refused (400). ValueError for a text-only checkpoint.
         """
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
@@ -100,6 +107,9 @@ class Engine:
             self.context_length = self.runner.sizing.context_length
             self.metrics = Metrics() if args.enable_metrics else None
             self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
+            if image_encoder is not None:
+                self.scheduler.set_image_encoder(image_encoder)
+            self.image_encoder = image_encoder
             self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
             if args.disaggregation_mode != "null" and role is None:
                 raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs its role: build the engine "
@@ -124,7 +134,7 @@ class Engine:
     def _build(
         self, text: Any, input_ids: Any, sampling_params: Any, return_logprob: Any, logprob_start_len: Any,
         top_logprobs_num: Any, return_text_in_logprobs: bool, stream: bool, rid: Any,
-        sink: Callable[[dict], None], require_reasoning: bool = False,
+        sink: Callable[[dict], None], require_reasoning: bool = False, images: Any = None,
     ) -> tuple[list[Request], bool]:
         """Validate a GenerateReqInput and make one Request per (prompt, sample); returns (requests, is_batch)."""
         if (text is None) == (input_ids is None):
@@ -147,6 +157,7 @@ class Engine:
             if not isinstance(input_ids, list) or not prompts:
                 raise InvalidRequestError("input_ids must be a list of token ids or a list of such lists")
         n_prompts = len(prompts)
+        per_prompt_images = self._images_per_prompt(images, prompts, is_batch)
 
         def per_item(value: Any, name: str) -> list[Any]:
             if isinstance(value, list) and is_batch:
@@ -188,6 +199,7 @@ class Engine:
             if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= TOP_LOGPROBS_MAX:
                 raise InvalidRequestError(f"top_logprobs_num must be in [0, {TOP_LOGPROBS_MAX}], got {top}")
             base_rid = rids[i] or uuid.uuid4().hex
+            req_images = self._request_images(ids, per_prompt_images[i])
             for j in range(params.n):
                 seed = next(self._seed_counter) if params.seed is None else params.seed + j
                 reqs.append(Request(
@@ -198,8 +210,36 @@ class Engine:
                     detokenizer=IncrementalDetokenizer(self.tokenizer, stop=params.stop,
                                                        skip_special_tokens=params.skip_special_tokens,
                                                        trim_stop=not params.no_stop_trim),
-                    grammar=None if compiled is None else self.grammar.request_grammar(spec, compiled, think_end)))
+                    grammar=None if compiled is None else self.grammar.request_grammar(spec, compiled, think_end),
+                    images=req_images))
         return reqs, is_batch or len(reqs) > 1
+
+    def _images_per_prompt(self, images: Any, prompts: list[Any], is_batch: bool) -> list[Any]:
+        """`images` split per prompt: a list of ImageItem for one prompt, or one such list (or None) per prompt
+        of a batch (InvalidRequestError otherwise, or when the model takes no images or has no encoder yet)."""
+        per = [images] if not is_batch else images if images is not None else [None] * len(prompts)
+        if not isinstance(per, list) or len(per) != len(prompts):
+            raise InvalidRequestError(f"images must hold one list per prompt ({len(prompts)} prompts)")
+        if any(per) and (not self.model_config.has_vision or self.image_encoder is None):
+            raise InvalidRequestError("this model does not accept images")
+        for items in per:
+            if items and not (isinstance(items, list) and all(isinstance(im, ImageItem) for im in items)):
+                raise InvalidRequestError("images must be a list of ImageItem per prompt")
+        return per
+
+    def _request_images(self, ids: list[int], items: list[ImageItem] | None) -> RequestImages | None:
+        """A checked prompt's RequestImages (None without images); InvalidRequestError when its image pad tokens
+        do not match its images (a vision model's prompt with pad tokens and no images included)."""
+        config = self.model_config
+        if not items:
+            if config.has_vision and config.image_token_id in ids:
+                raise InvalidRequestError("the prompt has image tokens but no images were given")
+            return None
+        assert config.image_token_id is not None
+        try:
+            return RequestImages(list(ids), list(items), config.image_token_id, config.vocab_size)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
 
     def _check_grammar(self, spec: GrammarSpec) -> Future:
         """Validate a constraint now (a bad one raises GrammarError, an InvalidRequestError); returns the future
@@ -265,7 +305,7 @@ class Engine:
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
         bootstrap_host: Any = None, bootstrap_port: Any = None, bootstrap_room: Any = None,
-        require_reasoning: bool = False, stream_deltas: bool = False,
+        require_reasoning: bool = False, stream_deltas: bool = False, images: Any = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input.
 
@@ -288,7 +328,7 @@ class Engine:
             reqs, is_batch = self._build(text, input_ids, sampling_params, return_logprob, logprob_start_len,
                                          top_logprobs_num, return_text_in_logprobs, stream, rid,
                                          lambda d: loop.call_soon_threadsafe(out.put_nowait, d),
-                                         require_reasoning=bool(require_reasoning))
+                                         require_reasoning=bool(require_reasoning), images=images)
             if self.disagg is not None:
                 self.disagg.attach(reqs, bootstrap_host, bootstrap_port, bootstrap_room)
         except InvalidRequestError as e:  # a prefill server tells the decode legs waiting on these rooms
@@ -332,6 +372,7 @@ class Engine:
         self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None, stream_deltas: bool = False,
+        images: Any = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Synchronous twin of async_generate (`prompt` is SGLang Engine's name for text).
 
@@ -342,7 +383,7 @@ class Engine:
         self._check_serving()
         out: queue.Queue[dict] = queue.Queue()
         reqs, is_batch = self._build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                                     top_logprobs_num, return_text_in_logprobs, stream, rid, out.put)
+                                     top_logprobs_num, return_text_in_logprobs, stream, rid, out.put, images=images)
         if self.metrics:
             for _ in reqs:
                 self.metrics.on_request_start()

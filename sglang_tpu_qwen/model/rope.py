@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -23,6 +24,43 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[j
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def mrope_streams(rotary_dim: int, section: tuple[int, ...], interleaved: bool) -> np.ndarray:
+    """Which position stream (0 time, 1 height, 2 width) drives each of the ``rotary_dim / 2`` frequencies.
+
+    Interleaved (Qwen3.5, HF ``Qwen3_5TextRotaryEmbedding.recomposition_frequencies``): frequency ``j`` takes
+    height when ``j % 3 == 1 and j < 3 * section[1]``, width when ``j % 3 == 2 and j < 3 * section[2]``, else
+    time. Otherwise (Qwen2-VL's layout) the frequencies are split into consecutive runs of ``section`` sizes.
+    """
+    half = rotary_dim // 2
+    if interleaved:
+        streams = np.zeros(half, np.int32)
+        for dim in (1, 2):
+            streams[dim : 3 * section[dim] : 3] = dim
+        return streams
+    return np.repeat(np.arange(len(section), dtype=np.int32), section)[:half]
+
+
+def mrope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, section: tuple[int, ...],
+                  interleaved: bool) -> tuple[jax.Array, jax.Array]:
+    """Cos/sin tables for 3-D M-RoPE positions (HF ``Qwen3_5TextRotaryEmbedding`` with ``mrope_section``).
+
+    Args:
+        positions: ``[B, T, 3]`` int32 (time, height, width) position of each token.
+        rotary_dim, theta: as :func:`rope_cos_sin`.
+        section: ``mrope_section``, frequencies per stream (sums to ``rotary_dim / 2``).
+        interleaved: ``mrope_interleaved`` (:func:`mrope_streams`).
+
+    Returns:
+        ``(cos, sin)``, each ``[B, T, rotary_dim]`` float32; equal, bit for bit, to :func:`rope_cos_sin` of
+        ``positions[..., 0]`` when the three streams are equal (text).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    picked = positions[..., jnp.asarray(mrope_streams(rotary_dim, section, interleaved))]  # [B, T, rd / 2]
+    freqs = picked.astype(jnp.float32) * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
