@@ -70,9 +70,10 @@ class Qwen35MoeConfig:
     mamba_ssm_dtype: str = "float32"
     # Vision-language checkpoints (a ``vision_config`` beside ``text_config``): the image pad token, the vision
     # start token and the vision tower's spatial merge (M-RoPE positions, model/mrope.py). None when text-only.
-    image_token_id: int | None = None
-    vision_start_token_id: int | None = None
-    spatial_merge_size: int = 1
+    # Not compared: they describe the image input, and the text model of a VL config equals its flat twin's.
+    image_token_id: int | None = dataclasses.field(default=None, compare=False)
+    vision_start_token_id: int | None = dataclasses.field(default=None, compare=False)
+    spatial_merge_size: int = dataclasses.field(default=1, compare=False)
 
     @property
     def has_vision(self) -> bool:

@@ -1,0 +1,208 @@
+"""Images through the model and the engine against HF: M-RoPE positions, image embeddings, the image-aware cache.
+
+Oracle: transformers' ``Qwen3_5MoeForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` (tiny VL
+checkpoints of tests/vl_checkpoint.py, float32). The engine's image encoder here is HF's own vision tower run on
+the same ``pixel_values`` (the engine takes any encoder callable; branch ``vision`` supplies the JAX one), so these
+tests check what the engine does with image embeddings: M-RoPE positions (HF ``get_rope_index``), the pad tokens'
+embeddings replaced, chunked prefill through an image, the prefix cache keyed by image content.
+
+One engine per checkpoint kind (module-scoped). Greedy tokens must equal HF ``generate``; logprobs agree within
+LOGPROB_TOL (tests/test_model_family.py's bound for float32).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vl_checkpoint import build_vl_checkpoint, image_processor  # noqa: E402
+
+from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model  # noqa: E402
+from sglang_tpu_qwen.engine.engine import Engine  # noqa: E402
+from sglang_tpu_qwen.engine.io.errors import InvalidRequestError  # noqa: E402
+from sglang_tpu_qwen.engine.io.multimodal import ImageItem, content_hash  # noqa: E402
+from sglang_tpu_qwen.engine.runner import compilation  # noqa: E402
+from sglang_tpu_qwen.model.mrope import mrope_positions  # noqa: E402
+from sglang_tpu_qwen.model.rope import mrope_cos_sin, rope_cos_sin  # noqa: E402
+
+PAD, START, END = 248056, 248053, 248054
+LOGPROB_TOL = 2e-3
+NEW = 6
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+
+
+class Vl:
+    """One checkpoint kind: the HF oracle, its image processor, an engine over it, the encoder's call log."""
+
+    def __init__(self, root: Path, kind: str) -> None:
+        self.oracle, self.path = build_vl_checkpoint(root, kind)
+        self.proc = image_processor(self.path)
+        self.encoded: list[int] = []  # hashes the engine asked the encoder for
+        self.engine: Engine | None = None
+
+    def image(self, seed: int, h: int, w: int) -> ImageItem:
+        px = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        out = self.proc(images=[px], return_tensors="np")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return ImageItem(grid, content_hash(px), out["pixel_values"].astype(np.float32), 2)  # type: ignore[arg-type]
+
+    def encode(self, items: list[ImageItem]) -> list[np.ndarray]:
+        """HF's vision tower on the items' pixel_values (the oracle's own image features)."""
+        self.encoded += [it.content_hash for it in items]
+        with torch.no_grad():
+            out = self.oracle.model.get_image_features(
+                torch.from_numpy(np.concatenate([it.pixel_values for it in items])),
+                torch.tensor([it.grid_thw for it in items])).pooler_output
+        return [o.numpy() for o in out]
+
+    def hf_inputs(self, ids: list[int], images: list[ImageItem]) -> dict[str, Any]:
+        t = torch.tensor([ids])
+        kw: dict[str, Any] = dict(input_ids=t, mm_token_type_ids=(t == PAD).int())
+        if images:
+            kw.update(pixel_values=torch.from_numpy(np.concatenate([i.pixel_values for i in images])),
+                      image_grid_thw=torch.tensor([i.grid_thw for i in images]))
+        return kw
+
+    def hf_generate(self, ids: list[int], images: list[ImageItem]) -> tuple[list[int], list[float]]:
+        """HF greedy tokens and their logprobs (one forward over prompt + output)."""
+        with torch.no_grad():
+            out = self.oracle.generate(**self.hf_inputs(ids, images), max_new_tokens=NEW, do_sample=False)
+            gen = out[0, len(ids):].tolist()
+            logits = self.oracle(**self.hf_inputs(ids + gen, images)).logits[0].double()
+        lp = torch.log_softmax(logits, -1)[len(ids) - 1 : len(ids) - 1 + NEW]
+        return gen, [float(lp[i, t]) for i, t in enumerate(gen)]
+
+
+def prompt(images: list[ImageItem], seed: int, pre: int = 5, between: int = 3, post: int = 7) -> list[int]:
+    """Random text with each image as <|vision_start|> pads <|vision_end|>, as the chat template lays it out."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 240000, pre).tolist()
+    for im in images:
+        ids += [START] + [PAD] * im.num_tokens + [END] + rng.integers(0, 240000, between).tolist()
+    return ids + rng.integers(0, 240000, post).tolist()
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def vl(request: Any, tmp_path_factory: Any) -> Any:
+    v = Vl(tmp_path_factory.mktemp("vl"), request.param)
+    v.engine = Engine(model_path=str(v.path), tokenizer_path=str(ensure_embedded_model()), dtype="float32",
+                      page_size=4, max_total_tokens=1024, context_length=256,
+                      max_running_requests=2 if request.param == "moe" else 1,
+                      chunked_prefill_size=16, max_gdn_snapshots=16, grammar_backend="none",
+                      skip_server_warmup=True, image_encoder=v.encode)
+    yield v
+    v.engine.shutdown()
+
+
+def _check(v: Vl, ids: list[int], images: list[ImageItem]) -> dict:
+    assert v.engine is not None
+    got = v.engine.generate(input_ids=ids, sampling_params=GREEDY, images=images or None, return_logprob=True)
+    want, want_lp = v.hf_generate(ids, images)
+    assert got["output_ids"] == want
+    np.testing.assert_allclose([t[0] for t in got["meta_info"]["output_token_logprobs"]], want_lp, atol=LOGPROB_TOL)
+    return got
+
+
+def test_rope_index_and_tables_match_hf(vl: Vl) -> None:
+    """Host positions equal HF get_rope_index (positions and delta); the interleaved M-RoPE tables equal HF's
+    rotary embedding, and equal plain RoPE bit for bit when the three streams agree (text)."""
+    if vl.path.name != "vl-moe":
+        pytest.skip("the positions and tables do not depend on the MLP kind")
+    ims = [vl.image(1, 16, 24), vl.image(2, 32, 24), vl.image(3, 8, 40)]
+    for images, pre in (([], 9), (ims[:1], 0), (ims[:2], 5), (ims, 2)):
+        ids = prompt(images, seed=7, pre=pre)
+        kw = vl.hf_inputs(ids, images)
+        hf_pos, hf_delta = vl.oracle.model.get_rope_index(kw["input_ids"], kw["mm_token_type_ids"],
+                                                          kw.get("image_grid_thw"))
+        pos, delta = mrope_positions(ids, [im.grid_thw for im in images], PAD, 2)
+        np.testing.assert_array_equal(pos.T, hf_pos[:, 0].numpy())
+        assert delta == int(hf_delta[0, 0])
+    config = vl.engine.model_config
+    rotary = vl.oracle.model.language_model.rotary_emb
+    x = torch.zeros(1, len(pos), 1)
+    hf_cos, hf_sin = rotary(x, torch.from_numpy(pos.T[:, None].astype(np.int64)))
+    cos, sin = mrope_cos_sin(jnp.asarray(pos[None]), config.rotary_dim, config.rope_theta, config.mrope_section,
+                             config.mrope_interleaved)
+    np.testing.assert_allclose(np.asarray(cos[0]), hf_cos[0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(sin[0]), hf_sin[0].numpy(), atol=1e-6)
+    text = jnp.arange(300, dtype=jnp.int32)[None] * 7
+    plain = rope_cos_sin(text, config.rotary_dim, config.rope_theta)
+    three = mrope_cos_sin(jnp.repeat(text[..., None], 3, -1), config.rotary_dim, config.rope_theta,
+                          config.mrope_section, config.mrope_interleaved)
+    for a, b in zip(plain, three, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_images_match_hf(vl: Vl) -> None:
+    """Greedy tokens and logprobs equal HF with no image, one image, two images of different sizes and an image
+    followed by a long text (chunks of 16 split the image and the text); nothing compiles after ready."""
+    before = compilation.jit_compilations()
+    one, two = vl.image(1, 16, 24), vl.image(2, 32, 24)
+    _check(vl, prompt([], seed=0), [])
+    _check(vl, prompt([one], seed=1), [one])
+    _check(vl, prompt([one, two], seed=2), [one, two])
+    _check(vl, prompt([two], seed=3, pre=11, post=60), [two])
+    assert compilation.jit_compilations() == before
+
+
+def test_prefix_cache_keys_images(vl: Vl) -> None:
+    """The same image at the same place hits past the image with the same tokens; the same text with another
+    image of the same size misses from the image on and gives that image's (HF) tokens; each request's images
+    are encoded once."""
+    assert vl.engine is not None
+    if vl.path.name != "vl-moe":
+        pytest.skip("the cache keys do not depend on the MLP kind")
+    a, b = vl.image(11, 24, 24), vl.image(12, 24, 24)
+    ids = prompt([a], seed=21, pre=6, post=9)
+    image_start = ids.index(PAD)
+    first = _check(vl, ids, [a])
+    vl.encoded.clear()
+    again = vl.engine.generate(input_ids=ids, sampling_params=GREEDY, images=[a])
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] > image_start + a.num_tokens
+    assert vl.encoded == []  # the hit covers the image: no encoding
+    other = _check(vl, ids, [b])
+    assert other["meta_info"]["cached_tokens"] <= image_start
+    assert vl.encoded == [b.content_hash]
+    # The images change the output enough that _check against HF tells a's state from b's.
+    lps = [[t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (first, other)]
+    assert first["output_ids"] != other["output_ids"] or np.abs(np.subtract(*lps)).max() > 10 * LOGPROB_TOL
+
+
+def test_bad_image_requests(vl: Vl) -> None:
+    """Pad tokens that do not match the images, or pads without images, are a 400 (InvalidRequestError)."""
+    assert vl.engine is not None
+    if vl.path.name != "vl-moe":
+        pytest.skip("validation does not depend on the MLP kind")
+    one = vl.image(1, 16, 24)
+    ids = prompt([one], seed=1)
+    with pytest.raises(InvalidRequestError, match="2 images given"):
+        vl.engine.generate(input_ids=ids, sampling_params=GREEDY, images=[one, one])
+    with pytest.raises(InvalidRequestError, match="image tokens but no images"):
+        vl.engine.generate(input_ids=ids, sampling_params=GREEDY)
+
+
+def test_rewound_requests_keep_their_images(vl: Vl) -> None:
+    """Two image requests in one batch whose decode step fails are rewound (memory freed, prompt + output
+    prefilled again from position 0, as after a retraction: engine/scheduler/step_failures.py); each then ends
+    with HF's tokens, so the re-prefill placed the images, their positions and the output tokens' rope delta."""
+    assert vl.engine is not None
+    if vl.path.name != "vl-moe":
+        pytest.skip("rewinding does not depend on the MLP kind")
+    one, two = vl.image(31, 16, 24), vl.image(32, 24, 16)
+    images = [[one], [two]]
+    prompts = [prompt(ims, seed=41 + i) for i, ims in enumerate(images)]  # equal lengths: they decode together
+    # The 6th step with request a: both prompts (3 chunks at most each) are in, a decode step of both.
+    fault = vl.engine.scheduler.faults.arm("forward", rid="rewind-a", skip=5)
+    got = vl.engine.generate(input_ids=prompts, sampling_params=GREEDY, images=images, rid=["rewind-a", "rewind-b"])
+    assert fault.times == 0  # it fired
+    assert all(r["meta_info"]["completion_tokens"] == NEW for r in got)
+    for reply, ids, ims in zip(got, prompts, images, strict=True):
+        assert reply["output_ids"] == vl.hf_generate(ids, ims)[0]
