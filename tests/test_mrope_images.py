@@ -6,13 +6,14 @@ the same ``pixel_values`` (the engine takes any encoder callable; branch ``visio
 tests check what the engine does with image embeddings: M-RoPE positions (HF ``get_rope_index``), the pad tokens'
 embeddings replaced, chunked prefill through an image, the prefix cache keyed by image content.
 
-One engine per checkpoint kind (module-scoped). Greedy tokens must equal HF ``generate``; logprobs agree within
-LOGPROB_TOL (tests/test_model_family.py's bound for float32).
+One engine per checkpoint kind (module-scoped; the dense one runs only the HF comparison). Greedy tokens must
+equal HF ``generate``; logprobs agree within LOGPROB_TOL (tests/test_model_family.py's bound for float32).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,16 +90,31 @@ def prompt(images: list[ImageItem], seed: int, pre: int = 5, between: int = 3, p
     return ids + rng.integers(0, 240000, post).tolist()
 
 
-@pytest.fixture(scope="module", params=["moe", "dense"])
-def vl(request: Any, tmp_path_factory: Any) -> Any:
-    v = Vl(tmp_path_factory.mktemp("vl"), request.param)
+def _engine_over(root: Path, kind: str) -> Iterator[Vl]:
+    v = Vl(root, kind)
     v.engine = Engine(model_path=str(v.path), tokenizer_path=str(ensure_embedded_model()), dtype="float32",
                       page_size=4, max_total_tokens=1024, context_length=256,
-                      max_running_requests=2 if request.param == "moe" else 1,
+                      max_running_requests=2 if kind == "moe" else 1,
                       chunked_prefill_size=16, max_gdn_snapshots=16, grammar_backend="none",
                       skip_server_warmup=True, image_encoder=v.encode)
     yield v
     v.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory: Any) -> Iterator[Vl]:
+    """The MoE checkpoint's engine (the cache, rewind and validation tests do not depend on the MLP kind)."""
+    yield from _engine_over(tmp_path_factory.mktemp("vl"), "moe")
+
+
+@pytest.fixture(scope="module")
+def vl_dense(tmp_path_factory: Any) -> Iterator[Vl]:
+    yield from _engine_over(tmp_path_factory.mktemp("vl"), "dense")
+
+
+@pytest.fixture(params=["moe", "dense"])
+def vl_kind(request: Any) -> Vl:
+    return request.getfixturevalue("vl" if request.param == "moe" else "vl_dense")
 
 
 def _check(v: Vl, ids: list[int], images: list[ImageItem]) -> dict:
@@ -113,8 +129,6 @@ def _check(v: Vl, ids: list[int], images: list[ImageItem]) -> dict:
 def test_rope_index_and_tables_match_hf(vl: Vl) -> None:
     """Host positions equal HF get_rope_index (positions and delta); the interleaved M-RoPE tables equal HF's
     rotary embedding, and equal plain RoPE bit for bit when the three streams agree (text)."""
-    if vl.path.name != "vl-moe":
-        pytest.skip("the positions and tables do not depend on the MLP kind")
     ims = [vl.image(1, 16, 24), vl.image(2, 32, 24), vl.image(3, 8, 40)]
     for images, pre in (([], 9), (ims[:1], 0), (ims[:2], 5), (ims, 2)):
         ids = prompt(images, seed=7, pre=pre)
@@ -140,9 +154,11 @@ def test_rope_index_and_tables_match_hf(vl: Vl) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_images_match_hf(vl: Vl) -> None:
+def test_images_match_hf(vl_kind: Vl) -> None:
     """Greedy tokens and logprobs equal HF with no image, one image, two images of different sizes and an image
-    followed by a long text (chunks of 16 split the image and the text); nothing compiles after ready."""
+    followed by a long text (chunks of 16 split the image and the text), on the MoE and the dense checkpoint;
+    nothing compiles after ready."""
+    vl = vl_kind
     before = compilation.jit_compilations()
     one, two = vl.image(1, 16, 24), vl.image(2, 32, 24)
     _check(vl, prompt([], seed=0), [])
@@ -157,8 +173,6 @@ def test_prefix_cache_keys_images(vl: Vl) -> None:
     image of the same size misses from the image on and gives that image's (HF) tokens; each request's images
     are encoded once."""
     assert vl.engine is not None
-    if vl.path.name != "vl-moe":
-        pytest.skip("the cache keys do not depend on the MLP kind")
     a, b = vl.image(11, 24, 24), vl.image(12, 24, 24)
     ids = prompt([a], seed=21, pre=6, post=9)
     image_start = ids.index(PAD)
@@ -179,8 +193,6 @@ def test_prefix_cache_keys_images(vl: Vl) -> None:
 def test_bad_image_requests(vl: Vl) -> None:
     """Pad tokens that do not match the images, or pads without images, are a 400 (InvalidRequestError)."""
     assert vl.engine is not None
-    if vl.path.name != "vl-moe":
-        pytest.skip("validation does not depend on the MLP kind")
     one = vl.image(1, 16, 24)
     ids = prompt([one], seed=1)
     with pytest.raises(InvalidRequestError, match="2 images given"):
@@ -194,8 +206,6 @@ def test_rewound_requests_keep_their_images(vl: Vl) -> None:
     prefilled again from position 0, as after a retraction: engine/scheduler/step_failures.py); each then ends
     with HF's tokens, so the re-prefill placed the images, their positions and the output tokens' rope delta."""
     assert vl.engine is not None
-    if vl.path.name != "vl-moe":
-        pytest.skip("rewinding does not depend on the MLP kind")
     one, two = vl.image(31, 16, 24), vl.image(32, 24, 16)
     images = [[one], [two]]
     prompts = [prompt(ims, seed=41 + i) for i, ims in enumerate(images)]  # equal lengths: they decode together

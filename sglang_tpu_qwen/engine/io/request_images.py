@@ -7,8 +7,9 @@ positions and embeddings):
 - the prefix-cache key: the prompt ids with each image's pad tokens replaced by an id derived from the image's
   content hash (SGLang's ``pad_value``), above the vocabulary so no text token can match it: the same image at
   the same place hits, another image misses;
-- each image's embeddings, encoded when a step first needs them (``encode``: the vision encoder's call) and
-  kept as host float32 rows.
+- each image's embeddings, encoded when a step first needs them (``encode``: the vision encoder's call), kept as
+  host float32 rows until a step has fed the image's last token (a re-prefill after a retraction encodes again;
+  the vision encoder's cache, keyed by content hash, makes that cheap).
 """
 
 from __future__ import annotations
@@ -94,4 +95,6 @@ class RequestImages:
                 rows = self._embeds[k]
                 assert rows is not None
                 out[lo - start : hi - start] = rows[lo - s : hi - s]
+                if hi == e:  # the image's last token is in this range: its rows are not needed again
+                    self._embeds[k] = None
         return out
