@@ -142,14 +142,13 @@ def test_rope_index_and_tables_match_hf(vl: Vl) -> None:
     rotary = vl.oracle.model.language_model.rotary_emb
     x = torch.zeros(1, len(pos), 1)
     hf_cos, hf_sin = rotary(x, torch.from_numpy(pos.T[:, None].astype(np.int64)))
-    cos, sin = mrope_cos_sin(jnp.asarray(pos[None]), config.rotary_dim, config.rope_theta, config.mrope_section,
-                             config.mrope_interleaved)
+    cos, sin = mrope_cos_sin(jnp.asarray(pos[None]), config.rotary_dim, config.rope_theta, config.mrope_section)
     np.testing.assert_allclose(np.asarray(cos[0]), hf_cos[0].numpy(), atol=1e-6)
     np.testing.assert_allclose(np.asarray(sin[0]), hf_sin[0].numpy(), atol=1e-6)
     text = jnp.arange(300, dtype=jnp.int32)[None] * 7
     plain = rope_cos_sin(text, config.rotary_dim, config.rope_theta)
     three = mrope_cos_sin(jnp.repeat(text[..., None], 3, -1), config.rotary_dim, config.rope_theta,
-                          config.mrope_section, config.mrope_interleaved)
+                          config.mrope_section)
     for a, b in zip(plain, three, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -216,3 +215,12 @@ def test_rewound_requests_keep_their_images(vl: Vl) -> None:
     assert all(r["meta_info"]["completion_tokens"] == NEW for r in got)
     for reply, ids, ims in zip(got, prompts, images, strict=True):
         assert reply["output_ids"] == vl.hf_generate(ids, ims)[0]
+
+
+def test_text_model_refuses_images(engine: Any, vl: Vl) -> None:
+    """A text-only checkpoint (the session's embedded engine) answers images with a 400 and keeps its program
+    set: no forward_mm programs, no rope-delta column."""
+    with pytest.raises(InvalidRequestError, match="this model does not accept images"):
+        engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, images=[vl.image(1, 16, 24)])
+    assert not engine.model_config.has_vision
+    assert not any(key[0] == "forward_mm" for key in engine.runner.program_keys())

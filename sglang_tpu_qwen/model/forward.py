@@ -149,9 +149,7 @@ def _rope(batch: ForwardBatch, config: Qwen35MoeConfig) -> tuple[jax.Array, jax.
     """The step's rotary tables: 3-D M-RoPE for a step with image tokens, else plain RoPE at the position (plus
     the row's rope delta on a vision-language model: equal streams reduce M-RoPE to that)."""
     if batch.mrope_positions is not None:
-        assert config.mrope_section is not None, "M-RoPE positions for a model without mrope_section"
-        return mrope_cos_sin(batch.mrope_positions, config.rotary_dim, config.rope_theta, config.mrope_section,
-                             config.mrope_interleaved)
+        return mrope_cos_sin(batch.mrope_positions, config.rotary_dim, config.rope_theta, config.mrope_section)
     positions = batch.positions
     if batch.rope_deltas is not None:
         positions = positions + batch.rope_deltas[:, None]

@@ -76,11 +76,11 @@ class ProgramTable:
         pages = buckets.pages
         # A vision-language checkpoint's steps carry a rope-delta column (M-RoPE text after an image, decode),
         # and its extend buckets have a second program with explicit 3-D positions and image embeddings.
-        self.vision = config.has_vision
+        self.vision = vision = config.has_vision
 
         def forward_program(param_leaves, cache, packed, prev_tokens, image_embeds=None):
             # overlap: last step's ids stay on the device
-            batch = unpack_step(packed, pages, prev_tokens, vision=self.vision, images=image_embeds)
+            batch = unpack_step(packed, pages, prev_tokens, vision=vision, images=image_embeds)
             hidden, cache = model(jax.tree.unflatten(param_def, param_leaves), cache, batch)
             return hidden, last(hidden, jnp.maximum(batch.extend_lens - 1, 0)), cache
 
