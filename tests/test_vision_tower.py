@@ -219,3 +219,22 @@ def test_loader_fp8_and_errors(tmp_path: Path) -> None:
     hf = json.loads((path / "config.json").read_text())
     (text / "config.json").write_text(json.dumps(dict(hf["text_config"], model_type="qwen3_5_moe_text")))
     assert load_vision_config(text) is None and VisionEncoder.from_checkpoint(str(text), jnp.float32) is None
+
+
+def test_attention_tiles_match_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Query-row tiling (forced small here; large calls use it) gives per-segment softmax attention."""
+    from sglang_tpu_qwen.model.vision import tower
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((64, 3, 16)).astype(np.float32) for _ in range(3))
+    segment = np.repeat([0, 1, 2], [24, 32, 8]).astype(np.int32)
+    want = np.zeros_like(q)
+    for s in range(3):
+        rows = segment == s
+        scores = np.einsum("qhd,khd->hqk", q[rows], k[rows]) / 4.0
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        want[rows] = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v[rows])
+    monkeypatch.setattr(tower, "SCORE_TILE_BYTES", 3 * 16 * 64 * 4)
+    assert tower.tile_rows(64, 3) == 16
+    got = jax.jit(lambda *a: tower._attention(*a))(q, k, v, segment)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

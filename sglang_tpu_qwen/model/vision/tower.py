@@ -26,8 +26,9 @@ from sglang_tpu_qwen.model.vision.grid import TowerInputs
 from sglang_tpu_qwen.quant.fp8 import linear
 
 LAYER_NORM_EPS = 1e-6  # HF builds every LayerNorm of the tower with eps 1e-6
-# Query rows per attention tile: bounds the [heads, rows, N] float32 scores of a large call.
-ATTENTION_BLOCK = 1024
+# Bytes of one attention tile's [heads, rows, N] float32 scores: query rows per tile are the largest power of two
+# that keeps them under this (a 16384-row call of the released tower: 128 rows). XLA holds a few such buffers.
+SCORE_TILE_BYTES = 128 * 2**20
 
 
 def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
@@ -75,12 +76,21 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
+def tile_rows(n: int, heads: int) -> int:
+    """Query rows per attention tile for a call of ``n`` rows: ``n`` when its scores fit ``SCORE_TILE_BYTES`` or
+    ``n`` is no multiple of a smaller power of two, else the largest power of two (>= 16) that fits."""
+    rows = n
+    while rows > 16 and rows % 2 == 0 and heads * rows * n * 4 > SCORE_TILE_BYTES:
+        rows //= 2
+    return rows
+
+
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> jax.Array:
     """Softmax attention of ``q, k, v [N, heads, hd]`` where query i sees key j iff ``segment[i] ==
     segment[j]`` (HF splits the rows by ``cu_seqlens`` and attends per frame: the same thing). Scores and
-    softmax in float32; tiles of ``ATTENTION_BLOCK`` query rows bound the scores' memory. Returns ``[N, heads,
+    softmax in float32; tiles of :func:`tile_rows` query rows bound the scores' memory. Returns ``[N, heads,
     hd]`` in q's dtype."""
-    n, _, hd = q.shape
+    n, heads, hd = q.shape
     scale = hd**-0.5
 
     def tile(qt: jax.Array, seg_t: jax.Array) -> jax.Array:
@@ -89,11 +99,11 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> 
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         return jnp.einsum("hqk,khd->qhd", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
 
-    if n <= ATTENTION_BLOCK or n % ATTENTION_BLOCK:
+    rows = tile_rows(n, heads)
+    if rows == n:
         return tile(q, segment)
-    tiles = n // ATTENTION_BLOCK
-    out = jax.lax.map(lambda a: tile(*a), (q.reshape(tiles, ATTENTION_BLOCK, *q.shape[1:]),
-                                           segment.reshape(tiles, ATTENTION_BLOCK)))
+    tiles = n // rows
+    out = jax.lax.map(lambda a: tile(*a), (q.reshape(tiles, rows, *q.shape[1:]), segment.reshape(tiles, rows)))
     return out.reshape(q.shape)
 
 
@@ -145,9 +155,9 @@ def vision_tower(params: dict[str, Any], pixel_values: jax.Array, inputs: TowerI
 def activation_rows_bytes(num_rows: int, config: VisionConfig, dtype: Any) -> int:
     """A rough upper bound of one call's live activations over ``num_rows`` patch rows (for memory planning
     where no compiled program reports its own): the residual stream, qkv, the MLP hidden, one attention tile's
-    float32 scores."""
+    float32 scores (XLA keeps about four buffers of that size: scores, mask, exponentials, probabilities)."""
     item = jnp.dtype(dtype).itemsize
     d = config.hidden_size
     per_row = item * (config.patch_dim + 4 * d + 3 * d + config.intermediate_size) + 4 * 2 * config.head_dim
-    scores = 4 * config.num_heads * min(num_rows, ATTENTION_BLOCK) * num_rows
+    scores = 4 * 4 * config.num_heads * tile_rows(num_rows, config.num_heads) * num_rows
     return num_rows * per_row + scores + math.prod((num_rows, d)) * 4
