@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sglang_tpu_qwen.engine.runner import compilation
 from sglang_tpu_qwen.model.vision.config import VisionConfig, load_vision_config
 from sglang_tpu_qwen.model.vision.grid import TowerInputs, num_patches, tower_inputs
 from sglang_tpu_qwen.model.vision.tower import activation_rows_bytes, vision_tower
@@ -177,8 +178,10 @@ class VisionEncoder:
         return prog
 
     def precompile(self) -> int:
-        """Compile (or load from the persistent cache) the program of every bucket; returns how many."""
-        with self._lock:
+        """Compile (or load from the persistent cache) the program of every bucket; returns how many. Counted as
+        an engine start's compilations (engine/runner/compilation.py), never as a late compile."""
+        compilation.install_counter()
+        with self._lock, compilation.precompiling():
             for rows in self.buckets:
                 self._program(rows)
         return len(self.buckets)
