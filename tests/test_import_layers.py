@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("grammar",),  # constrained decoding (per-request matchers, token bitmasks)
     ("memory", "radix_cache"),  # id pools, GDN slot operations, host snapshots; the radix tree
     ("parallel",),  # the model over a mesh: DP attention, EP MoE, sharding, collectives
+    ("model.vision",),  # the vision tower: config, weights, host-side grid arrays, the tower's math
     ("model",),  # Qwen3.5 config, layers, the one forward, weight loading
     ("quant",),  # FP8 block-quantised weights and their matmuls
     ("kernels",),  # the kernel choice per layer kind and platform (dispatch)
