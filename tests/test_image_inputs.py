@@ -286,3 +286,39 @@ def test_remote_urls_only_from_allowed_domains(vl_dir: Path, origin: str) -> Non
     _refusal(ii, [origin.replace("127.0.0.1", "localhost") + "/cat.png"], "domain 'localhost' is not allowed")
     _refusal(_inputs(vl_dir, allowed_media_domains=frozenset({"127.0.0.1"}), max_file_bytes=100),
              [origin + "/cat.png"], "above the limit of 100 bytes")
+
+
+def test_chat_and_generate_give_the_same_prompt(engine, vl_dir: Path) -> None:
+    """The chat route's plan and /generate's image_data (text with the template's placeholders, the same as ids,
+    and in a batch beside a text-only prompt) give the same expanded ids and images; the ids hold each image's
+    num_tokens pads, and a chat without max_tokens is bounded by the expanded length."""
+    import asyncio
+
+    from sglang_tpu_qwen.server.image_fields import with_images
+    from sglang_tpu_qwen.server.openai_chat import chat_image_refs, plan_chat
+    from sglang_tpu_qwen.server.protocol import ChatCompletionRequest
+
+    ii = _inputs(vl_dir)
+    refs = [_data_url(_encode(_image(37, 83, seed=7), "PNG")), _data_url(_encode(_image(64, 40, seed=8), "JPEG"))]
+    content = [{"type": "image_url", "image_url": {"url": refs[0]}}, {"type": "text", "text": "then"},
+               {"type": "image_url", "image_url": {"url": refs[1], "detail": "high"}}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": content}])
+    assert chat_image_refs(req) == refs
+    items = ii.load(refs)
+    plan = plan_chat(engine, req, None, None, items, PAD)
+    inputs = plan.engine_inputs()
+    assert set(inputs) == {"input_ids", "images"} and inputs["images"] == items
+    assert plan.input_ids.count(PAD) == sum(i.num_tokens for i in items)
+    assert plan.sampling["max_new_tokens"] == max(0, engine.room_for(len(plan.input_ids)))
+
+    by_text = asyncio.run(with_images(engine, ii, {"text": plan.prompt, "rid": "r"}, refs, None))
+    by_ids = asyncio.run(with_images(engine, ii, {"input_ids": engine.tokenizer.encode(plan.prompt)}, refs, None))
+    batch = asyncio.run(with_images(engine, ii, {"text": [plan.prompt, "no image"]}, [refs, None], 2))
+    for got in (by_text, by_ids):
+        assert got["input_ids"] == plan.input_ids and "text" not in got
+        assert [i.content_hash for i in got["images"]] == [i.content_hash for i in items]
+    assert by_text["rid"] == "r"
+    assert batch["input_ids"] == [plan.input_ids, engine.tokenizer.encode("no image")]
+    assert [len(x) for x in batch["images"]] == [2, 0]
+    with pytest.raises(ImageInputError, match="1 image placeholder"):
+        asyncio.run(with_images(engine, ii, {"text": "<|image_pad|> only one"}, refs, None))
