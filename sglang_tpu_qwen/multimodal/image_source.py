@@ -65,7 +65,11 @@ def read_image_bytes(ref: Any, limits: MediaLimits) -> bytes:
     if match and "://" in ref[:32]:
         raise ImageInputError(f"unsupported image URL scheme {match.group(1)!r}: use a data: URL, base64, "
                               "a file path or an http(s) URL")
-    data = _b64decode(ref, limits, strict=True)
+    try:
+        data = _b64decode(ref, limits, strict=True)
+    except ImageInputError as e:
+        raise ImageInputError(f"{e} (the reference is not a data: URL, an http(s) or file: URL or an absolute "
+                              "path, so it was read as base64)") from None
     assert data is not None
     return data
 
