@@ -322,3 +322,31 @@ def test_chat_and_generate_give_the_same_prompt(engine, vl_dir: Path) -> None:
     assert [len(x) for x in batch["images"]] == [2, 0]
     with pytest.raises(ImageInputError, match="1 image placeholder"):
         asyncio.run(with_images(engine, ii, {"text": "<|image_pad|> only one"}, refs, None))
+
+
+def test_images_across_a_conversation(engine, vl_dir: Path) -> None:
+    """Images in two user turns and in an assistant message left open (continue_final_message): refs in message
+    order, one placeholder each in the rendered prompt, each expanded to its own image's token count."""
+    from sglang_tpu_qwen.multimodal.prompt_tokens import pad_runs
+    from sglang_tpu_qwen.server.openai_chat import chat_image_refs, plan_chat
+    from sglang_tpu_qwen.server.protocol import ChatCompletionRequest
+
+    refs = [_data_url(_encode(_image(16 * (k + 1), 40, seed=k), "PNG")) for k in range(3)]
+
+    def img(k: int) -> dict:
+        return {"type": "image_url", "image_url": {"url": refs[k]}}
+
+    req = ChatCompletionRequest(continue_final_message=True, max_tokens=1, messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [img(0), {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A square."},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, img(1)]},
+        {"role": "assistant", "content": [img(2), {"type": "text", "text": "It shows"}]},
+    ])
+    assert chat_image_refs(req) == refs
+    items = _inputs(vl_dir).load(refs)
+    plan = plan_chat(engine, req, None, None, items, PAD)
+    assert plan.prompt.endswith("It shows") and plan.prompt.count("<|image_pad|>") == 3
+    runs = pad_runs(plan.input_ids, PAD)
+    assert [n for _, n in runs] == [i.num_tokens for i in items]
+    assert all(plan.input_ids[s - 1] == START and plan.input_ids[s + n] == END for s, n in runs)
