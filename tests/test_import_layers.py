@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bench", "tools"),  # benchmarks; HLO traffic, weight manifests
     ("disagg",),  # prefill/decode roles, composed onto an engine by the launcher
     ("server",),  # HTTP: FastAPI app, OpenAI routes, SSE, error mapping
+    ("multimodal",),  # image inputs: references to bytes, decoding, preprocessing, prompt pad expansion
     ("engine",),  # Engine: the in-process API
     ("engine.scheduler",),  # scheduler, policy, ScheduleBatch, output processor, failures, prefix cache
     ("engine.observability",),  # metrics, health, profiler

@@ -111,3 +111,32 @@ def test_host_tier_default_is_a_capped_share_of_available_host_memory():
     assert HostMemoryGuard(reserve_bytes=0).allows(1)
     starved = HostSnapshotStore(2**30, guard=HostMemoryGuard(reserve_bytes=host_available_bytes() + 2**40))
     assert not starved.fits(1024) and starved.refused_low_memory == 1
+
+
+def test_image_flags_parse_as_sglang_and_vllm_spell_them(tmp_path, capsys):
+    """--limit-mm-data-per-request takes JSON (SGLang), --allowed-media-domains a list, --allowed-local-media-path
+    a directory (vLLM); nonsense is a usage error naming the flag; --help prints (a '%' in a help text once
+    broke it)."""
+    args = prepare_server_args(["--limit-mm-data-per-request", '{"image": 3, "video": 0}',
+                                "--allowed-media-domains", "a.example", "b.example",
+                                "--allowed-local-media-path", str(tmp_path), "--max-image-pixels", "1000",
+                                "--media-url-max-file-size-mb", "0.5"])
+    assert args.limit_mm_data_per_request == {"image": 3, "video": 0} and args.max_images_per_request == 3
+    assert args.allowed_media_domains == ["a.example", "b.example"]
+    assert args.allowed_local_media_path == str(tmp_path) and args.max_image_pixels == 1000
+    assert ServerArgs().max_images_per_request == 32 and ServerArgs().allowed_media_domains is None
+    for argv, fragment in [
+        (["--limit-mm-data-per-request", "image=3"], "not JSON"),
+        (["--limit-mm-data-per-request", "[3]"], "JSON object"),
+        (["--limit-mm-data-per-request", '{"image": -1}'], "image must be an integer >= 0"),
+        (["--limit-mm-data-per-request", '{"video": 1}'], "video inputs are not served"),
+        (["--allowed-local-media-path", str(tmp_path / "none")], "is not a directory"),
+        (["--max-image-pixels", "0"], "--max-image-pixels must be positive"),
+        (["--media-url-max-file-size-mb", "0"], "--media-url-max-file-size-mb must be > 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            prepare_server_args(argv)
+        assert fragment in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as done:
+        prepare_server_args(["--help"])
+    assert done.value.code == 0 and "--allowed-local-media-path" in capsys.readouterr().out

@@ -90,6 +90,9 @@ class Engine:
         self.tokenizer_path = args.tokenizer_path or self.model_path
         self.served_model_name = args.served_model_name or self.model_path
         self.tokenizer = Tokenizer(self.tokenizer_path)
+        # Whether generate calls may carry images (`images`): set once the engine path for them exists (the
+        # vision encoder and M-RoPE, issue 30); until then every call with images is refused.
+        self.accepts_images = False
         resolve_device_defaults(args, devices)  # once, before the runner (which reads the flags, never sets them)
         self.host_tier = resolve_host_tier(args)  # --gdn-snapshot-host-gb's default, from host memory
         # Loading, building and precompiling compile programs; with another engine of this process already
@@ -124,11 +127,13 @@ class Engine:
     def _build(
         self, text: Any, input_ids: Any, sampling_params: Any, return_logprob: Any, logprob_start_len: Any,
         top_logprobs_num: Any, return_text_in_logprobs: bool, stream: bool, rid: Any,
-        sink: Callable[[dict], None], require_reasoning: bool = False,
+        sink: Callable[[dict], None], require_reasoning: bool = False, images: Any = None,
     ) -> tuple[list[Request], bool]:
         """Validate a GenerateReqInput and make one Request per (prompt, sample); returns (requests, is_batch)."""
         if (text is None) == (input_ids is None):
             raise InvalidRequestError("Either text or input_ids should be provided (exactly one).")
+        if _has_images(images) and not self.accepts_images:
+            raise InvalidRequestError("this model does not accept images")
         if text is not None:
             is_batch = isinstance(text, list)
             texts = text if is_batch else [text]
@@ -265,9 +270,13 @@ class Engine:
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None,
         bootstrap_host: Any = None, bootstrap_port: Any = None, bootstrap_room: Any = None,
-        require_reasoning: bool = False, stream_deltas: bool = False,
+        require_reasoning: bool = False, stream_deltas: bool = False, images: Any = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input.
+
+        images: the prompt's images (engine/io/multimodal.py ImageItem), a list for one prompt or a list of lists
+        for a batch, in the order of their pad-token runs in the prompt ids (sglang_tpu_qwen/multimodal expands
+        them). Refused ("this model does not accept images") unless `accepts_images`.
 
         stream=True yields SGLang's cumulative chunks; with stream_deltas=True it yields the scheduler's
         increments instead (`Request.reply`: text, output_ids and output logprobs new since the previous chunk
@@ -288,7 +297,7 @@ class Engine:
             reqs, is_batch = self._build(text, input_ids, sampling_params, return_logprob, logprob_start_len,
                                          top_logprobs_num, return_text_in_logprobs, stream, rid,
                                          lambda d: loop.call_soon_threadsafe(out.put_nowait, d),
-                                         require_reasoning=bool(require_reasoning))
+                                         require_reasoning=bool(require_reasoning), images=images)
             if self.disagg is not None:
                 self.disagg.attach(reqs, bootstrap_host, bootstrap_port, bootstrap_room)
         except InvalidRequestError as e:  # a prefill server tells the decode legs waiting on these rooms
@@ -332,6 +341,7 @@ class Engine:
         self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
         return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = 0,
         return_text_in_logprobs: bool = False, stream: bool = False, rid: Any = None, stream_deltas: bool = False,
+        images: Any = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Synchronous twin of async_generate (`prompt` is SGLang Engine's name for text).
 
@@ -342,7 +352,7 @@ class Engine:
         self._check_serving()
         out: queue.Queue[dict] = queue.Queue()
         reqs, is_batch = self._build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                                     top_logprobs_num, return_text_in_logprobs, stream, rid, out.put)
+                                     top_logprobs_num, return_text_in_logprobs, stream, rid, out.put, images=images)
         if self.metrics:
             for _ in reqs:
                 self.metrics.on_request_start()
@@ -455,6 +465,13 @@ class Engine:
         self.runner.close()
         if self.grammar is not None:
             self.grammar.shutdown()
+
+
+def _has_images(images: Any) -> bool:
+    """True when `images` (one prompt's list, or a batch's list of lists) holds at least one image."""
+    if isinstance(images, (list, tuple)):
+        return any(_has_images(i) for i in images)
+    return images is not None
 
 
 def _has_constraint(sampling_params: Any) -> bool:
