@@ -102,6 +102,30 @@ def test_content_hash_follows_the_pixels(vl_dir: Path) -> None:
     assert png.content_hash == webp.content_hash != other.content_hash
 
 
+def test_preprocessor_bounded_by_the_largest_bucket(vl_dir: Path) -> None:
+    """With the vision encoder's largest bucket below what the checkpoint's processor allows (--mm-max-patches),
+    images are resized to fit it, as the HF processor does with that max_pixels; a bucket below the processor's
+    smallest image is refused at start."""
+    from transformers import AutoImageProcessor
+
+    pre = json.loads((vl_dir / "preprocessor_config.json").read_text())
+    patch, low = pre["patch_size"], pre["size"]["shortest_edge"]
+    max_patches = 4 * low // patch**2  # the smallest image's patches x 4: below the processor's largest
+    ii = ImageInputs(MediaLimits(), ImagePreprocessor.from_checkpoint(vl_dir, max_patches), lambda: True)
+    big = _image(600, 900, seed=4)  # above max_patches * patch**2 pixels for both configs
+    item = ii.load([_data_url(_encode(big, "PNG"))])[0]
+    unbounded = _inputs(vl_dir).load([_data_url(_encode(big, "PNG"))])[0]
+    assert item.pixel_values.shape[0] <= max_patches < unbounded.pixel_values.shape[0]
+    hf = AutoImageProcessor.from_pretrained(vl_dir, size={"shortest_edge": low,
+                                                          "longest_edge": max_patches * patch**2})
+    np.testing.assert_array_equal(item.pixel_values, hf(images=[big], return_tensors="np")["pixel_values"])
+    # A bucket that holds the processor's largest image changes nothing.
+    roomy = ImagePreprocessor.from_checkpoint(vl_dir, pre["size"]["longest_edge"] // patch**2)
+    assert roomy is not None and roomy(big).grid_thw == unbounded.grid_thw
+    with pytest.raises(ValueError, match=r"at least \d+ pixels, above the vision encoder's largest bucket"):
+        ImagePreprocessor.from_checkpoint(vl_dir, low // patch**2 - 1)
+
+
 # ---------------------------------------------------------------------------- the prompt side
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import vision_utils
-from vl_checkpoint import build_vl_checkpoint, image_processor
+from vl_checkpoint import image_processor
 
 from sglang_tpu_qwen.engine.io.multimodal import ImageItem, content_hash
 from sglang_tpu_qwen.engine.runner import compilation
@@ -39,11 +38,6 @@ from sglang_tpu_qwen.quant.fp8 import Fp8Weight
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 MAX_PATCHES = 256  # the test preprocessor's largest image (64 * 64 pixels of 4 x 4 patches)
-
-
-@functools.cache
-def _checkpoint(kind: str) -> tuple[Any, Path]:
-    return build_vl_checkpoint(Path(tempfile.mkdtemp(prefix="vl-vision-")), kind)
 
 
 def _images(path: Path, sizes: list[tuple[int, int]], seed: int) -> list[ImageItem]:
@@ -68,8 +62,7 @@ def _hf(visual: Any, items: list[ImageItem], dtype: torch.dtype) -> np.ndarray:
 
 
 @functools.cache
-def _encoder(kind: str, dtype: str) -> VisionEncoder:
-    _, path = _checkpoint(kind)
+def _encoder(path: Path, dtype: str) -> VisionEncoder:
     enc = VisionEncoder.from_checkpoint(str(path), jnp.dtype(dtype), max_patches=MAX_PATCHES)
     assert enc is not None
     return enc
@@ -81,10 +74,10 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tower_matches_hf(kind: str, dtype: str) -> None:
+def test_tower_matches_hf(kind: str, dtype: str, vl_checkpoint: Any) -> None:
     """One image, then two images of different sizes in one call (padded into one bucket), against HF."""
-    oracle, path = _checkpoint(kind)
-    enc = _encoder(kind, dtype)
+    oracle, path = vl_checkpoint(kind)
+    enc = _encoder(path, dtype)
     visual = oracle.model.visual if dtype == "float32" else copy.deepcopy(oracle.model.visual).to(torch.bfloat16)
     one = _images(path, [(40, 56)], seed=1)
     two = _images(path, [(24, 32), (56, 40)], seed=2)
@@ -100,11 +93,11 @@ def test_tower_matches_hf(kind: str, dtype: str) -> None:
     assert enc.stats.calls == calls + 2  # the two images of different sizes ran in one call
 
 
-def test_encoder_cache() -> None:
+def test_encoder_cache(vl_checkpoint: Any) -> None:
     """A repeated image returns the cached array without running the tower; a duplicate within a call runs once;
     the byte cap evicts the least recently used."""
-    _, path = _checkpoint("moe")
-    enc = _encoder("moe", "float32")
+    _, path = vl_checkpoint("moe")
+    enc = _encoder(path, "float32")
     a, b, c = _images(path, [(32, 32)] * 3, seed=3)  # 16 tokens each, different pixels
     first = enc.encode([a, a])
     assert first[0] is first[1]
@@ -126,12 +119,12 @@ def test_encoder_cache() -> None:
     assert small.stats.calls == calls + 1
 
 
-def test_precompile_then_no_compilation() -> None:
+def test_precompile_then_no_compilation(vl_checkpoint: Any) -> None:
     """After precompile(), encoding images of any allowed size compiles nothing; memory_bytes counts the weights,
     the cache cap and the largest bucket's temporaries."""
     compilation.install_counter()
-    _, path = _checkpoint("moe")
-    base = _encoder("moe", "float32")
+    _, path = vl_checkpoint("moe")
+    base = _encoder(path, "float32")
     enc = VisionEncoder(base.config, base.params, sharding=base.sharding, buckets=(64, 256), cache_bytes=1 << 20)
     assert patch_buckets(MAX_PATCHES) == (64, 128, 256)
     assert enc.precompile() == 2
@@ -190,10 +183,10 @@ def _quantise(block: tuple[int, int], out: dict[str, tuple[np.ndarray, np.ndarra
     return edit
 
 
-def test_loader_fp8_and_errors(tmp_path: Path) -> None:
+def test_loader_fp8_and_errors(tmp_path: Path, vl_checkpoint: Any) -> None:
     """Block-FP8 tower linears load dequantised or as Fp8Weight (same output); a missing tower tensor is a
     CheckpointError naming it; a text-only checkpoint has no tower."""
-    _, path = _checkpoint("moe")
+    _, path = vl_checkpoint("moe")
     cfg = load_vision_config(path)
     assert cfg is not None
     quantised: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -238,3 +231,35 @@ def test_attention_tiles_match_segments(monkeypatch: pytest.MonkeyPatch) -> None
     assert tower.tile_rows(64, 3) == 16
     got = jax.jit(lambda *a: tower._attention(*a))(q, k, v, segment)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_vl_engine_start(vl_engine: Any, vl_checkpoint: Any) -> None:
+    """An Engine on a VL checkpoint: the encoder is built on the runner's device with the flags' cache and bucket
+    sizes, precompiled before ready (images of every size afterwards compile nothing), its memory taken out of
+    the budget and reported; the server's image preprocessor is bounded by its largest bucket."""
+    from sglang_tpu_qwen.multimodal.image_inputs import ImageInputs
+
+    _, path = vl_checkpoint("moe")
+    runner = vl_engine.runner
+    enc = runner.vision_encoder
+    assert isinstance(enc, VisionEncoder) and enc.buckets == (64, 128, 256) and enc.cache_bytes == 1 << 20
+    assert enc.dtype == runner.dtype and enc.sharding.device_set == runner.params["embed"].sharding.device_set
+    info = vl_engine.get_server_info()
+    vis = info["vision_encoder"]
+    assert vis["precompiled"] and vis["buckets"] == [64, 128, 256] and info["precompile"]["programs"] >= 3
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(enc.params))
+    assert (vis["weight_bytes"], vis["cache_cap_bytes"]) == (weights, 1 << 20) and vis["activation_bytes"] > 0
+    assert vis["memory_bytes"] == enc.memory_bytes() == weights + (1 << 20) + vis["activation_bytes"]
+    # The split took the encoder's bytes at load (before its programs existed: the estimate) out of the budget.
+    assert info["memory_split"]["vision_encoder_bytes"] > weights + (1 << 20)
+    (usage,) = info["internal_states"]
+    assert usage["memory_usage"]["vision_encoder"] > 0
+    before = compilation.jit_compilations()
+    first = _images(path, [(8, 8), (64, 64)], seed=20)
+    second = _images(path, [(24, 40), (16, 56), (40, 16)], seed=21)
+    for items in (first[:1], first[1:], second):
+        assert [e.shape for e in enc.encode(items)] == [(i.num_tokens, 64) for i in items]
+    assert compilation.jit_compilations() == before
+    assert vl_engine.get_server_info()["vision_encoder"]["stats"]["encoded"] >= 5
+    pre = ImageInputs.for_engine(vl_engine).preprocessor
+    assert pre is not None and pre.max_patches == enc.max_patches

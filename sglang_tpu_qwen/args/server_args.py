@@ -170,6 +170,16 @@ class ServerArgs:
         "help": "Largest decoded image, width x height, checked from the image header before any pixel is "
                 "decoded (Pillow's MAX_IMAGE_PIXELS idea); larger images are a 400. Default 2^25 = 33554432 "
                 "(an 8K UHD frame)."})
+    # The vision tower (engine/runner/vision_encoder.py): its encoder cache and its largest compiled bucket.
+    mm_embedding_cache_size_mb: float | None = field(default=None, metadata={
+        "help": "Encoder cache: MiB of image embeddings kept on each device by image content, so a repeated image "
+                "skips the vision tower (sglang-jax's flag; SGLang sizes it with SGLANG_VLM_CACHE_SIZE_MB, read "
+                "here when the flag is absent). Default 512; 0 turns the cache off. Counted before the KV pool."})
+    mm_max_patches: int | None = field(default=None, metadata={
+        "help": "Patches of the vision tower's largest compiled bucket, rounded up to a power of two: the largest "
+                "image after resizing. Images are resized to at most this many patches (fewer than the "
+                "checkpoint's preprocessor allows, if it allows more). Default: the preprocessor's largest image, "
+                "at most 16384 patches (4 Mpx at 16-pixel patches)."})
     # Parallelism.
     moe_combine: str = field(default="hierarchical", metadata={"help": "MoE reduce-scatter: flat or hierarchical."})
     nnodes: int = field(default=1, metadata={"help": "Number of hosts (JAX processes)."})
@@ -275,6 +285,11 @@ class ServerArgs:
                     raise ValueError(f"--limit-mm-data-per-request: {key} must be an integer >= 0, got {value!r}")
                 if key != "image" and value > 0:
                     raise ValueError(f"--limit-mm-data-per-request: {key} inputs are not served (images only)")
+        if self.mm_embedding_cache_size_mb is not None and not self.mm_embedding_cache_size_mb >= 0:
+            raise ValueError(f"--mm-embedding-cache-size-mb must be >= 0 (0: no encoder cache), got "
+                             f"{self.mm_embedding_cache_size_mb}")
+        if self.mm_max_patches is not None and self.mm_max_patches <= 0:
+            raise ValueError(f"--mm-max-patches must be positive, got {self.mm_max_patches}")
         if self.allowed_local_media_path is not None:
             import os
 

@@ -444,6 +444,8 @@ class Engine:
             "internal_states": [{"memory_usage": usage} for usage in self.runner.memory_usage],
             # How each DP rank's memory was split between GDN slots and KV pages, and the rule that decided.
             "memory_split": self.runner.sizing.split.as_dict(),
+            # The vision tower's bytes (out of the budget before the split), buckets and counters; None: text-only.
+            "vision_encoder": self.runner.vision_info(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "version": _version(),

@@ -33,10 +33,13 @@ class ImageInputs:
 
     @classmethod
     def for_engine(cls, engine: Any, limits: MediaLimits | None = None) -> ImageInputs:
-        """The image inputs of an Engine: its checkpoint's preprocessor and its server_args' limits (or
-        ``limits``)."""
+        """The image inputs of an Engine: its checkpoint's preprocessor, bounded by the vision encoder's largest
+        bucket (``engine.runner.vision_encoder.max_patches``, preprocess.py), and its server_args' limits (or
+        ``limits``). Raises ValueError as ImagePreprocessor.from_checkpoint."""
         limits = limits if limits is not None else MediaLimits.from_server_args(engine.server_args)
-        return cls(limits, ImagePreprocessor.from_checkpoint(engine.model_path),
+        encoder = getattr(getattr(engine, "runner", None), "vision_encoder", None)
+        max_patches = None if encoder is None else int(encoder.max_patches)
+        return cls(limits, ImagePreprocessor.from_checkpoint(engine.model_path, max_patches),
                    lambda: bool(getattr(engine, "accepts_images", False)))
 
     @property

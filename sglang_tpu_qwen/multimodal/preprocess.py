@@ -4,6 +4,7 @@ checkpoint (``preprocessor_config.json``: patch, merge and temporal patch sizes,
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,9 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.engine.io.multimodal import ImageItem, content_hash
+from sglang_tpu_qwen.multimodal.errors import ImageInputError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,20 +34,28 @@ class ImagePreprocessor:
             Qwen3.5), called with ``images=[PIL image], return_tensors="np"``.
         merge_size: the vision config's ``spatial_merge_size`` (tokens per image = patches / merge_size**2).
         tokens: the prompt's image token ids.
+        max_patches: the most patches an image may have after preprocessing (the vision encoder's largest
+            bucket); None: no bound.
     """
 
-    def __init__(self, processor: Any, merge_size: int, tokens: VisionTokens) -> None:
+    def __init__(self, processor: Any, merge_size: int, tokens: VisionTokens, max_patches: int | None = None) -> None:
         self.processor = processor
         self.merge_size = merge_size
         self.tokens = tokens
+        self.max_patches = max_patches
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path) -> ImagePreprocessor | None:
+    def from_checkpoint(cls, path: str | Path, max_patches: int | None = None) -> ImagePreprocessor | None:
         """The preprocessor of a checkpoint directory; None when the checkpoint takes no images (its config.json
         has no ``vision_config`` or ``image_token_id``, or there is no ``preprocessor_config.json``).
 
+        ``max_patches``: the vision encoder's largest bucket. Where the processor would resize an image to more
+        pixels than that holds (``size.longest_edge``, Qwen's max_pixels), its bound is lowered to
+        ``max_patches * patch_size**2`` (logged): larger images are resized smaller rather than refused.
+
         Raises:
-            ValueError: the processor's merge size differs from the vision config's (a broken checkpoint).
+            ValueError: the processor's merge size differs from the vision config's (a broken checkpoint), or
+                its smallest image (``size.shortest_edge``, min_pixels) is larger than ``max_patches`` holds.
         """
         path = Path(path)
         config_file, proc_file = path / "config.json", path / "preprocessor_config.json"
@@ -63,7 +75,9 @@ class ImagePreprocessor:
         tokens = VisionTokens(image_pad=int(config["image_token_id"]),
                               vision_start=int(config["vision_start_token_id"]),
                               vision_end=int(config["vision_end_token_id"]))
-        return cls(processor, merge, tokens)
+        if max_patches is not None:
+            processor = _bounded(processor, str(path), max_patches)
+        return cls(processor, merge, tokens, max_patches)
 
     def __call__(self, image: Any) -> ImageItem:
         """One image (a loaded PIL image in any mode) as an ``ImageItem``.
@@ -80,5 +94,35 @@ class ImagePreprocessor:
         grid = tuple(int(v) for v in np.asarray(out["image_grid_thw"])[0])
         pixels = np.ascontiguousarray(np.asarray(out["pixel_values"], dtype=np.float32))
         assert len(grid) == 3 and pixels.shape[0] == grid[0] * grid[1] * grid[2], (grid, pixels.shape)
+        if self.max_patches is not None and pixels.shape[0] > self.max_patches:  # a processor that does not resize
+            raise ImageInputError(f"the image is {pixels.shape[0]} patches after preprocessing, above the vision "
+                                  f"encoder's largest bucket of {self.max_patches} (--mm-max-patches)")
         return ImageItem(grid_thw=(grid[0], grid[1], grid[2]), content_hash=content_hash(rgb),
                          pixel_values=pixels, merge_size=self.merge_size)
+
+
+def _size(processor: Any, key: str) -> int | None:
+    """``processor.size[key]`` (a dict, or transformers' SizeDict), or None."""
+    size = getattr(processor, "size", None) or {}
+    value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+    return int(value) if value else None
+
+
+def _bounded(processor: Any, path: str, max_patches: int) -> Any:
+    """``processor``, or one re-read from ``path`` whose ``size.longest_edge`` (max pixels) fits ``max_patches``
+    patches. Raises ValueError when its ``size.shortest_edge`` (min pixels) does not fit."""
+    patch = int(getattr(processor, "patch_size", 14))
+    cap = max_patches * patch * patch
+    low, high = _size(processor, "shortest_edge"), _size(processor, "longest_edge")
+    if low is not None and low > cap:
+        raise ValueError(f"{path}/preprocessor_config.json resizes every image to at least {low} pixels, above the "
+                         f"vision encoder's largest bucket ({max_patches} patches of {patch}x{patch} = {cap} "
+                         "pixels); raise --mm-max-patches")
+    if not getattr(processor, "do_resize", True) or (high is not None and high <= cap):
+        return processor
+    from transformers import AutoImageProcessor
+
+    logger.warning("images are resized to at most %d pixels (%d patches: the vision encoder's largest bucket, "
+                   "--mm-max-patches), below the %s pixels the checkpoint's preprocessor allows", cap, max_patches,
+                   high if high is not None else "unbounded")
+    return AutoImageProcessor.from_pretrained(path, size={"shortest_edge": low or patch * patch, "longest_edge": cap})

@@ -186,10 +186,20 @@ class VisionEncoder:
                 self._program(rows)
         return len(self.buckets)
 
+    @property
+    def precompiled(self) -> bool:
+        """Whether every bucket's program is compiled (``precompile()`` ran, or every size was met)."""
+        return all(rows in self._compiled for rows in self.buckets)
+
     def memory_bytes(self) -> int:
         """Device bytes the encoder may hold on each device: its weights, the cache cap, and the largest bucket's
         inputs, outputs and temporaries (the compiled program's own figures once precompiled, else an
         estimate from model/vision/tower.py)."""
+        return sum(self.memory_parts().values())
+
+    def memory_parts(self) -> dict[str, int]:
+        """``memory_bytes`` by part, bytes per device: ``weights``, ``cache_cap`` and ``activations`` (the largest
+        bucket's inputs, outputs and temporaries)."""
         rows = self.max_patches
         io = rows * (self.config.patch_dim * 4 + 4 * 4 + 4 * 4 + 2 * 4 + 4) \
             + rows // self.config.merge_unit * self.config.out_hidden_size * self.dtype.itemsize
@@ -202,7 +212,7 @@ class VisionEncoder:
                 temp = None
         if temp is None:
             temp = activation_rows_bytes(rows, self.config, self.dtype)
-        return vision_param_bytes(self.params) + self.cache_bytes + io + temp
+        return {"weights": vision_param_bytes(self.params), "cache_cap": self.cache_bytes, "activations": io + temp}
 
     # ---- encoding ----------------------------------------------------------------------------------
     def _check(self, item: ImageItem) -> None:
