@@ -11,9 +11,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,6 +128,43 @@ def first_divergence_is_a_tie(got: list[int], meta: dict[str, Any], margin: floa
             return i
     assert len(got) == len(want), (got, want)
     return len(got)
+
+
+@pytest.fixture(scope="session")
+def vl_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Any, Path]]:
+    """`get(kind="moe")` -> (HF oracle in float32, directory) of tests/vl_checkpoint.py's tiny VL checkpoint of
+    `kind` ("moe" or "dense"), each built once per session (~5 s) on first use."""
+    from vl_checkpoint import build_vl_checkpoint
+
+    built: dict[str, tuple[Any, Path]] = {}
+
+    def get(kind: str = "moe") -> tuple[Any, Path]:
+        if kind not in built:
+            built[kind] = build_vl_checkpoint(tmp_path_factory.mktemp(f"vl-{kind}"), kind)
+        return built[kind]
+
+    return get
+
+
+# The VL engine: the tiny MoE VL checkpoint (no tokenizer of its own: the embedded checkpoint's, the same
+# vocabulary), one running request and 16-token chunks so the fixed program set is small, precompiled as a
+# server starts (vision buckets included); --mm-max-patches 256 is the test preprocessor's largest image.
+VL_ENGINE_KWARGS: dict[str, Any] = dict(max_running_requests=1, context_length=64, chunked_prefill_size=16,
+                                        max_prefill_tokens=64, mm_max_patches=256, mm_embedding_cache_size_mb=1)
+
+
+@pytest.fixture(scope="session")
+def vl_engine(vl_checkpoint: Callable[[str], tuple[Any, Path]]) -> Iterator[Any]:
+    """A real Engine on the tiny MoE VL checkpoint (VL_ENGINE_KWARGS), precompiled."""
+    from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
+    from sglang_tpu_qwen.engine.engine import Engine
+
+    _, path = vl_checkpoint("moe")
+    eng = Engine(model_path=str(path), tokenizer_path=str(ensure_embedded_model()), **VL_ENGINE_KWARGS)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 
 CHAT = "/v1/chat/completions"
@@ -169,3 +170,80 @@ def test_openai_extra_fields_accepted(server, path):
     r = httpx.post(server.url + path, json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def _png(width: int, height: int, noise: bool = False) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8) if noise else \
+        np.full((height, width, 3), 90, np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_bad_images_are_400s_and_the_server_stays_healthy(server, tmp_path):
+    """Issue 30's bad image inputs, each a 400 naming the problem on the chat route and /generate, on a second app
+    over the session engine with the image flags set (--allowed-local-media-path, --limit-mm-data-per-request
+    image 2, --max-image-pixels 4096); the embedded model has no vision tower, so a valid image is refused as
+    such. The engine refuses images passed to it directly too. Then a normal request, /health, every slot free."""
+    import base64
+
+    from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
+    from sglang_tpu_qwen.engine.io.multimodal import ImageItem
+    from sglang_tpu_qwen.multimodal.media_limits import MediaLimits
+    from sglang_tpu_qwen.server.app import create_app
+    from tests.conftest import serve_app
+
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    (allowed / "ok.png").write_bytes(_png(8, 8))
+    (tmp_path / "outside.png").write_bytes(_png(8, 8))
+    limits = MediaLimits(allowed_local_media_path=str(allowed.resolve()), max_images=2, max_image_pixels=4096)
+
+    def url(data: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(data).decode()
+
+    noisy = _png(32, 32, noise=True)
+    good, truncated, big = url(_png(8, 8)), url(noisy[: len(noisy) // 2]), url(_png(100, 50))
+
+    def chat(*refs: str, role: str = "user") -> dict:
+        parts = [{"type": "image_url", "image_url": {"url": r}} for r in refs] + [{"type": "text", "text": "what?"}]
+        return {"messages": [{"role": role, "content": parts}], "max_tokens": 1}
+
+    cases = [
+        (CHAT, chat("data:image/png;base64,iVBORw0K!!!"), "invalid base64"),
+        (CHAT, chat(truncated), "corrupt or truncated"),
+        (CHAT, chat("https://example.com/cat.png"), "remote image URLs are not allowed"),
+        (CHAT, chat(str(tmp_path / "outside.png")), "outside the directory"),
+        (CHAT, chat(big), "5000 pixels, above the limit of 4096"),
+        (CHAT, chat(good, good, good), "3 images, above the limit of 2"),
+        (CHAT, chat(good, role="system"), "System message cannot contain images"),
+        (CHAT, chat(good), "this model does not accept images"),
+        (CHAT, chat(str(allowed / "ok.png")), "this model does not accept images"),
+        ("/generate", {"text": "<|image_pad|>", "image_data": "not*base64"}, "invalid base64"),
+        ("/generate", {"text": "<|image_pad|>", "image_data": [truncated]}, "corrupt or truncated"),
+        ("/generate", {"text": "x", "image_data": ["http://127.0.0.1:1/a.png"]}, "remote image URLs"),
+        ("/generate", {"text": ["a", "b"], "image_data": [good, good, good]}, "one entry per prompt"),
+        ("/generate", {"text": ["a", "b"], "image_data": [[good, good], good]}, "3 images, above the limit"),
+        ("/generate", {"input_ids": [1, 2], "image_data": good}, "this model does not accept images"),
+    ]
+    failures = []
+    with serve_app(create_app(server.engine, media_limits=limits)) as base:
+        for path, body, fragment in cases:
+            r = httpx.post(base + path, json=body, timeout=60)
+            reply = r.json()
+            message = reply["message"] if path == CHAT else reply.get("error", {}).get("message", "")
+            if r.status_code != 400 or fragment.lower() not in message.lower():
+                failures.append((path, fragment, r.status_code, r.text[:300]))
+        assert httpx.get(base + "/health").status_code == 200
+        ok = httpx.post(base + CHAT, timeout=300, json={"messages": MSG, "max_tokens": 1, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+    assert not failures, "\n".join(map(str, failures))
+    item = ImageItem(grid_thw=(1, 2, 2), content_hash=1, pixel_values=np.zeros((4, 96), np.float32), merge_size=2)
+    with pytest.raises(InvalidRequestError, match="does not accept images"):
+        server.engine.generate(input_ids=[1, 2], images=[item], sampling_params={"max_new_tokens": 1})
+    usage = server.engine.scheduler.memory_usage()
+    assert usage["gdn_slots_free"] == usage["gdn_slots_total"]

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bench", "tools"),  # benchmarks; HLO traffic, weight manifests
     ("disagg",),  # prefill/decode roles, composed onto an engine by the launcher
     ("server",),  # HTTP: FastAPI app, OpenAI routes, SSE, error mapping
+    ("multimodal",),  # image inputs: references to bytes, decoding, preprocessing, prompt pad expansion
     ("engine",),  # Engine: the in-process API
     ("engine.scheduler",),  # scheduler, policy, ScheduleBatch, output processor, failures, prefix cache
     ("engine.observability",),  # metrics, health, profiler
@@ -30,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("grammar",),  # constrained decoding (per-request matchers, token bitmasks)
     ("memory", "radix_cache"),  # id pools, GDN slot operations, host snapshots; the radix tree
     ("parallel",),  # the model over a mesh: DP attention, EP MoE, sharding, collectives
+    ("model.vision",),  # the vision tower: config, weights, host-side grid arrays, the tower's math
     ("model",),  # Qwen3.5 config, layers, the one forward, weight loading
     ("quant",),  # FP8 block-quantised weights and their matmuls
     ("kernels",),  # the kernel choice per layer kind and platform (dispatch)

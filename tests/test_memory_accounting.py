@@ -72,6 +72,14 @@ def test_ratio_splits_the_budget() -> None:
     fig = split.as_dict()
     assert fig["snapshot_slots_bytes"] == 4 * 3 * MIB and fig["kv_pool_bytes"] == 33 * MIB
     assert fig["mamba_full_memory_ratio"] == 0.9 and fig["running_slots"] == 4
+    assert fig["vision_encoder_bytes"] == 0
+    # A vision encoder of 19 MiB leaves a 41 MiB budget: floor(41 x 0.9 / 1.9 / 3) = 6 slots, 23 pages.
+    vl = split_memory(**ON_DEVICE, vision_bytes=19 * MIB)
+    assert (vl.budget, vl.num_slots, vl.num_pages) == (41 * MIB, 6, 23)
+    assert vl.as_dict()["vision_encoder_bytes"] == 19 * MIB and "vision encoder 0.019 GiB" in vl.describe()
+    # Without a device limit the budget is nominal: the encoder changes nothing but the report.
+    nominal = {**ON_DEVICE, "device_limit": None}
+    assert split_memory(**nominal, vision_bytes=19 * MIB).num_pages == split_memory(**nominal).num_pages
 
 
 def test_overrides_and_limits_of_the_split() -> None:
@@ -101,6 +109,10 @@ def test_split_errors() -> None:
         split_memory(**ON_DEVICE, max_snapshots=20)
     with pytest.raises(ValueError, match=r"does not hold the weights"):
         split_memory(**{**ON_DEVICE, "weight_bytes": 90 * MIB})
+    with pytest.raises(ValueError, match=r"and the vision encoder \(0.06 GB: lower --mm-embedding-cache-size-mb"):
+        split_memory(**ON_DEVICE, vision_bytes=60 * MIB)
+    with pytest.raises(ValueError, match=r"vision encoder 0.05 GB - 9 GDN slots"):
+        split_memory(**ON_DEVICE, vision_bytes=50 * MIB, max_snapshots=4)
     with pytest.raises(ValueError, match=r"fewer than the 4 running requests"):
         split_memory(**ON_DEVICE, max_mamba_cache_size=3)
     for bad, msg in ((dict(mamba_full_memory_ratio=0.0), "must be > 0"),
@@ -146,6 +158,9 @@ def test_engine_memory_usage(engine) -> None:
     assert info["internal_states"] == [{"memory_usage": usage}]
     assert np.dtype(runner.cache["k"].dtype) == np.dtype(runner.dtype) == np.dtype(runner.kv_dtype)  # auto
     assert (info["kv_cache_dtype"], usage["kv_cache_dtype"]) == ("auto", np.dtype(runner.dtype).name)
+    # The embedded checkpoint is text-only: no vision encoder, nothing of the budget taken for one.
+    assert runner.vision_encoder is None and info["vision_encoder"] is None
+    assert usage["vision_encoder"] == 0 and info["memory_split"]["vision_encoder_bytes"] == 0
 
 
 def test_server_info_shows_memory_usage(server) -> None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vl_checkpoint import build_vl_checkpoint, image_processor  # noqa: E402
+from vl_checkpoint import image_processor  # noqa: E402
 
 from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model  # noqa: E402
 from sglang_tpu_qwen.engine.engine import Engine  # noqa: E402
@@ -42,8 +42,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 class Vl:
     """One checkpoint kind: the HF oracle, its image processor, an engine over it, the encoder's call log."""
 
-    def __init__(self, root: Path, kind: str) -> None:
-        self.oracle, self.path = build_vl_checkpoint(root, kind)
+    def __init__(self, built: tuple[Any, Path]) -> None:
+        self.oracle, self.path = built
         self.proc = image_processor(self.path)
         self.encoded: list[int] = []  # hashes the engine asked the encoder for
         self.engine: Engine | None = None
@@ -90,11 +90,11 @@ def prompt(images: list[ImageItem], seed: int, pre: int = 5, between: int = 3, p
     return ids + rng.integers(0, 240000, post).tolist()
 
 
-def _engine_over(root: Path, kind: str) -> Iterator[Vl]:
-    v = Vl(root, kind)
+def _engine_over(built: tuple[Any, Path], kind: str) -> Iterator[Vl]:
+    v = Vl(built)
     v.engine = Engine(model_path=str(v.path), tokenizer_path=str(ensure_embedded_model()), dtype="float32",
                       page_size=4, max_total_tokens=1024, context_length=256,
-                      max_running_requests=2 if kind == "moe" else 1,
+                      max_running_requests=2 if kind == "moe" else 1, mm_max_patches=256,
                       chunked_prefill_size=16, max_gdn_snapshots=16, grammar_backend="none",
                       skip_server_warmup=True, image_encoder=v.encode)
     yield v
@@ -102,14 +102,14 @@ def _engine_over(root: Path, kind: str) -> Iterator[Vl]:
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory: Any) -> Iterator[Vl]:
+def vl(vl_checkpoint: Any) -> Iterator[Vl]:
     """The MoE checkpoint's engine (the cache, rewind and validation tests do not depend on the MLP kind)."""
-    yield from _engine_over(tmp_path_factory.mktemp("vl"), "moe")
+    yield from _engine_over(vl_checkpoint("moe"), "moe")
 
 
 @pytest.fixture(scope="module")
-def vl_dense(tmp_path_factory: Any) -> Iterator[Vl]:
-    yield from _engine_over(tmp_path_factory.mktemp("vl"), "dense")
+def vl_dense(vl_checkpoint: Any) -> Iterator[Vl]:
+    yield from _engine_over(vl_checkpoint("dense"), "dense")
 
 
 @pytest.fixture(params=["moe", "dense"])
@@ -224,3 +224,14 @@ def test_text_model_refuses_images(engine: Any, vl: Vl) -> None:
         engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, images=[vl.image(1, 16, 24)])
     assert not engine.model_config.has_vision
     assert not any(key[0] == "forward_mm" for key in engine.runner.program_keys())
+
+
+def test_server_engine_with_its_vision_encoder(vl_engine: Any, vl_checkpoint: Any) -> None:
+    """The engine a server starts on a VL checkpoint (tests/conftest.py vl_engine: the JAX VisionEncoder of the
+    checkpoint, no encoder passed) accepts images and gives HF's greedy tokens for a prompt with two images."""
+    v = Vl(vl_checkpoint("moe"))
+    assert vl_engine.accepts_images and vl_engine.image_encoder is not None
+    one, two = v.image(51, 16, 24), v.image(52, 24, 16)
+    ids = prompt([one, two], seed=61, post=4)
+    got = vl_engine.generate(input_ids=ids, sampling_params=GREEDY, images=[one, two])
+    assert got["output_ids"] == v.hf_generate(ids, [one, two])[0]

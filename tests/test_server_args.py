@@ -111,3 +111,52 @@ def test_host_tier_default_is_a_capped_share_of_available_host_memory():
     assert HostMemoryGuard(reserve_bytes=0).allows(1)
     starved = HostSnapshotStore(2**30, guard=HostMemoryGuard(reserve_bytes=host_available_bytes() + 2**40))
     assert not starved.fits(1024) and starved.refused_low_memory == 1
+
+
+def test_image_flags_parse_as_sglang_and_vllm_spell_them(tmp_path, capsys):
+    """--limit-mm-data-per-request takes JSON (SGLang), --allowed-media-domains a list, --allowed-local-media-path
+    a directory (vLLM); nonsense is a usage error naming the flag; --help prints (a '%' in a help text once
+    broke it)."""
+    args = prepare_server_args(["--limit-mm-data-per-request", '{"image": 3, "video": 0}',
+                                "--allowed-media-domains", "a.example", "b.example",
+                                "--allowed-local-media-path", str(tmp_path), "--max-image-pixels", "1000",
+                                "--media-url-max-file-size-mb", "0.5", "--mm-embedding-cache-size-mb", "64",
+                                "--mm-max-patches", "4096"])
+    assert (args.mm_embedding_cache_size_mb, args.mm_max_patches) == (64.0, 4096)
+    assert args.limit_mm_data_per_request == {"image": 3, "video": 0} and args.max_images_per_request == 3
+    assert args.allowed_media_domains == ["a.example", "b.example"]
+    assert args.allowed_local_media_path == str(tmp_path) and args.max_image_pixels == 1000
+    assert ServerArgs().max_images_per_request == 32 and ServerArgs().allowed_media_domains is None
+    for argv, fragment in [
+        (["--limit-mm-data-per-request", "image=3"], "not JSON"),
+        (["--limit-mm-data-per-request", "[3]"], "JSON object"),
+        (["--limit-mm-data-per-request", '{"image": -1}'], "image must be an integer >= 0"),
+        (["--limit-mm-data-per-request", '{"video": 1}'], "video inputs are not served"),
+        (["--allowed-local-media-path", str(tmp_path / "none")], "is not a directory"),
+        (["--max-image-pixels", "0"], "--max-image-pixels must be positive"),
+        (["--media-url-max-file-size-mb", "0"], "--media-url-max-file-size-mb must be > 0"),
+        (["--mm-embedding-cache-size-mb", "-1"], "--mm-embedding-cache-size-mb must be >= 0"),
+        (["--mm-max-patches", "0"], "--mm-max-patches must be positive"),
+    ]:
+        with pytest.raises(SystemExit):
+            prepare_server_args(argv)
+        assert fragment in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as done:
+        prepare_server_args(["--help"])
+    assert done.value.code == 0 and "--allowed-local-media-path" in capsys.readouterr().out
+
+
+def test_encoder_cache_size_from_the_flag_else_sglang_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--mm-embedding-cache-size-mb wins; absent, SGLang's SGLANG_VLM_CACHE_SIZE_MB; absent too, the default."""
+    from sglang_tpu_qwen.engine.runner.vision_encoder import DEFAULT_CACHE_BYTES
+    from sglang_tpu_qwen.engine.runner.vision_setup import encoder_cache_bytes
+
+    monkeypatch.delenv("SGLANG_VLM_CACHE_SIZE_MB", raising=False)
+    assert encoder_cache_bytes(ServerArgs()) == DEFAULT_CACHE_BYTES
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "100")
+    assert encoder_cache_bytes(ServerArgs()) == 100 << 20
+    assert encoder_cache_bytes(ServerArgs(mm_embedding_cache_size_mb=0)) == 0
+    for bad in ("lots", "-5"):
+        monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", bad)
+        with pytest.raises(ValueError, match="SGLANG_VLM_CACHE_SIZE_MB"):
+            encoder_cache_bytes(ServerArgs())

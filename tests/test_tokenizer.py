@@ -260,11 +260,17 @@ def test_template_rejects_like_qwen35(tok: Tokenizer, messages: list, error: str
         tok.apply_chat_template(messages)
 
 
-def test_template_rejects_image_parts(tok: Tokenizer) -> None:
-    with pytest.raises(ValueError, match="only text content parts"):
-        tok.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-        )
+def test_template_renders_image_parts_as_qwen35(tok: Tokenizer) -> None:
+    """Qwen3.5's template: each image part is `<|vision_start|><|image_pad|><|vision_end|>`, parts joined with
+    nothing between; an image in a system message, or another part type, is an error."""
+    content = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "and"}, {"type": "image"}]
+    got = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=False)
+    vision = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert got == f"<|im_start|>user\n{vision}and{vision}<|im_end|>\n"
+    with pytest.raises(ValueError, match="System message cannot contain images"):
+        tok.apply_chat_template([{"role": "system", "content": [{"type": "image"}]}, {"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="only text and image content parts"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "audio"}]}])
 
 
 # ---------------------------------------------------------------------------- detokenizer

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -16,6 +17,9 @@ from typing import Any, get_type_hints
 MIN_PREFILL_CHUNK = 16
 # --kv-cache-dtype choices: SGLang's names for what is implemented (SGLang also has fp8_e5m2 and fp4_e2m1).
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
+# Images a request may carry without --limit-mm-data-per-request (SGLang has no limit by default; a bound keeps
+# one request from making the server decode an unbounded number of images).
+DEFAULT_IMAGES_PER_REQUEST = 32
 
 
 @dataclass
@@ -149,6 +153,33 @@ class ServerArgs:
     tool_call_parser: str | None = field(
         default=None, metadata={"help": "Parse tool calls into tool_calls: qwen3_coder (Qwen3.5 XML format)."}
     )
+    # Image inputs (sglang_tpu_qwen/multimodal): where images may come from and how large they may be.
+    allowed_local_media_path: str | None = field(default=None, metadata={
+        "help": "Directory whose files requests may name as images (an absolute path or a file:// URL), as vLLM's "
+                "flag; symlinks are resolved before the check. Default: no local files."})
+    allowed_media_domains: list[str] | None = field(default=None, metadata={
+        "help": "Host names whose http(s) image URLs the server fetches (SGLang's and vLLM's flag); redirects are "
+                "not followed. Default: none, every remote URL is a 400."})
+    media_url_max_file_size_mb: float = field(default=64.0, metadata={
+        "help": "Largest encoded image, in MiB, from any source: a data: URL or base64 string, a local file or a "
+                "fetched URL (SGLang's flag and default)."})
+    limit_mm_data_per_request: dict[str, int] | None = field(default=None, metadata={
+        "help": "Most inputs per request by modality, JSON (SGLang's flag), e.g. '{\"image\": 4}'; only \"image\" "
+                "is served. Default: {\"image\": 32}."})
+    max_image_pixels: int = field(default=2**25, metadata={
+        "help": "Largest decoded image, width x height, checked from the image header before any pixel is "
+                "decoded (Pillow's MAX_IMAGE_PIXELS idea); larger images are a 400. Default 2^25 = 33554432 "
+                "(an 8K UHD frame)."})
+    # The vision tower (engine/runner/vision_encoder.py): its encoder cache and its largest compiled bucket.
+    mm_embedding_cache_size_mb: float | None = field(default=None, metadata={
+        "help": "Encoder cache: MiB of image embeddings kept on each device by image content, so a repeated image "
+                "skips the vision tower (sglang-jax's flag; SGLang sizes it with SGLANG_VLM_CACHE_SIZE_MB, read "
+                "here when the flag is absent). Default 512; 0 turns the cache off. Counted before the KV pool."})
+    mm_max_patches: int | None = field(default=None, metadata={
+        "help": "Patches of the vision tower's largest compiled bucket, rounded up to a power of two: the largest "
+                "image after resizing. Images are resized to at most this many patches (fewer than the "
+                "checkpoint's preprocessor allows, if it allows more). Default: the preprocessor's largest image, "
+                "at most 16384 patches (4 Mpx at 16-pixel patches)."})
     # Parallelism.
     moe_combine: str = field(default="hierarchical", metadata={"help": "MoE reduce-scatter: flat or hierarchical."})
     nnodes: int = field(default=1, metadata={"help": "Number of hosts (JAX processes)."})
@@ -211,6 +242,7 @@ class ServerArgs:
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         self._check_state_budget()
+        self._check_media()
         from sglang_tpu_qwen.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 
         for name, allowed in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_CALL_PARSERS)):
@@ -235,6 +267,40 @@ class ServerArgs:
                              "snapshot slots")
         if self.max_total_tokens is not None and self.max_total_tokens < 0:
             raise ValueError(f"--max-total-tokens must be positive, got {self.max_total_tokens}")
+
+    def _check_media(self) -> None:
+        """Refuse image-input limits that mean nothing (sglang_tpu_qwen/multimodal reads them). Raises ValueError."""
+        if not self.media_url_max_file_size_mb > 0:
+            raise ValueError(f"--media-url-max-file-size-mb must be > 0, got {self.media_url_max_file_size_mb}")
+        if self.max_image_pixels <= 0:
+            raise ValueError(f"--max-image-pixels must be positive, got {self.max_image_pixels}")
+        limits = self.limit_mm_data_per_request
+        if limits is not None:
+            if not isinstance(limits, dict):
+                raise ValueError(f"--limit-mm-data-per-request must be a JSON object, got {limits!r}")
+            for key, value in limits.items():
+                if key not in ("image", "video", "audio"):
+                    raise ValueError(f"--limit-mm-data-per-request: unknown modality {key!r} (image, video, audio)")
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"--limit-mm-data-per-request: {key} must be an integer >= 0, got {value!r}")
+                if key != "image" and value > 0:
+                    raise ValueError(f"--limit-mm-data-per-request: {key} inputs are not served (images only)")
+        if self.mm_embedding_cache_size_mb is not None and not self.mm_embedding_cache_size_mb >= 0:
+            raise ValueError(f"--mm-embedding-cache-size-mb must be >= 0 (0: no encoder cache), got "
+                             f"{self.mm_embedding_cache_size_mb}")
+        if self.mm_max_patches is not None and self.mm_max_patches <= 0:
+            raise ValueError(f"--mm-max-patches must be positive, got {self.mm_max_patches}")
+        if self.allowed_local_media_path is not None:
+            import os
+
+            if not os.path.isdir(self.allowed_local_media_path):
+                raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
+
+    @property
+    def max_images_per_request(self) -> int:
+        """Images one request may carry: --limit-mm-data-per-request's "image", else DEFAULT_IMAGES_PER_REQUEST."""
+        limits = self.limit_mm_data_per_request or {}
+        return int(limits.get("image", DEFAULT_IMAGES_PER_REQUEST))
 
     def _check_multihost(self) -> None:
         """Refuse the multi-host flags nothing reads yet, so a multi-host launch fails at start, not later.
@@ -297,13 +363,19 @@ class ServerArgs:
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
+            help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse reads % as a format directive
             hint = hints[f.name]
             if hint is bool:
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
             if "list[int]" in str(hint):
                 parser.add_argument(flag, type=int, nargs="+", default=f.default, help=help_text)
+                continue
+            if "list[str]" in str(hint):
+                parser.add_argument(flag, type=str, nargs="+", default=f.default, help=help_text)
+                continue
+            if "dict[" in str(hint):  # a JSON object, as SGLang's json.loads-typed flags
+                parser.add_argument(flag, type=_json_object, default=f.default, help=help_text)
                 continue
             py_type = _scalar_type(hint)
             parser.add_argument(flag, type=py_type, default=f.default, help=help_text)
@@ -321,6 +393,17 @@ class ServerArgs:
         if unknown:
             raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type of a JSON-object flag; raises ArgumentTypeError (a usage error) on anything else."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _scalar_type(hint: Any) -> type:

@@ -82,8 +82,9 @@ class Engine:
         ValueError when --disaggregation-mode is not `null` and no role builder is given.
 
         `image_encoder`: for a vision-language checkpoint, the vision encoder's call (list of ImageItem ->
-        per image [num_tokens, hidden] arrays, engine/io/request_images.py); without one, requests with images
-        are refused (400). ValueError for a text-only checkpoint.
+        per image [num_tokens, hidden] arrays, engine/io/request_images.py); default the checkpoint's
+        VisionEncoder (engine/runner/vision_setup.py). Without either, requests with images are refused (400).
+        ValueError for a text-only checkpoint.
         """
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
@@ -97,6 +98,8 @@ class Engine:
         self.tokenizer_path = args.tokenizer_path or self.model_path
         self.served_model_name = args.served_model_name or self.model_path
         self.tokenizer = Tokenizer(self.tokenizer_path)
+        # Whether generate calls may carry images (`images`): a vision checkpoint with its encoder (set below).
+        self.accepts_images = False
         resolve_device_defaults(args, devices)  # once, before the runner (which reads the flags, never sets them)
         self.host_tier = resolve_host_tier(args)  # --gdn-snapshot-host-gb's default, from host memory
         # Loading, building and precompiling compile programs; with another engine of this process already
@@ -107,9 +110,14 @@ class Engine:
             self.context_length = self.runner.sizing.context_length
             self.metrics = Metrics() if args.enable_metrics else None
             self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
+            # The encoder: the caller's (tests pass HF's tower), else the checkpoint's VisionEncoder.
+            vision = self.runner.vision_encoder
+            if image_encoder is None and vision is not None and self.model_config.has_vision:
+                image_encoder = vision.encode
             if image_encoder is not None:
                 self.scheduler.set_image_encoder(image_encoder)
             self.image_encoder = image_encoder
+            self.accepts_images = image_encoder is not None
             self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
             if args.disaggregation_mode != "null" and role is None:
                 raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs its role: build the engine "
@@ -139,6 +147,8 @@ class Engine:
         """Validate a GenerateReqInput and make one Request per (prompt, sample); returns (requests, is_batch)."""
         if (text is None) == (input_ids is None):
             raise InvalidRequestError("Either text or input_ids should be provided (exactly one).")
+        if _has_images(images) and not self.accepts_images:
+            raise InvalidRequestError("this model does not accept images")
         if text is not None:
             is_batch = isinstance(text, list)
             texts = text if is_batch else [text]
@@ -220,7 +230,7 @@ class Engine:
         per = [images] if not is_batch else images if images is not None else [None] * len(prompts)
         if not isinstance(per, list) or len(per) != len(prompts):
             raise InvalidRequestError(f"images must hold one list per prompt ({len(prompts)} prompts)")
-        if any(per) and (not self.model_config.has_vision or self.image_encoder is None):
+        if any(per) and not self.accepts_images:
             raise InvalidRequestError("this model does not accept images")
         for items in per:
             if items and not (isinstance(items, list) and all(isinstance(im, ImageItem) for im in items)):
@@ -308,6 +318,10 @@ class Engine:
         require_reasoning: bool = False, stream_deltas: bool = False, images: Any = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Generate; see docs/internals.md for the reply shapes. Raises InvalidRequestError on bad input.
+
+        images: the prompt's images (engine/io/multimodal.py ImageItem), a list for one prompt or a list of lists
+        for a batch, in the order of their pad-token runs in the prompt ids (sglang_tpu_qwen/multimodal expands
+        them). Refused ("this model does not accept images") unless `accepts_images`.
 
         stream=True yields SGLang's cumulative chunks; with stream_deltas=True it yields the scheduler's
         increments instead (`Request.reply`: text, output_ids and output logprobs new since the previous chunk
@@ -475,6 +489,8 @@ class Engine:
             "internal_states": [{"memory_usage": usage} for usage in self.runner.memory_usage],
             # How each DP rank's memory was split between GDN slots and KV pages, and the rule that decided.
             "memory_split": self.runner.sizing.split.as_dict(),
+            # The vision tower's bytes (out of the budget before the split), buckets and counters; None: text-only.
+            "vision_encoder": self.runner.vision_info(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "version": _version(),
@@ -496,6 +512,13 @@ class Engine:
         self.runner.close()
         if self.grammar is not None:
             self.grammar.shutdown()
+
+
+def _has_images(images: Any) -> bool:
+    """True when `images` (one prompt's list, or a batch's list of lists) holds at least one image."""
+    if isinstance(images, (list, tuple)):
+        return any(_has_images(i) for i in images)
+    return images is not None
 
 
 def _has_constraint(sampling_params: Any) -> bool:

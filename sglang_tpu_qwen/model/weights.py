@@ -49,7 +49,7 @@ from sglang_tpu_qwen.quant import fp8_blocks
 from sglang_tpu_qwen.quant.fp8 import BLOCK, QUANTISED_LEAVES, Fp8Weight
 from sglang_tpu_qwen.quant.fp8_blocks import scale_shape
 
-__all__ = ["CheckpointError", "load_params"]
+__all__ = ["CheckpointError", "checkpoint_files", "fp8_block", "load_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ _SCALE_SUFFIX = "_scale_inv"
 _FLOAT32_LEAVES = frozenset({"A_log", "k_scale", "v_scale"})
 
 
-def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Checkpoint tensor name -> safetensors file that holds it."""
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> safetensors file that holds it (the index's weight map, else the single file's
+    header). Raises CheckpointError: no checkpoint, a bad index, or a shard it names is missing."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
@@ -132,7 +133,7 @@ class _Plan:
     kv_scales: bool = False  # the attention layers carry FP8 KV cache scales (param_layout.kv_scale_name)
 
 
-def _fp8_block(model_dir: Path) -> tuple[int, int]:
+def fp8_block(model_dir: Path) -> tuple[int, int]:
     """``quantization_config.weight_block_size`` of config.json (Qwen/DeepSeek FP8 format), else 128x128."""
     try:
         cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -475,8 +476,8 @@ def load_params(
     model_dir = Path(model_dir)
     if manifest is not None:
         check_file_set(model_dir, manifest)
-    files = _checkpoint_files(model_dir)
-    plan = _plan(files, config, _fp8_block(model_dir), dtype, keep_fp8 or quantization == "fp8",
+    files = checkpoint_files(model_dir)
+    plan = _plan(files, config, fp8_block(model_dir), dtype, keep_fp8 or quantization == "fp8",
                  quantization == "fp8")
     outs, params = _out_leaves(plan, config, stacked)
     if shardings is not None:

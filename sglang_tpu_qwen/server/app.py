@@ -1,8 +1,9 @@
 """The FastAPI application: SGLang's native routes plus the OpenAI routes, over one in-process Engine.
 
 Routes (as SGLang's `python/sglang/srt/entrypoints/http_server.py`):
-  POST/PUT /generate        text | input_ids, single or batch; SSE when stream: cumulative text (deltas with
-                            --incremental-streaming-output), per-chunk logprob lists (sse.NativeChunks)
+  POST/PUT /generate        text | input_ids, single or batch, with image_data (server/image_fields.py); SSE when
+                            stream: cumulative text (deltas with --incremental-streaming-output), per-chunk
+                            logprob lists (sse.NativeChunks)
   GET /get_model_info, /model_info      model_path, tokenizer_path, is_generation, served_model_name
   GET /get_server_info, /server_info    server args + engine state + version
   GET /health                           200, empty body; 503 (reason as text) before warm-up has passed, when the
@@ -34,9 +35,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
+from sglang_tpu_qwen.multimodal.image_inputs import ImageInputs
+from sglang_tpu_qwen.multimodal.media_limits import MediaLimits
 from sglang_tpu_qwen.server import engine_calls
 from sglang_tpu_qwen.server.engine_calls import ClientDisconnected
 from sglang_tpu_qwen.server.errors import install_error_handlers, native_error, unauthorized
+from sglang_tpu_qwen.server.image_fields import with_images
 from sglang_tpu_qwen.server.openai_api import create_openai_router
 from sglang_tpu_qwen.server.protocol import AbortReq, GenerateReqInput
 from sglang_tpu_qwen.server.request_fields import bootstrap_kwargs
@@ -96,7 +100,7 @@ def _generate_kwargs(obj: GenerateReqInput) -> tuple[dict[str, Any], int | None]
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, reasoning_parser: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, media_limits: MediaLimits | None = None) -> FastAPI:
     """Build the HTTP app over an Engine (contract: docs/internals.md, "Engine API used by the HTTP server").
 
     Args:
@@ -104,9 +108,11 @@ def create_app(engine: Engine, *, api_key: str | None = None, reasoning_parser: 
       api_key: overrides `engine.server_args.api_key` when given (a test can serve one engine twice).
       reasoning_parser / tool_call_parser: override `--reasoning-parser` / `--tool-call-parser` of
         `engine.server_args` for the OpenAI chat route (same purpose).
+      media_limits: override the image-input flags of `engine.server_args` (same purpose).
     """
     app = FastAPI(title="sglang-tpu-qwen", openapi_url="/openapi.json")
     app.state.engine = engine
+    images = ImageInputs.for_engine(engine, media_limits)  # the checkpoint's image processor, loaded once
     install_error_handlers(app)
     key = api_key if api_key is not None else getattr(engine.server_args, "api_key", None)
 
@@ -223,6 +229,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, reasoning_parser: 
 
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
         kwargs, batch_size = _generate_kwargs(obj)
+        if obj.image_data is not None:
+            kwargs = await with_images(engine, images, kwargs, obj.image_data, batch_size)
         try:
             rids = engine_calls.make_rids(obj.rid, batch_size)
         except ValueError as e:
@@ -241,7 +249,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, reasoning_parser: 
 
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.include_router(create_openai_router(engine, reasoning_parser=reasoning_parser,
-                                            tool_call_parser=tool_call_parser))
+                                            tool_call_parser=tool_call_parser, images=images))
     return app
 
 

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from sglang_tpu_qwen.multimodal.image_inputs import ImageInputs
 from sglang_tpu_qwen.parsers import ChatOutputParser
 from sglang_tpu_qwen.server import engine_calls
 from sglang_tpu_qwen.server.errors import OpenAIError, model_not_found
-from sglang_tpu_qwen.server.openai_chat import ChatPlan, chat_choice, plan_chat, stream_chat
+from sglang_tpu_qwen.server.openai_chat import ChatPlan, chat_choice, chat_image_refs, plan_chat, stream_chat
 from sglang_tpu_qwen.server.openai_common import (
     ChoiceStream,
     completion_logprobs,
@@ -59,7 +60,8 @@ if TYPE_CHECKING:
 
 
 def create_openai_router(
-    engine: Engine, *, reasoning_parser: str | None = None, tool_call_parser: str | None = None
+    engine: Engine, *, reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+    images: ImageInputs | None = None,
 ) -> APIRouter:
     """The OpenAI routes over one Engine (see module docstring).
 
@@ -67,8 +69,10 @@ def create_openai_router(
         engine: the in-process Engine.
         reasoning_parser / tool_call_parser: parser names (parsers.REASONING_PARSERS / TOOL_CALL_PARSERS);
             None takes `engine.server_args.reasoning_parser` / `.tool_call_parser`.
+        images: the chat route's image loader (default: `ImageInputs.for_engine(engine)`).
     """
     router = APIRouter()
+    images = images if images is not None else ImageInputs.for_engine(engine)
     args = getattr(engine, "server_args", None)
     reasoning = reasoning_parser if reasoning_parser is not None else getattr(args, "reasoning_parser", None)
     tool_parser = tool_call_parser if tool_call_parser is not None else getattr(args, "tool_call_parser", None)
@@ -134,9 +138,11 @@ def create_openai_router(
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         check_model(req.model)
         reject_unsupported(req.unsupported_fields())
-        plan = plan_chat(engine, req, reasoning, tool_parser)
+        refs = chat_image_refs(req)
+        items = await images.aload(refs) if refs else None
+        plan = plan_chat(engine, req, reasoning, tool_parser, items, images.pad_id)
         kwargs = dict(
-            text=plan.prompt,
+            **plan.engine_inputs(),
             sampling_params=plan.sampling,
             return_logprob=req.logprobs,
             top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,

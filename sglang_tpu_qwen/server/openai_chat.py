@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sglang_tpu_qwen.engine.io.multimodal import ImageItem
+from sglang_tpu_qwen.multimodal.prompt_tokens import expand_image_pads
 from sglang_tpu_qwen.parsers import ChatOutputParser
 from sglang_tpu_qwen.parsers.chat_output import ChatDelta
 from sglang_tpu_qwen.parsers.markers import THINK_START
@@ -51,26 +53,51 @@ if TYPE_CHECKING:
     from sglang_tpu_qwen.engine.engine import Engine
 
 
-def _message_content(msg: Any) -> str | None:
-    """A message's content as a string; list content must hold only text parts (joined by newlines)."""
+def _message_content(msg: Any) -> str | list[dict[str, str]] | None:
+    """A message's content as the template takes it.
+
+    A string stays a string; a list of text parts is joined by newlines. A list with `image_url` parts stays a
+    list of `{"type": "text", "text"}` and `{"type": "image"}` parts in order, which Qwen3.5's template renders
+    as the text and `<|vision_start|><|image_pad|><|vision_end|>` per image, with nothing between parts.
+    Raises OpenAIError (400) for another part type or a part without its field.
+    """
     if msg.content is None or isinstance(msg.content, str):
         return msg.content
-    texts = []
+    parts: list[dict[str, str]] = []
     for part in msg.content:
-        if part.type != "text" or part.text is None:
-            raise OpenAIError(
-                f"Unsupported content part type {part.type!r}: this model takes text only", param="messages"
-            )
-        texts.append(part.text)
-    return "\n".join(texts)
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url" and part.image_url is not None:
+            parts.append({"type": "image"})
+        else:
+            raise OpenAIError(f"Unsupported content part type {part.type!r} (or its {part.type!r} field is "
+                              "missing): text and image_url parts are supported", param="messages")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def chat_image_refs(req: ChatCompletionRequest) -> list[str]:
+    """The `image_url.url` of every image part of the conversation, in order (the order of their placeholders in
+    the rendered prompt). Raises OpenAIError (400) for an image in a system / developer message (Qwen3.5's
+    template refuses those)."""
+    refs = []
+    for msg in req.messages:
+        if isinstance(msg.content, str) or msg.content is None:
+            continue
+        urls = [p.image_url.url for p in msg.content if p.type == "image_url" and p.image_url is not None]
+        if urls and msg.role in ("system", "developer"):
+            raise OpenAIError("System message cannot contain images.", param="messages")
+        refs.extend(urls)
+    return refs
 
 
 def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template takes them.
 
-    Content parts are joined; `developer` (OpenAI's newer name for it) is `system`; assistant tool-call
-    arguments given as a JSON string (OpenAI's form) are parsed into the object the template renders, as
-    SGLang does. Raises OpenAIError (400) for arguments that are not a JSON object.
+    Content parts are joined (kept as parts around images); `developer` (OpenAI's newer name for it) is `system`;
+    assistant tool-call arguments given as a JSON string (OpenAI's form) are parsed into the object the template
+    renders, as SGLang does. Raises OpenAIError (400) for arguments that are not a JSON object.
     """
     messages = []
     for i, msg in enumerate(req.messages):
@@ -118,7 +145,9 @@ def render_open_final(tokenizer: Any, messages: list[dict[str, Any]], tools: lis
     if messages[-1]["role"] != "assistant":
         raise OpenAIError("continue_final_message needs the last message to be an assistant message",
                           param="messages")
-    marked = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _OPEN_MARK}]
+    last = messages[-1].get("content") or ""
+    content = [*last, {"type": "text", "text": _OPEN_MARK}] if isinstance(last, list) else last + _OPEN_MARK
+    marked = [*messages[:-1], {**messages[-1], "content": content}]
     rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=False, **template_kwargs)
     cut = rendered.rfind(_OPEN_MARK)
     if cut < 0:
@@ -145,6 +174,15 @@ class ChatPlan:
     # The client's constraint applies after the reasoning block (SGLang's require_reasoning with a reasoning
     # parser), so its output lands in `content`; a forced tool call's grammar covers the reasoning itself.
     grammar_after_reasoning: bool = False
+    # With images: the prompt ids, each image's pad token expanded (the engine takes these, not `prompt`).
+    input_ids: list[int] | None = None
+    images: list[ImageItem] | None = None
+
+    def engine_inputs(self) -> dict[str, Any]:
+        """The prompt keywords of Engine.async_generate: `text`, or `input_ids` and `images`."""
+        if self.images:
+            return {"input_ids": self.input_ids, "images": self.images}
+        return {"text": self.prompt}
 
     def parser(self) -> ChatOutputParser:
         """A fresh parser for one choice."""
@@ -152,8 +190,14 @@ class ChatPlan:
                                 tools=self.tools)
 
 
-def plan_chat(engine: Engine, req: ChatCompletionRequest, reasoning: str | None, tool_parser: str | None) -> ChatPlan:
-    """Render the prompt and build sampling_params (with the tool-call constraint) for a chat request."""
+def plan_chat(engine: Engine, req: ChatCompletionRequest, reasoning: str | None, tool_parser: str | None,
+              images: list[ImageItem] | None = None, image_pad: int | None = None) -> ChatPlan:
+    """Render the prompt and build sampling_params (with the tool-call constraint) for a chat request.
+
+    images: the request's images (`chat_image_refs` loaded by sglang_tpu_qwen/multimodal), whose placeholders
+    the rendered prompt holds; their pad token `image_pad` is expanded in the plan's `input_ids`. Raises
+    OpenAIError / InvalidRequestError (400) for a request that cannot be rendered.
+    """
     template_kwargs = dict(req.chat_template_kwargs or {})
     choice = req.tool_choice
     named = choice.function.name if choice is not None and not isinstance(choice, str) else None
@@ -188,9 +232,14 @@ def plan_chat(engine: Engine, req: ChatCompletionRequest, reasoning: str | None,
     # The output starts inside the reasoning when the generation prompt left a <think> block open (Qwen3.5
     # with thinking on); enable_thinking false closes it, and a template without thinking never opens one.
     thinking = prompt.rstrip().endswith(THINK_START)
+    input_ids = None
+    if images:
+        assert image_pad is not None
+        input_ids = expand_image_pads(engine.tokenizer.encode(prompt), images, image_pad)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_new is None:  # SGLang: a chat without a limit may run to the end of the context
-        max_new = max(0, engine.room_for(len(engine.tokenizer.encode(prompt))))
+        prompt_len = len(input_ids) if input_ids is not None else len(engine.tokenizer.encode(prompt))
+        max_new = max(0, engine.room_for(prompt_len))
     sampling = {**sampling_params(req, max_new), **constraint_fields(req)}
     forced = bool(tool_dicts) and (choice == "required" or named is not None)
     user_constrained = any(k in sampling for k in ("regex", "ebnf", "json_schema", "structural_tag"))
@@ -208,6 +257,8 @@ def plan_chat(engine: Engine, req: ChatCompletionRequest, reasoning: str | None,
         thinking=thinking,
         tools=tools,
         grammar_after_reasoning=bool(reasoning) and thinking and user_constrained and not forced,
+        input_ids=input_ids,
+        images=images or None,
     )
 
 

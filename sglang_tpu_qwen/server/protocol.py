@@ -55,9 +55,12 @@ class GenerateReqInput(BaseModel):
     modalities: list[str] | None = None
     received_time: float | None = None
 
+    # Images (sglang_tpu_qwen/multimodal): one reference (data: URL, base64, path, URL) or a list of them for a
+    # single prompt; for a batch, one entry (a reference, a list, or null) per prompt.
+    image_data: str | list[str | list[str] | None] | None = None
+
     # Accepted only when empty: features that would change the output.
     input_embeds: list[Any] | None = None
-    image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
     token_ids_logprob: list[int] | list[list[int]] | None = None
@@ -71,7 +74,6 @@ class GenerateReqInput(BaseModel):
         """Names of fields set to a value this runtime cannot honour (each makes the request a 400)."""
         names = (
             "input_embeds",
-            "image_data",
             "video_data",
             "audio_data",
             "token_ids_logprob",
@@ -264,13 +266,23 @@ class CompletionResponse(BaseModel):
 # ---------------------------------------------------------------- OpenAI: chat
 
 
+class ImageURL(BaseModel):
+    """`image_url` of an image content part: a data: URL, a base64 string, a local path or an http(s) URL
+    (sglang_tpu_qwen/multimodal/image_source.py says which the server takes); `detail` is accepted and ignored
+    (the checkpoint's processor sets the resolution)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(BaseModel):
-    """One part of a list-valued message content; only text parts are supported."""
+    """One part of a list-valued message content: `text`, or `image_url` (an image)."""
 
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(BaseModel):

@@ -55,6 +55,9 @@ def log_received(engine: Engine, kwargs: dict[str, Any]) -> None:
         return
     prompt = kwargs.get("text") if kwargs.get("text") is not None else kwargs.get("input_ids")
     parts = [f"rid={kwargs.get('rid')!r}", f"stream={bool(kwargs.get('stream'))}", f"prompt={_count(prompt)}"]
+    images = kwargs.get("images")
+    if images:  # how many, never their pixels
+        parts.append(f"images={sum(len(i) if isinstance(i, list) else 1 for i in images)}")
     if level >= 1:
         parts.append(f"sampling_params={_cut(kwargs.get('sampling_params'), level)}")
     if level >= 2:

@@ -76,10 +76,11 @@ def device_memory_limit(device: Any) -> int | None:
     return (stats or {}).get("bytes_limit")
 
 
-def memory_usage(params: Any, cache: Any, token_capacity: int) -> list[dict[str, Any]]:
+def memory_usage(params: Any, cache: Any, token_capacity: int, vision_bytes: int = 0) -> list[dict[str, Any]]:
     """Per device (SGLang's ``memory_usage`` of ``/get_server_info``, one entry per device):
-    ``{"device", "weight", "kvcache", "gdn_state" (GB), "weight_bytes", "token_capacity" (KV tokens of the
-    rank), "kv_cache_dtype" (the pages' dtype name, e.g. "float8_e4m3fn")}``."""
+    ``{"device", "weight", "kvcache", "gdn_state", "vision_encoder" (GB), "weight_bytes", "token_capacity" (KV
+    tokens of the rank), "kv_cache_dtype" (the pages' dtype name, e.g. "float8_e4m3fn")}``. ``vision_bytes``:
+    the vision encoder's ``memory_bytes()`` (replicated: the same on every device; 0 without one)."""
     weights = bytes_per_device(params)
     kv = bytes_per_device({k: cache[k] for k in _KV_KEYS})
     state = bytes_per_device({k: cache[k] for k in _STATE_KEYS})
@@ -90,6 +91,7 @@ def memory_usage(params: Any, cache: Any, token_capacity: int) -> list[dict[str,
         "weight_bytes": int(weights.get(d, 0)),
         "kvcache": round(kv.get(d, 0) / GB, 6),
         "gdn_state": round(state.get(d, 0) / GB, 6),
+        "vision_encoder": round(vision_bytes / GB, 6),
         "token_capacity": int(token_capacity),
         "kv_cache_dtype": cache["k"].dtype.name,
     } for d in devices]

@@ -6,7 +6,10 @@ KV bytes, default 0.9), unless ``--max-mamba-cache-size`` fixes the pool's slot 
 rest. Its state pool holds the running requests' states and the prefix cache's, as ours does: running slots
 first, snapshot slots after them. The rule here, per DP rank (each device holds one rank's pools):
 
-* Budget ``B``. On a device with a memory limit ``M``: ``M * --mem-fraction-static - weights``; the
+* Budget ``B``. On a device with a memory limit ``M``: ``M * --mem-fraction-static - weights - vision``
+  (``vision``: the vision encoder's ``memory_bytes()``, its weights, encoder cache cap and largest bucket's
+  activations, 0 for a text-only checkpoint; SGLang's profile measures what is free after loading the whole
+  model, ViT included); the
   ``(1 - f) * M`` left over is the room of the step programs' temporaries (and the runtime's). Without a
   limit (XLA:CPU) ``B`` is nominal: ``(1 + r)`` times the KV pool (``--max-total-tokens``, else
   DEFAULT_KV_TOKENS_WITHOUT_LIMIT), so the state pool gets ``r`` times the KV pool's bytes.
@@ -51,6 +54,7 @@ class MemorySplit:
         num_pages: KV pages including the trash page.
         page_bytes: bytes of one KV page (every attention layer's K and V).
         page_size: tokens per page.
+        vision_bytes: the vision encoder's bytes taken out of the budget first (0: no vision tower).
     """
 
     rule: str
@@ -64,6 +68,7 @@ class MemorySplit:
     num_pages: int
     page_bytes: int
     page_size: int
+    vision_bytes: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -93,7 +98,7 @@ class MemorySplit:
         """JSON-able figures (bytes, slot and token counts) for /get_server_info and the startup log."""
         return {
             "rule": self.rule, "mamba_full_memory_ratio": self.ratio, "device_limit_bytes": self.device_limit,
-            "budget_bytes": self.budget, "weight_bytes": self.weight_bytes,
+            "budget_bytes": self.budget, "weight_bytes": self.weight_bytes, "vision_encoder_bytes": self.vision_bytes,
             "kv_pool_bytes": self.kv_bytes, "kv_pool_tokens": self.kv_tokens, "kv_pages": self.num_pages - 1,
             "running_slots": self.running_slots, "snapshot_slots": self.snapshot_slots,
             "state_slot_bytes": self.slot_bytes, "running_slots_bytes": (1 + self.running_slots) * self.slot_bytes,
@@ -104,7 +109,8 @@ class MemorySplit:
     def describe(self) -> str:
         """One log line: the split and the rule."""
         limit = f"{self.device_limit / GB:.2f} GiB device" if self.device_limit else "no device limit"
-        return (f"memory split per DP rank ({limit}, weights {self.weight_bytes / GB:.3f} GiB, budget "
+        vision = f", vision encoder {self.vision_bytes / GB:.3f} GiB" if self.vision_bytes else ""
+        return (f"memory split per DP rank ({limit}, weights {self.weight_bytes / GB:.3f} GiB{vision}, budget "
                 f"{self.budget / GB:.3f} GiB, rule: {self.rule}, --mamba-full-memory-ratio {self.ratio}): KV "
                 f"{self.kv_tokens} tokens ({self.kv_bytes / GB:.3f} GiB); GDN state {self.running_slots} running + "
                 f"{self.snapshot_slots} snapshot slots ({self.state_bytes / GB:.3f} GiB, "
@@ -117,6 +123,7 @@ def split_memory(
     *, page_bytes: int, slot_bytes: int, page_size: int, running_slots: int, device_limit: int | None,
     weight_bytes: int, mem_fraction_static: float, ratio: float, max_total_tokens: int | None = None,
     max_mamba_cache_size: int | None = None, max_snapshots: int | None = None, snapshots: bool = True,
+    vision_bytes: int = 0,
 ) -> MemorySplit:
     """Split one DP rank's memory between GDN slots and KV pages by the rule in this module's docstring.
 
@@ -130,6 +137,8 @@ def split_memory(
         max_mamba_cache_size: --max-mamba-cache-size divided over the DP ranks (running + snapshot slots).
         max_snapshots: --max-gdn-snapshots (per rank).
         snapshots: the prefix cache keeps GDN snapshots (radix cache on and GDN layers present).
+        vision_bytes: the vision encoder's bytes per device (VisionEncoder.memory_bytes), out of the budget
+            before the split; 0 for a text-only checkpoint.
     Raises:
         ValueError: --max-mamba-cache-size under the running requests, no budget left after the weights, or
             fewer than MIN_KV_PAGES KV pages left (the message has the figures and what to change).
@@ -137,11 +146,13 @@ def split_memory(
     kv_fixed = max_total_tokens // page_size + 1 if max_total_tokens else None
     kv_nominal = kv_fixed or DEFAULT_KV_TOKENS_WITHOUT_LIMIT // page_size + 1  # the pool without a device limit
     if device_limit:
-        budget = int(device_limit * mem_fraction_static) - weight_bytes
+        budget = int(device_limit * mem_fraction_static) - weight_bytes - vision_bytes
         if budget <= 0:
+            vision = (f" and the vision encoder ({vision_bytes / GB:.2f} GB: lower --mm-embedding-cache-size-mb "
+                      "or --mm-max-patches)") if vision_bytes else ""
             raise ValueError(f"not enough device memory: {device_limit / GB:.2f} GB x --mem-fraction-static "
-                             f"{mem_fraction_static} does not hold the weights ({weight_bytes / GB:.2f} GB); raise "
-                             "--mem-fraction-static or use more devices")
+                             f"{mem_fraction_static} does not hold the weights ({weight_bytes / GB:.2f} GB){vision}; "
+                             "raise --mem-fraction-static or use more devices")
     else:
         budget = int((1 + ratio) * kv_nominal * page_bytes)
     least = 1 + running_slots
@@ -172,10 +183,12 @@ def split_memory(
         if num_pages - 1 < MIN_KV_PAGES:
             raise ValueError(
                 f"not enough device memory for the KV pool: {device_limit / GB:.2f} GB x --mem-fraction-static "
-                f"{mem_fraction_static} - weights {weight_bytes / GB:.2f} GB - {num_slots} GDN slots "
+                f"{mem_fraction_static} - weights {weight_bytes / GB:.2f} GB - vision encoder "
+                f"{vision_bytes / GB:.2f} GB - {num_slots} GDN slots "
                 f"{num_slots * slot_bytes / GB:.2f} GB leaves {max(left, 0) / GB:.3f} GB, under {MIN_KV_PAGES} pages "
                 f"of {page_bytes} bytes; raise --mem-fraction-static, lower --max-running-requests / "
                 "--max-gdn-snapshots / --max-mamba-cache-size / --mamba-full-memory-ratio, or use more devices")
     return MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
                        weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
-                       slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size)
+                       slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size,
+                       vision_bytes=vision_bytes)

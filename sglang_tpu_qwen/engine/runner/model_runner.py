@@ -11,6 +11,10 @@ through `ModelRunner.from_checkpoint` (the server: weights read into their shard
 (tools/plan/: ShapeDtypeStructs with their shardings, nothing read or allocated). Both compute the same
 sizes, buckets and programs from the same config and flags. The ServerArgs must have their device-dependent
 defaults resolved first (sizing.resolve_device_defaults); the runner never changes them.
+
+A checkpoint with a vision tower also gets its `vision_encoder` (engine/runner/vision_setup.py), on the same
+devices: its memory is taken out of the budget before the KV / GDN split and its buckets are precompiled with
+the rest. The planner's runner has none: it plans the text model (tools/plan/ says so in its report).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from sglang_tpu_qwen.engine.runner.step_executor import (
     StepExecutor,
     StepOutput,
 )
+from sglang_tpu_qwen.engine.runner.vision_encoder import VisionEncoder
+from sglang_tpu_qwen.engine.runner.vision_setup import build_vision_encoder, vision_info
 from sglang_tpu_qwen.engine.runner.weight_loading import load_weights
 from sglang_tpu_qwen.kernels.dispatch import resolve_backends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig, load_config
@@ -56,15 +62,18 @@ class ModelRunner:
     Public parts: `config`, `dtype` (compute), `kv_dtype` (the KV pages: --kv-cache-dtype), `params`, `placement`
     (`layout`: the mesh or None), `sizing` (pages, slots, context), `buckets`, `backends`, `state` (the device
     buffers and their slot / KV operations; `cache` reads its cache), `memory_usage` (per device, for
-    /get_server_info), `observers` (benchmark hooks).
+    /get_server_info), `observers` (benchmark hooks), `vision_encoder` (the checkpoint's VisionEncoder, on the
+    same devices; None for a text-only checkpoint).
     """
 
     def __init__(self, config: Qwen35MoeConfig, args: ServerArgs, params: dict[str, Any],
-                 placement: Placement, device_memory_bytes: int | None = None) -> None:
+                 placement: Placement, device_memory_bytes: int | None = None, *,
+                 vision_encoder: VisionEncoder | None = None) -> None:
         """Build the runner on `params` placed per `placement`: arrays (the server's weights, already in their
         shardings) or ShapeDtypeStructs carrying their shardings (the planner's; then the cache is abstract
         too and nothing is allocated). `device_memory_bytes`: each device's memory limit where the devices
-        report none (the planner's deviceless TPUs); default the devices' own.
+        report none (the planner's deviceless TPUs); default the devices' own. `vision_encoder`: the
+        checkpoint's vision tower, built on `placement`'s devices (its memory_bytes() comes out of the budget).
 
         Raises:
             ValueError: `params` mixes arrays and ShapeDtypeStructs; bad --dtype or kernel backend flags;
@@ -86,11 +95,13 @@ class ModelRunner:
                         args.moe_combine)
         # GDN slots and KV pages share what the weights leave (engine/runner/memory_split.py).
         weight_bytes = memory_accounting.bytes_per_device(self.params)
+        self.vision_encoder = vision_encoder
+        vision_bytes = vision_encoder.memory_bytes() if vision_encoder is not None else 0
         self.sizing = sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes,
-                                                  device_limit=device_memory_bytes)
+                                                  device_limit=device_memory_bytes, vision_bytes=vision_bytes)
         self.state = DeviceState(config, sizing, placement, self.kv_dtype, abstract_only=self.is_abstract)
         self.memory_usage: list[dict[str, Any]] = [] if self.is_abstract else memory_accounting.memory_usage(
-            self.params, self.state.cache, sizing.kv_tokens)
+            self.params, self.state.cache, sizing.kv_tokens, vision_bytes)
         logger.info("KV pool: %d pages x %d tokens, %s; GDN slots: %d running + %d snapshots%s, state %s (%.2f "
                     "MiB per slot)", sizing.num_pages - 1, sizing.page_size, self.kv_dtype.name,
                     sizing.num_running_slots - 1, sizing.num_snapshot_slots,
@@ -115,15 +126,17 @@ class ModelRunner:
         checkpoint at `model_path` loaded straight into its shardings (engine/runner/weight_loading.py).
 
         `devices`: where weights and cache live (the mesh's devices with --dp-size/--ep-size > 1, else the
-        first one); default all devices / the default device. Raises CheckpointError for a bad checkpoint,
-        and as `__init__`.
+        first one); default all devices / the default device. The vision tower, if the checkpoint has one, is
+        loaded on the same devices (engine/runner/vision_setup.py). Raises CheckpointError for a bad
+        checkpoint, and as `__init__`.
         """
         compilation.configure_persistent_cache(args.compilation_cache_dir)
         config = load_config(model_path)
         placement = Placement.for_devices(args, devices)
         dtype = resolve_dtype(args.dtype, placement.platform)
         params = load_weights(model_path, config, dtype, args, placement.layout, placement.device)
-        return cls(config, args, params, placement)
+        vision = build_vision_encoder(model_path, args, placement, dtype)
+        return cls(config, args, params, placement, vision_encoder=vision)
 
     @classmethod
     def abstract(cls, config: Qwen35MoeConfig, args: ServerArgs, devices: list[Any] | None = None, *,
@@ -158,7 +171,8 @@ class ModelRunner:
 
     def precompile(self, progress: bool = True) -> dict[str, Any]:
         """Compile (or load from the persistent cache) every program of the fixed set, run each once, then the
-        GDN slot copies the prefix cache uses; afterwards a compilation is logged as an error.
+        GDN slot copies the prefix cache uses, then the vision encoder's buckets (if any); afterwards a
+        compilation is logged as an error.
 
         Returns {"programs", "from_cache", "compiled", "seconds"}. Shows a tqdm bar when `progress`.
         """
@@ -171,6 +185,7 @@ class ModelRunner:
             self.executor.warm_up()
             if self.sizing.num_snapshot_slots > 0:  # after a step program ran (device_state.precompile_slot_copies)
                 self.state.precompile_slot_copies(self.buckets.max_decode_rows, self._host_snapshot_tier)
+            vision_programs = self.vision_encoder.precompile() if self.vision_encoder is not None else 0
         stats = {"programs": compilation.jit_compilations() - comps0,
                  "from_cache": compilation.cache_hits() - hits0,
                  "seconds": time.perf_counter() - start}
@@ -178,16 +193,20 @@ class ModelRunner:
         # The bar counts the step and sampling programs; the small input and GDN slot-copy programs follow it.
         b = self.buckets
         logger.info("precompiled %d programs in %.1f s (%d from the persistent cache %s, %d compiled; %d step and "
-                    "sampling programs, %d input and slot-copy programs): %d forward buckets %s, sampling batch "
-                    "sizes %s", stats["programs"], stats["seconds"], stats["from_cache"],
-                    jax.config.jax_compilation_cache_dir or "(off)", stats["compiled"], bar_programs,
-                    stats["programs"] - bar_programs, len(b.step_buckets()),
+                    "sampling programs, %d vision buckets, %d input and slot-copy programs): %d forward buckets %s, "
+                    "sampling batch sizes %s", stats["programs"], stats["seconds"], stats["from_cache"],
+                    jax.config.jax_compilation_cache_dir or "(off)", stats["compiled"], bar_programs, vision_programs,
+                    stats["programs"] - bar_programs - vision_programs, len(b.step_buckets()),
                     f"(batch {list(b.batch_sizes)} x dp {b.dp}, extend tokens {list(b.token_sizes)} for one row or "
                     f"the most rows within {b.extend_budget} tokens, page table {b.pages} columns)",
                     b.sample_batches())
         self.programs.ready = True
         compilation.arm()
         return stats
+
+    def vision_info(self) -> dict[str, Any] | None:
+        """The vision encoder's memory, buckets and counters for /get_server_info; None without one."""
+        return vision_info(self.vision_encoder)
 
     def close(self) -> None:
         """The engine shuts down: stop treating compilations as errors on its behalf."""

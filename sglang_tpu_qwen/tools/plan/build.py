@@ -143,7 +143,10 @@ def plan(
                               "gdn_slots": gdn_dev, "hbm": hbm_dev,
                               "gdn_running_slots": runner.sizing.num_running_slots - 1,
                               "gdn_snapshot_slots": runner.sizing.num_snapshot_slots,
-                              "split": runner.sizing.split.as_dict()},
+                              "split": runner.sizing.split.as_dict(),
+                              # The abstract runner has no vision tower: the server takes the encoder's
+                              # memory_bytes() out of the budget first, so its pools are that much smaller.
+                              "vision_tower": "not counted (text model only)"},
         "steps": {},
     }  # fmt: skip
     worst_total = 0.0

@@ -23,7 +23,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"(replicated {_gib(m['weights_replicated'])}, experts {_gib(m['weights_experts'])}), "
         f"KV pool {_gib(m['kv_pool'])}, GDN slots {_gib(m['gdn_slots'])} ({m.get('gdn_running_slots', '?')} "
         f"running + {m.get('gdn_snapshot_slots', '?')} snapshots, rule: {m.get('split', {}).get('rule', '?')}), "
-        f"HBM {_gib(m['hbm'])}",
+        f"HBM {_gib(m['hbm'])}; vision tower {m.get('vision_tower', 'not counted')}",
         "| step | bucket | args / temp / out per device | fits | HLO bytes | min bytes | ratio | roofline ms "
         "| HLO-bytes ms | serial ms | mean / slowest device ms (uniform; zipf) | collectives ms exposed / total (n) "
         "[fast..slow end] | planned ms | tok/s/chip (roofline / planned) |",
