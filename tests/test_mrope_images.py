@@ -235,3 +235,44 @@ def test_server_engine_with_its_vision_encoder(vl_engine: Any, vl_checkpoint: An
     ids = prompt([one, two], seed=61, post=4)
     got = vl_engine.generate(input_ids=ids, sampling_params=GREEDY, images=[one, two])
     assert got["output_ids"] == v.hf_generate(ids, [one, two])[0]
+
+
+def test_images_over_http(vl_engine: Any) -> None:
+    """Over HTTP on the VL engine: /generate with image_data and the OpenAI chat route with an image_url part
+    answer (200, the tokens asked for); the same /generate request again hits the cache past the image and
+    gives the same tokens, another image gives another prompt's cache miss at the image."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    from sglang_tpu_qwen.server.app import create_app
+    from tests.conftest import serve_app
+
+    def data_url(seed: int) -> str:
+        px = np.random.default_rng(seed).integers(0, 256, (24, 16, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    # Long enough for whole pages after the image (the engine's context is 64 tokens).
+    text = "<|vision_start|><|image_pad|><|vision_end|>" + "What is in the picture? " * 6
+    body = {"text": text, "sampling_params": GREEDY}
+    with serve_app(create_app(vl_engine)) as base:
+        first = httpx.post(f"{base}/generate", json=dict(body, image_data=data_url(1)), timeout=120)
+        assert first.status_code == 200, first.text
+        again = httpx.post(f"{base}/generate", json=dict(body, image_data=data_url(1)), timeout=120).json()
+        other = httpx.post(f"{base}/generate", json=dict(body, image_data=data_url(2)), timeout=120).json()
+        chat = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(1)}},
+                                                      {"type": "text", "text": "What is it?"}]}],
+            "max_tokens": 3, "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["completion_tokens"] == 3
+    first = first.json()
+    assert len(first["output_ids"]) == NEW and again["output_ids"] == first["output_ids"]
+    n_image = 2 * 3  # 24 x 16 pixels: a 6 x 4 patch grid, merged 2 x 2
+    assert vl_engine.server_args.page_size <= 16
+    assert again["meta_info"]["cached_tokens"] > 1 + n_image
+    assert other["meta_info"]["cached_tokens"] <= 1
