@@ -19,7 +19,9 @@ from typing import Any, Protocol
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
 from sglang_tpu_qwen.engine.io.errors import InvalidRequestError, RequestFailedError, failed_status
+from sglang_tpu_qwen.engine.io.multimodal import ImageItem
 from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.io.request_images import Encode, RequestImages
 from sglang_tpu_qwen.engine.io.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_qwen.engine.observability.health import HealthSnapshot
 from sglang_tpu_qwen.engine.observability.metrics import Metrics
@@ -70,13 +72,19 @@ class Engine:
     """
 
     def __init__(self, server_args: ServerArgs | None = None, *, devices: list[Any] | None = None,
-                 role: Callable[[Engine], ServingRole | None] | None = None, **kwargs: Any) -> None:
+                 role: Callable[[Engine], ServingRole | None] | None = None, image_encoder: Encode | None = None,
+                 **kwargs: Any) -> None:
         """`devices`: the JAX devices to place weights and cache on (default: all, or device 0 without a
         mesh); disaggregation's colocated-split gives each of its two engines its own group.
 
         `role`: builds the serving role of --disaggregation-mode and hooks it into the scheduler before it
         starts (the launcher passes `disagg.roles.setup`; the engine does not import disagg/). Raises
         ValueError when --disaggregation-mode is not `null` and no role builder is given.
+
+        `image_encoder`: for a vision-language checkpoint, the vision encoder's call (list of ImageItem ->
+        per image [num_tokens, hidden] arrays, engine/io/request_images.py); default the checkpoint's
+        VisionEncoder (engine/runner/vision_setup.py). Without either, requests with images are refused (400).
+        ValueError for a text-only checkpoint.
         """
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
@@ -90,8 +98,7 @@ class Engine:
         self.tokenizer_path = args.tokenizer_path or self.model_path
         self.served_model_name = args.served_model_name or self.model_path
         self.tokenizer = Tokenizer(self.tokenizer_path)
-        # Whether generate calls may carry images (`images`): set once the engine path for them exists (the
-        # vision encoder and M-RoPE, issue 30); until then every call with images is refused.
+        # Whether generate calls may carry images (`images`): a vision checkpoint with its encoder (set below).
         self.accepts_images = False
         resolve_device_defaults(args, devices)  # once, before the runner (which reads the flags, never sets them)
         self.host_tier = resolve_host_tier(args)  # --gdn-snapshot-host-gb's default, from host memory
@@ -103,6 +110,14 @@ class Engine:
             self.context_length = self.runner.sizing.context_length
             self.metrics = Metrics() if args.enable_metrics else None
             self.scheduler = Scheduler(self.runner, self.tokenizer, args, self.context_length, self.metrics)
+            # The encoder: the caller's (tests pass HF's tower), else the checkpoint's VisionEncoder.
+            vision = self.runner.vision_encoder
+            if image_encoder is None and vision is not None and self.model_config.has_vision:
+                image_encoder = vision.encode
+            if image_encoder is not None:
+                self.scheduler.set_image_encoder(image_encoder)
+            self.image_encoder = image_encoder
+            self.accepts_images = image_encoder is not None
             self._seed_counter = itertools.count(args.random_seed * 1_000_003 + 1)
             if args.disaggregation_mode != "null" and role is None:
                 raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs its role: build the engine "
@@ -152,6 +167,7 @@ class Engine:
             if not isinstance(input_ids, list) or not prompts:
                 raise InvalidRequestError("input_ids must be a list of token ids or a list of such lists")
         n_prompts = len(prompts)
+        per_prompt_images = self._images_per_prompt(images, prompts, is_batch)
 
         def per_item(value: Any, name: str) -> list[Any]:
             if isinstance(value, list) and is_batch:
@@ -193,6 +209,7 @@ class Engine:
             if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= TOP_LOGPROBS_MAX:
                 raise InvalidRequestError(f"top_logprobs_num must be in [0, {TOP_LOGPROBS_MAX}], got {top}")
             base_rid = rids[i] or uuid.uuid4().hex
+            req_images = self._request_images(ids, per_prompt_images[i])
             for j in range(params.n):
                 seed = next(self._seed_counter) if params.seed is None else params.seed + j
                 reqs.append(Request(
@@ -203,8 +220,36 @@ class Engine:
                     detokenizer=IncrementalDetokenizer(self.tokenizer, stop=params.stop,
                                                        skip_special_tokens=params.skip_special_tokens,
                                                        trim_stop=not params.no_stop_trim),
-                    grammar=None if compiled is None else self.grammar.request_grammar(spec, compiled, think_end)))
+                    grammar=None if compiled is None else self.grammar.request_grammar(spec, compiled, think_end),
+                    images=req_images))
         return reqs, is_batch or len(reqs) > 1
+
+    def _images_per_prompt(self, images: Any, prompts: list[Any], is_batch: bool) -> list[Any]:
+        """`images` split per prompt: a list of ImageItem for one prompt, or one such list (or None) per prompt
+        of a batch (InvalidRequestError otherwise, or when the model takes no images or has no encoder yet)."""
+        per = [images] if not is_batch else images if images is not None else [None] * len(prompts)
+        if not isinstance(per, list) or len(per) != len(prompts):
+            raise InvalidRequestError(f"images must hold one list per prompt ({len(prompts)} prompts)")
+        if any(per) and not self.accepts_images:
+            raise InvalidRequestError("this model does not accept images")
+        for items in per:
+            if items and not (isinstance(items, list) and all(isinstance(im, ImageItem) for im in items)):
+                raise InvalidRequestError("images must be a list of ImageItem per prompt")
+        return per
+
+    def _request_images(self, ids: list[int], items: list[ImageItem] | None) -> RequestImages | None:
+        """A checked prompt's RequestImages (None without images); InvalidRequestError when its image pad tokens
+        do not match its images (a vision model's prompt with pad tokens and no images included)."""
+        config = self.model_config
+        if not items:
+            if config.has_vision and config.image_token_id in ids:
+                raise InvalidRequestError("the prompt has image tokens but no images were given")
+            return None
+        assert config.image_token_id is not None
+        try:
+            return RequestImages(list(ids), list(items), config.image_token_id, config.vocab_size)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
 
     def _check_grammar(self, spec: GrammarSpec) -> Future:
         """Validate a constraint now (a bad one raises GrammarError, an InvalidRequestError); returns the future

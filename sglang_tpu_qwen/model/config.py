@@ -68,6 +68,17 @@ class Qwen35MoeConfig:
     torch_dtype: str = "bfloat16"
     # The checkpoint's precision for the GDN state (Qwen3.5 configs say "float32"); --mamba-ssm-dtype overrides.
     mamba_ssm_dtype: str = "float32"
+    # Vision-language checkpoints (a ``vision_config`` beside ``text_config``): the image pad token, the vision
+    # start token and the vision tower's spatial merge (M-RoPE positions, model/mrope.py). None when text-only.
+    # Not compared: they describe the image input, and the text model of a VL config equals its flat twin's.
+    image_token_id: int | None = dataclasses.field(default=None, compare=False)
+    vision_start_token_id: int | None = dataclasses.field(default=None, compare=False)
+    spatial_merge_size: int = dataclasses.field(default=1, compare=False)
+
+    @property
+    def has_vision(self) -> bool:
+        """The checkpoint takes images: its steps place image embeddings and use 3-D M-RoPE positions."""
+        return self.image_token_id is not None
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -239,7 +250,19 @@ class Qwen35MoeConfig:
             eos_token_id=eos_ids,
             torch_dtype=str(get("torch_dtype", get("dtype", "bfloat16"))),
             mamba_ssm_dtype=str(get("mamba_ssm_dtype", "float32")),
+            **_vision_fields(outer),
         )
+
+
+def _vision_fields(outer: dict[str, Any]) -> dict[str, Any]:
+    """image_token_id / vision_start_token_id / spatial_merge_size of a VL config (HF
+    ``Qwen3_5MoeConfig``: top level beside ``vision_config``); none for a text-only one."""
+    vision = outer.get("vision_config")
+    if not isinstance(vision, dict) or outer.get("image_token_id") is None:
+        return {}
+    return dict(image_token_id=int(outer["image_token_id"]),
+                vision_start_token_id=int(outer.get("vision_start_token_id", -1)),
+                spatial_merge_size=int(vision.get("spatial_merge_size", 2)))
 
 
 def load_config(model_dir: str | os.PathLike[str]) -> Qwen35MoeConfig:

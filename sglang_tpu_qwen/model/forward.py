@@ -29,7 +29,7 @@ from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_pooled
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
-from sglang_tpu_qwen.model.rope import rope_cos_sin
+from sglang_tpu_qwen.model.rope import mrope_cos_sin, rope_cos_sin
 from sglang_tpu_qwen.quant.fp8 import join_layer_fp8, split_stacked_fp8
 
 Params = dict[str, Any]
@@ -103,7 +103,7 @@ def forward_step(
     kinds = config.layer_types[:period]
     n_attn = sum(k == "full_attention" for k in kinds)
     n_gdn = period - n_attn
-    rope = rope_cos_sin(batch.positions, config.rotary_dim, config.rope_theta)
+    rope = _rope(batch, config)
     eps = config.rms_norm_eps
     backends = backends or KernelBackends()
     attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
@@ -137,12 +137,32 @@ def forward_step(
         return (h, k_cache, v_cache, conv, rec), None
 
     n_groups = config.num_hidden_layers // period
-    carry = (params["embed"][batch.input_ids], cache["k"], cache["v"], cache["conv"], cache["rec"])
+    carry = (_embed(params["embed"], batch, config), cache["k"], cache["v"], cache["conv"], cache["rec"])
     (h, k_cache, v_cache, conv, rec), _ = jax.lax.scan(
         group, carry, (jnp.arange(n_groups, dtype=jnp.int32), scanned)
     )
     h = rms_norm(h, params["final_norm"], eps)
     return h, {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}
+
+
+def _rope(batch: ForwardBatch, config: Qwen35MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """The step's rotary tables: 3-D M-RoPE for a step with image tokens, else plain RoPE at the position (plus
+    the row's rope delta on a vision-language model: equal streams reduce M-RoPE to that)."""
+    if batch.mrope_positions is not None:
+        return mrope_cos_sin(batch.mrope_positions, config.rotary_dim, config.rope_theta, config.mrope_section)
+    positions = batch.positions
+    if batch.rope_deltas is not None:
+        positions = positions + batch.rope_deltas[:, None]
+    return rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
+
+
+def _embed(embed: jax.Array, batch: ForwardBatch, config: Qwen35MoeConfig) -> jax.Array:
+    """``[B, T, H]`` input embeddings; the image pad tokens take the step's image embeddings when it has any."""
+    h = embed[batch.input_ids]
+    if batch.image_embeds is None:
+        return h
+    is_image = (batch.input_ids == config.image_token_id)[..., None]
+    return jnp.where(is_image, batch.image_embeds.astype(h.dtype), h)
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, config: Qwen35MoeConfig) -> jax.Array:

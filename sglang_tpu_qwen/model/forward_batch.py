@@ -52,6 +52,14 @@ class ForwardBatch:
         token_src: ``[B]`` int32 or None (host side only; overlap scheduling): where >= 0, row b's first token
             is row ``token_src[b]`` of the previous step's sampled ids, kept on the device. The runner
             resolves it before the model runs; the model never reads it.
+        rope_deltas: ``[B]`` int32 or None (vision-language models): the rotary position of token t is
+            ``prefix_len + t + rope_delta`` in all three M-RoPE streams (text after an image, decode;
+            model/mrope.py). None: the position itself (every text-only model).
+        mrope_positions: ``[B, T, 3]`` int32 or None: explicit (time, height, width) rotary positions of every
+            token (a step whose chunk holds image tokens); overrides ``rope_deltas``.
+        image_embeds: ``[B, T, H]`` compute dtype or None: the vision tower's output for the image pad tokens
+            of the step (rows of other tokens are ignored); the pad tokens' embeddings are replaced by it
+            (HF ``masked_scatter`` of ``get_placeholder_mask``). Present with ``mrope_positions``.
     """
 
     mode: ForwardMode
@@ -61,6 +69,9 @@ class ForwardBatch:
     page_table: Any
     slot_ids: Any
     token_src: Any = None
+    rope_deltas: Any = None
+    mrope_positions: Any = None
+    image_embeds: Any = None
 
     @classmethod
     def of(cls, input_ids: Any, prefix_lens: Any, extend_lens: Any, page_table: Any, slot_ids: Any,
@@ -103,6 +114,7 @@ class ForwardBatch:
 
 jax.tree_util.register_dataclass(
     ForwardBatch,
-    data_fields=["input_ids", "prefix_lens", "extend_lens", "page_table", "slot_ids", "token_src"],
+    data_fields=["input_ids", "prefix_lens", "extend_lens", "page_table", "slot_ids", "token_src", "rope_deltas",
+                 "mrope_positions", "image_embeds"],
     meta_fields=["mode"],
 )

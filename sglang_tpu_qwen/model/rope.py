@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -23,6 +24,45 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[j
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+# HF Qwen3_5TextRotaryEmbedding's mrope_section when the config names none.
+DEFAULT_MROPE_SECTION = (11, 11, 10)
+
+
+def mrope_streams(rotary_dim: int, section: tuple[int, ...]) -> np.ndarray:
+    """Which position stream (0 time, 1 height, 2 width) drives each of the ``rotary_dim / 2`` frequencies.
+
+    Interleaved, as HF ``Qwen3_5TextRotaryEmbedding.recomposition_frequencies`` always lays them out (it reads no
+    ``mrope_interleaved`` flag): frequency ``j`` takes height when ``j % 3 == 1 and j < 3 * section[1]``, width
+    when ``j % 3 == 2 and j < 3 * section[2]``, else time.
+    """
+    streams = np.zeros(rotary_dim // 2, np.int32)
+    for dim in (1, 2):
+        streams[dim : 3 * section[dim] : 3] = dim
+    return streams
+
+
+def mrope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float,
+                  section: tuple[int, ...] | None) -> tuple[jax.Array, jax.Array]:
+    """Cos/sin tables for 3-D M-RoPE positions (HF ``Qwen3_5TextRotaryEmbedding``).
+
+    Args:
+        positions: ``[B, T, 3]`` int32 (time, height, width) position of each token.
+        rotary_dim, theta: as :func:`rope_cos_sin`.
+        section: ``mrope_section``, frequencies per stream (:func:`mrope_streams`); None: HF's default
+            ``DEFAULT_MROPE_SECTION``.
+
+    Returns:
+        ``(cos, sin)``, each ``[B, T, rotary_dim]`` float32; equal, bit for bit, to :func:`rope_cos_sin` of
+        ``positions[..., 0]`` when the three streams are equal (text).
+    """
+    streams = mrope_streams(rotary_dim, section or DEFAULT_MROPE_SECTION)
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    picked = positions[..., jnp.asarray(streams)]  # [B, T, rd / 2]
+    freqs = picked.astype(jnp.float32) * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 

@@ -11,6 +11,7 @@ from sglang_tpu_qwen.engine.io.sampling_params import SamplingParams
 from sglang_tpu_qwen.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from sglang_tpu_qwen.engine.io.request_images import RequestImages
     from sglang_tpu_qwen.grammar.request_grammar import RequestGrammar
 
 Logprob = list[Any]  # [logprob | None, token_id, text | None], SGLang's triple
@@ -75,6 +76,8 @@ class Request:
     fill_ids: list[int] = field(init=False)  # prompt_ids + output_ids, kept in step by append_token
     # Overlap scheduling: sampled tokens still on the device (0 or 1); the next decode step reads it there.
     tokens_in_flight: int = 0
+    # Images (engine/io/request_images.py): positions, cache keys and embeddings; None for a text request.
+    images: RequestImages | None = None
 
     def __post_init__(self) -> None:
         self.fill_ids = self.prompt_ids + self.output_ids
@@ -83,6 +86,13 @@ class Request:
         """Add one generated token (to output_ids and fill_ids; never append to either directly)."""
         self.output_ids.append(token)
         self.fill_ids.append(token)
+
+    @property
+    def radix_ids(self) -> list[int]:
+        """fill_ids as the prefix cache keys them: image pad tokens replaced by their image's hash-derived ids."""
+        if self.images is None:
+            return self.fill_ids
+        return self.images.key_ids + self.output_ids
 
     @property
     def pending(self) -> int:

@@ -10,6 +10,7 @@ refusing a key outside the set. The model is called in one place, the forward pr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -73,9 +74,13 @@ class ProgramTable:
         # list of leaves (flattened once here, not a nested dict every step) and a step's host arrays as one.
         self.param_leaves, param_def = jax.tree.flatten(params)
         pages = buckets.pages
+        # A vision-language checkpoint's steps carry a rope-delta column (M-RoPE text after an image, decode),
+        # and its extend buckets have a second program with explicit 3-D positions and image embeddings.
+        self.vision = vision = config.has_vision
 
-        def forward_program(param_leaves, cache, packed, prev_tokens):
-            batch = unpack_step(packed, pages, prev_tokens)  # overlap: last step's ids stay on the device
+        def forward_program(param_leaves, cache, packed, prev_tokens, image_embeds=None):
+            # overlap: last step's ids stay on the device
+            batch = unpack_step(packed, pages, prev_tokens, vision=vision, images=image_embeds)
             hidden, cache = model(jax.tree.unflatten(param_def, param_leaves), cache, batch)
             return hidden, last(hidden, jnp.maximum(batch.extend_lens - 1, 0)), cache
 
@@ -107,6 +112,8 @@ class ProgramTable:
     def keys(self) -> list[tuple]:
         """Every program of the fixed set, as the keys `get` and `lower` take."""
         keys: list[tuple] = [("forward", bk) for bk in self.buckets.step_buckets()]
+        if self.vision:  # steps whose chunk holds image tokens
+            keys += [("forward_mm", bk) for bk in self.buckets.step_buckets() if bk.mode == "extend"]
         for b in self.buckets.sample_batches():
             keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
             keys.append(("penalty", b))
@@ -120,11 +127,19 @@ class ProgramTable:
         the step's packed host array with their shardings): input packed [B, T + 4 + P] int32 (`pack_step`:
         tokens [B, T], prefix_lens, extend_lens, slot_ids, token_src [B], page_table [B, P]) and the kept
         sampled ids [prev_rows]; outputs (hidden [B, T, H], last [B, H], cache)."""
+        return self._lower_forward(bucket, images=False)
+
+    def _lower_forward(self, bucket: StepBucket, images: bool) -> jax.stages.Lowered:
+        """A forward program lowered; `images` (vision models, extend buckets): the `forward_mm` program, whose
+        packed step has 3 * T more columns (the [B, T, 3] positions) and which takes the image embeddings
+        [B, T, H] in the compute dtype."""
         b, t, p = bucket.batch, bucket.tokens, bucket.pages
         spec = self.placement.spec
+        cols = step_columns(t, p, self.vision, images)
+        extra = (spec((b, t, self.config.hidden_size), self.dtype),) if images else ()
         return self._forward_jit.lower(abstract(self.param_leaves), abstract(self.state.cache),
-                                       spec((b, t + STEP_COLUMNS + p), jnp.int32),
-                                       spec((self.prev_rows,), jnp.int32, replicated=True))
+                                       spec((b, cols), jnp.int32),
+                                       spec((self.prev_rows,), jnp.int32, replicated=True), *extra)
 
     def lower_sample(self, kind: SampleKind, batch: int) -> jax.stages.Lowered:
         """Sampling program `kind` for B = `batch` rows: (leaves of head_params, last [B, H], RowParams,
@@ -140,6 +155,8 @@ class ProgramTable:
         spec, i32 = self.placement.spec, jnp.int32
         if key[0] == "forward":
             return self.lower_forward(key[1])
+        if key[0] == "forward_mm":
+            return self._lower_forward(key[1], images=True)
         if key[0] == "sample":
             return self.lower_sample(key[1], key[2])
         if key[0] == "penalty":
@@ -222,29 +239,52 @@ class ProgramTable:
 
 
 # ---- program bodies ----------------------------------------------------------------------------
+def step_columns(tokens: int, pages: int, vision: bool, images: bool) -> int:
+    """Columns of a packed step (`pack_step`): T + 4 + P, plus 1 (rope delta) on a vision-language model, plus
+    3 * T (the M-RoPE positions) in a step with image tokens."""
+    return tokens + STEP_COLUMNS + pages + (1 if vision else 0) + (3 * tokens if images else 0)
+
+
 def pack_step(batch: ForwardBatch, page_table: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
     """A step's host arrays as one [B, T + 4 + P] int32 array: columns input_ids [T], prefix_lens, extend_lens,
-    slot_ids, token_src (-1 where None), page_table [P]. One host-to-device copy instead of six.
-    `page_table` / `slot_ids`: the batch's, already rank-local."""
+    slot_ids, token_src (-1 where None), page_table [P]; then rope_deltas [1] when the batch has them (vision
+    models) and mrope_positions [3T] ([B, T, 3] row-major) when it has those. One host-to-device copy instead
+    of six. `page_table` / `slot_ids`: the batch's, already rank-local."""
     b, t = batch.input_ids.shape
-    packed = np.empty((b, t + STEP_COLUMNS + page_table.shape[1]), np.int32)
+    vision, images = batch.rope_deltas is not None, batch.mrope_positions is not None
+    packed = np.empty((b, step_columns(t, page_table.shape[1], vision, images)), np.int32)
     packed[:, :t] = batch.input_ids
     packed[:, t] = batch.prefix_lens
     packed[:, t + 1] = batch.extend_lens
     packed[:, t + 2] = slot_ids
     packed[:, t + 3] = -1 if batch.token_src is None else batch.token_src
-    packed[:, t + STEP_COLUMNS:] = page_table
+    end = t + STEP_COLUMNS + page_table.shape[1]
+    packed[:, t + STEP_COLUMNS:end] = page_table
+    if vision:
+        packed[:, end] = batch.rope_deltas
+    if images:
+        packed[:, end + 1:] = np.asarray(batch.mrope_positions).reshape(b, 3 * t)
     return packed
 
 
-def unpack_step(packed: jax.Array, pages: int, prev_tokens: jax.Array) -> ForwardBatch:
+def unpack_step(packed: jax.Array, pages: int, prev_tokens: jax.Array, *, vision: bool = False,
+                images: jax.Array | None = None) -> ForwardBatch:
     """Inverse of `pack_step` inside a program (P = `pages`), with token_src resolved: where token_src[b] >= 0,
-    row b's first token is prev_tokens[token_src[b]] (prev_tokens [R] int32). T == 1 is a DECODE step."""
-    t = packed.shape[1] - STEP_COLUMNS - pages
+    row b's first token is prev_tokens[token_src[b]] (prev_tokens [R] int32). T == 1 is a DECODE step.
+    `vision`: the rope-delta column is there; `images` ([B, T, H], a `forward_mm` program): so are the
+    positions, and the batch carries both."""
+    width = packed.shape[1] - STEP_COLUMNS - pages - (1 if vision else 0)  # T, or 4T with the positions
+    t = width // 4 if images is not None else width
     col = partial(jax.lax.index_in_dim, packed, axis=1, keepdims=False)
     tokens, src = packed[:, :t], col(t + 3)
     first = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], tokens[:, 0])
-    return ForwardBatch.of(tokens.at[:, 0].set(first), col(t), col(t + 1), packed[:, t + STEP_COLUMNS:], col(t + 2))
+    end = t + STEP_COLUMNS + pages
+    batch = ForwardBatch.of(tokens.at[:, 0].set(first), col(t), col(t + 1), packed[:, t + STEP_COLUMNS:end],
+                            col(t + 2))
+    if not vision:
+        return batch
+    mrope = None if images is None else packed[:, end + 1:].reshape(packed.shape[0], t, 3)
+    return dataclasses.replace(batch, rope_deltas=col(end), mrope_positions=mrope, image_embeds=images)
 
 
 def _last_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:

@@ -173,16 +173,26 @@ class StepExecutor:
         b, t = batch.input_ids.shape
         if batch.mode.is_decode != (t == 1):
             raise ValueError(f"a {batch.mode.name} step with {t} token columns (DECODE steps have exactly 1)")
-        prog = self.programs.get(("forward", StepBucket("decode" if t == 1 else "extend", b, t,
-                                                        batch.page_table.shape[1])))
+        images = batch.mrope_positions is not None
+        if images and (not self.programs.vision or t == 1 or batch.image_embeds is None):
+            raise ValueError("a step with M-RoPE positions needs a vision model, an extend step and its images")
+        if self.programs.vision and batch.rope_deltas is None:  # a text step of a vision model: no delta
+            batch = dataclasses.replace(batch, rope_deltas=np.zeros(b, np.int32))
+        elif not self.programs.vision and batch.rope_deltas is not None:
+            raise ValueError("rope deltas for a model without vision")
+        prog = self.programs.get(("forward_mm" if images else "forward",
+                                  StepBucket("decode" if t == 1 else "extend", b, t, batch.page_table.shape[1])))
         observers = self.observers.attached
         start = time.perf_counter() if observers else 0.0
         sizing, state = self.state.sizing, self.state
         packed = pack_step(batch, state.to_rank_local(batch.page_table, sizing.num_pages),
                            state.to_rank_local(batch.slot_ids, sizing.num_slots))
         prev = state.kept_tokens(self.programs.prev_rows)
-        hidden, last, state.cache = prog(self.programs.param_leaves, state.cache, self.placement.put([packed])[0],
-                                         prev)
+        host = [packed]
+        if images:  # [B, T, H] in the compute dtype, split by rows like the packed step
+            host.append(np.asarray(batch.image_embeds).astype(self.programs.dtype, copy=False))
+        on_device = self.placement.put(host)
+        hidden, last, state.cache = prog(self.programs.param_leaves, state.cache, on_device[0], prev, *on_device[1:])
         if observers:
             end = time.perf_counter()
             for observer in observers:
@@ -291,6 +301,11 @@ class StepExecutor:
                 b, zeros = bucket.batch, np.zeros(bucket.batch, np.int32)
                 out = self.forward(_padding_batch(bucket, zeros))
                 (outs if bucket.mode == "decode" else extend_outs)[b] = out
+                if self.programs.vision and bucket.mode == "extend":
+                    h = self.programs.config.hidden_size
+                    self.forward(dataclasses.replace(
+                        _padding_batch(bucket, zeros), mrope_positions=np.zeros((b, bucket.tokens, 3), np.int32),
+                        image_embeds=np.zeros((b, bucket.tokens, h), self.programs.dtype)))
             for big, b in buckets.head_rows_pairs():
                 self.programs.get(("head_rows", big, b))(extend_outs[big].last)
             for b in buckets.sample_batches():

@@ -67,7 +67,7 @@ class PrefixCache:
     # ---- admission -----------------------------------------------------------------------------
     def peek(self, r: Request) -> int:
         """Reusable prefix length of r now, without touching LRU state (for longest-prefix-first order)."""
-        return self.tree.match_prefix(r.fill_ids[:-1], touch=False).length
+        return self.tree.match_prefix(r.radix_ids[:-1], touch=False).length
 
     def admit(self, r: Request) -> None:
         """Match r's prefix, lock it, adopt its pages and restore its GDN state into r.slot."""
@@ -76,7 +76,7 @@ class PrefixCache:
         limit = len(r.fill_ids) - 1
         if r.return_logprob and not r.input_logprobs_done:
             limit = min(limit, max(0, r.logprob_start_len - 1))
-        m = self.tree.match_prefix(r.fill_ids[:limit])
+        m = self.tree.match_prefix(r.radix_ids[:limit])
         self.tree.lock(m.node)
         r.prefix_node = m.node
         r.pages = list(m.pages)
@@ -126,7 +126,7 @@ class PrefixCache:
                 # (and demoted) by a later allocation before its copy; an unattached one cannot.
                 self.runner.state.copy_slots([(r.slot, snap) for r, snap in taken])
                 for r, snap in taken:
-                    self._attach(r.fill_ids[: r.cached_len], snap)
+                    self._attach(r.radix_ids[: r.cached_len], snap)
         elif self.takes_snapshots:
             pairs = []
             fresh = iter(self._alloc_snapshots(sum(r.private_snapshot is None for r in due)))
@@ -146,7 +146,7 @@ class PrefixCache:
         n = upto // self.page_size
         if n <= r.num_tree_pages:
             return
-        res = self.tree.insert(r.fill_ids[:upto], r.pages[:n])
+        res = self.tree.insert(r.radix_ids[:upto], r.pages[:n])
         if res.duplicates:  # another request cached the same tokens first: use its pages, free ours
             self.kv_pool.free(res.duplicates)
         tree_pages = [p for node in reversed(res.node.path_to_root()) for p in node.pages]
@@ -178,7 +178,7 @@ class PrefixCache:
             if r.private_snapshot is not None and r.private_snapshot[1] > 0:
                 snap, pos = r.private_snapshot
                 r.private_snapshot = None
-                self._attach(r.fill_ids[:pos], snap)
+                self._attach(r.radix_ids[:pos], snap)
         if r.private_snapshot is not None:
             self._release_snapshots([r.private_snapshot[0]], demote=False)
             r.private_snapshot = None

@@ -20,11 +20,21 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.io.request_images import Encode
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.model_runner import SamplingBatch
+from sglang_tpu_qwen.engine.scheduler.image_step import add_image_inputs
 from sglang_tpu_qwen.grammar.bitmask import allows_other_than, token_bitmask
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_qwen.utils.shapes import next_pow2
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What a vision model's steps need to place images: the text hidden size and the encoder (None: none yet)."""
+
+    hidden: int
+    encode: Encode | None
 
 
 @dataclass(frozen=True)
@@ -90,12 +100,14 @@ class ScheduleBatch(PickedBatch):
 
     @classmethod
     def build(cls, picked: PickedBatch, buckets: BucketSet, eos_ids: Collection[int], vocab_size: int,
-              prev: ScheduleBatch | None = None) -> ScheduleBatch:
+              prev: ScheduleBatch | None = None, images: ImageInputs | None = None) -> ScheduleBatch:
         """Lay out `picked` (EXTEND or DECODE, at least one request) in the rows of the step's compiled bucket
         and fill the host arrays of the step.
 
         The chunks must fit a bucket (the policy capped them). `prev`: the step in flight (overlap), whose
-        sampled ids feed this step's rows whose token is in flight.
+        sampled ids feed this step's rows whose token is in flight. `images`: a vision model's (hidden size,
+        encoder): the step gets its rope deltas, and M-RoPE positions and image embeddings when a chunk holds
+        image tokens (image_step.py).
         """
         mode = picked.mode
         assert mode is not ForwardMode.IDLE and picked.reqs, "an idle pick has nothing to lay out"
@@ -123,6 +135,8 @@ class ScheduleBatch(PickedBatch):
             prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
             page_table[i, : len(r.pages)] = r.pages
         forward = ForwardBatch(mode, input_ids, prefix_lens, extend_lens, page_table, slot_ids, token_src)
+        if images is not None:
+            forward = add_image_inputs(forward, reqs, lens, rows, images.hidden, images.encode)
         finishing = [i for i, (r, n) in enumerate(zip(reqs, lens, strict=True)) if n == r.pending]
         samples = any(reqs[i].max_new_tokens != 0 for i in finishing)
         sampling = None

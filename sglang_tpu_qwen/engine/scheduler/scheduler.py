@@ -33,6 +33,7 @@ from typing import Any
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.io.request_images import Encode
 from sglang_tpu_qwen.engine.observability.health import HealthSnapshot, HealthState
 from sglang_tpu_qwen.engine.observability.metrics import Metrics
 from sglang_tpu_qwen.engine.observability.profiler import StepProfiler, default_profile_dir
@@ -41,7 +42,7 @@ from sglang_tpu_qwen.engine.scheduler.faults import FaultInjector
 from sglang_tpu_qwen.engine.scheduler.inbox import AbortRequest, AddRequests, FlushCache, Inbox
 from sglang_tpu_qwen.engine.scheduler.output_processor import OutputProcessor
 from sglang_tpu_qwen.engine.scheduler.rank_memory import RankMemory
-from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch, ScheduleBatch
+from sglang_tpu_qwen.engine.scheduler.schedule_batch import ImageInputs, PickedBatch, ScheduleBatch
 from sglang_tpu_qwen.engine.scheduler.schedule_policy import SchedulePolicy
 from sglang_tpu_qwen.engine.scheduler.scheduler_role import SchedulerRole
 from sglang_tpu_qwen.engine.scheduler.step_failures import StepFailures
@@ -88,6 +89,15 @@ class Scheduler:
         self.faults = FaultInjector.from_env()  # engine/scheduler/faults.py: test-only fault points
         self.failures = StepFailures(self, self.health_state)  # engine/scheduler/step_failures.py
         self._batch = PickedBatch.idle()  # the step being launched, for StepFailures
+        # A vision model's steps carry rope deltas and, with image tokens, positions and embeddings; the engine
+        # sets the encoder (set_image_encoder) before any request with images comes.
+        self.image_inputs = ImageInputs(runner.config.hidden_size, None) if runner.config.has_vision else None
+
+    def set_image_encoder(self, encode: Encode) -> None:
+        """The vision encoder's call (images -> per image [num_tokens, hidden] arrays), for a vision model."""
+        if self.image_inputs is None:
+            raise ValueError("this model does not accept images")
+        self.image_inputs = ImageInputs(self.image_inputs.hidden, encode)
 
     @property
     def ranks(self) -> list[RankMemory]:
@@ -246,7 +256,8 @@ class Scheduler:
         if _CHECK:
             self.policy.check_memory_invariants()
         prev = None if self._in_flight is None else self._in_flight.batch
-        batch = ScheduleBatch.build(picked, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size, prev)
+        batch = ScheduleBatch.build(picked, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size, prev,
+                                    self.image_inputs)
         # Profiling: the annotation covers this step's launch and the host work done while it runs.
         with self.profiler.step(batch.mode.name, len(batch), batch.num_extend_tokens):
             launched = self.launch(batch)
