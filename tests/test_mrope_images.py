@@ -231,24 +231,27 @@ def test_server_engine_with_its_vision_encoder(vl_engine: Any, vl_checkpoint: An
     checkpoint, no encoder passed) accepts images and gives HF's greedy tokens for a prompt with two images."""
     v = Vl(vl_checkpoint("moe"))
     assert vl_engine.accepts_images and vl_engine.image_encoder is not None
+    before = compilation.jit_compilations()
     one, two = v.image(51, 16, 24), v.image(52, 24, 16)
     ids = prompt([one, two], seed=61, post=4)
     got = vl_engine.generate(input_ids=ids, sampling_params=GREEDY, images=[one, two])
+    assert compilation.jit_compilations() == before  # the tower's buckets and forward_mm were precompiled
     assert got["output_ids"] == v.hf_generate(ids, [one, two])[0]
 
 
 def test_images_over_http(vl_engine: Any) -> None:
     """Over HTTP on the VL engine: /generate with image_data and the OpenAI chat route with an image_url part
     answer (200, the tokens asked for); the same /generate request again hits the cache past the image and
-    gives the same tokens, another image gives another prompt's cache miss at the image."""
+    gives the same tokens, another image gives another prompt's cache miss at the image; this mixed workload
+    (text and image prompts, hits and misses, two routes) compiles nothing on the ready engine."""
     import base64
     import io
 
     import httpx
+    from conftest import serve_app
     from PIL import Image
 
     from sglang_tpu_qwen.server.app import create_app
-    from tests.conftest import serve_app
 
     def data_url(seed: int) -> str:
         px = np.random.default_rng(seed).integers(0, 256, (24, 16, 3), dtype=np.uint8)
@@ -259,6 +262,7 @@ def test_images_over_http(vl_engine: Any) -> None:
     # Long enough for whole pages after the image (the engine's context is 64 tokens).
     text = "<|vision_start|><|image_pad|><|vision_end|>" + "What is in the picture? " * 6
     body = {"text": text, "sampling_params": GREEDY}
+    before = compilation.jit_compilations()
     with serve_app(create_app(vl_engine)) as base:
         first = httpx.post(f"{base}/generate", json=dict(body, image_data=data_url(1)), timeout=120)
         assert first.status_code == 200, first.text
@@ -270,6 +274,10 @@ def test_images_over_http(vl_engine: Any) -> None:
             "max_tokens": 3, "temperature": 0})
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["completion_tokens"] == 3
+        plain = httpx.post(f"{base}/generate", json={"text": "No picture here.", "sampling_params": GREEDY},
+                           timeout=120)
+        assert plain.status_code == 200, plain.text
+    assert compilation.jit_compilations() == before
     first = first.json()
     assert len(first["output_ids"]) == NEW and again["output_ids"] == first["output_ids"]
     n_image = 2 * 3  # 24 x 16 pixels: a 6 x 4 patch grid, merged 2 x 2
