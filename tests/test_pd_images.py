@@ -5,7 +5,9 @@ subprocesses on loopback (tests/pd_harness.py: SMALL pools, the shared compile c
 check on). The prefill server encodes the images and runs the prompt; the decode server receives KV + GDN state
 and continues from the M-RoPE position offset, which it derives itself from the same request (prompt ids and
 image grids: engine/io/request_images.py), never from the wire. The reference is the colocated `vl_engine` of
-conftest served over HTTP, so both sides preprocess the same request bodies the same way.
+conftest served over HTTP, so both sides preprocess the same request bodies the same way. The decode server's KV
+pool is small, so a running image request is usually retracted there and re-prefilled locally (images encoded
+by the decode server); the tokens must match whether or not that happens.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from PIL import Image
 from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
 
 PROMPT = "<|vision_start|><|image_pad|><|vision_end|>What is in the picture? Describe it briefly."
-GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+# 24 new tokens: an image request grows past its admitted pages on the decode server, whose small KV pool
+# (DECODE_POOL) then retracts the newest running request; its local re-prefill encodes its images there.
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+DECODE_POOL = ["--max-total-tokens", "96", "--context-length", "64"]  # 6 pages of 16 tokens
 
 
 def _data_url(seed: int, h: int, w: int) -> str:
@@ -55,14 +60,6 @@ def test_image_requests_through_pd_match_colocated(vl_checkpoint: Any, vl_engine
 
     _, path = vl_checkpoint("moe")
     bodies = _bodies()
-    with serve_app(create_app(vl_engine)) as base:
-        want = []
-        for b in bodies:
-            r = httpx.post(base + "/generate", json=b, timeout=300)
-            assert r.status_code == 200, r.text
-            want.append(r.json()["output_ids"])
-    assert len({tuple(w) for w in want}) > 1  # the images steer the tokens: a lost image would show
-
     logs = tmp_path_factory.mktemp("pd_images")
     # Both servers start side by side and compile only the programs they run (--disable-precompile; the
     # compilation counter after ready is test_compile.py's business), sharing the persistent compile cache.
@@ -75,7 +72,14 @@ def test_image_requests_through_pd_match_colocated(vl_checkpoint: Any, vl_engine
                                                   "--disaggregation-bootstrap-port", str(bport)])
     decode = router = None
     try:
-        decode = ServerProc.launch(logs, "decode", [*common, "--disaggregation-mode", "decode"])
+        decode = ServerProc.launch(logs, "decode", [*common, *DECODE_POOL, "--disaggregation-mode", "decode"])
+        with serve_app(create_app(vl_engine)) as base:  # the reference, while the servers start
+            want = []
+            for b in bodies:
+                r = httpx.post(base + "/generate", json=b, timeout=300)
+                assert r.status_code == 200, r.text
+                want.append(r.json()["output_ids"])
+        assert len({tuple(w) for w in want}) > 1  # the images steer the tokens: a lost image would show
         prefill.wait_ready(240)
         decode.wait_ready(240)
         router = RouterProc.start(logs, prefill, bport, decode)
@@ -94,8 +98,12 @@ def test_image_requests_through_pd_match_colocated(vl_checkpoint: Any, vl_engine
         assert prefill.info()["vision_encoder"]["stats"]["encoded"] >= 2
         assert_idle_and_free(prefill)
         assert_idle_and_free(decode)
+        # Whether the decode server retracted depends on how the transfers overlapped (the tokens above must
+        # match either way); the figures say what this run exercised.
+        retracted = decode.log.read_text(errors="replace").count("retracting request")
         record("pd", f"TCP PD via smg on the VL checkpoint: 4 concurrent requests (2 images, 1 text) + a cached "
-                     f"repeat token-identical to colocated; servers + router up in {started:.1f} s")
+                     f"repeat token-identical to colocated; servers + router up {started:.1f} s after launch; "
+                     f"decode server: {retracted} retractions, encoder {decode.info()['vision_encoder']['stats']}")
     finally:
         for p in (router, decode, prefill):
             if p is not None:
