@@ -9,6 +9,7 @@ holding it (cached_tokens > 0) and that every page and slot of every rank is fre
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -210,15 +211,17 @@ def test_dp2_images_match_single_engine(vl_checkpoint, vl_engine):
     from emulated_devices import run_on_devices
 
     _, path = vl_checkpoint("moe")
-    prompts, images = vl_image_requests(str(path))
-    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-    want = [vl_engine.generate(input_ids=p, sampling_params=sp, images=im)["output_ids"]
-            for p, im in zip(prompts, images, strict=True)]
-    assert len({tuple(w) for w in want}) > 1
     t0 = time.perf_counter()
     code = ("import json; from test_engine_dp import vl_dp_greedy; "
             f"print('RESULT ' + json.dumps(vl_dp_greedy({str(path)!r}, 6)))")
-    got = run_on_devices(code, 2)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        child = pool.submit(run_on_devices, code, 2)
+        prompts, images = vl_image_requests(str(path))  # the reference, while the child starts
+        sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+        want = [vl_engine.generate(input_ids=p, sampling_params=sp, images=im)["output_ids"]
+                for p, im in zip(prompts, images, strict=True)]
+        got = child.result()
+    assert len({tuple(w) for w in want}) > 1
     record("engine dp2 images", f"4 prompts (2 images, 1 text) + a repeat on dp_size=2: "
                                 f"{time.perf_counter() - t0:.1f} s incl. the child's start and compilation")
     assert got["tokens"] == want
