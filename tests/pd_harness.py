@@ -65,6 +65,13 @@ class ServerProc:
     @classmethod
     def start(cls, log_dir: Path, name: str, args: list[str], env: dict[str, str] | None = None,
               timeout_s: float = 240.0) -> ServerProc:
+        server = cls.launch(log_dir, name, args, env)
+        server.wait_ready(timeout_s)
+        return server
+
+    @classmethod
+    def launch(cls, log_dir: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> ServerProc:
+        """Start the subprocess without waiting for it to be ready (`wait_ready`): servers start side by side."""
         port = free_port()
         log = log_dir / f"{name}.log"
         full_env = dict(os.environ, SGLANG_TPU_QWEN_CHECK_INVARIANTS="1", **compile_cache_env(), **(env or {}))
@@ -72,9 +79,7 @@ class ServerProc:
                "--log-level", "info", *args]
         with open(log, "wb") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env)
-        server = cls(f"http://127.0.0.1:{port}", port, log, proc)
-        server.wait_ready(timeout_s)
-        return server
+        return cls(f"http://127.0.0.1:{port}", port, log, proc)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -9,10 +9,12 @@ holding it (cached_tokens > 0) and that every page and slot of every rank is fre
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -147,3 +149,82 @@ def test_each_device_holds_only_its_expert_shard(dp_server, engine):
     assert per_device == [total - expert + expert // 8] * 8, per_device
     record("engine dp8 ep8", f"weights per device {per_device[0] / 2**20:.1f} MiB of {total / 2**20:.1f} MiB total")
     assert all(s["memory_usage"]["token_capacity"] == 1024 for s in states)
+
+
+# ---- images on DP ranks: a dp_size=2 engine on the tiny VL checkpoint, in a child with 2 emulated devices ----
+
+# conftest.VL_ENGINE_KWARGS with a running slot per rank and the chunk split over the two ranks.
+VL_DP_KWARGS = dict(max_running_requests=2, context_length=64, chunked_prefill_size=32, max_prefill_tokens=64,
+                    mm_max_patches=256, mm_embedding_cache_size_mb=1, grammar_backend="none")
+VL_PAD, VL_START, VL_END = 248056, 248053, 248054
+
+
+def vl_image_requests(model_dir: str) -> tuple[list[list[int]], list[Any]]:
+    """Four prompts for the VL checkpoint: one image, another image (another size), both, and text only; with
+    their ImageItems (the server's preprocessor), one list (or None) per prompt."""
+    import numpy as np
+    from PIL import Image
+
+    from sglang_tpu_qwen.multimodal.preprocess import ImagePreprocessor
+
+    pre = ImagePreprocessor.from_checkpoint(model_dir, max_patches=256)
+    assert pre is not None
+    one, two = (pre(Image.fromarray(np.random.default_rng(s).integers(0, 256, (h, w, 3), dtype=np.uint8)))
+                for s, h, w in ((1, 24, 16), (2, 16, 32)))
+    rng = np.random.default_rng(5)
+
+    def text(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(0, 240000, n)]
+
+    def img(item: Any) -> list[int]:
+        return [VL_START] + [VL_PAD] * item.num_tokens + [VL_END]
+
+    prompts = [text(4) + img(one) + text(20), text(3) + img(two) + text(21), text(2) + img(two) + text(3) + img(one)
+               + text(9), text(30)]
+    return prompts, [[one], [two], [two, one], None]
+
+
+def vl_dp_greedy(model_dir: str, num_new: int) -> dict[str, Any]:
+    """Greedy tokens of a dp_size=2 Engine on the VL checkpoint for vl_image_requests (one batch), then the first
+    prompt again (its cached_tokens). Runs in a child process with 2 emulated devices; JSON-able result."""
+    from sglang_tpu_qwen.embedded.checkpoint import ensure_embedded_model
+    from sglang_tpu_qwen.engine.engine import Engine
+
+    prompts, images = vl_image_requests(model_dir)
+    eng = Engine(model_path=model_dir, tokenizer_path=str(ensure_embedded_model()), dp_size=2, ep_size=2,
+                 skip_server_warmup=True, disable_precompile=True, **VL_DP_KWARGS)
+    sp = {"temperature": 0, "max_new_tokens": num_new, "ignore_eos": True}
+    try:
+        replies = eng.generate(input_ids=prompts, sampling_params=sp, images=images)
+        again = eng.generate(input_ids=prompts[0], sampling_params=sp, images=images[0])
+        ranks = eng.get_server_info()["memory"]["dp_ranks"]
+        return {"tokens": [r["output_ids"] for r in replies], "again": again["output_ids"],
+                "again_cached": again["meta_info"]["cached_tokens"], "ranks_used": sum(
+                    r["cache_query_tokens"] > 0 for r in ranks)}
+    finally:
+        eng.shutdown()
+
+
+def test_dp2_images_match_single_engine(vl_checkpoint, vl_engine):
+    """Image prompts on a dp_size=2 engine (each rank its own requests, positions and image embeddings) give the
+    single engine's greedy tokens, and the same image prompt again hits its rank's prefix cache."""
+    from emulated_devices import run_on_devices
+
+    _, path = vl_checkpoint("moe")
+    t0 = time.perf_counter()
+    code = ("import json; from test_engine_dp import vl_dp_greedy; "
+            f"print('RESULT ' + json.dumps(vl_dp_greedy({str(path)!r}, 6)))")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        child = pool.submit(run_on_devices, code, 2)
+        prompts, images = vl_image_requests(str(path))  # the reference, while the child starts
+        sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+        want = [vl_engine.generate(input_ids=p, sampling_params=sp, images=im)["output_ids"]
+                for p, im in zip(prompts, images, strict=True)]
+        got = child.result()
+    assert len({tuple(w) for w in want}) > 1
+    record("engine dp2 images", f"4 prompts (2 images, 1 text) + a repeat on dp_size=2: "
+                                f"{time.perf_counter() - t0:.1f} s incl. the child's start and compilation")
+    assert got["tokens"] == want
+    assert got["again"] == want[0]
+    assert got["again_cached"] > 0
+    assert got["ranks_used"] == 2
