@@ -4,17 +4,38 @@ Tokens are forced with logit_bias (+100) through the real engine and HTTP routes
 continuation byte with no lead decodes to U+FFFD forever, lead bytes may or may not complete) and 200 random
 tokens. On every streaming route the text sent so far only grows, it grows in most chunks, and the joined
 stream equals the non-streamed text and decode(output_ids).
+
+The module serves its own engine: the session one's with a 2,048-token KV pool instead of XLA:CPU's default
+65,536 (engine/runner/memory_split.py). A decode step's cost on CPU grows with the pool (100 greedy tokens: 6.1 s
+against 0.8 s at 1,024), and these tests decode about 1,800 tokens; what they check does not depend on the pool.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
+from conftest import ENGINE_KWARGS, LiveServer, serve_app
 
 ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions"]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    """The session server's engine settings with a small KV pool (4 requests x 256 tokens, twice over)."""
+    from sglang_tpu_qwen.engine.engine import Engine
+    from sglang_tpu_qwen.server.app import create_app
+
+    engine = Engine(**{**ENGINE_KWARGS, "max_total_tokens": 2048})
+    try:
+        with serve_app(create_app(engine)) as url:
+            yield LiveServer(url=url, engine=engine)
+    finally:
+        engine.shutdown()
 
 
 def _byte_ids(tok, byte_values) -> list[int]:
