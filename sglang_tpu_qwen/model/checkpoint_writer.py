@@ -31,14 +31,16 @@ def to_hf_state_dict(
     ``params`` has its layers stacked (model/stacking.py).
 
     ``prefix`` is ``model.language_model.`` (conditional-generation layout, like the release) or
-    ``model.``; ``lm_head.weight`` is top level either way. ``fused_experts`` writes
+    ``model.``; ``lm_head.weight`` is top level either way, and so are the MTP layer's ``mtp.*`` tensors (as
+    the release stores them) when ``params`` has ``"mtp"``. ``fused_experts`` writes
     ``experts.gate_up_proj`` / ``experts.down_proj`` instead of one tensor per expert.
     """
     fused = frozenset(range(config.num_hidden_layers)) if fused_experts else frozenset()
     params = unstack_params(params)
     out: dict[str, np.ndarray] = {}
-    for canon, spec in hf_table(config, fused).items():
-        name = canon if canon == "lm_head.weight" else prefix + canon
+    table = hf_table(config, fused, mtp="mtp" in params, mtp_fused=fused_experts)
+    for canon, spec in table.items():
+        name = canon if canon == "lm_head.weight" or canon.startswith("mtp.") else prefix + canon
         if spec.layout in ("qkvz", "ba"):
             raise NotImplementedError("writing Qwen3-Next's fused in_proj_qkvz / in_proj_ba is not supported")
         if spec.layout == "fused_gate_up":

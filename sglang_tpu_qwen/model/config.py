@@ -68,6 +68,9 @@ class Qwen35MoeConfig:
     torch_dtype: str = "bfloat16"
     # The checkpoint's precision for the GDN state (Qwen3.5 configs say "float32"); --mamba-ssm-dtype overrides.
     mamba_ssm_dtype: str = "float32"
+    # Multi-token-prediction layers the release ships (``mtp.*``; every Qwen3.5 has one). Loaded only for
+    # speculative decoding (model/mtp.py); not compared: the target model is the same with or without them.
+    mtp_num_hidden_layers: int = dataclasses.field(default=0, compare=False)
     # Vision-language checkpoints (a ``vision_config`` beside ``text_config``): the image pad token, the vision
     # start token and the vision tower's spatial merge (M-RoPE positions, model/mrope.py). None when text-only.
     # Not compared: they describe the image input, and the text model of a VL config equals its flat twin's.
@@ -109,6 +112,12 @@ class Qwen35MoeConfig:
             raise ValueError("a dense MLP layer needs intermediate_size > 0")
 
     # ---- derived ----
+    @property
+    def mtp_mlp_type(self) -> str:
+        """The MLP kind of the MTP decoder layer: ``moe`` in the MoE family (SGLang / vLLM ``qwen3_5_mtp``),
+        ``dense`` in the dense one."""
+        return "moe" if self.is_moe else "dense"
+
     @property
     def is_moe(self) -> bool:
         """True when some layer has a sparse MoE block (then expert parallelism has experts to split)."""
@@ -250,6 +259,7 @@ class Qwen35MoeConfig:
             eos_token_id=eos_ids,
             torch_dtype=str(get("torch_dtype", get("dtype", "bfloat16"))),
             mamba_ssm_dtype=str(get("mamba_ssm_dtype", "float32")),
+            mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", get("num_nextn_predict_layers", 0)) or 0),
             **_vision_fields(outer),
         )
 

@@ -43,17 +43,22 @@ def init_cache(
     num_slots: int,
     kv_dtype: Any,
     state_dtype: Any = jnp.float32,
+    mtp_layers: int = 0,
 ) -> Cache:
     """Zeroed cache for all layers.
 
+    ``mtp_layers``: the KV pool also holds that many MTP layers' pages, after the target's attention layers
+    (layer index ``config.num_attn_layers + i``, model/mtp.py): the MTP layer's KV follows the page table, and
+    so the radix tree, with the target's.
+
     Returns:
-        ``{"k", "v": [n_attn_layers, num_pages, page_size, nkv, hd] kv_dtype (FP8: the packed row-major reshape
-        ``[.., page_size / r, r * nkv, hd]`` of kernels/ragged_paged_attention/page_layout.py),
+        ``{"k", "v": [n_attn_layers + mtp_layers, num_pages, page_size, nkv, hd] kv_dtype (FP8: the packed
+        row-major reshape ``[.., page_size / r, r * nkv, hd]`` of kernels/ragged_paged_attention/page_layout.py),
         "conv": [n_gdn_layers, num_slots * (K-1), conv_dim] state_dtype (kernels/gdn/conv_pool.py),
         "rec": [n_gdn_layers, num_slots, Hv, dk, dv] state_dtype}``. Page 0 and slot 0 are trash targets.
     """
-    kv_shape = kv_pool_shape(config.num_attn_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim,
-                             kv_dtype)
+    kv_shape = kv_pool_shape(config.num_attn_layers + mtp_layers, num_pages, page_size, config.num_key_value_heads,
+                             config.head_dim, kv_dtype)
     conv_shape = pool_shape(config.num_gdn_layers, num_slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1)
     rec_shape = (
         config.num_gdn_layers,
@@ -103,49 +108,84 @@ def forward_step(
     kinds = config.layer_types[:period]
     n_attn = sum(k == "full_attention" for k in kinds)
     n_gdn = period - n_attn
-    rope = _rope(batch, config)
-    eps = config.rms_norm_eps
-    backends = backends or KernelBackends()
-    attn_core, gdn_fused = attention_kernel(backends), gdn_kernel(backends)
-    moe = moe_fn or functools.partial(moe_block, dense=backends.xla_cpu)
+    rope = rope_tables(batch, config)
+    layer = functools.partial(decoder_layer, batch=batch, rope=rope, config=config, backends=backends,
+                              moe_fn=moe_fn)
 
     # FP8 weights stay whole stacks outside the scan: the kernel reads layer g in place (quant/fp8.py).
     scanned, fp8_stacks = split_stacked_fp8(params["layers"])
 
     def group(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, list[Params]]) -> tuple[tuple[jax.Array, ...], None]:
-        h, k_cache, v_cache, conv, rec = carry
+        h, *pools = carry
         g, lps = xs
         lps = join_layer_fp8(lps, fp8_stacks, g)
         # Cache index of this group's first layer of each kind (traced: the kernels take it in SMEM).
         attn_i, gdn_i = g * n_attn, g * n_gdn
         for kind, lp in zip(kinds, lps, strict=True):
-            x = rms_norm(h, lp["input_norm"], eps)
-            if kind == "full_attention":
-                x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, attn_i, config,
-                                                      attn_core)
-                attn_i += 1
-            elif gdn_fused is not None:
-                x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, gdn_i, config, gdn_fused)
-                gdn_i += 1
-            else:
-                x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, gdn_i, config, backends.xla_cpu)
-                gdn_i += 1
-            h = h + x
-            x = rms_norm(h, lp["post_attn_norm"], eps)
-            # A layer holds "moe" or "mlp" (model/param_layout.py, per config.mlp_types).
-            h = h + (moe(lp["moe"], x, config) if "moe" in lp else dense_mlp(lp["mlp"], x))
-        return (h, k_cache, v_cache, conv, rec), None
+            index = attn_i if kind == "full_attention" else gdn_i
+            h, pools = layer(lp, kind, h, tuple(pools), index)
+            attn_i, gdn_i = (attn_i + 1, gdn_i) if kind == "full_attention" else (attn_i, gdn_i + 1)
+        return (h, *pools), None
 
     n_groups = config.num_hidden_layers // period
-    carry = (_embed(params["embed"], batch, config), cache["k"], cache["v"], cache["conv"], cache["rec"])
+    carry = (embed_tokens(params["embed"], batch, config), cache["k"], cache["v"], cache["conv"], cache["rec"])
     (h, k_cache, v_cache, conv, rec), _ = jax.lax.scan(
         group, carry, (jnp.arange(n_groups, dtype=jnp.int32), scanned)
     )
-    h = rms_norm(h, params["final_norm"], eps)
+    h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
     return h, {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}
 
 
-def _rope(batch: ForwardBatch, config: Qwen35MoeConfig) -> tuple[jax.Array, jax.Array]:
+Pools = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def decoder_layer(
+    lp: Params,
+    kind: str,
+    h: jax.Array,
+    pools: Pools,
+    index: jax.Array | int,
+    *,
+    batch: ForwardBatch,
+    rope: tuple[jax.Array, jax.Array],
+    config: Qwen35MoeConfig,
+    backends: KernelBackends | None = None,
+    moe_fn: Callable[..., jax.Array] | None = None,
+) -> tuple[jax.Array, Pools]:
+    """One decoder layer (HF ``Qwen3_5MoeDecoderLayer``): ``h + mixer(norm(h))``, then ``+ mlp(norm(h))``.
+
+    Args:
+        lp: the layer's params (``input_norm``, ``post_attn_norm``, ``attn`` or ``gdn``, ``moe`` or ``mlp``).
+        kind: ``full_attention`` or ``linear_attention``.
+        h: ``[B, T, H]`` residual stream in the compute dtype.
+        pools: ``(k, v, conv, rec)`` cache pools (model/forward.py ``init_cache``).
+        index: the layer's index among its kind's layers in the pools (traced or static).
+        batch, rope: the step and its rotary tables (:func:`rope_tables`).
+        config, backends, moe_fn: as :func:`forward_step`.
+
+    Returns:
+        ``(h [B, T, H], pools)`` with this layer's KV or GDN state written.
+    """
+    k_cache, v_cache, conv, rec = pools
+    backends = backends or KernelBackends()
+    eps = config.rms_norm_eps
+    x = rms_norm(h, lp["input_norm"], eps)
+    if kind == "full_attention":
+        x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, index, config,
+                                              attention_kernel(backends))
+    elif (gdn_fused := gdn_kernel(backends)) is not None:
+        x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused)
+    else:
+        x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
+    h = h + x
+    x = rms_norm(h, lp["post_attn_norm"], eps)
+    # A layer holds "moe" or "mlp" (model/param_layout.py, per config.mlp_types).
+    moe = moe_fn or functools.partial(moe_block, dense=backends.xla_cpu)
+    h = h + (moe(lp["moe"], x, config) if "moe" in lp else dense_mlp(lp["mlp"], x))
+    return h, (k_cache, v_cache, conv, rec)
+
+
+def rope_tables(batch: ForwardBatch, config: Qwen35MoeConfig) -> tuple[jax.Array, jax.Array]:
     """The step's rotary tables: 3-D M-RoPE for a step with image tokens, else plain RoPE at the position (plus
     the row's rope delta on a vision-language model: equal streams reduce M-RoPE to that)."""
     if batch.mrope_positions is not None:
@@ -156,7 +196,7 @@ def _rope(batch: ForwardBatch, config: Qwen35MoeConfig) -> tuple[jax.Array, jax.
     return rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
 
 
-def _embed(embed: jax.Array, batch: ForwardBatch, config: Qwen35MoeConfig) -> jax.Array:
+def embed_tokens(embed: jax.Array, batch: ForwardBatch, config: Qwen35MoeConfig) -> jax.Array:
     """``[B, T, H]`` input embeddings; the image pad tokens take the step's image embeddings when it has any."""
     h = embed[batch.input_ids]
     if batch.image_embeds is None:

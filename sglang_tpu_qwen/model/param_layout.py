@@ -35,8 +35,11 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Prefixes of the conditional-generation and the causal-LM layouts; the first that matches wins.
 _PREFIXES = ("model.language_model.", "model.")
-# Parts of multimodal / multi-token-prediction releases that the text decoder does not use.
-SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "model.language_model.mtp.")
+# Prefixes of the multi-token-prediction layer's tensors (the release stores them top level, ``mtp.``).
+MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
+# Parts of multimodal / multi-token-prediction releases that the text decoder does not use (the MTP layer is
+# loaded only when asked for: ``canonical_name(name, mtp=True)``).
+SKIPPED_PREFIXES = (*MTP_PREFIXES, "model.visual.", "visual.")
 
 LeafPath = tuple[str | int, ...]
 
@@ -99,60 +102,64 @@ def split_grouped(x: Any, groups: tuple[int, ...], part: str, xp: Any) -> Any:
 
 
 def param_specs(config: Qwen35MoeConfig, dtype: Any = jnp.bfloat16, *, stacked: bool = True,
-                kv_scales: bool = False) -> dict[str, Any]:
+                kv_scales: bool = False, mtp: bool = False) -> dict[str, Any]:
     """Shapes and dtypes of the parameter pytree (docs/internals.md) as ``jax.ShapeDtypeStruct`` leaves.
 
     ``dtype`` is the compute dtype of every leaf except ``A_log``, which stays float32. ``stacked``: the
     layers in the scanned layout of model/stacking.py (what ``forward_step`` takes); False gives one
     dict per layer (the loader's and the checkpoint table's view). ``kv_scales``: the attention layers also
-    hold the checkpoint's FP8 KV cache scales ``k_scale`` / ``v_scale`` (float32 scalars). Useful for
-    ahead-of-time compilation.
+    hold the checkpoint's FP8 KV cache scales ``k_scale`` / ``v_scale`` (float32 scalars). ``mtp``: the
+    multi-token-prediction layer as ``params["mtp"]`` (model/mtp.py). Useful for ahead-of-time compilation.
     """
     c = config
-    h, e, i, i_s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-    nq, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    hv, dv, k = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
+    h = c.hidden_size
 
     def s(*shape: int, dt: Any = dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
 
-    def moe() -> dict[str, Any]:
-        return {
+    layers = [_layer_specs(c, s, kind, mlp_kind, kv_scales)
+              for kind, mlp_kind in zip(c.layer_types, c.mlp_types, strict=True)]
+    params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = s(c.vocab_size, h)
+    if mtp:
+        params["mtp"] = {
+            "fc": s(2 * h, h), "pre_fc_norm_embedding": s(h), "pre_fc_norm_hidden": s(h), "norm": s(h),
+            "layer": _layer_specs(c, s, "full_attention", c.mtp_mlp_type, kv_scales),
+        }  # fmt: skip
+    return stack_params(params, config) if stacked else params
+
+
+def _layer_specs(c: Qwen35MoeConfig, s: Any, kind: str, mlp_kind: str, kv_scales: bool) -> dict[str, Any]:
+    """One decoder layer's leaves (``s(*shape, dt=)`` makes a leaf): the mixer of ``kind``, the MLP of
+    ``mlp_kind``."""
+    h, e, i, i_s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    nq, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    hv, dv, k = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
+    layer: dict[str, Any] = {"input_norm": s(h), "post_attn_norm": s(h)}
+    if kind == "full_attention":
+        layer["attn"] = {
+            "q_proj": s(h, nq * hd * 2), "k_proj": s(h, nkv * hd), "v_proj": s(h, nkv * hd),
+            "o_proj": s(nq * hd, h), "q_norm": s(hd), "k_norm": s(hd),
+        }  # fmt: skip
+        if kv_scales:
+            layer["attn"].update(k_scale=s(dt=jnp.float32), v_scale=s(dt=jnp.float32))
+    else:
+        layer["gdn"] = {
+            "in_proj_qkv": s(h, c.gdn_conv_dim), "in_proj_z": s(h, hv * dv),
+            "in_proj_b": s(h, hv), "in_proj_a": s(h, hv), "conv1d": s(c.gdn_conv_dim, k),
+            "dt_bias": s(hv), "A_log": s(hv, dt=jnp.float32), "norm": s(dv), "out_proj": s(hv * dv, h),
+        }  # fmt: skip
+    if mlp_kind == "moe":
+        layer["moe"] = {
             "router": s(h, e), "w_gate": s(e, h, i), "w_up": s(e, h, i), "w_down": s(e, i, h),
             "shared_gate": s(h, i_s), "shared_up": s(h, i_s), "shared_down": s(i_s, h),
             "shared_expert_gate": s(h, 1),
         }  # fmt: skip
-
-    def mlp() -> dict[str, Any]:
-        return {"gate_proj": s(h, c.intermediate_size), "up_proj": s(h, c.intermediate_size),
-                "down_proj": s(c.intermediate_size, h)}
-
-    layers: list[dict[str, Any]] = []
-    for kind, mlp_kind in zip(c.layer_types, c.mlp_types, strict=True):
-        layer: dict[str, Any] = {"input_norm": s(h), "post_attn_norm": s(h)}
-        if kind == "full_attention":
-            layer["attn"] = {
-                "q_proj": s(h, nq * hd * 2), "k_proj": s(h, nkv * hd), "v_proj": s(h, nkv * hd),
-                "o_proj": s(nq * hd, h), "q_norm": s(hd), "k_norm": s(hd),
-            }  # fmt: skip
-            if kv_scales:
-                layer["attn"].update(k_scale=s(dt=jnp.float32), v_scale=s(dt=jnp.float32))
-        else:
-            layer["gdn"] = {
-                "in_proj_qkv": s(h, c.gdn_conv_dim), "in_proj_z": s(h, hv * dv),
-                "in_proj_b": s(h, hv), "in_proj_a": s(h, hv), "conv1d": s(c.gdn_conv_dim, k),
-                "dt_bias": s(hv), "A_log": s(hv, dt=jnp.float32), "norm": s(dv), "out_proj": s(hv * dv, h),
-            }  # fmt: skip
-        if mlp_kind == "moe":
-            layer["moe"] = moe()
-        else:
-            layer["mlp"] = mlp()
-        layers.append(layer)
-    params: dict[str, Any] = {"embed": s(c.vocab_size, h), "final_norm": s(h), "layers": layers}
-    if not c.tie_word_embeddings:
-        params["lm_head"] = s(c.vocab_size, h)
-    return stack_params(params, config) if stacked else params
-
+    else:
+        layer["mlp"] = {"gate_proj": s(h, c.intermediate_size), "up_proj": s(h, c.intermediate_size),
+                        "down_proj": s(c.intermediate_size, h)}
+    return layer
 
 
 def leaf_at(tree: Any, path: LeafPath) -> Any:
@@ -196,13 +203,17 @@ _DENSE_MLP = ("gate_proj", "up_proj", "down_proj")  # HF "layers.{i}.mlp.{name}.
 
 
 def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset(),
-             kv_scales: bool = False) -> dict[str, HfSpec]:
+             kv_scales: bool = False, *, mtp: bool = False, mtp_fused: bool = False) -> dict[str, HfSpec]:
     """Every HF tensor name (prefix removed) of the text model -> its `HfSpec`, in checkpoint order.
 
     Layers in ``fused_layers`` store their experts fused, the others per expert. ``kv_scales``: every attention
     layer also has ``self_attn.k_scale`` / ``self_attn.v_scale`` (the names :func:`kv_scale_name` gives).
+    ``mtp``: the MTP layer's tensors too, named ``mtp.*`` as the release stores them (SGLang's and vLLM's
+    ``qwen3_5_mtp`` loaders): ``mtp.fc.weight [H, 2H]`` over ``[norm(embedding), norm(hidden)]``,
+    ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.norm`` and one full-attention decoder
+    layer ``mtp.layers.0.*`` (experts fused when ``mtp_fused``).
     """
-    shapes = param_specs(config, stacked=False, kv_scales=kv_scales)
+    shapes = param_specs(config, stacked=False, kv_scales=kv_scales, mtp=mtp)
     table: dict[str, HfSpec] = {}
 
     def add(name: str, path: LeafPath, layout: str, expert: int | None = None) -> None:
@@ -210,42 +221,52 @@ def hf_table(config: Qwen35MoeConfig, fused_layers: frozenset[int] = frozenset()
 
     add("embed_tokens.weight", ("embed",), "same")
     for li, kind in enumerate(config.layer_types):
-        pre, lp = f"layers.{li}.", ("layers", li)
-        add(pre + "input_layernorm.weight", (*lp, "input_norm"), "same")
-        add(pre + "post_attention_layernorm.weight", (*lp, "post_attn_norm"), "same")
-        if kind == "full_attention":
-            for leaf, layout in _ATTN.items():
-                add(f"{pre}self_attn.{leaf}.weight", (*lp, "attn", leaf), layout)
-            if kv_scales:
-                for leaf in ("k_scale", "v_scale"):
-                    add(f"{pre}self_attn.{leaf}", (*lp, "attn", leaf), "scalar")
-        elif config.gdn_fused_projections:
-            _add_fused_gdn(table, add, config, pre, (*lp, "gdn"))
-        else:
-            for leaf, layout in _GDN.items():
-                suffix = "" if leaf in ("dt_bias", "A_log") else ".weight"
-                add(f"{pre}linear_attn.{leaf}{suffix}", (*lp, "gdn", leaf), layout)
-        if config.mlp_types[li] == "dense":
-            for leaf in _DENSE_MLP:
-                add(f"{pre}mlp.{leaf}.weight", (*lp, "mlp", leaf), "t")
-            continue
-        mp = (*lp, "moe")
-        for hf, leaf in _MOE_DENSE.items():
-            add(f"{pre}mlp.{hf}", (*mp, leaf), "t")
-        if li in fused_layers:
-            gate_shape = leaf_at(shapes, (*mp, "w_gate")).shape
-            table[f"{pre}mlp.experts.gate_up_proj"] = HfSpec(
-                mp, _hf_shape("fused_gate_up", gate_shape), "fused_gate_up"
-            )
-            add(f"{pre}mlp.experts.down_proj", (*mp, "w_down"), "fused_down")
-        else:
-            for e in range(config.num_experts):
-                for hf, leaf in _PER_EXPERT.items():
-                    add(f"{pre}mlp.experts.{e}.{hf}.weight", (*mp, leaf), "expert_t", e)
+        _add_layer(table, add, shapes, config, f"layers.{li}.", ("layers", li), kind, config.mlp_types[li],
+                   li in fused_layers, kv_scales)
     add("norm.weight", ("final_norm",), "same")
     if not config.tie_word_embeddings:
         add("lm_head.weight", ("lm_head",), "same")
+    if mtp:
+        add("mtp.fc.weight", ("mtp", "fc"), "t")
+        for leaf in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            add(f"mtp.{leaf}.weight", ("mtp", leaf), "same")
+        _add_layer(table, add, shapes, config, "mtp.layers.0.", ("mtp", "layer"), "full_attention",
+                   config.mtp_mlp_type, mtp_fused, kv_scales)
     return table
+
+
+def _add_layer(table: dict[str, HfSpec], add: Any, shapes: Any, config: Qwen35MoeConfig, pre: str, lp: LeafPath,
+               kind: str, mlp_kind: str, fused: bool, kv_scales: bool) -> None:
+    """One decoder layer's HF tensors (names under ``pre``) onto the leaves under ``lp``."""
+    add(pre + "input_layernorm.weight", (*lp, "input_norm"), "same")
+    add(pre + "post_attention_layernorm.weight", (*lp, "post_attn_norm"), "same")
+    if kind == "full_attention":
+        for leaf, layout in _ATTN.items():
+            add(f"{pre}self_attn.{leaf}.weight", (*lp, "attn", leaf), layout)
+        if kv_scales:
+            for leaf in ("k_scale", "v_scale"):
+                add(f"{pre}self_attn.{leaf}", (*lp, "attn", leaf), "scalar")
+    elif config.gdn_fused_projections:
+        _add_fused_gdn(table, add, config, pre, (*lp, "gdn"))
+    else:
+        for leaf, layout in _GDN.items():
+            suffix = "" if leaf in ("dt_bias", "A_log") else ".weight"
+            add(f"{pre}linear_attn.{leaf}{suffix}", (*lp, "gdn", leaf), layout)
+    if mlp_kind == "dense":
+        for leaf in _DENSE_MLP:
+            add(f"{pre}mlp.{leaf}.weight", (*lp, "mlp", leaf), "t")
+        return
+    mp = (*lp, "moe")
+    for hf, leaf in _MOE_DENSE.items():
+        add(f"{pre}mlp.{hf}", (*mp, leaf), "t")
+    if fused:
+        gate_shape = leaf_at(shapes, (*mp, "w_gate")).shape
+        table[f"{pre}mlp.experts.gate_up_proj"] = HfSpec(mp, _hf_shape("fused_gate_up", gate_shape), "fused_gate_up")
+        add(f"{pre}mlp.experts.down_proj", (*mp, "w_down"), "fused_down")
+    else:
+        for e in range(config.num_experts):
+            for hf, leaf in _PER_EXPERT.items():
+                add(f"{pre}mlp.experts.{e}.{hf}.weight", (*mp, leaf), "expert_t", e)
 
 
 def _add_fused_gdn(table: dict[str, HfSpec], add: Any, config: Qwen35MoeConfig, pre: str, gp: LeafPath) -> None:
@@ -263,8 +284,13 @@ def _add_fused_gdn(table: dict[str, HfSpec], add: Any, config: Qwen35MoeConfig, 
         add(f"{pre}linear_attn.{leaf}{suffix}", (*gp, leaf), layout)
 
 
-def canonical_name(name: str) -> str | None:
-    """HF checkpoint name -> table name (prefix removed); None for tensors the text model skips."""
+def canonical_name(name: str, mtp: bool = False) -> str | None:
+    """HF checkpoint name -> table name (prefix removed); None for tensors the text model skips. ``mtp``: the
+    MTP layer's tensors are kept, as ``mtp.*`` whatever their prefix."""
+    if mtp:
+        for prefix in MTP_PREFIXES:
+            if name.startswith(prefix):
+                return "mtp." + name[len(prefix):]
     if name.startswith(SKIPPED_PREFIXES):
         return None
     if name == "lm_head.weight":
@@ -276,7 +302,7 @@ def canonical_name(name: str) -> str | None:
 
 
 # The spellings of an attention layer's FP8 KV cache scale (module docstring) -> "self_attn.{k,v}_scale".
-_KV_SCALE = re.compile(r"^(layers\.\d+\.self_attn)\.(?:([kv])_proj\.|attn\.)?([kv])_scale$")
+_KV_SCALE = re.compile(r"^((?:mtp\.)?layers\.\d+\.self_attn)\.(?:([kv])_proj\.|attn\.)?([kv])_scale$")
 
 
 def kv_scale_name(canon: str) -> str | None:

@@ -131,6 +131,7 @@ class _Plan:
     files: dict[Path, SafetensorsFile]
     block: tuple[int, int]  # FP8 quantisation block [rows, cols] of the checkpoint's [out, in] tensors
     kv_scales: bool = False  # the attention layers carry FP8 KV cache scales (param_layout.kv_scale_name)
+    mtp: bool = False  # the MTP layer is loaded too (params["mtp"])
 
 
 def fp8_block(model_dir: Path) -> tuple[int, int]:
@@ -163,13 +164,13 @@ def _check_scale(weight: _Tensor, scale: _Tensor, block: tuple[int, int]) -> Non
 
 def _plan(
     files: Mapping[str, Path], config: Qwen35MoeConfig, block: tuple[int, int], dtype: Any, keep_fp8: bool,
-    quantize: bool,
+    quantize: bool, mtp: bool = False,
 ) -> _Plan:
     """Check names, dtypes, shapes and FP8 scales against the config before reading any data.
 
     Raises CheckpointError for a missing, unexpected, duplicated or mis-shaped tensor, a float8 weight
     without its scale, a scale without its float8 weight or of the wrong shape, and a leaf (expert
-    stack) whose tensors are partly quantised.
+    stack) whose tensors are partly quantised; with ``mtp``, a checkpoint without ``mtp.*`` tensors.
     """
     opened = {p: SafetensorsFile(p) for p in sorted(set(files.values()))}
     weights: dict[str, str] = {}  # table name -> checkpoint name
@@ -178,7 +179,7 @@ def _plan(
     for name, path in files.items():
         if name not in opened[path].tensors:
             raise CheckpointError(f"tensor {name}: listed in {INDEX_FILE} but absent from {path.name}")
-        canon = canonical_name(name)
+        canon = canonical_name(name, mtp)
         if canon is None or (canon == "lm_head.weight" and config.tie_word_embeddings):
             skipped.append(name)  # a tied checkpoint may still carry a copy of lm_head
             continue
@@ -202,9 +203,13 @@ def _plan(
     fused = frozenset(
         li for li in range(config.num_hidden_layers) if f"layers.{li}.mlp.experts.gate_up_proj" in weights
     )
+    if mtp and not any(c.startswith("mtp.") for c in weights):
+        raise CheckpointError("speculative decoding with the MTP layer needs the checkpoint's mtp.* tensors "
+                              "(mtp.fc.weight, mtp.layers.0.*, ...); this checkpoint has none")
     # KV cache scales are all or nothing, like block FP8: with one present, every attention layer needs both.
     kv_scales = any(kv_scale_name(c) for c in weights)
-    table = hf_table(config, fused, kv_scales)
+    table = hf_table(config, fused, kv_scales, mtp=mtp,
+                     mtp_fused="mtp.layers.0.mlp.experts.gate_up_proj" in weights)
     unexpected = sorted(n for c, n in weights.items() if c not in table)
     if unexpected:
         shown = ", ".join(
@@ -242,7 +247,7 @@ def _plan(
             raise CheckpointError(f"tensor {t.name}: the gate / up halves ({t.info.shape[1] // 2} rows) do not "
                                   f"split on a {block[0]}-row block boundary of {t.scale.name}")  # type: ignore[union-attr]
 
-    shapes = param_specs(config, stacked=False, kv_scales=kv_scales)
+    shapes = param_specs(config, stacked=False, kv_scales=kv_scales, mtp=mtp)
     np_dtype = np.dtype(dtype)
     by_leaf: dict[LeafPath, list[tuple[_Tensor, str | None]]] = {}
     for t in by_name.values():
@@ -265,7 +270,7 @@ def _plan(
     if kv_scales:
         logger.info("checkpoint has FP8 KV cache scales (k_scale / v_scale) for its %d attention layers; an "
                     "FP8 KV cache (--kv-cache-dtype fp8_e4m3) uses them", config.num_attn_layers)
-    return _Plan(leaves, opened, block, kv_scales)
+    return _Plan(leaves, opened, block, kv_scales, mtp)
 
 
 def _hf_part(t: _Tensor, part: str | None, experts: slice | None, block: tuple[int, int]
@@ -392,7 +397,8 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
     """
     if not stacked:
         outs = [_OutLeaf(lf.path, [lf], False) for lf in plan.leaves]
-        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=False, kv_scales=plan.kv_scales))
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=False, kv_scales=plan.kv_scales,
+                                                            mtp=plan.mtp))
     else:
         period = layer_period(config)
         groups: dict[LeafPath, list[_Leaf]] = {}
@@ -412,7 +418,8 @@ def _out_leaves(plan: _Plan, config: Qwen35MoeConfig, stacked: bool) -> tuple[li
                     f"layers {a.path[1]} and {b.path[1]} store {'.'.join(map(str, a.path[2:]))} differently "
                     "(one block-FP8, one not): a stacked layer group needs them alike")
             outs.append(_OutLeaf(path, members, True))
-        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=True, kv_scales=plan.kv_scales))
+        skeleton = jax.tree.map(lambda _: None, param_specs(config, stacked=True, kv_scales=plan.kv_scales,
+                                                            mtp=plan.mtp))
     for out in outs:
         lead = (len(out.members),) if out.stacked else ()
         out.abstract = _leaf_abstract(out.members[0], plan.block, lead)
@@ -430,6 +437,7 @@ def load_params(
     shardings: Callable[[Any], Any] | None = None,
     manifest: Mapping[str, str] | None = None,
     stacked: bool = True,
+    mtp: bool = False,
 ) -> Any:
     """Load a HF safetensors checkpoint into the parameter pytree of docs/internals.md.
 
@@ -440,6 +448,10 @@ def load_params(
     With ``tie_word_embeddings`` there is no ``lm_head``. FP8 KV cache scales (``self_attn.k_scale`` /
     ``v_scale`` and the spellings model/param_layout.py lists), when present, become float32 scalar leaves
     ``attn.k_scale`` / ``attn.v_scale`` of every attention layer (all layers or none).
+
+    ``mtp``: also load the multi-token-prediction layer (``mtp.*``, any of param_layout.MTP_PREFIXES) into
+    ``params["mtp"]`` (layout: model/param_layout.py ``param_specs(mtp=True)``; never stacked; its experts split
+    like the main layers' by ``shardings``, block FP8 kept as for the main layers).
 
     ``stacked``: the layer-scan layout (COORDINATION.md contract 1): ``params["layers"]`` is a list of
     ``layer_period(config)`` dicts whose leaves have a leading dim G = layers / period, layer
@@ -468,7 +480,7 @@ def load_params(
             a tensor missing, unexpected, stored twice, or shaped other than the config implies; a
             float8 weight without its scale, a scale without its weight or of the wrong shape, an
             expert stack mixing quantised and unquantised tensors (messages name the tensors and file);
-            a manifest mismatch (names the file).
+            a manifest mismatch (names the file); ``mtp`` and no ``mtp.*`` tensor in the checkpoint.
         ValueError: ``quantization`` other than None / "fp8".
     """
     if quantization not in (None, "fp8"):
@@ -478,7 +490,7 @@ def load_params(
         check_file_set(model_dir, manifest)
     files = checkpoint_files(model_dir)
     plan = _plan(files, config, fp8_block(model_dir), dtype, keep_fp8 or quantization == "fp8",
-                 quantization == "fp8")
+                 quantization == "fp8", mtp)
     outs, params = _out_leaves(plan, config, stacked)
     if shardings is not None:
         sh_tree = shardings(params)

@@ -38,6 +38,7 @@ QUANTISED_LEAVES = frozenset({
     "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
     "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down",
     "gate_proj", "up_proj", "down_proj",  # the dense SwiGLU MLP (model/dense_mlp.py)
+    "fc",  # the MTP layer's input projection (model/mtp.py)
 })  # fmt: skip
 
 
