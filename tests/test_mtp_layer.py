@@ -13,6 +13,7 @@ extend step (only the summation order differs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -33,8 +34,13 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends  # noqa: E402
 from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint, to_hf_state_dict  # noqa: E402
 from sglang_tpu_qwen.model.config import load_config  # noqa: E402
-from sglang_tpu_qwen.model.forward import compute_logits, forward_step, init_cache  # noqa: E402
-from sglang_tpu_qwen.model.forward_batch import ForwardBatch  # noqa: E402
+from sglang_tpu_qwen.model.forward import (  # noqa: E402
+    commit_gdn_states,
+    compute_logits,
+    forward_step,
+    init_cache,
+)
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sglang_tpu_qwen.model.mtp import mtp_forward  # noqa: E402
 from sglang_tpu_qwen.model.weights import CheckpointError, load_params  # noqa: E402
 from sglang_tpu_qwen.quant.fp8 import Fp8Weight  # noqa: E402
@@ -239,3 +245,41 @@ def test_mtp_layer_block_fp8(ckpt: tuple[Any, _HfMtp, Path], tmp_path: Path) -> 
     record("MTP layer", f"MTP draft logits, block-FP8 kept vs dequantised at load: max |err| {err:.2e} "
                         f"(tol {FP8_TOL})")
     assert err < FP8_TOL
+
+
+_verify = jax.jit(functools.partial(forward_step, backends=_BACKENDS), static_argnames="config")
+_commit = jax.jit(commit_gdn_states, static_argnames="config")
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 4])
+def test_verify_then_commit_equals_feeding_the_accepted_tokens(ckpt: tuple[Any, _HfMtp, Path],
+                                                                accepted: int) -> None:
+    """A TARGET_VERIFY step over 4 tokens leaves the GDN slot untouched; committing j of them gives the state
+    (and the next step's output) of a plain extend over those j tokens."""
+    _, _, path = ckpt
+    config = load_config(path)
+    params = load_params(path, config, jnp.float32)
+    ids = _prompt(config.vocab_size)
+    prompt, fed, after = ids[:11], ids[11:15], ids[15]
+    pages = np.arange(1, 6, dtype=np.int32)
+
+    def prefilled() -> dict:
+        cache = init_cache(config, 6, PAGE_SIZE, 2, jnp.float32)
+        return _target(params, cache, _batch(prompt, 0, pages), config=config)[1]
+
+    cache = prefilled()
+    before = {k: np.asarray(cache[k]) for k in ("conv", "rec")}
+    vb = dataclasses.replace(_batch(fed, len(prompt), pages), mode=ForwardMode.TARGET_VERIFY)
+    v_hidden, cache, saved = _verify(params, cache, vb, config=config)
+    for k in ("conv", "rec"):
+        np.testing.assert_array_equal(np.asarray(cache[k]), before[k])
+    cache = _commit(params, cache, vb, saved, jnp.asarray([accepted], jnp.int32), config=config)
+    nxt = fed[accepted] if accepted < len(fed) else after
+    got, _ = _target(params, cache, _batch([nxt], len(prompt) + accepted, pages), config=config)
+
+    ref = prefilled()
+    if accepted:
+        e_hidden, ref = _target(params, ref, _batch(fed[:accepted], len(prompt), pages), config=config)
+        np.testing.assert_allclose(np.asarray(v_hidden[0, :accepted]), np.asarray(e_hidden[0]), atol=DECODE_TOL)
+    want, ref = _target(params, ref, _batch([nxt], len(prompt) + accepted, pages), config=config)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=DECODE_TOL)

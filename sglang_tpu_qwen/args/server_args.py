@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
+
+logger = logging.getLogger(__name__)
 
 # Fewest prompt tokens a DP rank's prefill step may be bounded to: the smallest compiled extend size
 # (engine/runner/buckets.py MIN_EXTEND_TOKENS is this value); a smaller budget would pad every step to it.
@@ -20,6 +23,8 @@ KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
 # Images a request may carry without --limit-mm-data-per-request (SGLang has no limit by default; a bound keeps
 # one request from making the server decode an unbounded number of images).
 DEFAULT_IMAGES_PER_REQUEST = 32
+# --speculative-algorithm values served: SGLang's NEXTN and EAGLE both draft with the checkpoint's MTP layer here.
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
 
 
 @dataclass
@@ -133,6 +138,18 @@ class ServerArgs:
     debug_nan_fill_freed_slots: bool = field(
         default=False, metadata={"help": "Fill freed GDN slots with NaN so a stale read fails loudly."}
     )
+    # Speculative decoding with the checkpoint's MTP layer (SGLang's flags; engine/scheduler/speculative.py).
+    speculative_algorithm: str | None = field(default=None, metadata={
+        "help": "NEXTN (or EAGLE, SGLang's other name for it with this model): draft with the checkpoint's "
+                "multi-token-prediction layer (mtp.*) and verify every draft in one target step. Other SGLang "
+                "algorithms (EAGLE3, STANDALONE, NGRAM) are refused."})
+    speculative_num_steps: int | None = field(default=None, metadata={
+        "help": "Draft tokens per request per step: the MTP layer run recursively this many times (default 3)."})
+    speculative_eagle_topk: int | None = field(default=None, metadata={
+        "help": "Draft candidates per step; only 1 (a chain, no tree) is implemented (default 1)."})
+    speculative_num_draft_tokens: int | None = field(default=None, metadata={
+        "help": "Tokens per request in a verify step: with top-k 1 always --speculative-num-steps + 1 (SGLang "
+                "adjusts another value the same way, with a warning)."})
     # Kernels.
     attention_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
     gdn_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
@@ -250,6 +267,46 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
         self._check_disaggregation()
         self._check_multihost()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """Resolve the speculative flags as SGLang does for a model with an MTP layer, and refuse what is not
+        implemented. Raises ValueError naming the flag."""
+        flags = {"--speculative-num-steps": self.speculative_num_steps,
+                 "--speculative-eagle-topk": self.speculative_eagle_topk,
+                 "--speculative-num-draft-tokens": self.speculative_num_draft_tokens}
+        if self.speculative_algorithm is None:
+            given = [f for f, v in flags.items() if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} given without --speculative-algorithm")
+            return
+        algo = self.speculative_algorithm.upper()
+        if algo in ("EAGLE3", "STANDALONE", "NGRAM"):
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} is not implemented: this "
+                             "runtime drafts with the checkpoint's MTP layer (NEXTN, or EAGLE)")
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got "
+                             f"{self.speculative_algorithm!r}")
+        self.speculative_algorithm = algo
+        if self.speculative_num_steps is None:
+            self.speculative_num_steps = 3
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk} is not implemented: drafts "
+                             "are a chain (top-k 1), not a tree")
+        chain = self.speculative_num_steps + 1
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens != chain:
+            logger.warning("--speculative-num-draft-tokens %d is adjusted to --speculative-num-steps + 1 = %d "
+                           "with --speculative-eagle-topk 1 (as SGLang does)", self.speculative_num_draft_tokens,
+                           chain)
+        self.speculative_num_draft_tokens = chain
+        if self.dp_size > 1 or self.ep_size > 1:
+            raise ValueError("speculative decoding on a mesh (--dp-size / --ep-size > 1) is not implemented yet")
+        if self.disaggregation_mode != "null":
+            raise ValueError("speculative decoding with --disaggregation-mode is not implemented yet")
 
     def _check_state_budget(self) -> None:
         """Refuse GDN state budgets that mean nothing (engine/runner/memory_split.py uses them). Raises ValueError."""
@@ -295,6 +352,11 @@ class ServerArgs:
 
             if not os.path.isdir(self.allowed_local_media_path):
                 raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
+
+    @property
+    def speculative_steps(self) -> int:
+        """Draft tokens per request per step: --speculative-num-steps when speculative decoding is on, else 0."""
+        return (self.speculative_num_steps or 0) if self.speculative_algorithm else 0
 
     @property
     def max_images_per_request(self) -> int:

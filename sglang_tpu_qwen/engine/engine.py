@@ -478,6 +478,7 @@ class Engine:
         return self.scheduler.profiler.request_stop()
 
     def get_server_info(self) -> dict[str, Any]:
+        spec = self.scheduler.spec
         info = dataclasses.asdict(self.server_args)
         info.update({
             "model_path": self.model_path,
@@ -486,7 +487,9 @@ class Engine:
             "mamba_ssm_dtype": self.runner.sizing.state_dtype.name,
             "memory": self.scheduler.memory_usage(),
             # SGLang's place for it: one internal state per device, memory_usage in GB (memory_accounting.py).
-            "internal_states": [{"memory_usage": usage} for usage in self.runner.memory_usage],
+            # SGLang's place for avg_spec_accept_length (speculative decoding: engine/scheduler/speculative.py).
+            "internal_states": [{"memory_usage": usage, **(spec.info() if spec is not None else {})}
+                                for usage in self.runner.memory_usage],
             # How each DP rank's memory was split between GDN slots and KV pages, and the rule that decided.
             "memory_split": self.runner.sizing.split.as_dict(),
             # The vision tower's bytes (out of the budget before the split), buckets and counters; None: text-only.

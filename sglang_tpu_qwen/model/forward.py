@@ -12,6 +12,7 @@ server, the tests and the planner (tools/plan/) all compile this function.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,13 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, gdn_kernel
-from sglang_tpu_qwen.kernels.gdn.conv_pool import pool_shape
+from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, pool_shape, scatter_windows
+from sglang_tpu_qwen.kernels.gdn.delta_rule import gdn_mix
 from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import pool_shape as kv_pool_shape
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.dense_mlp import dense_mlp
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
-from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_pooled
+from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_pooled, gdn_layer_verify
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import mrope_cos_sin, rope_cos_sin
@@ -83,7 +85,7 @@ def forward_step(
     config: Qwen35MoeConfig,
     moe_fn: Callable[..., jax.Array] | None = None,
     backends: KernelBackends | None = None,
-) -> tuple[jax.Array, Cache]:
+) -> tuple[jax.Array, Cache] | tuple[jax.Array, Cache, GdnInputs]:
     """Run the new tokens of a batch of sequences through the model, updating the cache.
 
     Args:
@@ -92,7 +94,10 @@ def forward_step(
         cache: from :func:`init_cache`.
         batch: the step (model/forward_batch.py): ``input_ids [B, T]``, ``prefix_lens``, ``extend_lens``,
             ``slot_ids [B]`` and ``page_table [B, P]``, int32; its ``token_src`` is not read. ``T == 1`` uses
-            the recurrent GDN form, ``T > 1`` the chunked one.
+            the recurrent GDN form, ``T > 1`` the chunked one. A ``TARGET_VERIFY`` batch (speculative
+            decoding) writes the KV of every token but leaves the GDN slots as they were, and also returns the
+            GDN layers' inputs, so that :func:`commit_gdn_states` can advance each slot over the tokens that
+            were accepted (state rollback by recomputing the recurrence from the pre-verify state).
         config: static model config.
         moe_fn: ``(moe_params, x [B, T, H], config) -> [B, T, H]``; default :func:`moe_block`. The
             expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``. Dense
@@ -101,8 +106,8 @@ def forward_step(
             jnp reference in its accelerator forms.
 
     Returns:
-        ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``. Hidden rows of padded
-        tokens are finite but meaningless.
+        ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``, plus the
+        :data:`GdnInputs` of a ``TARGET_VERIFY`` batch. Hidden rows of padded tokens are finite but meaningless.
     """
     period = len(params["layers"])
     kinds = config.layer_types[:period]
@@ -111,29 +116,89 @@ def forward_step(
     rope = rope_tables(batch, config)
     layer = functools.partial(decoder_layer, batch=batch, rope=rope, config=config, backends=backends,
                               moe_fn=moe_fn)
+    verify = batch.mode.is_verify
 
     # FP8 weights stay whole stacks outside the scan: the kernel reads layer g in place (quant/fp8.py).
     scanned, fp8_stacks = split_stacked_fp8(params["layers"])
 
-    def group(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, list[Params]]) -> tuple[tuple[jax.Array, ...], None]:
+    def group(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, list[Params]]) -> tuple[tuple[jax.Array, ...], Any]:
         h, *pools = carry
         g, lps = xs
         lps = join_layer_fp8(lps, fp8_stacks, g)
         # Cache index of this group's first layer of each kind (traced: the kernels take it in SMEM).
         attn_i, gdn_i = g * n_attn, g * n_gdn
+        saved = []
         for kind, lp in zip(kinds, lps, strict=True):
             index = attn_i if kind == "full_attention" else gdn_i
-            h, pools = layer(lp, kind, h, tuple(pools), index)
+            h, pools, inputs = layer(lp, kind, h, tuple(pools), index)
+            if inputs is not None:
+                saved.append(inputs)
             attn_i, gdn_i = (attn_i + 1, gdn_i) if kind == "full_attention" else (attn_i, gdn_i + 1)
-        return (h, *pools), None
+        return (h, *pools), (tuple(saved) if verify else None)
 
     n_groups = config.num_hidden_layers // period
     carry = (embed_tokens(params["embed"], batch, config), cache["k"], cache["v"], cache["conv"], cache["rec"])
-    (h, k_cache, v_cache, conv, rec), _ = jax.lax.scan(
+    (h, k_cache, v_cache, conv, rec), saved = jax.lax.scan(
         group, carry, (jnp.arange(n_groups, dtype=jnp.int32), scanned)
     )
     h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    return h, {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}
+    new_cache = {"k": k_cache, "v": v_cache, "conv": conv, "rec": rec}
+    return (h, new_cache, saved) if verify else (h, new_cache)
+
+
+# A TARGET_VERIFY step's GDN layer inputs: per GDN position j of the layer period, (mixed [G, B, T, conv_dim]
+# compute dtype, g [G, B, T, Hv] float32, beta [G, B, T, Hv] float32), G the layer groups (model/stacking.py).
+GdnInputs = tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
+
+
+def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: GdnInputs, commit_lens: jax.Array,
+                      *, config: Qwen35MoeConfig) -> Cache:
+    """Advance each row's GDN state over the first ``commit_lens[b]`` tokens of a ``TARGET_VERIFY`` step.
+
+    The verify step left the slots at the state before its tokens and returned its GDN layers' inputs
+    (``saved``, :func:`forward_step`); this runs the causal conv1d and the gated delta rule again over the
+    accepted tokens only (token by token, no weight but the conv kernels read) and writes the result, so the
+    slot holds exactly the state after the last accepted token (rejected draft tokens never touch it).
+
+    Args:
+        params, config: as :func:`forward_step` (reads each GDN layer's ``conv1d``).
+        cache: after the verify step; ``conv`` / ``rec`` updated.
+        batch: the verify step's batch (its ``slot_ids``, ``prefix_lens``).
+        saved: the verify step's :data:`GdnInputs`.
+        commit_lens: ``[B]`` int32 in ``[0, extend_lens[b]]``: tokens of row b to keep (0: the state stays).
+
+    Returns:
+        The cache with the rows' GDN slots advanced.
+    """
+    period = len(params["layers"])
+    kinds = config.layer_types[:period]
+    gdn_pos = [j for j, k in enumerate(kinds) if k != "full_attention"]
+    n_gdn = len(gdn_pos)
+    t = batch.num_tokens
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < commit_lens[:, None]
+    keep = dataclasses.replace(batch, extend_lens=commit_lens)
+    taps = config.linear_conv_kernel_dim - 1
+
+    def group(carry: tuple[jax.Array, jax.Array], xs: Any) -> tuple[tuple[jax.Array, jax.Array], None]:
+        conv, rec = carry
+        g, weights, inputs = xs
+        for j, (w, (mixed, gg, beta)) in enumerate(zip(weights, inputs, strict=True)):
+            layer = g * n_gdn + j
+            f = keep.fresh[:, None, None]
+            conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, batch.slot_ids, taps), 1, 2))
+            rec_s = jnp.where(f[..., None], 0, rec[layer, batch.slot_ids])
+            # Tokens past the commit are padding now: zero decay and write strength leave the state as it is.
+            gg, beta = (jnp.where(valid[..., None], a, 0.0) for a in (gg, beta))
+            _, conv_s, rec_s = gdn_mix(mixed, w, gg, beta, conv_s, rec_s, valid, commit_lens, config, recurrent=True)
+            conv = scatter_windows(conv, layer, batch.slot_ids, jnp.swapaxes(conv_s, 1, 2))
+            rec = rec.at[layer, batch.slot_ids].set(rec_s.astype(rec.dtype))
+        return (conv, rec), None
+
+    weights = tuple(params["layers"][j]["gdn"]["conv1d"] for j in gdn_pos)
+    n_groups = config.num_hidden_layers // period
+    (conv, rec), _ = jax.lax.scan(group, (cache["conv"], cache["rec"]),
+                                  (jnp.arange(n_groups, dtype=jnp.int32), weights, saved))
+    return {**cache, "conv": conv, "rec": rec}
 
 
 Pools = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
@@ -151,7 +216,7 @@ def decoder_layer(
     config: Qwen35MoeConfig,
     backends: KernelBackends | None = None,
     moe_fn: Callable[..., jax.Array] | None = None,
-) -> tuple[jax.Array, Pools]:
+) -> tuple[jax.Array, Pools, tuple[jax.Array, jax.Array, jax.Array] | None]:
     """One decoder layer (HF ``Qwen3_5MoeDecoderLayer``): ``h + mixer(norm(h))``, then ``+ mlp(norm(h))``.
 
     Args:
@@ -164,15 +229,20 @@ def decoder_layer(
         config, backends, moe_fn: as :func:`forward_step`.
 
     Returns:
-        ``(h [B, T, H], pools)`` with this layer's KV or GDN state written.
+        ``(h [B, T, H], pools, gdn_inputs)``: this layer's KV or GDN state written; for a GDN layer in a
+        ``TARGET_VERIFY`` step the state is not written and ``gdn_inputs`` is its ``(mixed, g, beta)``
+        (:func:`commit_gdn_states`), else None.
     """
     k_cache, v_cache, conv, rec = pools
     backends = backends or KernelBackends()
     eps = config.rms_norm_eps
     x = rms_norm(h, lp["input_norm"], eps)
+    inputs = None
     if kind == "full_attention":
         x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, index, config,
                                               attention_kernel(backends))
+    elif batch.mode.is_verify:  # the jnp reference over the slot states, which stay as they are
+        x, inputs = gdn_layer_verify(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
     elif (gdn_fused := gdn_kernel(backends)) is not None:
         x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused)
     else:
@@ -182,7 +252,7 @@ def decoder_layer(
     # A layer holds "moe" or "mlp" (model/param_layout.py, per config.mlp_types).
     moe = moe_fn or functools.partial(moe_block, dense=backends.xla_cpu)
     h = h + (moe(lp["moe"], x, config) if "moe" in lp else dense_mlp(lp["mlp"], x))
-    return h, (k_cache, v_cache, conv, rec)
+    return h, (k_cache, v_cache, conv, rec), inputs
 
 
 def rope_tables(batch: ForwardBatch, config: Qwen35MoeConfig) -> tuple[jax.Array, jax.Array]:

@@ -21,10 +21,13 @@ import jax.numpy as jnp
 
 
 class ForwardMode(enum.Enum):
-    """What a step feeds: prompt chunks (EXTEND), one token per request (DECODE), or nothing (IDLE)."""
+    """What a step feeds: prompt chunks (EXTEND), one token per request (DECODE), a decoding request's last
+    token and its draft tokens (TARGET_VERIFY, speculative decoding: the GDN state is not written, see
+    model/forward.py), or nothing (IDLE)."""
 
     EXTEND = "extend"
     DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
     IDLE = "idle"
 
     @property
@@ -36,6 +39,11 @@ class ForwardMode(enum.Enum):
     def is_extend(self) -> bool:
         """Prompt chunks (T >= 1 new tokens per row)."""
         return self is ForwardMode.EXTEND
+
+    @property
+    def is_verify(self) -> bool:
+        """Draft tokens checked by the target (T = 1 + drafts; the GDN state is kept, not advanced)."""
+        return self is ForwardMode.TARGET_VERIFY
 
 
 @dataclasses.dataclass(frozen=True)

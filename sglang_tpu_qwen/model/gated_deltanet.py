@@ -153,3 +153,31 @@ def gdn_layer_on_pools(
     rec_s = jnp.where(f[..., None], 0, rec[layer, slot_ids])
     out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
     return out, scatter_windows(conv, layer, slot_ids, jnp.swapaxes(conv_s, 1, 2)), rec.at[layer, slot_ids].set(rec_s)
+
+
+def gdn_layer_verify(
+    p: dict[str, Any],
+    x: jax.Array,
+    batch: ForwardBatch,
+    conv: jax.Array,
+    rec: jax.Array,
+    layer: jax.Array | int,
+    config: Qwen35MoeConfig,
+    recurrent: bool = False,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """:func:`gdn_layer` over each row's slot state for a speculative verify step, writing nothing back.
+
+    Args: as :func:`gdn_layer_on_pools`.
+
+    Returns:
+        ``(out [B, T, H], (mixed [B, T, conv_dim], g [B, T, Hv], beta [B, T, Hv]))``: the layer's output and
+        the inputs of its conv1d + delta rule, from which model/forward.py ``commit_gdn_states`` recomputes the
+        state after the accepted tokens.
+    """
+    f = batch.fresh[:, None, None]
+    taps = config.linear_conv_kernel_dim - 1
+    conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, batch.slot_ids, taps), 1, 2))
+    rec_s = jnp.where(f[..., None], 0, rec[layer, batch.slot_ids])
+    mixed, z, g, beta = gdn_projections(p, x, batch.valid, config)
+    o, _, _ = gdn_mix(mixed, p["conv1d"], g, beta, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
+    return gdn_output(p, o, z, x.dtype, config), (mixed, g, beta)

@@ -63,7 +63,7 @@ def mtp_forward(
     z = linear(jnp.concatenate([e, rms_norm(hidden.astype(e.dtype), p["pre_fc_norm_hidden"], eps)], axis=-1),
                p["fc"])
     pools = (cache["k"], cache["v"], cache["conv"], cache["rec"])
-    z, (k, v, _, _) = decoder_layer(p["layer"], "full_attention", z, pools, config.num_attn_layers, batch=batch,
+    z, (k, v, _, _), _ = decoder_layer(p["layer"], "full_attention", z, pools, config.num_attn_layers, batch=batch,
                                     rope=rope_tables(batch, config), config=config, backends=backends, moe_fn=moe_fn)
     return rms_norm(z, p["norm"], eps), {**cache, "k": k, "v": v}
 

@@ -78,6 +78,11 @@ class Request:
     tokens_in_flight: int = 0
     # Images (engine/io/request_images.py): positions, cache keys and embeddings; None for a text request.
     images: RequestImages | None = None
+    # Speculative decoding (engine/scheduler/speculative.py): the MTP layer's drafts for the next verify step,
+    # and SGLang's counters (verify steps this request ran in, draft tokens they accepted).
+    draft_tokens: list[int] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         self.fill_ids = self.prompt_ids + self.output_ids
@@ -147,6 +152,8 @@ class Request:
             "finish_reason": self.finish_reason,
             "e2e_latency": time.perf_counter() - self.created,
         }
+        if self.spec_verify_ct:  # SGLang's meta_info field under speculative decoding
+            meta["spec_verify_ct"] = self.spec_verify_ct
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
             meta["output_token_logprobs"] = list(token_lps)

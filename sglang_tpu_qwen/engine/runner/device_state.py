@@ -120,7 +120,7 @@ class DeviceState:
         planner's state, ShapeDtypeStructs with shardings; nothing is allocated."""
         self.sizing, self.placement = sizing, placement
         make_cache = partial(init_cache, config, sizing.dp * sizing.num_pages, sizing.page_size,
-                             sizing.dp * sizing.num_slots, kv_dtype, sizing.state_dtype)
+                             sizing.dp * sizing.num_slots, kv_dtype, sizing.state_dtype, sizing.mtp_layers)
         target = placement.cache_shardings()
         if abstract_only:
             shapes = jax.eval_shape(make_cache)

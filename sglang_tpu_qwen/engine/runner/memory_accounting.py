@@ -41,9 +41,11 @@ class CacheUnits:
         return self.kv_per_page // self.page_size
 
 
-def cache_units(config: Qwen35MoeConfig, page_size: int, kv_dtype: Any, state_dtype: Any) -> CacheUnits:
-    """Per-page and per-slot bytes of ``init_cache(config, ..., kv_dtype, state_dtype)`` (shapes only)."""
-    one = jax.eval_shape(lambda: init_cache(config, 1, page_size, 1, kv_dtype, state_dtype))
+def cache_units(config: Qwen35MoeConfig, page_size: int, kv_dtype: Any, state_dtype: Any,
+                mtp_layers: int = 0) -> CacheUnits:
+    """Per-page and per-slot bytes of ``init_cache(config, ..., kv_dtype, state_dtype, mtp_layers)`` (shapes
+    only; ``mtp_layers``: the MTP layer's KV in every page, speculative decoding)."""
+    one = jax.eval_shape(lambda: init_cache(config, 1, page_size, 1, kv_dtype, state_dtype, mtp_layers))
 
     def nbytes(keys: tuple[str, ...]) -> int:
         return sum(one[k].size * one[k].dtype.itemsize for k in keys)

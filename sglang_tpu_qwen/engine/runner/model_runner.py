@@ -113,8 +113,12 @@ class ModelRunner:
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
         self.buckets: BucketSet = sizing.bucket_set()
+        # Speculative decoding (--speculative-algorithm): draft tokens per row, the MTP layer's params loaded.
+        self.spec_steps = args.speculative_steps
+        if self.spec_steps and "mtp" not in self.params:
+            raise ValueError("speculative decoding needs the MTP layer's parameters (params['mtp'])")
         self.programs = ProgramTable(config, self.params, self.state, self.buckets, self.backends, args.moe_combine,
-                                     self.dtype)
+                                     self.dtype, spec_steps=self.spec_steps)
         self.executor = StepExecutor(self.programs, self.state)
         self.observers = self.executor.observers
         # Unresolved (None: a runner built without the Engine, e.g. the planner's) counts as off.
@@ -149,7 +153,7 @@ class ModelRunner:
         (deviceless devices report none); without it the pools are sized as on a device without a limit.
         """
         placement = Placement.for_devices(args, devices, platform)
-        specs = param_specs(config, resolve_dtype(args.dtype, placement.platform))
+        specs = param_specs(config, resolve_dtype(args.dtype, placement.platform), mtp=args.speculative_steps > 0)
         if fp8_block is not None:
             specs = fp8_specs(specs, fp8_block)
         params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), specs,
@@ -180,7 +184,7 @@ class ModelRunner:
         hits0, comps0 = compilation.cache_hits(), compilation.jit_compilations()
         with compilation.precompiling():
             bar_programs = self.programs.compile_missing(progress)
-            for b in self.buckets.sample_batches():
+            for b in self.programs.sample_batches():
                 self.executor.unused_inputs(b)
             self.executor.warm_up()
             if self.sizing.num_snapshot_slots > 0:  # after a step program ran (device_state.precompile_slot_copies)
@@ -231,6 +235,18 @@ class ModelRunner:
     def keep_sampled(self, out: SampleOutput) -> None:
         """Keep out.tokens on the device for the next forward's token_src rows (StepExecutor.keep_sampled)."""
         self.executor.keep_sampled(out)
+
+    def verify(self, batch: ForwardBatch) -> StepOutput:
+        """Speculative decoding: the target over each row's last token and drafts (StepExecutor.verify)."""
+        return self.executor.verify(batch)
+
+    def commit(self, step: StepOutput, batch: ForwardBatch, start: np.ndarray, lens: np.ndarray) -> None:
+        """Advance the GDN states over the accepted tokens of a verify step (StepExecutor.commit)."""
+        self.executor.commit(step, batch, start, lens)
+
+    def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
+        """Draft tokens [B, k] from the MTP layer over a step's positions (StepExecutor.draft)."""
+        return self.executor.draft(step, batch)
 
     def logprobs_at(self, step: StepOutput, rows: np.ndarray, cols: np.ndarray, targets: np.ndarray,
                     num_top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from sglang_tpu_qwen.engine.runner import greedy_screen, sampler
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
+from sglang_tpu_qwen.engine.runner.spec_programs import SPEC_KINDS, SpecPrograms
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, lm_head_weight
@@ -53,9 +54,10 @@ class ProgramTable:
     at construction)."""
 
     def __init__(self, config: Qwen35MoeConfig, params: dict[str, Any], state: DeviceState, buckets: BucketSet,
-                 backends: KernelBackends, moe_combine: str, dtype: Any) -> None:
+                 backends: KernelBackends, moe_combine: str, dtype: Any, spec_steps: int = 0) -> None:
         """params: the weights (arrays or ShapeDtypeStructs) the programs take, as their flat list of leaves;
-        state: the device state whose cache (and its shardings) the forward programs take."""
+        state: the device state whose cache (and its shardings) the forward programs take; spec_steps: draft
+        tokens per row with speculative decoding (engine/runner/spec_programs.py; 0: off; one device only)."""
         self.config, self.buckets, self.dtype = config, buckets, dtype
         self.state, self.placement = state, state.placement
         layout = self.placement.layout
@@ -104,6 +106,14 @@ class ProgramTable:
         self._keep_sampled_jit = jax.jit(partial(_pad_rows, rows=self.prev_rows),
                                          out_shardings=self.placement.replicated())
         self._head_rows_jit = jax.jit(_head_rows, static_argnames="rows")
+        self.spec: SpecPrograms | None = None
+        if spec_steps:
+            assert layout is None, "speculative decoding runs on one device (ServerArgs refuses a mesh)"
+            no_kept = jnp.zeros(1, jnp.int32)
+            self.spec = SpecPrograms(
+                config, self.param_leaves, param_def, state, buckets, backends, dtype, spec_steps,
+                columns=lambda t, p: step_columns(t, p, vision, False),
+                unpack=lambda packed, p: unpack_step(packed, p, no_kept, vision=vision))
         self._compiled: dict[tuple, Any] = {}
         self._key_set = set(self.keys())
         self.ready = False  # set once precompiled: a compilation after it is logged as an error
@@ -120,7 +130,18 @@ class ProgramTable:
             keys.append(("keep_sampled", b))
         keys += [("head_rows", big, b) for big, b in self.buckets.head_rows_pairs()]
         keys.append(("prompt_logprobs",))
+        if self.spec is not None:  # verify steps sample every position of every row
+            for b in self.spec.sample_batches():
+                if b not in self.buckets.sample_batches():
+                    keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
+                    keys.append(("penalty", b))
+            keys += self.spec.keys()
         return keys
+
+    def sample_batches(self) -> list[int]:
+        """Every sampling batch size of the set (decode steps, and verify steps' positions)."""
+        extra = self.spec.sample_batches() if self.spec is not None else []
+        return sorted(set(self.buckets.sample_batches()) | set(extra))
 
     def lower_forward(self, bucket: StepBucket) -> jax.stages.Lowered:
         """The forward program of `bucket` lowered from abstract arguments (the parameter leaves, cache and
@@ -170,6 +191,8 @@ class ProgramTable:
             return self._keep_sampled_jit.lower(spec((key[1],), i32))
         if key[0] == "head_rows":
             return self._head_rows_jit.lower(spec((key[1], self.config.hidden_size), self.dtype), rows=key[2])
+        if key[0] in SPEC_KINDS and self.spec is not None:
+            return self.spec.lower(key)
         raise KeyError(key)
 
     def get(self, key: tuple) -> Any:

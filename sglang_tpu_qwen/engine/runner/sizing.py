@@ -96,6 +96,8 @@ class RunnerSizing:
         units: bytes of one KV page and one GDN slot at the cache dtypes.
         split: how the memory was split and by which rule (engine/runner/memory_split.py).
         state_dtype: storage dtype of the GDN conv and recurrent state (resolve_state_dtype).
+        mtp_layers: MTP layers whose KV the pages also hold (1 with speculative decoding, else 0;
+            model/mtp.py), counted in ``units``.
     """
 
     dp: int
@@ -111,6 +113,7 @@ class RunnerSizing:
     units: CacheUnits
     split: MemorySplit
     state_dtype: Any = jnp.dtype(jnp.float32)
+    mtp_layers: int = 0
 
     @property
     def num_running_slots(self) -> int:
@@ -167,7 +170,8 @@ class RunnerSizing:
         dp = args.dp_size
         per_rank = -(-args.max_running_requests // dp)
         state_dtype = resolve_state_dtype(args.mamba_ssm_dtype, config)
-        units = memory_accounting.cache_units(config, args.page_size, dtype, state_dtype)
+        mtp_layers = 1 if args.speculative_steps else 0
+        units = memory_accounting.cache_units(config, args.page_size, dtype, state_dtype, mtp_layers)
         weights = 0
         if weight_bytes:
             device = max(weight_bytes, key=weight_bytes.__getitem__)
@@ -190,4 +194,4 @@ class RunnerSizing:
             chunked_prefill_per_rank=args.chunked_prefill_per_rank,
             bs_paddings=tuple(args.precompile_bs_paddings) if args.precompile_bs_paddings else None,
             token_paddings=tuple(args.precompile_token_paddings) if args.precompile_token_paddings else None,
-            units=units, split=split, state_dtype=state_dtype)
+            units=units, split=split, state_dtype=state_dtype, mtp_layers=mtp_layers)

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.engine.runner import sampler
 from sglang_tpu_qwen.engine.runner.buckets import StepBucket
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState
 from sglang_tpu_qwen.engine.runner.programs import PROMPT_LOGPROB_ROWS, ProgramTable, SampleKind, pack_step
-from sglang_tpu_qwen.model.forward_batch import ForwardBatch
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
@@ -105,11 +106,13 @@ class StepObservers:
 @dataclass
 class StepOutput:
     """Device result of one forward step: hidden [B, T, H] (prompt logprobs) and last [B, H], each row's
-    hidden state at its last new token (sampling)."""
+    hidden state at its last new token (sampling); a verify step's last is [B * T, H], every position
+    (row b's token t at b * T + t), and gdn_inputs what its commit reads (model/forward.py GdnInputs)."""
 
     hidden: jax.Array
     last: jax.Array
     decode: bool = False
+    gdn_inputs: Any = None
 
 
 @dataclass
@@ -198,6 +201,50 @@ class StepExecutor:
             for observer in observers:
                 observer.forward_dispatched(t == 1, start, end)
         return StepOutput(hidden, last, decode=t == 1)
+
+    # ---- speculative decoding (engine/runner/spec_programs.py) -------------------------------------
+    def verify(self, batch: ForwardBatch) -> StepOutput:
+        """The target over each row's last token and drafts (input_ids [B, k + 1], B a decode bucket's batch);
+        GDN slots untouched until `commit`. Returns device arrays (does not wait); last is [B * (k + 1), H]."""
+        spec = self._spec()
+        b, t = batch.input_ids.shape
+        if t != spec.tokens:
+            raise ValueError(f"a verify step has {spec.tokens} token columns, got {t}")
+        prog = self.programs.get(("verify", b))
+        hidden, last, self.state.cache, saved = prog(self.programs.param_leaves, self.state.cache,
+                                                     self._packed(batch))
+        return StepOutput(hidden, last, gdn_inputs=saved)
+
+    def commit(self, step: StepOutput, batch: ForwardBatch, start: np.ndarray, lens: np.ndarray) -> None:
+        """Advance row b's GDN state over tokens [start[b], start[b] + lens[b]) of the verify step `step` of
+        `batch` (its state already after start[b] of them: 0, or an earlier commit's end)."""
+        spec = self._spec()
+        prog = self.programs.get(("commit", batch.batch_size))
+        self.state.cache = prog(spec.conv_weights, self.state.cache, self._packed(batch), step.gdn_inputs,
+                                np.asarray(start, np.int32), np.asarray(lens, np.int32))
+
+    def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
+        """Draft tokens [B, k] int32 (device) from the MTP layer over `batch`'s positions: input_ids[b, t] the
+        token after position prefix_lens[b] + t, step.hidden[b, t] the target's hidden state there
+        (spec_programs._draft_tokens); writes the MTP layer's KV."""
+        self._spec()
+        b, t = batch.input_ids.shape
+        prog = self.programs.get(("draft", b, t, batch.page_table.shape[1]))
+        drafts, self.state.cache = prog(self.programs.param_leaves, self.state.cache, self._packed(batch),
+                                        step.hidden)
+        return drafts
+
+    def _spec(self) -> Any:
+        if self.programs.spec is None:
+            raise ValueError("speculative decoding is off (--speculative-algorithm)")
+        return self.programs.spec
+
+    def _packed(self, batch: ForwardBatch) -> np.ndarray:
+        if self.programs.vision and batch.rope_deltas is None:
+            batch = dataclasses.replace(batch, rope_deltas=np.zeros(batch.batch_size, np.int32))
+        sizing, state = self.state.sizing, self.state
+        return pack_step(batch, state.to_rank_local(batch.page_table, sizing.num_pages),
+                         state.to_rank_local(batch.slot_ids, sizing.num_slots))
 
     def keep_sampled(self, out: SampleOutput) -> None:
         """Keep out.tokens [B] on the device as the ids the next forward's token_src rows read (overlap
@@ -318,7 +365,34 @@ class StepExecutor:
             first = next(iter(outs.values()))
             one = np.zeros(1, np.int32)
             self.logprobs_at(first, one, one, one, 0)
+            if self.programs.spec is not None:
+                self._warm_up_spec(outs, extend_outs)
             jax.block_until_ready(self.state.cache)
+
+    def _warm_up_spec(self, outs: dict[int, StepOutput], extend_outs: dict[int, StepOutput]) -> None:
+        """Run every verify, commit, draft and verify-sampling program once on padding rows."""
+        spec = self._spec()
+        for bucket in self.programs.buckets.step_buckets():
+            b, zeros = bucket.batch, np.zeros(bucket.batch, np.int32)
+            if bucket.mode == "decode":
+                vb = dataclasses.replace(_padding_batch(dataclasses.replace(bucket, tokens=spec.tokens), zeros),
+                                         mode=ForwardMode.TARGET_VERIFY)
+                step = self.verify(vb)
+                self.draft(step, dataclasses.replace(vb, mode=ForwardMode.EXTEND))
+                self.commit(step, vb, zeros, zeros)
+            else:
+                self.draft(extend_outs[b] if extend_outs[b].hidden.shape[1] == bucket.tokens else
+                           self.forward(_padding_batch(bucket, zeros)), _padding_batch(bucket, zeros))
+        for b in spec.sample_batches():
+            if b in self.programs.buckets.sample_batches():
+                continue
+            last = StepOutput(jnp.zeros((b, 1, self.programs.config.hidden_size), self.programs.dtype),
+                              jnp.zeros((b, self.programs.config.hidden_size), self.programs.dtype))
+            none = np.full((b, 1), -1, np.int32)
+            base = dataclasses.replace(SamplingBatch.greedy(b), banned_ids=none)
+            for batch in (base, dataclasses.replace(base, temperature=np.ones(b, np.float32), seen_ids=none,
+                                                    output_ids=none)):
+                self.sample(last, batch).get()
 
     # ---- resident inputs -----------------------------------------------------------------------
     def unused_inputs(self, b: int) -> sampler.RowParams:

@@ -45,8 +45,9 @@ def load_weights(model_path: str, config: Qwen35MoeConfig, dtype: Any, args: Ser
             return jax.tree.map(lambda _: target, abstract)
     manifest = read_manifest(args.weights_manifest) if args.weights_manifest else None
     t0 = time.perf_counter()
+    # Speculative decoding drafts with the checkpoint's MTP layer (model/mtp.py): loaded like the main layers.
     params = load_params(model_path, config, dtype, keep_fp8=True, quantization=args.quantization,
-                         shardings=place, manifest=manifest)
+                         shardings=place, manifest=manifest, mtp=args.speculative_steps > 0)
     logger.info("loaded weights from %s in %.1f s (dtype %s%s%s)", model_path, time.perf_counter() - t0,
                 jnp.dtype(dtype).name, f", {_count_fp8(params)} FP8 leaves",
                 ", sha256 verified against the manifest" if manifest is not None else "")

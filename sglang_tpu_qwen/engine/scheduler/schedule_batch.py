@@ -178,8 +178,13 @@ def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode,
 
 
 def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collection[int],
-                   vocab_size: int) -> SamplingBatch:
-    """Per-row sampling settings of the step; padding rows are greedy with nothing banned."""
+                   vocab_size: int, offsets: list[int] | None = None) -> SamplingBatch:
+    """Per-row sampling settings of the step; padding rows are greedy with nothing banned.
+
+    `offsets` (speculative verify steps: one row per position of a request): row i samples the request's
+    output token number num_output + offsets[i] (its random stream step and its min_new_tokens bans follow).
+    """
+    offsets = offsets if offsets is not None else [0] * len(reqs)
     temperature = np.zeros(b, np.float32)
     top_p = np.ones(b, np.float32)
     top_k = np.zeros(b, np.int32)
@@ -204,11 +209,12 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
     top_k[idx] = [max(sp.top_k, 0) for sp in sps]
     min_p[idx] = [sp.min_p for sp in sps]
     seeds[idx] = [r.seed & 0xFFFFFFFF for r in reqs]
-    steps[idx] = [r.num_output for r in reqs]  # the token in flight counts: same stream with and without overlap
+    # The token in flight counts: same stream with and without overlap (and with speculation: the offset).
+    steps[idx] = [r.num_output + o for r, o in zip(reqs, offsets, strict=True)]
     rep[idx] = [sp.repetition_penalty for sp in sps]
     freq[idx] = [sp.frequency_penalty for sp in sps]
     pres[idx] = [sp.presence_penalty for sp in sps]
-    for r, i in zip(reqs, rows, strict=True):
+    for r, i, o in zip(reqs, rows, offsets, strict=True):
         sp = r.params
         if seen_ids is not None and output_ids is not None:
             # A token in flight is missing here; only rows without a penalty may have one (their counts
@@ -216,7 +222,7 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
             assert not (r.tokens_in_flight and sp.has_penalty), f"{r.rid}: penalty row with a token in flight"
             seen_ids[i, : len(r.fill_ids)] = r.fill_ids
             output_ids[i, : len(r.output_ids)] = r.output_ids
-        if r.num_output < sp.min_new_tokens:
+        if r.num_output + o < sp.min_new_tokens:
             ban_lists[i] = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
     bias_ids = bias_vals = None
     biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]

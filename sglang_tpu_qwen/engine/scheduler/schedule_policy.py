@@ -212,7 +212,10 @@ class SchedulePolicy:
         for r, n in zip(best.reqs, best.extend_lens, strict=True):
             if r.slot is None:  # retracted by an earlier candidate's page allocation
                 continue
-            if self._ensure_pages_or_retract(r, r.cached_len + n):
+            # The chunk that ends a prompt also holds the MTP layer's first drafts (speculative decoding).
+            ahead = self.runner.spec_steps if n == r.pending else 0
+            cap = min(self.context_length, self.runner.buckets.pages * self.page_size)
+            if self._ensure_pages_or_retract(r, max(r.cached_len + n, min(r.cached_len + n + ahead, cap))):
                 reqs.append(r)
                 lens.append(n)
         return PickedBatch(ForwardMode.EXTEND, reqs, lens)
@@ -229,9 +232,18 @@ class SchedulePolicy:
                                        or len(r.fill_ids) + r.tokens_in_flight >= self.context_length):
                 continue  # its token in flight is its last: it finishes when that token is read
             rows[r.rank] += 1
-            if self._ensure_pages_or_retract(r, r.cached_len + 1):
+            if self._ensure_pages_or_retract(r, self._decode_tokens(r)):
                 reqs.append(r)
         return PickedBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+
+    def _decode_tokens(self, r: Request) -> int:
+        """Tokens r's next decode step needs pages for: one, or with speculative decoding its verify step and
+        the drafts after it (engine/scheduler/speculative.py), within the context and the page table."""
+        steps = self.runner.spec_steps
+        if not steps:
+            return r.cached_len + 1
+        cap = min(self.context_length, self.runner.buckets.pages * self.page_size)
+        return max(r.cached_len + 1, min(r.cached_len + 2 * steps + 1, cap))
 
     # ---- memory --------------------------------------------------------------------------------
     def pages_needed(self, r: Request, num_tokens: int) -> int:

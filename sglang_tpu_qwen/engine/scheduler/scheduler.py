@@ -37,7 +37,7 @@ from sglang_tpu_qwen.engine.io.request_images import Encode
 from sglang_tpu_qwen.engine.observability.health import HealthSnapshot, HealthState
 from sglang_tpu_qwen.engine.observability.metrics import Metrics
 from sglang_tpu_qwen.engine.observability.profiler import StepProfiler, default_profile_dir
-from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner, SampleOutput
+from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner, SampleOutput, StepOutput
 from sglang_tpu_qwen.engine.scheduler.faults import FaultInjector
 from sglang_tpu_qwen.engine.scheduler.inbox import AbortRequest, AddRequests, FlushCache, Inbox
 from sglang_tpu_qwen.engine.scheduler.output_processor import OutputProcessor
@@ -45,6 +45,7 @@ from sglang_tpu_qwen.engine.scheduler.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.scheduler.schedule_batch import ImageInputs, PickedBatch, ScheduleBatch
 from sglang_tpu_qwen.engine.scheduler.schedule_policy import SchedulePolicy
 from sglang_tpu_qwen.engine.scheduler.scheduler_role import SchedulerRole
+from sglang_tpu_qwen.engine.scheduler.speculative import SpecDecoder
 from sglang_tpu_qwen.engine.scheduler.step_failures import StepFailures
 from sglang_tpu_qwen.model.forward_batch import ForwardMode
 from sglang_tpu_qwen.tokenizer.tokenizer import Tokenizer
@@ -55,10 +56,12 @@ _CHECK = os.environ.get("SGLANG_TPU_QWEN_CHECK_INVARIANTS") == "1"  # debug: ver
 
 @dataclass
 class Launched:
-    """A step whose device work was dispatched: its batch and its sampled ids (device; None: none sampled)."""
+    """A step whose device work was dispatched: its batch, its sampled ids (device; None: none sampled) and its
+    forward's output (speculative decoding drafts from its hidden states)."""
 
     batch: ScheduleBatch
     sampled: SampleOutput | None
+    step: StepOutput | None = None
 
 
 class Scheduler:
@@ -92,6 +95,12 @@ class Scheduler:
         # A vision model's steps carry rope deltas and, with image tokens, positions and embeddings; the engine
         # sets the encoder (set_image_encoder) before any request with images comes.
         self.image_inputs = ImageInputs(runner.config.hidden_size, None) if runner.config.has_vision else None
+        # Speculative decoding (--speculative-algorithm, engine/scheduler/speculative.py): decode steps verify the
+        # MTP layer's drafts; synchronous, since a step's drafts come from its own accepted tokens.
+        self.spec = SpecDecoder(self) if runner.spec_steps else None
+        if self.spec is not None and self.overlap:
+            logger.info("speculative decoding: steps run synchronously (no overlap scheduling)")
+            self.overlap = False
 
     def set_image_encoder(self, encode: Encode) -> None:
         """The vision encoder's call (images -> per image [num_tokens, hidden] arrays), for a vision model."""
@@ -256,8 +265,11 @@ class Scheduler:
         if _CHECK:
             self.policy.check_memory_invariants()
         prev = None if self._in_flight is None else self._in_flight.batch
-        batch = ScheduleBatch.build(picked, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size, prev,
-                                    self.image_inputs)
+        if self.spec is not None and picked.mode is ForwardMode.DECODE:
+            batch = self.spec.build(picked, self.eos_ids, self.runner.config.vocab_size)
+        else:
+            batch = ScheduleBatch.build(picked, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size,
+                                        prev, self.image_inputs)
         # Profiling: the annotation covers this step's launch and the host work done while it runs.
         with self.profiler.step(batch.mode.name, len(batch), batch.num_extend_tokens):
             launched = self.launch(batch)
@@ -281,6 +293,14 @@ class Scheduler:
         prefix cache's snapshot copies, which must follow this step on the device. Does not wait otherwise."""
         rids = [r.rid for r in batch.reqs]
         self.faults.check("forward", rids, self.runner)
+        if batch.mode is ForwardMode.TARGET_VERIFY:  # cached_len and snapshots follow the accepted tokens
+            step = self.runner.verify(batch.forward)
+            self.faults.check("sampler", rids)
+            assert batch.sampling is not None
+            sampled = self.runner.sample(step, batch.sampling)
+            for r in batch.reqs:
+                r.tokens_in_flight += 1
+            return Launched(batch, sampled, step)
         step = self.runner.forward(batch.forward)
         self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
@@ -297,7 +317,7 @@ class Scheduler:
             if m.prefix_cache is not None:
                 mine = batch.reqs if len(self.ranks) == 1 else [r for r in batch.reqs if r.rank == m.rank]
                 m.prefix_cache.after_step(mine, batch.is_extend)
-        return Launched(batch, sampled)
+        return Launched(batch, sampled, step)
 
     def _resolve(self) -> bool:
         """Read the step in flight (blocks until the device finished it): accept its tokens, stop checks,
@@ -306,7 +326,13 @@ class Scheduler:
         if done is None:
             return False
         # Cleared only once read: a failure while reading leaves it for _step_failed to rewind.
-        self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
+        if done.batch.mode is ForwardMode.TARGET_VERIFY:
+            assert self.spec is not None and done.sampled is not None and done.step is not None
+            self.spec.process_verify(done.batch, done.step, done.sampled.get())
+        else:
+            self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
+            if self.spec is not None and done.step is not None and done.batch.is_extend:
+                self.spec.after_extend(done.batch, done.step)
         self._in_flight = None
         self.role.after_step(done.batch)  # PD prefill: stream the KV computed in this step
         return True

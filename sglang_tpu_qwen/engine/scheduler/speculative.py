@@ -1,0 +1,225 @@
+"""Speculative decoding with the checkpoint's MTP layer (SGLang's NEXTN / EAGLE with top-k 1): the scheduler side.
+
+A decode step becomes a verify step: each request feeds its last token and the k tokens the MTP layer drafted
+(``Request.draft_tokens``, k = --speculative-num-steps) in one target forward (``ForwardMode.TARGET_VERIFY``,
+engine/runner/spec_programs.py). Every position is sampled by the ordinary sampling programs, row b's position t
+as the request's output token ``num_output + t`` (its own random stream step, bans, bias and logprobs), and the
+request accepts the sampled tokens while each equals the draft fed after it: the first mismatch is the last
+token accepted (the target's own token at that position, so a step always yields at least one).
+
+Exact by construction: every accepted token is the token plain decoding samples at that position, from the
+same distribution with the same random stream; a draft only decides how many positions one step computes.
+Greedy output equals plain greedy decoding; with temperature > 0 the output distribution is plain decoding's
+(the acceptance test is "sample the target, then compare", not rejection sampling against the draft's
+distribution: lossless, and accepting somewhat less often at high temperature). Requests whose next token
+depends on the previous one beyond the target's distribution (a grammar, penalties) draft nothing and verify
+one token, which is a plain decode step.
+
+GDN state: the verify step leaves the slots as they were; once the host knows how many tokens each request
+accepted, the commit program runs the conv1d and delta rule again over exactly those tokens from the saved
+layer inputs (model/forward.py ``commit_gdn_states``: recompute from the pre-verify state), split at a page
+boundary so the prefix cache's decode snapshot is taken at the boundary. A snapshot is therefore always of
+accepted tokens (sglang #36537). Rejected positions' KV (target and MTP layer) sits past the request's length
+and is overwritten by later steps. Then the draft program runs the MTP layer over the accepted positions (their
+target hidden states, and the next tokens) and drafts the next k tokens.
+
+The scheduler runs synchronously under speculation (the drafts of a step come from its own accepted tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.runner.model_runner import StepOutput
+from sglang_tpu_qwen.engine.scheduler.schedule_batch import (
+    PickedBatch,
+    ScheduleBatch,
+    batch_rows,
+    sampling_batch,
+)
+from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters over the server's life: verify rows (one request in one verify step), tokens they produced
+    (accepted drafts plus the target's own token) and draft tokens offered."""
+
+    verify_steps: int = 0
+    verify_rows: int = 0
+    accepted_tokens: int = 0
+    draft_tokens: int = 0
+
+    @property
+    def avg_accept_length(self) -> float:
+        """SGLang's ``avg_spec_accept_length``: tokens per request per verify step (1.0 = no draft accepted)."""
+        return self.accepted_tokens / self.verify_rows if self.verify_rows else 0.0
+
+
+class SpecDecoder:
+    """Builds verify steps, accepts their tokens, commits the GDN states and drafts (module docstring)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.runner = scheduler.runner
+        self.steps = self.runner.spec_steps
+        self.tokens = self.steps + 1
+        self.page_size = scheduler.page_size
+        self.stats = SpecStats()
+
+    # ---- how far ahead a request needs pages ------------------------------------------------------
+    def lookahead(self) -> int:
+        """Tokens past cached_len a decoding request needs pages for: its verify step (1 + k) and the MTP
+        layer's recursive drafts after it (up to k - 1 positions past what the step accepts)."""
+        return 2 * self.steps + 1
+
+    # ---- verify step ---------------------------------------------------------------------------
+    def drafts_for(self, r: Request, context_length: int) -> list[int]:
+        """The drafts r feeds in its verify step: none for a grammar or penalty row (the next token's mask or
+        counts follow the previous one), none past what r may still generate or hold."""
+        if r.grammar is not None or r.params.has_penalty:
+            return []
+        room = min(r.max_new_tokens - len(r.output_ids) - 1, context_length - len(r.fill_ids),
+                   len(r.pages) * self.page_size - len(r.fill_ids))
+        return r.draft_tokens[: max(0, min(self.steps, room))]
+
+    def build(self, picked: PickedBatch, eos_ids: Any, vocab_size: int) -> ScheduleBatch:
+        """A DECODE pick laid out as a verify step: row b feeds [last token, drafts...] (T = k + 1), and its
+        sampling batch has one row per position (b * T + t)."""
+        buckets, ctx = self.runner.buckets, self.scheduler.policy.context_length
+        rows, bucket = batch_rows(picked.reqs, picked.extend_lens, ForwardMode.DECODE, buckets)
+        b, t, p = bucket.batch, self.tokens, bucket.pages
+        input_ids = np.zeros((b, t), np.int32)
+        prefix_lens, extend_lens, slot_ids = (np.zeros(b, np.int32) for _ in range(3))
+        page_table = np.zeros((b, p), np.int32)
+        lens: list[int] = []
+        s_reqs: list[Request] = []
+        s_rows: list[int] = []
+        offsets: list[int] = []
+        for r, i in zip(picked.reqs, rows, strict=True):
+            drafts = self.drafts_for(r, ctx)
+            n = 1 + len(drafts)
+            input_ids[i, :n] = [r.fill_ids[r.cached_len], *drafts]
+            prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
+            page_table[i, : len(r.pages)] = r.pages
+            lens.append(n)
+            for pos in range(n):
+                s_reqs.append(r)
+                s_rows.append(i * t + pos)
+                offsets.append(pos)
+        forward = ForwardBatch(ForwardMode.TARGET_VERIFY, input_ids, prefix_lens, extend_lens, page_table, slot_ids)
+        sampling = sampling_batch(s_reqs, s_rows, b * t, eos_ids, vocab_size, offsets)
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(picked.reqs), lens, rows, forward,
+                             list(range(len(picked.reqs))), sampling)
+
+    def process_verify(self, batch: ScheduleBatch, step: StepOutput, sampled: tuple[np.ndarray, ...]) -> None:
+        """Accept each request's tokens (stop checks token by token), commit the GDN states over them, take the
+        prefix cache's decode snapshots, then draft the next step's tokens."""
+        out = self.scheduler.output
+        toks, lps = sampled[0].tolist(), sampled[1].tolist()
+        now = time.perf_counter()
+        t = self.tokens
+        accepted = np.zeros(batch.batch_size, np.int32)
+        live: list[tuple[Request, int, int]] = []  # (request, row, tokens accepted) still decoding
+        self.stats.verify_steps += 1
+        for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
+            r.tokens_in_flight -= 1
+            if r.finished:  # aborted while the step ran
+                continue
+            drafts = batch.forward.input_ids[row, 1:n].tolist()
+            got = 0
+            for pos in range(n):
+                k = row * t + pos
+                top = (sampled[2][k], sampled[3][k]) if r.top_logprobs_num else (None, None)
+                out.accept_token(r, toks[k], lps[k], *top, now)
+                got += 1
+                if r.finished or pos == n - 1 or toks[k] != drafts[pos]:
+                    break
+            r.spec_verify_ct += 1
+            r.spec_accepted += got - 1
+            r.draft_tokens = []
+            self.stats.verify_rows += 1
+            self.stats.accepted_tokens += got
+            self.stats.draft_tokens += n - 1
+            if not r.finished:
+                accepted[row] = got
+                live.append((r, row, got))
+        if not live:
+            return
+        self._commit(batch, step, live)
+        self._draft(step, batch.forward, [(r, row, batch.forward.prefix_lens[row], got) for r, row, got in live])
+
+    def _commit(self, batch: ScheduleBatch, step: StepOutput, live: list[tuple[Request, int, int]]) -> None:
+        """GDN states over the accepted tokens, in two parts where a request crosses a page boundary (the prefix
+        cache snapshots the state at the boundary in between); cached_len advances with them."""
+        b, ps = batch.batch_size, self.page_size
+        first, rest = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for r, row, got in live:
+            to_boundary = ps - r.cached_len % ps
+            first[row] = min(got, to_boundary)
+            rest[row] = got - first[row]
+        reqs = [r for r, _, _ in live]
+        forward = dataclasses.replace(batch.forward, slot_ids=np.where(first + rest > 0, batch.forward.slot_ids, 0))
+        self.runner.commit(step, forward, np.zeros(b, np.int32), first)
+        for r, row, _ in live:
+            r.cached_len += int(first[row])
+        self._after_commit(reqs)
+        if rest.any():
+            self.runner.commit(step, dataclasses.replace(forward, slot_ids=np.where(rest > 0, forward.slot_ids, 0)),
+                               first, rest)
+            for r, row, _ in live:
+                r.cached_len += int(rest[row])
+            self._after_commit([r for r, row, _ in live if rest[row]])
+
+    def _after_commit(self, reqs: list[Request]) -> None:
+        for m in self.scheduler.ranks:
+            if m.prefix_cache is not None:
+                m.prefix_cache.after_step(reqs, False)
+
+    # ---- drafts --------------------------------------------------------------------------------
+    def after_extend(self, batch: ScheduleBatch, step: StepOutput) -> None:
+        """The MTP layer over an extend step's positions (its KV for the prompt), drafting for the requests whose
+        prompt the step finished."""
+        rows = []
+        for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
+            if r.finished or r.slot is None:
+                continue
+            start = int(batch.forward.prefix_lens[row])
+            rows.append((r, row, start, min(n, len(r.fill_ids) - start - 1)))
+        if rows:
+            self._draft(step, batch.forward, rows)
+
+    def _draft(self, step: StepOutput, forward: ForwardBatch, rows: list[tuple[Request, int, int, int]]) -> None:
+        """Run the draft program over rows (request, row, first position, positions) of `step`: row b's tokens
+        are fill_ids after each position. Sets the drafts of the requests that are decoding now."""
+        b, t = forward.input_ids.shape
+        input_ids = np.zeros((b, t), np.int32)
+        prefix_lens, extend_lens, slot_ids = (np.zeros(b, np.int32) for _ in range(3))
+        page_table = np.zeros_like(forward.page_table)
+        for r, row, start, n in rows:
+            if n <= 0:
+                continue
+            input_ids[row, :n] = r.fill_ids[start + 1 : start + 1 + n]
+            prefix_lens[row], extend_lens[row], slot_ids[row] = start, n, r.slot
+            page_table[row, : len(r.pages)] = r.pages
+        draft = ForwardBatch(ForwardMode.EXTEND if t > 1 else ForwardMode.DECODE, input_ids, prefix_lens, extend_lens,
+                             page_table, slot_ids, rope_deltas=forward.rope_deltas)
+        drafts = np.asarray(self.runner.draft(step, draft))
+        for r, row, start, n in rows:
+            if n > 0 and r.pending == 1 and start + n == r.cached_len:
+                r.draft_tokens = drafts[row].tolist()
+
+    def info(self) -> dict[str, Any]:
+        """/get_server_info's speculative fields (SGLang's avg_spec_accept_length, and the counters)."""
+        s = self.stats
+        return {"avg_spec_accept_length": s.avg_accept_length, "spec_verify_steps": s.verify_steps,
+                "spec_verify_rows": s.verify_rows, "spec_accepted_tokens": s.accepted_tokens,
+                "spec_draft_tokens": s.draft_tokens, "speculative_num_steps": self.steps}

@@ -1,0 +1,248 @@
+"""Speculative decoding with the MTP layer (--speculative-algorithm NEXTN): the tokens are plain decoding's.
+
+The spec engine serves the embedded checkpoint plus a random MTP layer (tests/mtp_checkpoint.py); the reference
+engine serves the same target weights with the same flags and no speculation. Random MTP weights almost never
+draft the target's token, so the tests that need accepted drafts inject them: `oracle_drafts` replaces the MTP
+layer's drafts (after its program ran, so its KV is still written) with the reference's own continuation,
+corrupted on a fixed schedule so that steps accept all drafts, some, or none. Every comparison is exact: the
+verify step samples each position with the request's own random stream step, so greedy and seeded sampling
+give the reference's tokens token for token (CPU, float32 both sides; the MTP layer never changes a token).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import ENGINE_KWARGS
+from mtp_checkpoint import build_mtp_checkpoint
+
+from sglang_tpu_qwen.engine.engine import Engine
+
+# Chunks of 64 tokens: the 150-token prompts prefill in three chunks (the MTP layer drafts after each).
+KWARGS: dict[str, Any] = dict(ENGINE_KWARGS, chunked_prefill_size=64)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """(spec engine, reference engine)."""
+    path = build_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+    spec = Engine(model_path=str(path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1, **KWARGS)
+    ref = Engine(**KWARGS)
+    try:
+        yield spec, ref
+    finally:
+        spec.shutdown()
+        ref.shutdown()
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1000, 200000, size=n).tolist()
+
+
+@contextlib.contextmanager
+def oracle_drafts(eng: Engine, want: dict[tuple[tuple[int, ...], int], list[int]]) -> Iterator[None]:
+    """Drafts from the reference continuation `want[(prompt, index)]`: all right on a request's verify steps
+    0, 3, 6, ..., the second one wrong on 1, 4, ..., the first one wrong on 2, 5, ...."""
+    spec = eng.scheduler.spec
+    original = spec._draft
+
+    def draft(step: Any, forward: Any, rows: list) -> None:
+        original(step, forward, rows)
+        for r, *_ in rows:
+            ref = want.get((tuple(r.prompt_ids), r.index))
+            if ref is None or not r.draft_tokens:
+                continue
+            n = len(r.output_ids)
+            drafts = list(ref[n : n + STEPS]) + [0] * STEPS
+            wrong = {1: 1, 2: 0}.get(r.spec_verify_ct % 3)
+            if wrong is not None:
+                drafts[wrong] = drafts[wrong] + 1
+            r.draft_tokens = drafts[:STEPS]
+
+    spec._draft = draft
+    try:
+        yield
+    finally:
+        spec._draft = original
+
+
+def _both(engines: tuple[Engine, Engine], prompts: list[list[int]], sp: dict | list[dict], oracle: bool,
+          **kw: Any) -> tuple[list[dict], list[dict], dict]:
+    """The reference's replies, the spec engine's (with oracle drafts or the MTP layer's) and the change in its
+    speculative counters."""
+    spec, ref = engines
+    want = ref.generate(input_ids=prompts, sampling_params=sp, **kw)
+    want = want if isinstance(want, list) else [want]
+    before = dict(spec.get_server_info()["internal_states"][0])
+    table = {(tuple(p), o["index"]): o["output_ids"] for p, o in zip(_per_reply(prompts, want), want, strict=True)}
+    with oracle_drafts(spec, table) if oracle else contextlib.nullcontext():
+        got = spec.generate(input_ids=prompts, sampling_params=sp, **kw)
+    got = got if isinstance(got, list) else [got]
+    after = spec.get_server_info()["internal_states"][0]
+    delta = {k: after[k] - before[k] for k in ("spec_verify_rows", "spec_accepted_tokens", "spec_draft_tokens")}
+    return want, got, delta
+
+
+def _per_reply(prompts: list[list[int]], replies: list[dict]) -> list[list[int]]:
+    """The prompt of each reply (prompt-major, n samples each)."""
+    n = len(replies) // len(prompts)
+    return [p for p in prompts for _ in range(n)]
+
+
+def _same(want: list[dict], got: list[dict], logprobs: bool = False) -> None:
+    for w, g in zip(want, got, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        assert g["text"] == w["text"]
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        if logprobs:
+            for a, b in zip(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"],
+                            strict=True):
+                assert a[1] == b[1] and abs(a[0] - b[0]) < 1e-5, (a, b)
+            for a, b in zip(g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"],
+                            strict=True):
+                assert [t[1] for t in a] == [t[1] for t in b]
+                np.testing.assert_allclose([t[0] for t in a], [t[0] for t in b], atol=1e-5)
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+
+def test_flags_resolve_as_sglang() -> None:
+    from sglang_tpu_qwen.args.server_args import ServerArgs
+
+    args = ServerArgs(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=4)
+    assert (args.speculative_algorithm, args.speculative_steps) == ("NEXTN", 3)
+    assert ServerArgs(speculative_algorithm="eagle", speculative_num_steps=2).speculative_num_draft_tokens == 3
+    for kw, msg in [(dict(speculative_algorithm="EAGLE3"), "not implemented"),
+                    (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4), "top-k 1"),
+                    (dict(speculative_num_steps=3), "without --speculative-algorithm"),
+                    (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), ">= 1")]:
+        with pytest.raises(ValueError, match=msg):
+            ServerArgs(**kw)
+
+
+def test_no_mtp_layer_is_a_startup_error() -> None:
+    from sglang_tpu_qwen.model.weights import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"mtp\.\* tensors"):
+        Engine(speculative_algorithm="NEXTN", **KWARGS)
+
+
+def test_mtp_drafts_greedy_batch_one_and_mixed(engines: tuple[Engine, Engine]) -> None:
+    """The MTP layer's own drafts (random weights): batch 1, then a mixed batch with chunked prompts."""
+    want, got, delta = _both(engines, [_ids(1, 9)], GREEDY, oracle=False)
+    _same(want, got)
+    prompts = [_ids(2, 5), _ids(3, 70), _ids(4, 150)]
+    want, got, delta = _both(engines, prompts, GREEDY, oracle=False)
+    _same(want, got)
+    assert delta["spec_draft_tokens"] > 0 and delta["spec_verify_rows"] > 0
+    assert got[0]["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_accepted_drafts_give_plain_tokens(engines: tuple[Engine, Engine]) -> None:
+    """Drafts accepted whole, in part and not at all, across page boundaries (GDN snapshots at boundaries)."""
+    prompts = [_ids(5, 13), _ids(6, 100), _ids(7, 31)]
+    want, got, delta = _both(engines, prompts, dict(GREEDY, max_new_tokens=60), oracle=True)
+    _same(want, got)
+    # 60 tokens in steps of 4, 3 and 1 tokens (the schedule): about 2.7 per step.
+    rate = delta["spec_accepted_tokens"] / delta["spec_verify_rows"]
+    assert 2.0 < rate < 3.5, delta
+
+
+@pytest.mark.parametrize("cut", ["max_new_tokens", "stop_token_ids", "stop"])
+def test_finish_inside_an_accepted_run(engines: tuple[Engine, Engine], cut: str) -> None:
+    """A request ends where plain decoding ends it, in the middle of a run of accepted drafts."""
+    spec, ref = engines
+    prompt = _ids(8, 20)
+    plain = ref.generate(input_ids=prompt, sampling_params=dict(GREEDY, max_new_tokens=30))
+    toks = plain["output_ids"]
+    sp: dict[str, Any] = dict(GREEDY, max_new_tokens=30)
+    if cut == "max_new_tokens":
+        sp["max_new_tokens"] = 10  # steps of 4, then 3: the 10th token is inside the third step's run
+    elif cut == "stop_token_ids":
+        sp.pop("ignore_eos")  # ignore_eos ignores stop ids too
+        sp["stop_token_ids"] = [toks[9]]
+    else:  # EOS ends a request through the same stop-token check as stop_token_ids
+        sp["stop"] = [spec.tokenizer.decode([toks[9]])]
+    want, got, _ = _both(engines, [prompt], sp, oracle=True)
+    _same(want, got)
+    assert len(got[0]["output_ids"]) < 30
+
+
+def test_logprobs_of_accepted_tokens(engines: tuple[Engine, Engine]) -> None:
+    want, got, delta = _both(engines, [_ids(9, 17), _ids(10, 40)], dict(GREEDY, max_new_tokens=20), oracle=True,
+                             return_logprob=True, top_logprobs_num=3)
+    _same(want, got, logprobs=True)
+    assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"]
+
+
+def test_seeded_sampling_n2_gives_plain_tokens(engines: tuple[Engine, Engine]) -> None:
+    """Temperature > 0 with top-p / top-k / min-p and a seed, n = 2: each sample's tokens are plain decoding's."""
+    sp = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "min_p": 0.01, "max_new_tokens": 24, "ignore_eos": True,
+          "n": 2, "sampling_seed": 7}
+    want, got, delta = _both(engines, [_ids(11, 12)], sp, oracle=True)
+    assert len(got) == 2
+    _same(want, got)
+    assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"]
+
+
+def test_prefix_hit_equals_miss(engines: tuple[Engine, Engine]) -> None:
+    """The same prompt again (a hit) and a branch off its prefix give plain decoding's tokens."""
+    spec, _ = engines
+    base = _ids(12, 80)
+    first = _both(engines, [base], GREEDY, oracle=True)
+    _same(*first[:2])
+    again = _both(engines, [base], GREEDY, oracle=True)
+    _same(*again[:2])
+    assert again[1][0]["meta_info"]["cached_tokens"] >= 64
+    branch = _both(engines, [base[:70] + _ids(13, 9)], GREEDY, oracle=False)
+    _same(*branch[:2])
+    assert branch[1][0]["meta_info"]["cached_tokens"] >= 64
+
+
+def test_json_schema_request(engines: tuple[Engine, Engine]) -> None:
+    """A constrained row drafts nothing (its mask follows each token) and its answer is valid JSON."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    sp = {"temperature": 0, "max_new_tokens": 30, "json_schema": json.dumps(schema)}
+    want, got, _ = _both(engines, [_ids(14, 10), _ids(15, 20)], [sp, GREEDY], oracle=True)
+    _same(want, got)
+    json.loads(got[0]["text"])
+
+
+def test_aborts_leave_nothing_behind(engines: tuple[Engine, Engine]) -> None:
+    """Aborted streams and finished requests under speculation: every page and GDN slot comes back."""
+    spec, _ = engines
+    results: list = []
+
+    def run(i: int) -> None:
+        ids = _ids(20 + i, 10 + 13 * i)
+        sp = dict(GREEDY, max_new_tokens=60)
+        if i % 2:
+            it = spec.generate(input_ids=ids, sampling_params=sp, stream=True)
+            first = next(it)
+            spec.abort(first["meta_info"]["id"])
+            results.append(list(it)[-1])
+        else:
+            results.append(spec.generate(input_ids=ids, sampling_params=sp))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert len(results) == 6
+    assert spec.flush_cache()
+    mem = spec.get_server_info()["memory"]
+    assert mem["kv_pages_free"] == mem["kv_pages_total"]
+    assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
+    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
+    assert mem["cached_pages"] == mem["cached_snapshots"] == 0
