@@ -146,6 +146,44 @@ def test_mixed_workload_compiles_nothing(first_server: ServerProc) -> None:
     assert_idle_and_free(first_server)
 
 
+@pytest.fixture(scope="module")
+def mtp_server(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """The same flags with speculative decoding (SGLang's launch line) on the embedded model plus a random MTP
+    layer (tests/mtp_checkpoint.py): the verify, commit, draft and verify-sampling programs join the set."""
+    from mtp_checkpoint import build_mtp_checkpoint
+
+    model = build_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+    server = ServerProc.start(tmp_path_factory.mktemp("logs"), "mtp", [
+        *FLAGS, "--compilation-cache-dir", str(cache_dir), "--model-path", str(model),
+        "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4"], timeout_s=600)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_mixed_workload_with_mtp_compiles_nothing(mtp_server: ServerProc) -> None:
+    url = mtp_server.url
+    info = mtp_server.info()
+    keys = info["precompile"]["programs"]
+    assert keys > 7 + 6
+    before = _compilations(url)
+    out = _mixed_workload(url)
+    _mixed_workload(url)
+    assert _compilations(url) == before, "a request compiled a program after ready"
+    state = mtp_server.info()["internal_states"][0]
+    assert state["spec_verify_rows"] > 0 and state["avg_spec_accept_length"] >= 1.0
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    rows = re.search(r"^sglang:spec_verify_rows_total ([0-9.e+]+)$", metrics, re.M)
+    assert rows and int(float(rows.group(1))) == state["spec_verify_rows"], metrics[-2000:]
+    assert re.search(r"^sglang:spec_accept_length [0-9.e+]+$", metrics, re.M)
+    assert set(out["bias"]["output_ids"]) == {11}
+    assert re.fullmatch(r"[0-9]{0,3}", out["regex"]["text"]), out["regex"]["text"]
+    assert "after the server was ready" not in mtp_server.log.read_text()
+    assert_idle_and_free(mtp_server)
+
+
 def test_restart_loads_every_program_from_the_cache(first_server: ServerProc, cache_dir: Path,
                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     first = first_server.info()["precompile"]

@@ -39,7 +39,8 @@ from sglang_tpu_qwen.utils.host_allocator import run_jax_on_cpu_without_accelera
 # Qwen3.5's ordinary (non-special) token ids are [0, 248044); ids from there up are special tokens.
 NORMAL_ID_LIMIT = 248044
 _ENGINE_FLAGS = ("max_running_requests", "page_size", "chunked_prefill_size", "max_total_tokens",
-                 "disable_overlap_schedule")
+                 "disable_overlap_schedule", "speculative_algorithm", "speculative_num_steps")
+_SPEC_COUNTERS = ("spec_verify_rows", "spec_accepted_tokens", "spec_draft_tokens")
 
 
 @dataclass
@@ -116,11 +117,13 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
                 engine.grammar.backend()
         runner = engine.runner
         with runner.observers.attach(DecodeTimer()) as timer:
+            spec_before = _spec_counters(engine)
             compiles = compilation.jit_compilations()
             start = time.perf_counter()
             replies = engine.generate(input_ids=prompts, sampling_params=params)
             elapsed = time.perf_counter() - start
             compiles = compilation.jit_compilations() - compiles
+            spec = {k: v - spec_before[k] for k, v in _spec_counters(engine).items()}
             stats = dataclasses.replace(timer.stats)
             # The idle meter can perturb what it measures (a watcher thread, the interpreter's switch interval
             # lowered to 20 us), so it gets its own run of the same prompts. Measured at 128 rows on the 2-core
@@ -139,7 +142,8 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
             metered_wall_s = timer.stats.decode_wall_s - stats.decode_wall_s
         rows = min(len(prompts), args.max_running_requests)
         context = int(np.mean([len(p) for p in prompts])) + args.random_output_len // 2
-        device_ms = 1e3 * time_decode_step(runner, rows, context)
+        # A replayed plain decode step; under speculation the decode steps are verify steps, which it is not.
+        device_ms = 0.0 if runner.spec_steps else 1e3 * time_decode_step(runner, rows, context)
         model_path = engine.model_path
         precompile = engine.precompile_stats
     finally:
@@ -154,7 +158,11 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
              "decode_idle_ms": 1e3 * idle_s / max(idle_pairs, 1),
              "decode_idle_pct": 100.0 * idle_s / metered_wall_s if metered_wall_s else 0.0,
              "metered_output_throughput": sum(len(r["output_ids"]) for r in replies) / metered_s,
-             "decode_rows": rows, "decode_context": context}
+             "decode_rows": rows, "decode_context": context,
+             # Speculative decoding over the timed run: SGLang's accept length (tokens per request per verify
+             # step) from the engine's counters; None when it is off.
+             "spec_accept_length": (spec["spec_accepted_tokens"] / spec["spec_verify_rows"]
+                                    if spec["spec_verify_rows"] else None), **spec}
     return RunResult(
         elapsed_s=elapsed,
         input_tokens=sum(r["meta_info"]["prompt_tokens"] for r in replies),
@@ -163,6 +171,12 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
         warmup_s=warmup_s,
         extra=extra,
     ), model_path
+
+
+def _spec_counters(engine: Any) -> dict[str, int]:
+    """The speculative-decoding counters of /get_server_info (zeros when it is off)."""
+    state = engine.get_server_info()["internal_states"][0]
+    return {k: int(state.get(k, 0)) for k in _SPEC_COUNTERS}
 
 
 def run_hf(model_path: str, prompts: list[list[int]], output_len: int, batch_size: int) -> RunResult:
@@ -225,6 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=defaults.max_total_tokens)
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="Synchronous scheduling: the host builds each step after reading the last one's tokens.")
+    p.add_argument("--speculative-algorithm", default=None, help="NEXTN: draft with the checkpoint's MTP layer.")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="Draft tokens per step (default 3).")
     p.add_argument("--hf-batch-size", type=int, default=32, help="Prompts per HF generate call.")
     p.add_argument("--skip-hf", action="store_true", help="Only run the Engine.")
     p.add_argument("--output-json", default=None, help="Also write the result JSON to this path.")
@@ -267,6 +283,10 @@ def format_table(result: dict[str, Any]) -> str:
         "Engine: programs precompiled at startup, warm-up on other prompts of the same distribution, prefix "
         "cache flushed; HF warm-up ran one batch. Warm-ups are not timed.",
         f"Engine compilations during the timed run: {eng['compilations_during_timed_run']}",
+        "Speculative decoding: " + ("off" if eng.get("spec_accept_length") is None else
+                                    f"accept length {eng['spec_accept_length']:.2f} tokens per request per verify "
+                                    f"step ({eng['spec_verify_rows']} verify rows; the decode-step split below "
+                                    "counts plain decode steps only)"),
         f"Engine decode step ({eng['decode_steps']} steady-state steps, {eng['decode_rows']} rows, context "
         f"~{eng['decode_context']}): wall {eng['decode_step_ms']:.2f} ms = device {eng['decode_device_ms']:.2f} ms "
         f"+ {eng['decode_host_ms']:.2f} ms (blocked on the device {eng['decode_blocked_ms']:.2f} ms)",

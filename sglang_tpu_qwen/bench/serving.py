@@ -319,6 +319,8 @@ def format_report(m: dict[str, Any]) -> str:
             ("Input throughput (tok/s)", f"{m['input_throughput']:.2f}"),
             ("Output throughput (tok/s)", f"{m['output_throughput']:.2f}"),
             ("Total throughput (tok/s)", f"{m['total_throughput']:.2f}")]
+    if m.get("accept_length") is not None:
+        rows.append(("Accept length", f"{m['accept_length']:.2f}"))
     for name in ("ttft", "itl"):
         rows += [(f"{name.upper()} {k} (ms)", f"{m[f'{k}_{name}_ms']:.2f}") for k in ("mean", "median", "p90", "p99")]
     if m.get("json_schema"):
@@ -403,6 +405,16 @@ def profile_call(args: argparse.Namespace, what: str) -> str:
     return r.text
 
 
+def _spec_counters(args: argparse.Namespace) -> dict[str, int]:
+    """The server's speculative-decoding counters (/get_server_info internal_states; {} if it has none)."""
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    try:
+        state = httpx.get(f"{base}/get_server_info", timeout=30).json()["internal_states"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+    return {k: int(state[k]) for k in ("spec_verify_rows", "spec_accepted_tokens") if k in state}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; prints the report, writes ``--output-file`` if given, returns the metrics dict.
 
@@ -412,8 +424,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sessions = build_sessions(args)
     if args.profile:
         profile_call(args, "start")
+    spec_before = _spec_counters(args)
     results, duration = asyncio.run(run(args, sessions))
     metrics = summarize(results, duration, sum(len(s) for s in sessions))
+    spec = {k: v - spec_before.get(k, 0) for k, v in _spec_counters(args).items()}
+    # Speculative decoding over the run (SGLang's bench prints the server's accept length): None when off.
+    metrics["accept_length"] = (spec["spec_accepted_tokens"] / spec["spec_verify_rows"]
+                                if spec.get("spec_verify_rows") else None)
     if args.profile:
         trace = None
         if args.profile_steps is None:  # with a step count the server stops by itself, as in SGLang's bench

@@ -134,8 +134,10 @@ class Engine:
             any_whitespace=resolve_json_whitespace(args.constrained_json_whitespace_pattern,
                                                    args.constrained_json_disable_any_whitespace, args.grammar_backend))
         if self.metrics is not None:  # cache, snapshot and PD counters, read at each scrape
+            spec = self.scheduler.spec
             self.metrics.watch(self.scheduler.memory_usage, lambda: self.disagg.stats() if self.disagg else None,
-                               lambda: (len(self.scheduler.running), len(self.scheduler.waiting)))
+                               lambda: (len(self.scheduler.running), len(self.scheduler.waiting)),
+                               spec.info if spec is not None else lambda: None)
         self.scheduler.start()
 
     # ---- request building ----------------------------------------------------------------------

@@ -96,7 +96,8 @@ class Metrics:
 
     def watch(self, memory_usage: Callable[[], dict[str, Any]],
               disagg_stats: Callable[[], dict[str, Any] | None],
-              request_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+              request_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+              spec_stats: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         """Export the request counts, pool use, prefix-cache, snapshot and PD transfer figures, read at each
         scrape (so they are current after a /flush_cache or an abort on an idle server).
 
@@ -104,8 +105,9 @@ class Metrics:
           memory_usage: `Scheduler.memory_usage` (pool sizes and prefix-cache stats summed over DP ranks).
           disagg_stats: the PD role's `stats()`, or None when the server is not disaggregated.
           request_counts: (running, waiting) requests now.
+          spec_stats: speculative decoding's counters (`SpecDecoder.info`), or None when it is off.
         """
-        self.registry.register(EngineStateCollector(memory_usage, disagg_stats, request_counts))
+        self.registry.register(EngineStateCollector(memory_usage, disagg_stats, request_counts, spec_stats))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""
@@ -133,6 +135,7 @@ class EngineStateCollector:
       sglang:evicted_tokens_total     counter, KV token slots freed by prefix-cache eviction
       sglang:hicache_host_mamba_used_states  gauge, GDN snapshots held in the host tier
       sglang:num_transfer_failed_reqs_total  counter, PD transfers that failed (decode side)
+      sglang:spec_accept_length       gauge, tokens per request per verify step since start (speculative decoding)
     ours, where SGLang has none:
       sglang:kv_pages_used, sglang:kv_pages_total    gauges, KV pages in use (requests + prefix cache) / in the pool
       sglang:gdn_slots_used, sglang:gdn_slots_total  gauges, GDN state slots in use / in the pool
@@ -145,16 +148,21 @@ class EngineStateCollector:
       sglang:gdn_snapshot_host_refused_total counter, demotions refused because the host ran low on memory
       sglang:num_transfer_done_reqs_total{role="prefill"|"decode"}  counter, PD transfers completed
       sglang:kv_transfer_bytes_total        counter, KV + GDN state bytes received by a PD decode server
+      sglang:spec_verify_rows_total         counter, requests x verify steps (speculative decoding)
+      sglang:spec_accepted_tokens_total     counter, tokens those verify rows produced (accepted drafts + 1 each)
+      sglang:spec_draft_tokens_total        counter, draft tokens the verify rows fed
     Every name is always exported (0 without a prefix cache or PD), so a dashboard never shows "no data" for
     a feature that is merely off.
     """
 
     def __init__(self, memory_usage: Callable[[], dict[str, Any]],
                  disagg_stats: Callable[[], dict[str, Any] | None],
-                 request_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                 request_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 spec_stats: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self._memory_usage = memory_usage
         self._disagg_stats = disagg_stats
         self._request_counts = request_counts
+        self._spec_stats = spec_stats
 
     def describe(self) -> list[Metric]:
         return []  # no collect() at registration: the engine may not be fully built yet
@@ -220,3 +228,12 @@ class EngineStateCollector:
                       pd.get("transfers_failed", 0))
         yield counter("sglang:kv_transfer_bytes", "KV + GDN state bytes received over PD transfers.",
                       pd.get("bytes_received", 0))
+        spec = self._spec_stats() or {}
+        yield gauge("sglang:spec_accept_length", "Speculative decoding: tokens per request per verify step.",
+                    spec.get("avg_spec_accept_length", 0.0))
+        yield counter("sglang:spec_verify_rows", "Speculative decoding: requests x verify steps.",
+                      spec.get("spec_verify_rows", 0))
+        yield counter("sglang:spec_accepted_tokens", "Speculative decoding: tokens the verify rows produced.",
+                      spec.get("spec_accepted_tokens", 0))
+        yield counter("sglang:spec_draft_tokens", "Speculative decoding: draft tokens the verify rows fed.",
+                      spec.get("spec_draft_tokens", 0))
