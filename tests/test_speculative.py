@@ -246,3 +246,47 @@ def test_aborts_leave_nothing_behind(engines: tuple[Engine, Engine]) -> None:
     assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
     assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
     assert mem["cached_pages"] == mem["cached_snapshots"] == 0
+
+
+_MESH_CHILD = """
+import json, tempfile
+from pathlib import Path
+from mtp_checkpoint import build_mtp_checkpoint
+from test_speculative import KWARGS, STEPS, _ids, oracle_drafts
+from sglang_tpu_qwen.engine.engine import Engine
+
+path = build_mtp_checkpoint(Path(tempfile.mkdtemp()))
+prompts = [_ids(30 + i, 9 + 23 * i) for i in range(4)]
+sp = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+ref = Engine(**KWARGS)
+want = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=sp)]
+ref.shutdown()
+table = {(tuple(p), i): w for i, (p, w) in enumerate(zip(prompts, want))}
+out = {}
+for name, mesh in (("dp2_ep2", dict(dp_size=2, ep_size=2)), ("ep2", dict(ep_size=2))):
+    eng = Engine(model_path=str(path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS, **mesh, **KWARGS)
+    mtp = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+    with oracle_drafts(eng, table):
+        oracle = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+    state = eng.get_server_info()["internal_states"][0]
+    expert = eng.runner.params["mtp"]["layer"]["moe"]["w_gate"]
+    shards = sorted({s.data.shape[0] for s in expert.addressable_shards})
+    assert eng.flush_cache()
+    mem = eng.get_server_info()["memory"]
+    free = mem["kv_pages_free"] == mem["kv_pages_total"] and mem["gdn_slots_free"] == mem["gdn_slots_total"]
+    out[name] = dict(mtp=mtp == want, oracle=oracle == want, accept=state["avg_spec_accept_length"],
+                     expert_shard=shards, experts=int(expert.shape[0]), free=free)
+    eng.shutdown()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_dp2_ep2_and_ep2_on_emulated_devices() -> None:
+    """The same tokens on a 2-device mesh (DP attention + EP MoE, and EP alone), MTP experts split over EP."""
+    from emulated_devices import run_on_devices
+
+    out = run_on_devices(_MESH_CHILD, 2)
+    for name, r in out.items():
+        assert r["mtp"] and r["oracle"], (name, r)
+        assert r["accept"] > 1.0 and r["free"], (name, r)
+        assert r["expert_shard"] == [r["experts"] // 2], (name, r)

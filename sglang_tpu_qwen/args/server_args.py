@@ -303,8 +303,6 @@ class ServerArgs:
                            "with --speculative-eagle-topk 1 (as SGLang does)", self.speculative_num_draft_tokens,
                            chain)
         self.speculative_num_draft_tokens = chain
-        if self.dp_size > 1 or self.ep_size > 1:
-            raise ValueError("speculative decoding on a mesh (--dp-size / --ep-size > 1) is not implemented yet")
         if self.disaggregation_mode != "null":
             raise ValueError("speculative decoding with --disaggregation-mode is not implemented yet")
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import forward_step
@@ -32,6 +33,7 @@ def make_sharded_forward(
     combine: str = "hierarchical",
     micro_batches: int = 1,
     forward: ForwardFn = forward_step,
+    verify_gdn_layers: int | None = None,
 ) -> ForwardFn:
     """Build ``fwd(params, cache, batch: ForwardBatch) -> (hidden, cache)``.
 
@@ -44,6 +46,8 @@ def make_sharded_forward(
         micro_batches: MoE micro-batches per layer.
         forward: per-rank step with ``forward_step``'s signature plus ``moe_fn`` (the planner passes a
             scanned variant).
+        verify_gdn_layers: for ``TARGET_VERIFY`` batches (speculative decoding): the GDN layers per layer
+            period, whose saved inputs (``forward_step``'s third output, ``[G, B, ...]``) are split by rows too.
 
     Returns:
         An un-jitted function; jit it with ``donate_argnums=(1,)``. Inputs: params placed with
@@ -62,6 +66,10 @@ def make_sharded_forward(
     body = functools.partial(forward, config=config, moe_fn=moe_fn)
     b = batch_pspec(layout)
     cspec = cache_pspecs(layout)
+    out_specs: tuple[Any, ...] = (b, cspec)
+    if verify_gdn_layers is not None:
+        rows = grouped_rows_pspec(layout)
+        out_specs = (b, cspec, tuple((rows, rows, rows) for _ in range(verify_gdn_layers)))
 
     def fwd(params: Any, cache: Any, batch: ForwardBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
         # Every array of the batch is split by rows over the DP ranks (the spec tree follows the batch's).
@@ -70,8 +78,34 @@ def make_sharded_forward(
             body,
             mesh=layout.mesh,
             in_specs=(param_pspecs(params_like, layout), cspec, bspec),
-            out_specs=(b, cspec),
+            out_specs=out_specs,
             check_vma=False,
         )(params, cache, batch)
 
     return fwd
+
+
+def grouped_rows_pspec(layout: Layout) -> P:
+    """Spec of a ``[G, B, ...]`` array (a verify step's saved GDN inputs): rows (dim 1) split over the DP ranks."""
+    return P(None, layout.batch_axes)
+
+
+def make_sharded_rows(layout: Layout, config: Qwen35MoeConfig, params_like: Any, fn: Callable[..., Any],
+                      in_specs: tuple[Any, ...], out_specs: Any, *,
+                      combine: str = "hierarchical") -> Callable[..., Any]:
+    """``fn(params, cache, batch, *rest, config=, moe_fn=)`` run by every DP rank on its rows, the MoE over the
+    expert axis as in :func:`make_sharded_forward` (speculative decoding's draft and commit programs).
+
+    ``in_specs``: the specs of ``rest``; ``out_specs``: of the result. Params, cache and batch get theirs as in
+    :func:`make_sharded_forward`."""
+    moe_fn = make_ep_moe_fn(EXPERT, layout.ep, tokens_replicated=not layout.attention_spans_experts, combine=combine)
+    body = functools.partial(fn, config=config, moe_fn=moe_fn)
+    b = batch_pspec(layout)
+
+    def run(params: Any, cache: Any, batch: ForwardBatch, *rest: Any) -> Any:
+        bspec = jax.tree.map(lambda _: b, batch)
+        return jax.shard_map(body, mesh=layout.mesh,
+                             in_specs=(param_pspecs(params_like, layout), cache_pspecs(layout), bspec, *in_specs),
+                             out_specs=out_specs, check_vma=False)(params, cache, batch, *rest)
+
+    return run

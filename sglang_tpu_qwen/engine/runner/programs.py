@@ -108,12 +108,11 @@ class ProgramTable:
         self._head_rows_jit = jax.jit(_head_rows, static_argnames="rows")
         self.spec: SpecPrograms | None = None
         if spec_steps:
-            assert layout is None, "speculative decoding runs on one device (ServerArgs refuses a mesh)"
             no_kept = jnp.zeros(1, jnp.int32)
             self.spec = SpecPrograms(
                 config, self.param_leaves, param_def, state, buckets, backends, dtype, spec_steps,
                 columns=lambda t, p: step_columns(t, p, vision, False),
-                unpack=lambda packed, p: unpack_step(packed, p, no_kept, vision=vision))
+                unpack=lambda packed, p: unpack_step(packed, p, no_kept, vision=vision), moe_combine=moe_combine)
         self._compiled: dict[tuple, Any] = {}
         self._key_set = set(self.keys())
         self.ready = False  # set once precompiled: a compilation after it is logged as an error

@@ -28,6 +28,8 @@ from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import commit_gdn_states, compute_logits, forward_step
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_qwen.model.mtp import mtp_forward
+from sglang_tpu_qwen.parallel.sharded_forward import grouped_rows_pspec, make_sharded_forward, make_sharded_rows
+from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs
 
 SPEC_KINDS = ("verify", "commit", "draft")
 
@@ -37,9 +39,11 @@ class SpecPrograms:
 
     def __init__(self, config: Qwen35MoeConfig, param_leaves: list[Any], param_def: Any, state: DeviceState,
                  buckets: BucketSet, backends: KernelBackends, dtype: Any, steps: int,
-                 columns: Callable[[int, int], int], unpack: Callable[..., ForwardBatch]) -> None:
+                 columns: Callable[[int, int], int], unpack: Callable[..., ForwardBatch],
+                 moe_combine: str = "hierarchical") -> None:
         """`steps`: draft tokens per row (k); `columns(T, P)` the packed step's width; `unpack(packed, P)` the
-        packed step as a ForwardBatch (programs.unpack_step with no kept ids)."""
+        packed step as a ForwardBatch (programs.unpack_step with no kept ids). On a mesh every program runs per
+        DP rank on its rows (parallel/sharded_forward.py), the MTP layer's MoE over the expert axis."""
         self.config, self.buckets, self.dtype, self.steps = config, buckets, dtype, steps
         self.state, self.placement = state, state.placement
         self.param_leaves, self.columns = param_leaves, columns
@@ -50,29 +54,36 @@ class SpecPrograms:
         gdn_positions = [j for j, kind in enumerate(config.layer_types[:period]) if kind != "full_attention"]
         # The commit program reads only the GDN layers' conv kernels (stacked [G, conv_dim, K]).
         self.conv_weights = [params["layers"][j]["gdn"]["conv1d"] for j in gdn_positions]
+        draft_body = partial(_draft_tokens, backends=backends, steps=steps, page_size=state.sizing.page_size)
+        commit_body = partial(_commit_rows, gdn_positions=tuple(gdn_positions), period=period)
+        layout = self.placement.layout
+        if layout is None:
+            target = partial(forward_step, config=config, backends=backends)
+            draft_fn = partial(draft_body, config=config)
+            commit_fn = partial(commit_body, config=config)
+        else:
+            target = make_sharded_forward(layout, config, params, combine=moe_combine,
+                                          forward=partial(forward_step, backends=backends),
+                                          verify_gdn_layers=len(gdn_positions))
+            rows, grouped, cspec = batch_pspec(layout), grouped_rows_pspec(layout), cache_pspecs(layout)
+            draft_fn = make_sharded_rows(layout, config, params, draft_body, (rows,), (rows, cspec),
+                                         combine=moe_combine)
+            saved = tuple((grouped, grouped, grouped) for _ in gdn_positions)
+            commit_fn = make_sharded_rows(layout, config, self.conv_weights, commit_body, (saved, rows, rows), cspec)
 
         def params_of(leaves: list[Any]) -> dict[str, Any]:
             return jax.tree.unflatten(param_def, leaves)
 
         def verify(leaves, cache, packed):
             batch = dataclasses.replace(unpack(packed, pages), mode=ForwardMode.TARGET_VERIFY)
-            hidden, cache, saved = forward_step(params_of(leaves), cache, batch, config=config, backends=backends)
+            hidden, cache, saved = target(params_of(leaves), cache, batch)
             return hidden, hidden.reshape(-1, hidden.shape[-1]), cache, saved
 
         def commit(conv_weights, cache, packed, saved, start, lens):
-            batch = unpack(packed, pages)
-            # Row b's tokens [start_b, start_b + lens_b) of the verify step, its state already at start_b.
-            shift = partial(_shift_tokens, start=start)
-            saved = jax.tree.map(shift, saved)
-            batch = dataclasses.replace(batch, prefix_lens=batch.prefix_lens + start)
-            layers: list[dict[str, Any]] = [{} for _ in range(period)]
-            for j, w in zip(gdn_positions, conv_weights, strict=True):
-                layers[j] = {"gdn": {"conv1d": w}}
-            return commit_gdn_states({"layers": layers}, cache, batch, saved, lens, config=config)
+            return commit_fn(conv_weights, cache, unpack(packed, pages), saved, start, lens)
 
         def draft(leaves, cache, packed, hidden):
-            return _draft_tokens(params_of(leaves), cache, unpack(packed, pages), hidden, config=config,
-                                 backends=backends, steps=steps, page_size=state.sizing.page_size)
+            return draft_fn(params_of(leaves), cache, unpack(packed, pages), hidden)
 
         self._verify = jax.jit(verify, donate_argnums=(1,))
         self._commit = jax.jit(commit, donate_argnums=(1,))  # saved is read again by a second commit
@@ -110,6 +121,19 @@ class SpecPrograms:
         raise KeyError(key)
 
 
+def _commit_rows(conv_weights: list[jax.Array], cache: dict[str, jax.Array], batch: ForwardBatch, saved: Any,
+                 start: jax.Array, lens: jax.Array, *, config: Qwen35MoeConfig, gdn_positions: tuple[int, ...],
+                 period: int, moe_fn: Any = None) -> dict[str, jax.Array]:
+    """Row b's tokens [start_b, start_b + lens_b) of a verify step committed, its state already at start_b
+    (model/forward.py commit_gdn_states over the saved inputs shifted by start)."""
+    saved = jax.tree.map(partial(_shift_tokens, start=start), saved)
+    batch = dataclasses.replace(batch, prefix_lens=batch.prefix_lens + start)
+    layers: list[dict[str, Any]] = [{} for _ in range(period)]
+    for j, w in zip(gdn_positions, conv_weights, strict=True):
+        layers[j] = {"gdn": {"conv1d": w}}
+    return commit_gdn_states({"layers": layers}, cache, batch, saved, lens, config=config)
+
+
 def _shift_tokens(x: jax.Array, *, start: jax.Array) -> jax.Array:
     """``[G, B, T, ...]`` -> the same with row b's tokens shifted left by ``start[b]`` (the tail repeats the last
     token; commit lengths never reach it)."""
@@ -120,8 +144,8 @@ def _shift_tokens(x: jax.Array, *, start: jax.Array) -> jax.Array:
 
 
 def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: ForwardBatch, hidden: jax.Array, *,
-                  config: Qwen35MoeConfig, backends: KernelBackends, steps: int,
-                  page_size: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  config: Qwen35MoeConfig, backends: KernelBackends, steps: int, page_size: int,
+                  moe_fn: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MTP layer over a step's positions, then ``steps - 1`` recursive steps: ``(drafts [B, steps] int32,
     cache)``.
 
@@ -132,7 +156,7 @@ def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: Fo
     (or a row without positions) writes to the trash page and its draft is meaningless; the scheduler never uses
     drafts past what the row may still generate.
     """
-    z, cache = mtp_forward(params, cache, batch, hidden, config=config, backends=backends)
+    z, cache = mtp_forward(params, cache, batch, hidden, config=config, backends=backends, moe_fn=moe_fn)
     rows = jnp.arange(batch.batch_size)
     n = batch.extend_lens
     last = z[rows, jnp.maximum(n - 1, 0)]
@@ -144,7 +168,7 @@ def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: Fo
         ok = (n > 0) & (pos < capacity)
         step = ForwardBatch(ForwardMode.DECODE, tok[:, None], jnp.where(ok, pos, 0), ok.astype(jnp.int32),
                             jnp.where(ok[:, None], batch.page_table, 0), jnp.where(ok, batch.slot_ids, 0))
-        z, cache = mtp_forward(params, cache, step, last[:, None], config=config, backends=backends)
+        z, cache = mtp_forward(params, cache, step, last[:, None], config=config, backends=backends, moe_fn=moe_fn)
         last = z[:, 0]
         tok = jnp.argmax(compute_logits(params, last, config=config), axis=-1).astype(jnp.int32)
         drafts.append(tok)

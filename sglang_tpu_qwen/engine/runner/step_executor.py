@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.engine.runner import sampler
@@ -386,8 +385,9 @@ class StepExecutor:
         for b in spec.sample_batches():
             if b in self.programs.buckets.sample_batches():
                 continue
-            last = StepOutput(jnp.zeros((b, 1, self.programs.config.hidden_size), self.programs.dtype),
-                              jnp.zeros((b, self.programs.config.hidden_size), self.programs.dtype))
+            h = self.programs.config.hidden_size
+            (rows,) = self.placement.put([np.zeros((b, h), self.programs.dtype)])
+            last = StepOutput(rows, rows)
             none = np.full((b, 1), -1, np.int32)
             base = dataclasses.replace(SamplingBatch.greedy(b), banned_ids=none)
             for batch in (base, dataclasses.replace(base, temperature=np.ones(b, np.float32), seen_ids=none,

@@ -180,9 +180,10 @@ class SpecDecoder:
             self._after_commit([r for r, row, _ in live if rest[row]])
 
     def _after_commit(self, reqs: list[Request]) -> None:
+        """The prefix cache's decode snapshots due now, each DP rank's for its own requests."""
         for m in self.scheduler.ranks:
             if m.prefix_cache is not None:
-                m.prefix_cache.after_step(reqs, False)
+                m.prefix_cache.after_step([r for r in reqs if r.rank == m.rank], False)
 
     # ---- drafts --------------------------------------------------------------------------------
     def after_extend(self, batch: ScheduleBatch, step: StepOutput) -> None:
