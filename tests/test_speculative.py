@@ -24,8 +24,10 @@ from mtp_checkpoint import build_mtp_checkpoint
 
 from sglang_tpu_qwen.engine.engine import Engine
 
-# Chunks of 64 tokens: the 150-token prompts prefill in three chunks (the MTP layer drafts after each).
+# Chunks of 64 tokens: the 150-token prompts prefill in three chunks (the MTP layer drafts after each). Every
+# decode step verifies (the adaptive policy's choice follows measured step times; its own test fixes them).
 KWARGS: dict[str, Any] = dict(ENGINE_KWARGS, chunked_prefill_size=64)
+SPEC_KWARGS: dict[str, Any] = dict(speculative_draft_policy="always")
 STEPS = 3
 
 
@@ -34,7 +36,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
     """(spec engine, reference engine)."""
     path = build_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
     spec = Engine(model_path=str(path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS,
-                  speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1, **KWARGS)
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1, **SPEC_KWARGS, **KWARGS)
     ref = Engine(**KWARGS)
     try:
         yield spec, ref
@@ -209,6 +211,35 @@ def test_prefix_hit_equals_miss(engines: tuple[Engine, Engine]) -> None:
     assert branch[1][0]["meta_info"]["cached_tokens"] >= 64
 
 
+def test_expected_tokens() -> None:
+    from sglang_tpu_qwen.engine.scheduler.speculative import expected_tokens
+
+    assert expected_tokens(0.5, 3) == 1.875 and expected_tokens(0.0, 3) == 1.0 and expected_tokens(1.0, 3) == 4.0
+
+
+def test_adaptive_drafting_stops_verifying_when_drafts_do_not_pay(engines: tuple[Engine, Engine]) -> None:
+    """With a verify step costing 2 plain steps (fixed here, measured when serving), the random MTP layer's
+    drafts stop paying after a few misses: decode steps run plain, the MTP layer keeps drafting beside them,
+    and the tokens stay plain decoding's. Drafts that are mostly right keep the steps verifying."""
+    spec_engine, _ = engines
+    spec = spec_engine.scheduler.spec
+    b = spec_engine.runner.buckets.decode_bucket(2).batch
+    saved = (spec.adaptive, spec.step_s, spec._step_done)
+    spec.adaptive, spec.step_s = True, {"verify": {b: 2.0}, "decode": {b: 1.0}}
+    spec._step_done = lambda: None  # the fixed costs stay
+    try:
+        prompts = [_ids(40, 11), _ids(41, 25)]
+        want, got, delta = _both(engines, prompts, dict(GREEDY, max_new_tokens=40), oracle=False)
+        _same(want, got)
+        plain = spec.stats.plain_steps
+        assert plain > 20 and delta["spec_verify_rows"] > 0, (plain, delta)
+        want, got, delta = _both(engines, prompts, dict(GREEDY, max_new_tokens=40), oracle=True)
+        _same(want, got)
+        assert spec.stats.plain_steps - plain < delta["spec_verify_rows"] / 2, (spec.stats.plain_steps, delta)
+    finally:
+        spec.adaptive, spec.step_s, spec._step_done = saved
+
+
 def test_json_schema_request(engines: tuple[Engine, Engine]) -> None:
     """A constrained row drafts nothing (its mask follows each token) and its answer is valid JSON."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -252,7 +283,7 @@ _MESH_CHILD = """
 import json, tempfile
 from pathlib import Path
 from mtp_checkpoint import build_mtp_checkpoint
-from test_speculative import KWARGS, STEPS, _ids, oracle_drafts
+from test_speculative import KWARGS, SPEC_KWARGS, STEPS, _ids, oracle_drafts
 from sglang_tpu_qwen.engine.engine import Engine
 
 path = build_mtp_checkpoint(Path(tempfile.mkdtemp()))
@@ -264,7 +295,8 @@ ref.shutdown()
 table = {(tuple(p), i): w for i, (p, w) in enumerate(zip(prompts, want))}
 out = {}
 for name, mesh in (("dp2_ep2", dict(dp_size=2, ep_size=2)), ("ep2", dict(ep_size=2))):
-    eng = Engine(model_path=str(path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS, **mesh, **KWARGS)
+    eng = Engine(model_path=str(path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS, **mesh,
+                 **SPEC_KWARGS, **KWARGS)
     mtp = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
     with oracle_drafts(eng, table):
         oracle = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]

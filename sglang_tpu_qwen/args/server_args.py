@@ -150,6 +150,10 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = field(default=None, metadata={
         "help": "Tokens per request in a verify step: with top-k 1 always --speculative-num-steps + 1 (SGLang "
                 "adjusts another value the same way, with a warning)."})
+    speculative_draft_policy: str = field(default="adaptive", metadata={
+        "help": "adaptive (ours): a decode step verifies drafts only while the drafts' expected accepted tokens "
+                "pay for the verify step's measured cost over a plain decode step (engine/scheduler/"
+                "speculative.py); always: every decode step verifies."})
     # Kernels.
     attention_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
     gdn_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
@@ -236,7 +240,7 @@ class ServerArgs:
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
                    "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
                    "grammar_backend": ("xgrammar", "llguidance", "none"),
-                   "kv_cache_dtype": KV_CACHE_DTYPES}
+                   "kv_cache_dtype": KV_CACHE_DTYPES, "speculative_draft_policy": ("adaptive", "always")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")

@@ -83,6 +83,9 @@ class Request:
     draft_tokens: list[int] = field(default_factory=list)
     spec_verify_ct: int = 0
     spec_accepted: int = 0
+    # Per-draft-token acceptance rate, a moving average of the request's draft-vs-target comparisons (adaptive
+    # drafting: engine/scheduler/speculative.py); starts at SpecDecoder's prior.
+    spec_alpha: float | None = None
 
     def __post_init__(self) -> None:
         self.fill_ids = self.prompt_ids + self.output_ids

@@ -95,7 +95,7 @@ class SpecPrograms:
         decode = [bk for bk in self.buckets.step_buckets() if bk.mode == "decode"]
         keys: list[tuple] = [("verify", bk.batch) for bk in decode] + [("commit", bk.batch) for bk in decode]
         shapes = {(bk.batch, bk.tokens, bk.pages) for bk in self.buckets.step_buckets() if bk.mode == "extend"}
-        shapes |= {(bk.batch, t, bk.pages) for bk in decode}
+        shapes |= {(bk.batch, t, bk.pages) for bk in decode} | {(bk.batch, 1, bk.pages) for bk in decode}
         return keys + [("draft", *shape) for shape in sorted(shapes)]
 
     def sample_batches(self) -> list[int]:

@@ -379,6 +379,7 @@ class StepExecutor:
                 step = self.verify(vb)
                 self.draft(step, dataclasses.replace(vb, mode=ForwardMode.EXTEND))
                 self.commit(step, vb, zeros, zeros)
+                self.draft(outs[b], _padding_batch(bucket, zeros))  # after a plain decode step
             else:
                 self.draft(extend_outs[b] if extend_outs[b].hidden.shape[1] == bucket.tokens else
                            self.forward(_padding_batch(bucket, zeros)), _padding_batch(bucket, zeros))

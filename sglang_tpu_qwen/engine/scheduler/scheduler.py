@@ -265,7 +265,7 @@ class Scheduler:
         if _CHECK:
             self.policy.check_memory_invariants()
         prev = None if self._in_flight is None else self._in_flight.batch
-        if self.spec is not None and picked.mode is ForwardMode.DECODE:
+        if self.spec is not None and picked.mode is ForwardMode.DECODE and self.spec.use_verify(picked.reqs):
             batch = self.spec.build(picked, self.eos_ids, self.runner.config.vocab_size)
         else:
             batch = ScheduleBatch.build(picked, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size,
@@ -331,8 +331,11 @@ class Scheduler:
             self.spec.process_verify(done.batch, done.step, done.sampled.get())
         else:
             self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
-            if self.spec is not None and done.step is not None and done.batch.is_extend:
-                self.spec.after_extend(done.batch, done.step)
+            if self.spec is not None and done.step is not None:
+                if done.batch.is_extend:
+                    self.spec.after_extend(done.batch, done.step)
+                else:
+                    self.spec.after_decode(done.batch, done.step)
         self._in_flight = None
         self.role.after_step(done.batch)  # PD prefill: stream the KV computed in this step
         return True

@@ -24,6 +24,16 @@ and is overwritten by later steps. Then the draft program runs the MTP layer ove
 target hidden states, and the next tokens) and drafts the next k tokens.
 
 The scheduler runs synchronously under speculation (the drafts of a step come from its own accepted tokens).
+
+Adaptive drafting (--speculative-draft-policy adaptive, the default; no peer has it): acceptance collapses at long
+context, and then a verify step costs more than the tokens it adds. Each request keeps a moving average alpha of
+its per-draft acceptance (every draft the target compared, in verify steps and, below, in plain steps); with d
+drafts it expects 1 + alpha + ... + alpha^d tokens from a verify step. A decode step verifies when the batch's
+mean expected tokens exceed rho = (verify step time) / (plain decode step time), both measured on this server at
+that batch size (moving averages of the steps' wall time; rho = 1 until both are known, a plain step probes the
+decode time after PROBE_EVERY verify steps), else it runs as a plain decode step. After a plain step the MTP
+layer still drafts (its KV stays current, and its first draft against the sampled token keeps alpha current), so
+verification resumes when acceptance recovers. Tokens are the same either way; only the step kind changes.
 """
 
 from __future__ import annotations
@@ -48,6 +58,20 @@ if TYPE_CHECKING:
     from sglang_tpu_qwen.engine.scheduler.scheduler import Scheduler
 
 
+# Adaptive drafting: the acceptance prior of a new request, the weight of one comparison in its moving average,
+# the weight of one step in the step-time averages, and the verify steps between probes of the plain step time.
+ALPHA_PRIOR = 0.7
+ALPHA_WEIGHT = 0.2
+COST_WEIGHT = 0.2
+PROBE_EVERY = 32
+
+
+def expected_tokens(alpha: float, drafts: int) -> float:
+    """Tokens a verify step yields for a request with per-draft acceptance ``alpha`` and ``drafts`` drafts:
+    ``1 + alpha + ... + alpha^drafts`` (draft i is accepted only if the i - 1 before it were)."""
+    return sum(alpha**i for i in range(drafts + 1))
+
+
 @dataclasses.dataclass
 class SpecStats:
     """Counters over the server's life: verify rows (one request in one verify step), tokens they produced
@@ -57,6 +81,7 @@ class SpecStats:
     verify_rows: int = 0
     accepted_tokens: int = 0
     draft_tokens: int = 0
+    plain_steps: int = 0  # decode steps run without verification (adaptive drafting)
 
     @property
     def avg_accept_length(self) -> float:
@@ -74,6 +99,38 @@ class SpecDecoder:
         self.tokens = self.steps + 1
         self.page_size = scheduler.page_size
         self.stats = SpecStats()
+        self.adaptive = scheduler.args.speculative_draft_policy == "adaptive"
+        self.step_s: dict[str, dict[int, float]] = {"verify": {}, "decode": {}}  # mode -> batch -> seconds
+        self._since_probe = 0
+        self._started: tuple[str, int, float] | None = None
+
+    # ---- adaptive drafting -------------------------------------------------------------------------
+    def use_verify(self, reqs: list[Request]) -> bool:
+        """Whether this decode step verifies drafts (module docstring); starts timing the step either way."""
+        ctx = self.scheduler.policy.context_length
+        counts = [len(self.drafts_for(r, ctx)) for r in reqs]
+        rows_per_rank = max(sum(r.rank == k for r in reqs) for k in range(len(self.scheduler.ranks)))
+        b = self.runner.buckets.decode_bucket(rows_per_rank).batch
+        verify = any(counts)
+        if verify and self.adaptive:
+            cv, cd = self.step_s["verify"].get(b), self.step_s["decode"].get(b)
+            if cv is not None and cd is None and self._since_probe >= PROBE_EVERY:
+                verify = False  # probe the plain step's time at this batch size
+            else:
+                gain = np.mean([expected_tokens(_alpha(r), n) for r, n in zip(reqs, counts, strict=True)])
+                verify = bool(gain > (cv / cd if cv and cd else 1.0))
+        self._since_probe = self._since_probe + 1 if verify else 0
+        self._started = ("verify" if verify else "decode", b, time.perf_counter())
+        return verify
+
+    def _step_done(self) -> None:
+        if self._started is None:
+            return
+        mode, b, t0 = self._started
+        self._started = None
+        dt = time.perf_counter() - t0
+        old = self.step_s[mode].get(b)
+        self.step_s[mode][b] = dt if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * dt
 
     # ---- how far ahead a request needs pages ------------------------------------------------------
     def lookahead(self) -> int:
@@ -127,7 +184,6 @@ class SpecDecoder:
         toks, lps = sampled[0].tolist(), sampled[1].tolist()
         now = time.perf_counter()
         t = self.tokens
-        accepted = np.zeros(batch.batch_size, np.int32)
         live: list[tuple[Request, int, int]] = []  # (request, row, tokens accepted) still decoding
         self.stats.verify_steps += 1
         for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
@@ -141,6 +197,8 @@ class SpecDecoder:
                 top = (sampled[2][k], sampled[3][k]) if r.top_logprobs_num else (None, None)
                 out.accept_token(r, toks[k], lps[k], *top, now)
                 got += 1
+                if pos < n - 1:  # the target's token compared with draft pos: one acceptance observation
+                    _observe(r, toks[k] == drafts[pos])
                 if r.finished or pos == n - 1 or toks[k] != drafts[pos]:
                     break
             r.spec_verify_ct += 1
@@ -150,12 +208,28 @@ class SpecDecoder:
             self.stats.accepted_tokens += got
             self.stats.draft_tokens += n - 1
             if not r.finished:
-                accepted[row] = got
                 live.append((r, row, got))
-        if not live:
-            return
-        self._commit(batch, step, live)
-        self._draft(step, batch.forward, [(r, row, batch.forward.prefix_lens[row], got) for r, row, got in live])
+        if live:
+            self._commit(batch, step, live)
+            self._draft(step, batch.forward, [(r, row, batch.forward.prefix_lens[row], got) for r, row, got in live])
+        self._step_done()
+
+    def after_decode(self, batch: ScheduleBatch, step: StepOutput) -> None:
+        """A plain decode step (adaptive drafting chose it): its sampled tokens already accepted, compare each
+        request's first draft with its token (alpha), then draft from this step's positions."""
+        rows = []
+        self.stats.plain_steps += 1
+        for r, row in zip(batch.reqs, batch.rows, strict=True):
+            if r.finished or r.slot is None:
+                continue
+            start = int(batch.forward.prefix_lens[row])
+            if r.draft_tokens and len(r.fill_ids) > start + 1:
+                _observe(r, r.fill_ids[start + 1] == r.draft_tokens[0])
+            r.draft_tokens = []
+            rows.append((r, row, start, 1))
+        if rows:
+            self._draft(step, batch.forward, rows)
+        self._step_done()
 
     def _commit(self, batch: ScheduleBatch, step: StepOutput, live: list[tuple[Request, int, int]]) -> None:
         """GDN states over the accepted tokens, in two parts where a request crosses a page boundary (the prefix
@@ -223,4 +297,17 @@ class SpecDecoder:
         s = self.stats
         return {"avg_spec_accept_length": s.avg_accept_length, "spec_verify_steps": s.verify_steps,
                 "spec_verify_rows": s.verify_rows, "spec_accepted_tokens": s.accepted_tokens,
-                "spec_draft_tokens": s.draft_tokens, "speculative_num_steps": self.steps}
+                "spec_draft_tokens": s.draft_tokens, "spec_plain_steps": s.plain_steps,
+                "speculative_num_steps": self.steps,
+                "speculative_draft_policy": "adaptive" if self.adaptive else "always",
+                # Measured wall seconds per decode step by mode and batch size (adaptive drafting's rho).
+                "spec_step_seconds": {m: {str(b): v for b, v in d.items()} for m, d in self.step_s.items()}}
+
+
+def _alpha(r: Request) -> float:
+    return ALPHA_PRIOR if r.spec_alpha is None else r.spec_alpha
+
+
+def _observe(r: Request, accepted: bool) -> None:
+    """One draft-vs-target comparison of r into its acceptance average."""
+    r.spec_alpha = (1 - ALPHA_WEIGHT) * _alpha(r) + ALPHA_WEIGHT * float(accepted)
