@@ -197,6 +197,34 @@ def test_seeded_sampling_n2_gives_plain_tokens(engines: tuple[Engine, Engine]) -
     assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"]
 
 
+# Distribution test: the same DIST_SAMPLES seeds on both sides at temperature 0.4, top-k 4, with drafts accepted
+# often (the greedy continuation as drafts). The verify step samples each position with the plain stream step, so
+# the token frequencies at each output position agree exactly (bound 0 at any sample size), which also bounds the
+# difference of the two output distributions by the sampling error of one side alone.
+DIST_SAMPLES = 160
+
+
+def test_sampled_token_frequencies_match(engines: tuple[Engine, Engine]) -> None:
+    spec, ref = engines
+    prompt = _ids(16, 12)
+    greedy = ref.generate(input_ids=prompt, sampling_params=dict(GREEDY, max_new_tokens=8))["output_ids"]
+    sp = [{"temperature": 0.4, "top_k": 4, "max_new_tokens": 4, "ignore_eos": True, "sampling_seed": i}
+          for i in range(DIST_SAMPLES)]
+    ref_out = ref.generate(input_ids=[prompt] * DIST_SAMPLES, sampling_params=sp)
+    before = dict(spec.get_server_info()["internal_states"][0])
+    with oracle_drafts(spec, {(tuple(prompt), i): greedy for i in range(DIST_SAMPLES)}):
+        spec_out = spec.generate(input_ids=[prompt] * DIST_SAMPLES, sampling_params=sp)
+    after = spec.get_server_info()["internal_states"][0]
+    rate = (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / (
+        after["spec_verify_rows"] - before["spec_verify_rows"])
+    assert rate > 1.3, rate  # drafts are accepted often enough for the test to mean something
+    for pos in range(4):
+        a = np.bincount([o["output_ids"][pos] for o in ref_out], minlength=248320)
+        b = np.bincount([o["output_ids"][pos] for o in spec_out], minlength=248320)
+        assert np.count_nonzero(a) > 1, pos  # the position is sampled, not forced
+        np.testing.assert_array_equal(a, b, err_msg=f"position {pos}")
+
+
 def test_prefix_hit_equals_miss(engines: tuple[Engine, Engine]) -> None:
     """The same prompt again (a hit) and a branch off its prefix give plain decoding's tokens."""
     spec, _ = engines
