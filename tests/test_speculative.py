@@ -58,11 +58,11 @@ def oracle_drafts(eng: Engine, want: dict[tuple[tuple[int, ...], int], list[int]
 
     def draft(step: Any, forward: Any, rows: list) -> None:
         original(step, forward, rows)
-        for r, *_ in rows:
+        for r, _, start, tokens, takes in rows:
             ref = want.get((tuple(r.prompt_ids), r.index))
-            if ref is None or not r.draft_tokens:
+            if ref is None or not takes or not tokens:
                 continue
-            n = len(r.output_ids)
+            n = start + len(tokens) + 1 - len(r.prompt_ids)  # outputs up to the last known token
             drafts = list(ref[n : n + STEPS]) + [0] * STEPS
             wrong = {1: 1, 2: 0}.get(r.spec_verify_ct % 3)
             if wrong is not None:

@@ -307,8 +307,6 @@ class ServerArgs:
                            "with --speculative-eagle-topk 1 (as SGLang does)", self.speculative_num_draft_tokens,
                            chain)
         self.speculative_num_draft_tokens = chain
-        if self.disaggregation_mode != "null":
-            raise ValueError("speculative decoding with --disaggregation-mode is not implemented yet")
 
     def _check_state_budget(self) -> None:
         """Refuse GDN state budgets that mean nothing (engine/runner/memory_split.py uses them). Raises ValueError."""

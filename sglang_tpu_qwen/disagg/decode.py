@@ -153,6 +153,8 @@ class DecodeRole(SchedulerRole):
         self._account(r)
         lp = state.logprob if state.logprob is not None else 0.0
         s.accept_token(r, state.first_token, lp, state.top_logprobs, state.top_ids)
+        if s.spec is not None and not r.finished:  # the prefill server's drafts: verified from the first step
+            r.draft_tokens = state.draft_tokens
         r.disagg.receiver = None  # drop the host copy
         return True
 

@@ -74,8 +74,9 @@ class StateLayout:
                  for f in dataclasses.fields(self) if getattr(sender, f.name) != getattr(self, f.name)]
         if diffs:
             raise TransferError("the prefill and decode servers' state layouts differ (" + "; ".join(diffs)
-                                + "); serve the same model with the same --dtype, --kv-cache-dtype and "
-                                  "--mamba-ssm-dtype on both")
+                                + "); serve the same model with the same --dtype, --kv-cache-dtype, "
+                                  "--mamba-ssm-dtype and --speculative-algorithm on both (the MTP layer's KV "
+                                  "is a layer of the pages)")
 
 
 def config_fingerprint(config: Qwen35MoeConfig) -> str:

@@ -135,8 +135,10 @@ class PrefillRole(SchedulerRole):
             if r.top_logprobs_num and r.output_top_logprobs and r.output_top_logprobs[0]:
                 top_lp = [t[0] for t in r.output_top_logprobs[0]]
                 top_ids = [t[1] for t in r.output_top_logprobs[0]]
+        # Speculative decoding: the MTP layer's drafts after the first token (its KV for the prompt went with
+        # the pages), so the decode server verifies drafts from its first step.
         done = {"kind": "done", "first_token": first, "logprob": lp, "top_logprobs": top_lp, "top_ids": top_ids,
-                "cached_tokens": r.cached_tokens or 0}
+                "cached_tokens": r.cached_tokens or 0, "draft_tokens": list(r.draft_tokens)}
         if self.outbox.put(leg.room, Message(done)):
             self.transfers_done += 1
 

@@ -53,6 +53,7 @@ class ReceivedState:
     top_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     cached_tokens: int = 0
     nbytes: int = 0
+    draft_tokens: list[int] = field(default_factory=list)  # the prefill server's MTP drafts (speculative decoding)
 
 
 class Receiver:
@@ -178,7 +179,8 @@ class Receiver:
                     logprob=None if meta.get("logprob") is None else float(meta["logprob"]),
                     top_logprobs=np.asarray(meta.get("top_logprobs") or [], np.float32),
                     top_ids=np.asarray(meta.get("top_ids") or [], np.int32),
-                    cached_tokens=int(meta.get("cached_tokens", 0)), nbytes=self.received_bytes)
+                    cached_tokens=int(meta.get("cached_tokens", 0)), nbytes=self.received_bytes,
+                    draft_tokens=[int(t) for t in meta.get("draft_tokens") or []])
             else:
                 raise TransferError(f"unknown transfer message kind {kind!r}")
         if self.cancelled:

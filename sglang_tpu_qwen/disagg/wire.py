@@ -5,7 +5,7 @@ A transfer is a sequence of messages, each a JSON dict plus zero or more arrays:
     {"kind": "header", "version", "layout", "num_tokens", "prompt_digest", "source_page_size", "rid"}
     {"kind": "kv", "start", "end"}                 arrays k, v  [n_attn, end - start, kv_heads, head_dim]
     {"kind": "gdn"}                                arrays conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv]
-    {"kind": "done", "first_token", "logprob", "top_logprobs", "top_ids", "cached_tokens"}
+    {"kind": "done", "first_token", "logprob", "top_logprobs", "top_ids", "cached_tokens", "draft_tokens"}
     {"kind": "error", "status", "message"}        (instead of the rest, at any point)
     {"kind": "wait"}                               keepalive while the prefill is queued or running
 

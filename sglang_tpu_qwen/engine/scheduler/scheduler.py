@@ -330,12 +330,12 @@ class Scheduler:
             assert self.spec is not None and done.sampled is not None and done.step is not None
             self.spec.process_verify(done.batch, done.step, done.sampled.get())
         else:
-            self.output.process_sampled(done.batch, None if done.sampled is None else done.sampled.get())
-            if self.spec is not None and done.step is not None:
-                if done.batch.is_extend:
-                    self.spec.after_extend(done.batch, done.step)
-                else:
-                    self.spec.after_decode(done.batch, done.step)
+            sampled = None if done.sampled is None else done.sampled.get()
+            if self.spec is not None and done.step is not None and done.batch.is_extend:
+                self.spec.after_extend(done.batch, done.step, sampled)  # before a PD prefill hands it over
+            self.output.process_sampled(done.batch, sampled)
+            if self.spec is not None and done.step is not None and not done.batch.is_extend:
+                self.spec.after_decode(done.batch, done.step)
         self._in_flight = None
         self.role.after_step(done.batch)  # PD prefill: stream the KV computed in this step
         return True

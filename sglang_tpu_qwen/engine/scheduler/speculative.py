@@ -82,6 +82,7 @@ class SpecStats:
     accepted_tokens: int = 0
     draft_tokens: int = 0
     plain_steps: int = 0  # decode steps run without verification (adaptive drafting)
+    undrafted_rows: int = 0  # verify rows that could have drafted but had no drafts (e.g. a PD hand-over without)
 
     @property
     def avg_accept_length(self) -> float:
@@ -139,14 +140,18 @@ class SpecDecoder:
         return 2 * self.steps + 1
 
     # ---- verify step ---------------------------------------------------------------------------
-    def drafts_for(self, r: Request, context_length: int) -> list[int]:
-        """The drafts r feeds in its verify step: none for a grammar or penalty row (the next token's mask or
-        counts follow the previous one), none past what r may still generate or hold."""
+    def draft_room(self, r: Request, context_length: int) -> int:
+        """How many drafts r may feed in its verify step: none for a grammar or penalty row (the next token's mask
+        or counts follow the previous one), none past what r may still generate or hold."""
         if r.grammar is not None or r.params.has_penalty:
-            return []
+            return 0
         room = min(r.max_new_tokens - len(r.output_ids) - 1, context_length - len(r.fill_ids),
                    len(r.pages) * self.page_size - len(r.fill_ids))
-        return r.draft_tokens[: max(0, min(self.steps, room))]
+        return max(0, min(self.steps, room))
+
+    def drafts_for(self, r: Request, context_length: int) -> list[int]:
+        """The drafts r feeds in its verify step (its MTP drafts, within `draft_room`)."""
+        return r.draft_tokens[: self.draft_room(r, context_length)]
 
     def build(self, picked: PickedBatch, eos_ids: Any, vocab_size: int) -> ScheduleBatch:
         """A DECODE pick laid out as a verify step: row b feeds [last token, drafts...] (T = k + 1), and its
@@ -163,6 +168,8 @@ class SpecDecoder:
         offsets: list[int] = []
         for r, i in zip(picked.reqs, rows, strict=True):
             drafts = self.drafts_for(r, ctx)
+            if not r.draft_tokens and self.draft_room(r, ctx):
+                self.stats.undrafted_rows += 1
             n = 1 + len(drafts)
             input_ids[i, :n] = [r.fill_ids[r.cached_len], *drafts]
             prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
@@ -211,7 +218,8 @@ class SpecDecoder:
                 live.append((r, row, got))
         if live:
             self._commit(batch, step, live)
-            self._draft(step, batch.forward, [(r, row, batch.forward.prefix_lens[row], got) for r, row, got in live])
+            self._draft(step, batch.forward, [(r, row, int(batch.forward.prefix_lens[row]), _after(r, row, got, batch),
+                                               True) for r, row, got in live])
         self._step_done()
 
     def after_decode(self, batch: ScheduleBatch, step: StepOutput) -> None:
@@ -226,7 +234,7 @@ class SpecDecoder:
             if r.draft_tokens and len(r.fill_ids) > start + 1:
                 _observe(r, r.fill_ids[start + 1] == r.draft_tokens[0])
             r.draft_tokens = []
-            rows.append((r, row, start, 1))
+            rows.append((r, row, start, r.fill_ids[start + 1 : start + 2], True))
         if rows:
             self._draft(step, batch.forward, rows)
         self._step_done()
@@ -260,36 +268,45 @@ class SpecDecoder:
                 m.prefix_cache.after_step([r for r in reqs if r.rank == m.rank], False)
 
     # ---- drafts --------------------------------------------------------------------------------
-    def after_extend(self, batch: ScheduleBatch, step: StepOutput) -> None:
-        """The MTP layer over an extend step's positions (its KV for the prompt), drafting for the requests whose
-        prompt the step finished."""
+    def after_extend(self, batch: ScheduleBatch, step: StepOutput, sampled: tuple[np.ndarray, ...] | None) -> None:
+        """The MTP layer over an extend step's positions (its KV for the prompt), before the sampled tokens are
+        accepted (a PD prefill server hands the request over on accepting its first token, KV and drafts
+        included): a row that finished its prompt reads the token the step sampled as the one after its last
+        position, and gets the drafts for its first verify step."""
         rows = []
-        for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
+        toks = None if sampled is None else sampled[0]
+        finishing = set(batch.finishing)
+        for i, (r, n, row) in enumerate(zip(batch.reqs, batch.extend_lens, batch.rows, strict=True)):
             if r.finished or r.slot is None:
                 continue
             start = int(batch.forward.prefix_lens[row])
-            rows.append((r, row, start, min(n, len(r.fill_ids) - start - 1)))
+            tokens = r.fill_ids[start + 1 : start + 1 + n]
+            first = i in finishing and r.max_new_tokens != 0 and toks is not None
+            if first and len(tokens) < n:
+                tokens = [*tokens, int(toks[row])]
+            rows.append((r, row, start, tokens, first))
         if rows:
             self._draft(step, batch.forward, rows)
 
-    def _draft(self, step: StepOutput, forward: ForwardBatch, rows: list[tuple[Request, int, int, int]]) -> None:
-        """Run the draft program over rows (request, row, first position, positions) of `step`: row b's tokens
-        are fill_ids after each position. Sets the drafts of the requests that are decoding now."""
+    def _draft(self, step: StepOutput, forward: ForwardBatch,
+               rows: list[tuple[Request, int, int, list[int], bool]]) -> None:
+        """Run the draft program over rows (request, row, first position, the tokens after each position, whether
+        the request takes the drafts) of `step`."""
         b, t = forward.input_ids.shape
         input_ids = np.zeros((b, t), np.int32)
         prefix_lens, extend_lens, slot_ids = (np.zeros(b, np.int32) for _ in range(3))
         page_table = np.zeros_like(forward.page_table)
-        for r, row, start, n in rows:
-            if n <= 0:
+        for r, row, start, tokens, _ in rows:
+            if not tokens:
                 continue
-            input_ids[row, :n] = r.fill_ids[start + 1 : start + 1 + n]
-            prefix_lens[row], extend_lens[row], slot_ids[row] = start, n, r.slot
+            input_ids[row, : len(tokens)] = tokens
+            prefix_lens[row], extend_lens[row], slot_ids[row] = start, len(tokens), r.slot
             page_table[row, : len(r.pages)] = r.pages
         draft = ForwardBatch(ForwardMode.EXTEND if t > 1 else ForwardMode.DECODE, input_ids, prefix_lens, extend_lens,
                              page_table, slot_ids, rope_deltas=forward.rope_deltas)
         drafts = np.asarray(self.runner.draft(step, draft))
-        for r, row, start, n in rows:
-            if n > 0 and r.pending == 1 and start + n == r.cached_len:
+        for r, row, _, tokens, takes in rows:
+            if takes and tokens:
                 r.draft_tokens = drafts[row].tolist()
 
     def info(self) -> dict[str, Any]:
@@ -298,10 +315,17 @@ class SpecDecoder:
         return {"avg_spec_accept_length": s.avg_accept_length, "spec_verify_steps": s.verify_steps,
                 "spec_verify_rows": s.verify_rows, "spec_accepted_tokens": s.accepted_tokens,
                 "spec_draft_tokens": s.draft_tokens, "spec_plain_steps": s.plain_steps,
+                "spec_undrafted_rows": s.undrafted_rows,
                 "speculative_num_steps": self.steps,
                 "speculative_draft_policy": "adaptive" if self.adaptive else "always",
                 # Measured wall seconds per decode step by mode and batch size (adaptive drafting's rho).
                 "spec_step_seconds": {m: {str(b): v for b, v in d.items()} for m, d in self.step_s.items()}}
+
+
+def _after(r: Request, row: int, got: int, batch: ScheduleBatch) -> list[int]:
+    """The tokens after the `got` positions a verify row accepted: the accepted outputs."""
+    start = int(batch.forward.prefix_lens[row])
+    return r.fill_ids[start + 1 : start + 1 + got]
 
 
 def _alpha(r: Request) -> float:
