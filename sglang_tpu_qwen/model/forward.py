@@ -21,14 +21,20 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, gdn_kernel
-from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, pool_shape, scatter_windows
+from sglang_tpu_qwen.kernels.gdn.conv_pool import pool_shape
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gdn_mix
 from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import pool_shape as kv_pool_shape
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.dense_mlp import dense_mlp
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
-from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_on_pools, gdn_layer_pooled, gdn_layer_verify
+from sglang_tpu_qwen.model.gated_deltanet import (
+    gdn_layer_on_pools,
+    gdn_layer_pooled,
+    gdn_layer_verify,
+    slot_states,
+    write_slot_states,
+)
 from sglang_tpu_qwen.model.moe import moe_block
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import mrope_cos_sin, rope_cos_sin
@@ -177,21 +183,17 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
     t = batch.num_tokens
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < commit_lens[:, None]
     keep = dataclasses.replace(batch, extend_lens=commit_lens)
-    taps = config.linear_conv_kernel_dim - 1
 
     def group(carry: tuple[jax.Array, jax.Array], xs: Any) -> tuple[tuple[jax.Array, jax.Array], None]:
         conv, rec = carry
         g, weights, inputs = xs
         for j, (w, (mixed, gg, beta)) in enumerate(zip(weights, inputs, strict=True)):
             layer = g * n_gdn + j
-            f = keep.fresh[:, None, None]
-            conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, batch.slot_ids, taps), 1, 2))
-            rec_s = jnp.where(f[..., None], 0, rec[layer, batch.slot_ids])
+            conv_s, rec_s = slot_states(keep, conv, rec, layer, config)
             # Tokens past the commit are padding now: zero decay and write strength leave the state as it is.
             gg, beta = (jnp.where(valid[..., None], a, 0.0) for a in (gg, beta))
             _, conv_s, rec_s = gdn_mix(mixed, w, gg, beta, conv_s, rec_s, valid, commit_lens, config, recurrent=True)
-            conv = scatter_windows(conv, layer, batch.slot_ids, jnp.swapaxes(conv_s, 1, 2))
-            rec = rec.at[layer, batch.slot_ids].set(rec_s.astype(rec.dtype))
+            conv, rec = write_slot_states(keep, conv, rec, layer, conv_s, rec_s)
         return (conv, rec), None
 
     weights = tuple(params["layers"][j]["gdn"]["conv1d"] for j in gdn_pos)

@@ -146,13 +146,26 @@ def gdn_layer_on_pools(
     Returns:
         ``(out [B, T, H], conv, rec)`` with the rows' new states written to their slots.
     """
-    slot_ids = batch.slot_ids
+    conv_s, rec_s = slot_states(batch, conv, rec, layer, config)
+    out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
+    return out, *write_slot_states(batch, conv, rec, layer, conv_s, rec_s)
+
+
+def slot_states(batch: ForwardBatch, conv: jax.Array, rec: jax.Array, layer: jax.Array | int,
+                config: Qwen35MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """Each row's GDN state in layer ``layer`` of the pools: ``(conv [B, conv_dim, K-1], rec [B, Hv, dk, dv])`` in
+    the pools' dtype, zeros for a row whose sequence starts in this step (``batch.fresh``)."""
     f = batch.fresh[:, None, None]
     taps = config.linear_conv_kernel_dim - 1
-    conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, slot_ids, taps), 1, 2))  # [B, C, K-1]
-    rec_s = jnp.where(f[..., None], 0, rec[layer, slot_ids])
-    out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
-    return out, scatter_windows(conv, layer, slot_ids, jnp.swapaxes(conv_s, 1, 2)), rec.at[layer, slot_ids].set(rec_s)
+    conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, batch.slot_ids, taps), 1, 2))
+    return conv_s, jnp.where(f[..., None], 0, rec[layer, batch.slot_ids])
+
+
+def write_slot_states(batch: ForwardBatch, conv: jax.Array, rec: jax.Array, layer: jax.Array | int,
+                      conv_s: jax.Array, rec_s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The pools with each row's new state (as :func:`slot_states` returns them) written to its slot."""
+    conv = scatter_windows(conv, layer, batch.slot_ids, jnp.swapaxes(conv_s, 1, 2))
+    return conv, rec.at[layer, batch.slot_ids].set(rec_s.astype(rec.dtype))
 
 
 def gdn_layer_verify(
@@ -174,10 +187,7 @@ def gdn_layer_verify(
         the inputs of its conv1d + delta rule, from which model/forward.py ``commit_gdn_states`` recomputes the
         state after the accepted tokens.
     """
-    f = batch.fresh[:, None, None]
-    taps = config.linear_conv_kernel_dim - 1
-    conv_s = jnp.where(f, 0, jnp.swapaxes(gather_windows(conv, layer, batch.slot_ids, taps), 1, 2))
-    rec_s = jnp.where(f[..., None], 0, rec[layer, batch.slot_ids])
+    conv_s, rec_s = slot_states(batch, conv, rec, layer, config)
     mixed, z, g, beta = gdn_projections(p, x, batch.valid, config)
     o, _, _ = gdn_mix(mixed, p["conv1d"], g, beta, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
     return gdn_output(p, o, z, x.dtype, config), (mixed, g, beta)
