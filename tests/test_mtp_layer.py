@@ -1,7 +1,8 @@
 """The MTP layer (model/mtp.py) against an oracle built from HF transformers' own modules, and its loading.
 
 HF transformers has no MTP model for Qwen3.5 (it drops ``mtp.*`` on load), so the oracle is assembled from HF's
-parts as SGLang's / vLLM's ``qwen3_5_mtp`` wire them: ``Qwen3_5MoeRMSNorm`` x 3, a bias-free ``fc`` over
+parts as SGLang's / vLLM's ``qwen3_5_mtp`` wire them (``bench/spec_decode.hf_mtp_class``, which the benchmark
+trains): ``Qwen3_5MoeRMSNorm`` x 3, a bias-free ``fc`` over
 ``[norm(embedding) ; norm(hidden)]``, one ``Qwen3_5MoeDecoderLayer`` (full attention, sparse MoE), the shared
 ``lm_head``. The checkpoint is a tiny random ``Qwen3_5MoeForCausalLM`` saved by HF with those modules' tensors
 added under ``mtp.`` (HF's fused expert layout); a per-expert and a block-FP8 copy come from our writer.
@@ -31,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import record  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
+from sglang_tpu_qwen.bench.spec_decode import hf_mtp_class  # noqa: E402
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends  # noqa: E402
 from sglang_tpu_qwen.model.checkpoint_writer import save_checkpoint, to_hf_state_dict  # noqa: E402
 from sglang_tpu_qwen.model.config import load_config  # noqa: E402
@@ -77,51 +79,23 @@ def _randomise(module: Any, gen: Any) -> None:
                 p.copy_(noise / math.sqrt(p.shape[-1]))
 
 
-class _HfMtp(torch.nn.Module):
-    """The MTP layer from HF modules (module docstring)."""
-
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        mods = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe
-        h = cfg.hidden_size
-        self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = mods.Qwen3_5MoeRMSNorm(h, eps=cfg.rms_norm_eps)
-        self.pre_fc_norm_hidden = mods.Qwen3_5MoeRMSNorm(h, eps=cfg.rms_norm_eps)
-        self.norm = mods.Qwen3_5MoeRMSNorm(h, eps=cfg.rms_norm_eps)
-        attn_index = cfg.layer_types.index("full_attention")
-        self.layer = mods.Qwen3_5MoeDecoderLayer(cfg, attn_index)
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        """``mtp.*`` checkpoint tensors as the release names them."""
-        out = {f"mtp.{k}": v for k, v in self.state_dict().items() if not k.startswith("layer.")}
-        out.update({f"mtp.layers.0.{k[len('layer.'):]}": v for k, v in self.state_dict().items()
-                    if k.startswith("layer.")})
-        return {k: v.detach().numpy().copy() for k, v in out.items()}
-
-    def logits(self, model: Any, ids: list[int]) -> np.ndarray:
-        """``[len(ids) - 1, V]``: the draft logits at positions 0 .. L-2 (predicting tokens 2 .. L)."""
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            hidden = model.model(x).last_hidden_state  # after the final norm
-            e = self.pre_fc_norm_embedding(model.model.embed_tokens(x[:, 1:]))
-            z = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden[:, :-1])], dim=-1))
-            t = z.shape[1]
-            pos = torch.arange(t)[None]
-            mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-            z = self.layer(z, position_embeddings=model.model.rotary_emb(z, pos), attention_mask=mask,
-                           position_ids=pos)
-            return model.lm_head(self.norm(z))[0].numpy()
+def _oracle_logits(mtp: Any, model: Any, ids: list[int]) -> np.ndarray:
+    """``[len(ids) - 1, V]``: the HF-module MTP layer's draft logits at positions 0 .. L-2 (predicting tokens
+    2 .. L), from the HF model's final-norm hidden states."""
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        return mtp(model, x, model.model(x).last_hidden_state)[0].numpy()
 
 
 @functools.cache
-def _checkpoint(tmp: str) -> tuple[Any, _HfMtp, Path]:
+def _checkpoint(tmp: str) -> tuple[Any, Any, Path]:
     """(HF model, HF MTP oracle, checkpoint dir with mtp.* tensors), fp32, built once."""
     gen = torch.Generator().manual_seed(11)
     cfg = transformers.Qwen3_5MoeTextConfig(**HF_CONFIG)
     cfg._attn_implementation = "eager"
     model = transformers.Qwen3_5MoeForCausalLM(cfg).eval()
     _randomise(model, gen)
-    mtp = _HfMtp(cfg).eval()
+    mtp = hf_mtp_class()(cfg).eval()
     _randomise(mtp, gen)
     path = Path(tmp) / "mtp-ckpt"
     model.save_pretrained(path)
@@ -131,7 +105,7 @@ def _checkpoint(tmp: str) -> tuple[Any, _HfMtp, Path]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, _HfMtp, Path]:
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
     return _checkpoint(str(tmp_path_factory.getbasetemp()))
 
 
@@ -172,13 +146,13 @@ def _our_mtp_logits(params: Any, config: Any, ids: list[int], decode: bool) -> t
     return np.asarray(compute_logits(params, rows, config=config)), cache
 
 
-def test_mtp_layer_matches_hf_modules(ckpt: tuple[Any, _HfMtp, Path]) -> None:
+def test_mtp_layer_matches_hf_modules(ckpt: tuple[Any, Any, Path]) -> None:
     model, hf_mtp, path = ckpt
     config = load_config(path)
     assert config.mtp_num_hidden_layers == 1
     params = load_params(path, config, jnp.float32, mtp=True)
     ids = _prompt(config.vocab_size)
-    want = hf_mtp.logits(model, ids)
+    want = _oracle_logits(hf_mtp, model, ids)
     got, cache = _our_mtp_logits(params, config, ids, decode=False)
     err = float(np.abs(got - want).max())
     record("MTP layer", f"MTP draft logits vs HF modules (extend, {len(ids) - 1} positions): max |err| {err:.2e} "
@@ -194,7 +168,7 @@ def test_mtp_layer_matches_hf_modules(ckpt: tuple[Any, _HfMtp, Path]) -> None:
     assert "mtp" not in load_params(path, config, jnp.float32)
 
 
-def test_mtp_round_trip_per_expert_and_missing(ckpt: tuple[Any, _HfMtp, Path], tmp_path: Path) -> None:
+def test_mtp_round_trip_per_expert_and_missing(ckpt: tuple[Any, Any, Path], tmp_path: Path) -> None:
     """Our writer's per-expert layout loads back to the same leaves; no mtp.* is an error naming them."""
     _, _, path = ckpt
     config = load_config(path)
@@ -216,7 +190,7 @@ def test_mtp_round_trip_per_expert_and_missing(ckpt: tuple[Any, _HfMtp, Path], t
         load_params(tmp_path / "partial", config, jnp.float32, mtp=True)
 
 
-def test_mtp_layer_block_fp8(ckpt: tuple[Any, _HfMtp, Path], tmp_path: Path) -> None:
+def test_mtp_layer_block_fp8(ckpt: tuple[Any, Any, Path], tmp_path: Path) -> None:
     """A block-FP8 checkpoint keeps the MTP layer's linear weights FP8 on the device and drafts the logits of
     the same weights dequantised at load."""
     _, _, path = ckpt
@@ -252,7 +226,7 @@ _commit = jax.jit(commit_gdn_states, static_argnames="config")
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 4])
-def test_verify_then_commit_equals_feeding_the_accepted_tokens(ckpt: tuple[Any, _HfMtp, Path],
+def test_verify_then_commit_equals_feeding_the_accepted_tokens(ckpt: tuple[Any, Any, Path],
                                                                 accepted: int) -> None:
     """A TARGET_VERIFY step over 4 tokens leaves the GDN slot untouched; committing j of them gives the state
     (and the next step's output) of a plain extend over those j tokens."""

@@ -115,16 +115,16 @@ class PhraseCorpus:
         return out
 
 
-def _hf_mtp_class() -> type:
-    """`HfMtp` (defined lazily: torch is imported only when training)."""
+def hf_mtp_class() -> type:
+    """`HfMtp`, the MTP layer built from HF transformers' modules (defined lazily: torch is imported only when
+    needed); also the oracle of tests/test_mtp_layer.py."""
     import torch
     import transformers
 
     class HfMtp(torch.nn.Module):
         """The MTP layer from HF modules, as SGLang's / vLLM's ``qwen3_5_mtp`` wire them (model/mtp.py):
         ``Qwen3_5MoeRMSNorm`` x 3, a bias-free ``fc`` over ``[norm(embedding) ; norm(hidden)]``, one
-        ``Qwen3_5MoeDecoderLayer`` (full attention, sparse MoE), the target's ``lm_head``. Copied from
-        tests/test_mtp_layer.py ``_HfMtp``, batched and with gradients."""
+        ``Qwen3_5MoeDecoderLayer`` (full attention, sparse MoE), the target's ``lm_head``."""
 
         def __init__(self, cfg: Any) -> None:
             super().__init__()
@@ -228,7 +228,7 @@ def train_checkpoint(out: Path, corpus: PhraseCorpus, *, train_steps: int, mtp_s
             logits[:, :-1].reshape(-1, VOCAB), heldout[:, 1:].reshape(-1)))
         stats["main_heldout_top1"] = float((main_pred[:, :-1] == heldout[:, 1:]).float().mean())
 
-    mtp = _hf_mtp_class()(cfg)
+    mtp = hf_mtp_class()(cfg)
     mtp.train()
     start = time.perf_counter()
     opt = torch.optim.AdamW(mtp.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
