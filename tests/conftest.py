@@ -8,6 +8,7 @@ engine.
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -63,6 +64,44 @@ def serve_app(app: Any, timeout_s: float = 60.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+# XLA:CPU maps about three memory regions per compiled kernel (some 3,000 per engine). The suite's one process
+# keeps the programs of its session engines, of module-scoped engines and of cached jitted functions alive
+# together: about 60,000 maps by the prefix-cache tests, past Linux's default vm.max_map_count of 65,530,
+# where an mmap fails inside XLA and the process aborts or hangs in a compile. The limit is raised where the
+# suite may (root: CI), else a run that needs it says so up front.
+MAX_MAP_COUNT = 262_144
+_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _MAP_COUNT.exists() or int(_MAP_COUNT.read_text()) >= MAX_MAP_COUNT:
+        return
+    try:
+        _MAP_COUNT.write_text(str(MAX_MAP_COUNT))
+    except OSError:
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"vm.max_map_count is {_MAP_COUNT.read_text().strip()}: the whole suite needs about 70,000 memory "
+            f"maps; run `sysctl -w vm.max_map_count={MAX_MAP_COUNT}` as root first"), stacklevel=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_shut_down_engines() -> Iterator[None]:
+    """Run the garbage collector after each test file. A shut-down Engine sits in reference cycles until the
+    collector runs, and with it its compiled programs, whose XLA:CPU code takes about three memory maps per
+    kernel (some 3,000 per engine). Left to the collector's own schedule, several files' engines piled up past
+    the kernel's vm.max_map_count (65,530 by default): XLA then aborted or hung mid-suite. The largest count
+    seen at a file's end, before collecting, goes to the run's summary."""
+    global _PEAK_MAPS
+    yield
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        _PEAK_MAPS = max(_PEAK_MAPS, len(maps.read_bytes().splitlines()))
+    gc.collect()
+
+
+_PEAK_MAPS = 0
 
 
 @pytest.fixture(scope="session")
@@ -188,6 +227,10 @@ def record(section: str, line: str) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _PEAK_MAPS:
+        limit = _MAP_COUNT.read_text().strip()
+        line = f"memory maps at a test file's end, at most: {_PEAK_MAPS} (vm.max_map_count: {limit})"
+        SUMMARY.setdefault("process", []).append(line)
     for section, lines in SUMMARY.items():
         terminalreporter.section(section)
         for line in lines:
