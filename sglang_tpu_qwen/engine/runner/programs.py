@@ -211,18 +211,14 @@ class ProgramTable:
 
     def compile_missing(self, progress: bool = True) -> int:
         """Compile (or load from the persistent cache) every program of the set not compiled yet; returns how
-        many. Lowers on this thread (tracing holds the GIL), compiles on every core (XLA releases it), but one at
-        a time on the CPU (see below); shows a tqdm bar when `progress`."""
+        many. Lowers on this thread (tracing holds the GIL), compiles on every core (XLA releases it); shows a
+        tqdm bar when `progress`."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         from tqdm import tqdm
 
         keys = [k for k in self.keys() if k not in self._compiled]
-        # XLA:CPU aborts the process (SIGABRT, no message) when one thread compiles while another loads a
-        # persistent-cache entry: seen in the test suite, deterministically at one engine's precompile after
-        # many earlier engines had filled the cache. On the CPU programs compile one at a time.
-        workers = 1 if self.placement.platform == "cpu" else max(1, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers) as pool, \
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool, \
                 tqdm(total=len(keys), desc="precompile", unit="program", disable=not progress) as bar:
             futures = {pool.submit(self.lower(key).compile): key for key in keys}
             for fut in as_completed(futures):
