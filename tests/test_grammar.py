@@ -383,6 +383,41 @@ def test_llguidance_backend(engine, monkeypatch) -> None:
     manager.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_fill_drafts_checks_ahead_and_rolls_back(engine, monkeypatch, backend: str) -> None:
+    """A speculative verify step's masks (RequestGrammar.fill_drafts): row j is the mask after the accepted
+    output and drafts[:j], equal to advancing token by token; drafts stop at the first one the grammar refuses;
+    the matcher ends where it began, so advancing over the accepted tokens afterwards works as in plain
+    decoding."""
+    manager = _swap_backend(engine, monkeypatch, backend)
+    spec = spec_from_fields({"regex": REGEX})
+    vocab = engine.model_config.vocab_size
+    width = (vocab + 31) // 32
+    ids = engine.tokenizer.encode("yes, 1234!")
+    g, ref = manager.request_grammar(spec), manager.request_grammar(spec)
+    manager.submit(spec).result(timeout=60)
+    assert g.ready() and ref.ready()
+    assert not g.advance(ids[0], 0) and not ref.advance(ids[0], 0)  # one accepted output token
+    drafts = ids[1:]
+    rows = np.full((len(drafts) + 1, width), -1, np.int32)
+    assert g.fill_drafts(rows, drafts) == len(drafts)
+    for j, tok in enumerate(drafts):  # the same masks, token by token
+        want = token_bitmask([ref], 1, vocab)
+        np.testing.assert_array_equal(rows[j], want[0])
+        assert not ref.advance(tok, j + 1)
+    # A refused draft (a letter where a digit or "!" must come) cuts the drafts there.
+    bad = engine.tokenizer.encode("x")[0]
+    rows = np.full((4, width), -1, np.int32)
+    assert g.fill_drafts(rows, [*drafts[:2], bad]) == 2
+    # Rolled back: the accepted tokens advance the matcher as plain decoding's do, to the grammar's end.
+    assert not any(g.advance(tok, i + 1) for i, tok in enumerate(drafts))
+    assert g.advance(engine.tokenizer.eos_token_ids[0], len(ids))  # the stop token where the grammar may end
+    g.release()
+    ref.release()
+    assert manager.num_live_matchers == 0
+    manager.shutdown()
+
+
 def test_everything_returned(engine) -> None:
     _wait_idle_matchers(engine)
     assert engine.flush_cache()

@@ -269,12 +269,37 @@ def test_adaptive_drafting_stops_verifying_when_drafts_do_not_pay(engines: tuple
 
 
 def test_json_schema_request(engines: tuple[Engine, Engine]) -> None:
-    """A constrained row drafts nothing (its mask follows each token) and its answer is valid JSON."""
+    """A constrained row drafts: its masks are filled ahead over its drafts (cut at the first one the grammar
+    refuses: the oracle's corrupted drafts often are), its matcher rolled back and advanced by the accepted
+    tokens. Its tokens are plain decoding's, its answer valid JSON, and it accepted drafts; a row without a
+    grammar beside it keeps its own tokens."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     sp = {"temperature": 0, "max_new_tokens": 30, "json_schema": json.dumps(schema)}
-    want, got, _ = _both(engines, [_ids(14, 10), _ids(15, 20)], [sp, GREEDY], oracle=True)
+    want, got, delta = _both(engines, [_ids(14, 10)], sp, oracle=True)
     _same(want, got)
     json.loads(got[0]["text"])
+    assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"], delta  # > 1 token per verify row
+    want, got, _ = _both(engines, [_ids(14, 10), _ids(15, 20)], [sp, GREEDY], oracle=True)
+    _same(want, got)
+
+
+def test_penalty_rows_draft(engines: tuple[Engine, Engine]) -> None:
+    """Penalties count the drafts before each verified position (as plain decoding counts the tokens it
+    accepted). `logit_bias` makes three tokens the likeliest, so the random model repeats them and the
+    frequency and presence penalties decide which comes next from the counts so far: greedy and seeded tokens
+    are plain decoding's, and the rows accepted drafts."""
+    bias = {"1000": 12.0, "2000": 11.5, "3000": 11.0}
+    pen = dict(frequency_penalty=0.6, presence_penalty=0.3, logit_bias=bias)
+    prompts = [_ids(16, 12), _ids(17, 30)]
+    outputs = []
+    for sp in (dict(GREEDY, **pen), dict(GREEDY, **pen, temperature=0.8, top_k=50, seed=5)):
+        want, got, delta = _both(engines, prompts, sp, oracle=True)
+        _same(want, got)
+        assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"], delta
+        outputs.append([r["output_ids"] for r in want])
+    plain = engines[1].generate(input_ids=prompts, sampling_params=dict(GREEDY, logit_bias=bias))
+    assert [r["output_ids"] for r in plain] != outputs[0]  # the penalties changed the greedy tokens
+    assert len(set(outputs[0][0])) > 1  # and not into one repeated token
 
 
 def test_aborts_leave_nothing_behind(engines: tuple[Engine, Engine]) -> None:

@@ -69,6 +69,10 @@ class TokenMatcher(ABC):
     def is_terminated(self) -> bool:
         """True once a stop token was accepted where the grammar may end: generation is over."""
 
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (a speculative verify step's drafts, checked ahead)."""
+
 
 class GrammarBackend(ABC):
     """Compiles grammars for one vocabulary (see module docstring). Thread-safe: compile runs on a pool."""

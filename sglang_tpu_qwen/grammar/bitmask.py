@@ -16,6 +16,16 @@ class RowFiller(Protocol):
     def fill(self, bitmask: np.ndarray, row: int) -> None: ...
 
 
+class MaskRow:
+    """A RowFiller that writes a row filled ahead (a speculative verify position's grammar mask)."""
+
+    def __init__(self, row: np.ndarray) -> None:
+        self.row = row  # [ceil(V / 32)] int32
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        bitmask[row] = self.row
+
+
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per row for vocab_size tokens."""
     return (vocab_size + 31) // 32

@@ -42,6 +42,11 @@ class LLGuidanceMatcher(TokenMatcher):
     def is_terminated(self) -> bool:
         return self._ended
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+            self._ended = False  # nothing is accepted after the end: the state before it had not ended
+
 
 class LLGuidanceBackend(GrammarBackend):
     """Compiles grammars with llguidance for one vocabulary (the model's tokenizer.json, padded to vocab_size).

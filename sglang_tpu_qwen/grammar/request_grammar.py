@@ -71,6 +71,36 @@ class RequestGrammar:
             self._matcher.fill_bitmask(bitmask, row)
         clear_from(bitmask, row, self._manager.vocab_limit)
 
+    def fill_drafts(self, bitmask: np.ndarray, drafts: list[int]) -> int:
+        """The masks of a speculative verify step: bitmask[j] ([1 + len(drafts), ceil(V/32)] int32, all ones on
+        entry) gets the tokens allowed after the accepted output and drafts[:j]. Stops at the first draft the
+        grammar does not allow (the target cannot sample it there) or that ends the grammar (the target's own
+        token at that position is sampled instead); returns how many drafts go on, and fills that many rows
+        plus one. The matcher is left as it was (advanced over the drafts, then rolled back): the verify
+        step's accepted tokens `advance` it as plain decoding's do."""
+        assert self._matcher is not None, "fill_drafts before ready()"
+        words = bitmask.view(np.uint32)
+        in_reasoning, consumed, n = self.in_reasoning, 0, 0
+        while True:
+            if not in_reasoning:
+                self._matcher.fill_bitmask(bitmask, n)
+            clear_from(bitmask, n, self._manager.vocab_limit)
+            if n == len(drafts):
+                break
+            d = drafts[n]
+            if not (words[n, d // 32] >> np.uint32(d % 32)) & 1:
+                break
+            if in_reasoning:
+                in_reasoning = d != self.think_end_id
+            else:
+                ok = self._matcher.accept(d)
+                consumed += ok
+                if not ok or self._matcher.is_terminated():
+                    break
+            n += 1
+        self._matcher.rollback(consumed)
+        return n
+
     def advance(self, token: int, position: int) -> bool:
         """Consume output token number `position` (0-based); True when generation must end here.
 

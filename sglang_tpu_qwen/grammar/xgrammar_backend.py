@@ -34,6 +34,10 @@ class XGrammarMatcher(TokenMatcher):
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:  # the matcher is made with xgrammar's default max_rollback_tokens=-1: unbounded
+            self._m.rollback(num_tokens)
+
 
 class XGrammarBackend(GrammarBackend):
     """Compiles regex / JSON Schema / EBNF / structural tags with xgrammar for one vocabulary.

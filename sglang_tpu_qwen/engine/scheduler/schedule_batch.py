@@ -24,7 +24,7 @@ from sglang_tpu_qwen.engine.io.request_images import Encode
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.model_runner import SamplingBatch
 from sglang_tpu_qwen.engine.scheduler.image_step import add_image_inputs
-from sglang_tpu_qwen.grammar.bitmask import allows_other_than, token_bitmask
+from sglang_tpu_qwen.grammar.bitmask import RowFiller, allows_other_than, token_bitmask
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_qwen.utils.shapes import next_pow2
 
@@ -178,13 +178,17 @@ def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode,
 
 
 def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collection[int],
-                   vocab_size: int, offsets: list[int] | None = None) -> SamplingBatch:
+                   vocab_size: int, offsets: list[int] | None = None, drafts: list[list[int]] | None = None,
+                   masks: list[RowFiller | None] | None = None) -> SamplingBatch:
     """Per-row sampling settings of the step; padding rows are greedy with nothing banned.
 
-    `offsets` (speculative verify steps: one row per position of a request): row i samples the request's
-    output token number num_output + offsets[i] (its random stream step and its min_new_tokens bans follow).
+    Speculative verify steps have one row per position of a request: row i samples the request's output token
+    number num_output + offsets[i] (its random stream step and its min_new_tokens bans follow), after the
+    request's tokens and `drafts[i]` (the drafts fed before that position: penalties count them), under
+    `masks[i]`'s grammar mask where given (a mask filled ahead over the drafts; default the request's grammar).
     """
     offsets = offsets if offsets is not None else [0] * len(reqs)
+    drafts = drafts if drafts is not None else [[] for _ in reqs]
     temperature = np.zeros(b, np.float32)
     top_p = np.ones(b, np.float32)
     top_k = np.zeros(b, np.int32)
@@ -197,8 +201,9 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
     any_penalty = any(r.params.has_penalty for r in reqs)
     seen_ids = output_ids = None
     if any_penalty:
-        seen_ids = np.full((b, next_pow2(max(len(r.fill_ids) for r in reqs), 16)), -1, np.int32)
-        output_ids = np.full((b, next_pow2(max(len(r.output_ids) for r in reqs), 16)), -1, np.int32)
+        ahead = max(len(d) for d in drafts)
+        seen_ids = np.full((b, next_pow2(max(len(r.fill_ids) for r in reqs) + ahead, 16)), -1, np.int32)
+        output_ids = np.full((b, next_pow2(max(len(r.output_ids) for r in reqs) + ahead, 16)), -1, np.int32)
     ban_lists: list[list[int]] = [[] for _ in range(b)]
     # Column by column (one numpy assignment per field, not per row): this runs on the scheduler thread
     # every step, beside the model on a CPU host.
@@ -214,14 +219,17 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
     rep[idx] = [sp.repetition_penalty for sp in sps]
     freq[idx] = [sp.frequency_penalty for sp in sps]
     pres[idx] = [sp.presence_penalty for sp in sps]
-    for r, i, o in zip(reqs, rows, offsets, strict=True):
+    for r, i, o, ahead in zip(reqs, rows, offsets, drafts, strict=True):
         sp = r.params
         if seen_ids is not None and output_ids is not None:
             # A token in flight is missing here; only rows without a penalty may have one (their counts
             # are not used), penalty rows run synchronously (Scheduler._can_overlap).
             assert not (r.tokens_in_flight and sp.has_penalty), f"{r.rid}: penalty row with a token in flight"
-            seen_ids[i, : len(r.fill_ids)] = r.fill_ids
-            output_ids[i, : len(r.output_ids)] = r.output_ids
+            n_seen, n_out = len(r.fill_ids), len(r.output_ids)
+            seen_ids[i, :n_seen] = r.fill_ids
+            output_ids[i, :n_out] = r.output_ids
+            seen_ids[i, n_seen : n_seen + len(ahead)] = ahead
+            output_ids[i, n_out : n_out + len(ahead)] = ahead
         if r.num_output + o < sp.min_new_tokens:
             ban_lists[i] = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
     bias_ids = bias_vals = None
@@ -236,9 +244,9 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
     want_logprobs = any(r.return_logprob for r in reqs)
     num_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
     grammars: list[Any] = [None] * b
-    for r, i in zip(reqs, rows, strict=True):
+    for j, (r, i) in enumerate(zip(reqs, rows, strict=True)):
         assert r.grammar is None or not r.tokens_in_flight, "grammar rows run synchronously"
-        grammars[i] = r.grammar
+        grammars[i] = masks[j] if masks is not None and masks[j] is not None else r.grammar
     bitmask = token_bitmask(grammars, b, vocab_size)
     for i, g in enumerate(grammars):
         # The grammar wins: where it allows only banned ids (EOS before min_new_tokens), drop the bans.

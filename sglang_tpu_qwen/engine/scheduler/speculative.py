@@ -9,11 +9,16 @@ token accepted (the target's own token at that position, so a step always yields
 
 Exact by construction: every accepted token is the token plain decoding samples at that position, from the
 same distribution with the same random stream; a draft only decides how many positions one step computes.
-Greedy output equals plain greedy decoding; with temperature > 0 the output distribution is plain decoding's
-(the acceptance test is "sample the target, then compare", not rejection sampling against the draft's
-distribution: lossless, and accepting somewhat less often at high temperature). Requests whose next token
-depends on the previous one beyond the target's distribution (a grammar, penalties) draft nothing and verify
-one token, which is a plain decode step.
+Greedy output equals plain greedy decoding; with temperature > 0 the output distribution is plain decoding's.
+The acceptance test is "sample the target, then compare"; the MTP drafts are greedy (SGLang's top-k 1), a
+one-hot draft distribution q, and for it this is exactly speculative (rejection) sampling (Leviathan et al.,
+ICML 2023): draft x is accepted with probability min(1, p(x) / q(x)) = p(x), and on rejection the token comes
+from norm(max(p - q, 0)), which is p without x, renormalised: the target's sample given that it is not x.
+Position t of a row samples with every sampling feature applied as plain decoding would after the drafts
+before it were accepted: penalties count those drafts (sampling_batch's ``drafts``), and a grammar row's mask
+at position t is filled ahead over them (RequestGrammar.fill_drafts, which stops the drafts at the first one
+the grammar refuses or that ends it, then rolls the matcher back: the accepted tokens advance it afterwards
+as plain decoding's do).
 
 GDN state: the verify step leaves the slots as they were; once the host knows how many tokens each request
 accepted, the commit program runs the conv1d and delta rule again over exactly those tokens from the saved
@@ -52,6 +57,7 @@ from sglang_tpu_qwen.engine.scheduler.schedule_batch import (
     batch_rows,
     sampling_batch,
 )
+from sglang_tpu_qwen.grammar.bitmask import MaskRow, bitmask_width
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -141,10 +147,7 @@ class SpecDecoder:
 
     # ---- verify step ---------------------------------------------------------------------------
     def draft_room(self, r: Request, context_length: int) -> int:
-        """How many drafts r may feed in its verify step: none for a grammar or penalty row (the next token's mask
-        or counts follow the previous one), none past what r may still generate or hold."""
-        if r.grammar is not None or r.params.has_penalty:
-            return 0
+        """How many drafts r may feed in its verify step: none past what r may still generate or hold."""
         room = min(r.max_new_tokens - len(r.output_ids) - 1, context_length - len(r.fill_ids),
                    len(r.pages) * self.page_size - len(r.fill_ids))
         return max(0, min(self.steps, room))
@@ -166,10 +169,16 @@ class SpecDecoder:
         s_reqs: list[Request] = []
         s_rows: list[int] = []
         offsets: list[int] = []
+        ahead: list[list[int]] = []
+        masks: list[MaskRow | None] = []
         for r, i in zip(picked.reqs, rows, strict=True):
             drafts = self.drafts_for(r, ctx)
             if not r.draft_tokens and self.draft_room(r, ctx):
                 self.stats.undrafted_rows += 1
+            rows_mask = None
+            if r.grammar is not None:  # each position's mask follows the drafts before it
+                rows_mask = np.full((1 + len(drafts), bitmask_width(vocab_size)), -1, np.int32)
+                drafts = drafts[: r.grammar.fill_drafts(rows_mask, drafts)]
             n = 1 + len(drafts)
             input_ids[i, :n] = [r.fill_ids[r.cached_len], *drafts]
             prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
@@ -179,8 +188,10 @@ class SpecDecoder:
                 s_reqs.append(r)
                 s_rows.append(i * t + pos)
                 offsets.append(pos)
+                ahead.append(drafts[:pos])
+                masks.append(None if rows_mask is None else MaskRow(rows_mask[pos]))
         forward = ForwardBatch(ForwardMode.TARGET_VERIFY, input_ids, prefix_lens, extend_lens, page_table, slot_ids)
-        sampling = sampling_batch(s_reqs, s_rows, b * t, eos_ids, vocab_size, offsets)
+        sampling = sampling_batch(s_reqs, s_rows, b * t, eos_ids, vocab_size, offsets, ahead, masks)
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(picked.reqs), lens, rows, forward,
                              list(range(len(picked.reqs))), sampling)
 
