@@ -1,10 +1,11 @@
-"""The planner AOT-compiles the decode and prefill steps of Qwen3.5-397B-A17B (60 layers, real dims, FP8
-weights) for one Ironwood host (tpu7x:2x2x1, 8 devices, dp8 attention + ep8 experts) at 64 running requests x
-9216 tokens (prefill: the default 1024 tokens per DP rank), everything fits in device memory, and each step
-moves at most issue 11's bound of bytes. The report carries issue 33's figures: per step the mean and slowest
-device, the collectives charged over the ICI, both units per workload and the calibration against the published
-measurements (their arithmetic is checked by hand in tests/test_plan_compose.py). Needs ``libtpu`` (deviceless
-compile; no TPU is used).
+"""The planner AOT-compiles the decode, prefill and speculative verify steps of Qwen3.5-397B-A17B (60 layers,
+real dims, FP8 weights) for one Ironwood host (tpu7x:2x2x1, 8 devices, dp8 attention + ep8 experts) at 64
+running requests x 9216 tokens (prefill: the default 1024 tokens per DP rank), everything fits in device
+memory, and the decode and prefill steps move at most issue 11's bound of bytes. The report carries issue 33's
+figures: per step the mean and slowest device, the collectives charged over the ICI, both units per workload
+and the calibration against the published measurements (their arithmetic is checked by hand in
+tests/test_plan_compose.py), and issue 27's plan with MTP at accept length 3.2 beside the plan without it.
+Needs ``libtpu`` (deviceless compile; no TPU is used).
 The FP8 forward itself is checked on CPU by tests/test_fp8_matmul.py."""
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
     out = tmp_path / "plan.json"
     cmd = [sys.executable, "-m", "sglang_tpu_qwen.tools.plan", "--model-config", "qwen3.5-397b-a17b",
            "--topology", "tpu7x:2x2x1", "--dp", "8", "--ep", "8", "--max-running-requests", "64",
-           "--context-length", "9216", "--fp8", "--json", str(out)]
+           "--context-length", "9216", "--fp8", "--speculative-num-draft-tokens", "4",
+           "--speculative-accept-length", "3.2", "--json", str(out)]
     # A child process: the TPU (deviceless) backend must not become the suite's default backend.
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)
@@ -64,7 +66,8 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
     assert r["fits"] and r["memory"]["fits"]
     # Issue 33: per step the mean and the slowest device side by side (uniform and Zipf routing), and the
     # collectives of the compiled HLO over the ICI: 2 all-gathers and 2 reduce-scatters per layer.
-    for name, s in r["steps"].items():
+    for name in ("decode", "prefill"):
+        s = r["steps"][name]
         for dist in ("uniform", "zipf"):
             assert s["slowest_device_s"][dist] >= s["mean_device_s"][dist] > 0, (name, dist)
             e = s["moe_extra"][dist]
@@ -87,6 +90,25 @@ def test_qwen35_397b_fits_on_one_ironwood_host(tmp_path):
         assert w["planned"]["total_tok_s_chip"] < w["roofline"]["total_tok_s_chip"]
         assert (w["planned_ici_slow"]["total_tok_s_chip"] <= w["planned"]["total_tok_s_chip"]
                 <= w["planned_ici_fast"]["total_tok_s_chip"])
+    # Issue 27: the served speculative decode step (the verify forward over 64 x 4 tokens, the GDN commit, the
+    # MTP layer's draft program and the sampling of the 256 positions) fits, moves more than a decode step
+    # and yields 3.2 tokens a request; the plan without speculation comes from the same compile.
+    v = r["steps"]["verify"]
+    assert v["memory"]["fits"] and v["new_tokens_per_row"] == 4 and r["speculative"]["num_draft_tokens"] == 4
+    assert v["min_bytes"] > r["steps"]["decode"]["min_bytes"] and v["planned_s"]["uniform"] > 0
+    assert r["speculative"]["mtp_weights_experts"] > 0  # the MTP layer's experts, split over EP
+    plain = {w["name"]: w["tok_s_chip"] for w in r["workloads_without_speculation"]}
+    spec = {w["name"]: w["tok_s_chip"] for w in r["workloads"]}
+    assert all(w["decode_step"] == "verify" and w["tokens_per_decode_step"] == 3.2 for w in r["workloads"])
+    for name in plain:
+        record("Planner: Qwen3.5-397B-A17B on tpu7x:2x2x1",
+               f"{name}: planned {plain[name]:.0f} total tok/s/chip without MTP, {spec[name]:.0f} with MTP at "
+               f"accept length 3.2 ({spec[name] / plain[name]:.2f}x)")
+    record("Planner: Qwen3.5-397B-A17B on tpu7x:2x2x1",
+           f"verify: forward bytes / its minimum = {v['forward_bytes_ratio']:.2f}, step bytes / minimum = "
+           f"{v['bytes_ratio']:.2f}, planned {v['planned_s']['uniform'] * 1e3:.2f} ms")
+    assert v["forward_bytes_ratio"] <= 1.3  # issue 27's bound for the verify forward (the step adds the drafts)
+    assert spec["1k in / 8k out"] > plain["1k in / 8k out"]
     cal = r["calibration"]["workloads"]
     assert {k: v["measured"] for k, v in cal.items()} == {"1k in / 8k out": 677, "8k in / 1k out": 3707}
     for name, c in cal.items():

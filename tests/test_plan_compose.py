@@ -30,7 +30,7 @@ ATTN = 15 * 2 * 2 * 32 * 256  # attention flops per token per visible key, 397B 
 
 
 def _step(context: int, hlo: float, minimum: float, flops: float, slow: float, coll: float) -> dict:
-    return {"context": context, "bytes_accessed": hlo, "min_bytes": minimum, "flops": flops,
+    return {"context": context, "new_tokens_per_row": 1, "bytes_accessed": hlo, "min_bytes": minimum, "flops": flops,
             "serial_s": max(hlo / BW, flops / PEAK) + 1e-3,
             "moe_extra": {"uniform": {"slowest_bytes": slow, "slowest_flops": 0.0},
                           "zipf": {"slowest_bytes": 2 * slow, "slowest_flops": 1e12}},
@@ -89,6 +89,26 @@ def test_workloads_by_hand_dp_ranks_not_devices(config):
     # The skewed routing charges its own slowest device.
     assert w1["planned_zipf"]["decode_step_s"] == pytest.approx(
         t_plan + 3.69e9 / BW + 1e12 / PEAK, rel=1e-9)
+
+
+def test_speculative_workload_by_hand(config):
+    """MTP: a verify step feeding 4 tokens a row yields the accept length (3.2) a request, so 8k out takes
+    8192 / 3.2 such steps; its attention reads the context once and computes it for each fed token."""
+    report = _report(dp=8)
+    report["steps"]["verify"] = dict(_step(9219, 44e9, 38e9, 4e12, 3.69e9, 2e-3), new_tokens_per_row=4)
+    w1 = plan.compose_workloads(report, CHIP, config, KV, decode_step="verify", tokens_per_step=3.2)[0]
+    rows = 64 / 8
+    kv_delta = rows * (5120 - 9219) * KV
+    fl_delta = rows * 4 * ATTN * (5120 - 9219)
+    t_plan = max(44e9 / BW, 4e12 / PEAK) + 1e-3 + kv_delta / BW + fl_delta / PEAK + 3.69e9 / BW + 2e-3
+    assert w1["planned"]["decode_step_s"] == pytest.approx(t_plan, rel=1e-9)
+    assert w1["decode_steps"] == pytest.approx(8192 / 3.2) and w1["decode_step"] == "verify"
+    p_plan = max(100e9 / BW, 40e15 / PEAK) + 1e-3 + 30e-3  # 2 prefill steps of one 4096-token chunk per rank
+    total = 64 * (1024 + 8192)
+    assert w1["planned"]["total_tok_s_chip"] == pytest.approx(total / (2 * p_plan + 8192 / 3.2 * t_plan) / 4,
+                                                              rel=1e-9)
+    assert w1["tok_s_chip"] == w1["planned"]["total_tok_s_chip"]
+    assert w1["planned"]["decode_output_tok_s_chip"] == pytest.approx(64 * 3.2 / t_plan / 4, rel=1e-9)
 
 
 def test_workloads_are_composed_only_at_their_concurrency(config):

@@ -15,7 +15,7 @@ from sglang_tpu_qwen.tools.plan.chips import CHIPS
 from sglang_tpu_qwen.tools.plan.compose import compose_workloads
 from sglang_tpu_qwen.tools.plan.flops import analytic_flops_per_token, expert_pair_flops
 
-MC_TRIALS = {"decode": 400, "prefill": 4}  # Monte-Carlo layer steps per distribution (fixed seed)
+MC_TRIALS = {"decode": 400, "verify": 100, "prefill": 4}  # Monte-Carlo layer steps per distribution (fixed seed)
 
 
 def abstract_runner(config: Qwen35MoeConfig, args: Any, devices: Any, *, fp8: bool, block: tuple[int, int],
@@ -75,13 +75,22 @@ def plan(
     max_gdn_snapshots: int | None = None,
     kv_cache_dtype: str = "auto",
     mamba_ssm_dtype: str | None = None,
+    speculative_num_draft_tokens: int = 0,
+    speculative_accept_length: float | None = None,
 ) -> dict[str, Any]:
     """Compile the server's decode and prefill programs and return the report (JSON-able dict; see
     docs/parallelism.md#the-planner for its fields). ``kv_cache_dtype``: the server's --kv-cache-dtype (the KV
     pool keeps its tokens, ``rows_per_rank * context_length``, so FP8 pages halve its bytes).
 
+    ``speculative_num_draft_tokens`` N > 0: the server's MTP speculative decoding (NEXTN, top-k 1, N - 1 draft
+    steps) on a runner that holds the MTP layer; the decode bucket's served verify, commit and draft programs
+    (and the sampling program of its B * N positions) are compiled as one "verify" step, and the workloads are
+    composed with it at ``speculative_accept_length`` tokens per request per verify step (SGLang's accept
+    length), beside ``workloads_without_speculation``.
+
     Raises:
-        ValueError: unknown chip family, or sizes that do not divide (requests or experts vs dp / ep).
+        ValueError: unknown chip family, or sizes that do not divide (requests or experts vs dp / ep), or
+            speculation without an accept length in [1, N].
     """
     from jax.experimental import topologies
 
@@ -95,11 +104,17 @@ def plan(
     if max_running_requests % dp:
         raise ValueError(f"--max-running-requests {max_running_requests} is not a multiple of dp={dp}")
     rows_per_rank = max_running_requests // dp
+    n_spec = speculative_num_draft_tokens
+    if n_spec and not (speculative_accept_length is not None and 1.0 <= speculative_accept_length <= n_spec):
+        raise ValueError(f"--speculative-accept-length must be in [1, {n_spec}] with --speculative-num-draft-tokens "
+                         f"{n_spec}, got {speculative_accept_length}")
+    spec_flags: dict[str, Any] = dict(speculative_algorithm="NEXTN", speculative_num_steps=n_spec - 1,
+                                      speculative_eagle_topk=1, speculative_num_draft_tokens=n_spec) if n_spec else {}
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
                       context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                       max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
                       max_gdn_snapshots=max_gdn_snapshots, kv_cache_dtype=kv_cache_dtype,
-                      mamba_ssm_dtype=mamba_ssm_dtype)
+                      mamba_ssm_dtype=mamba_ssm_dtype, **spec_flags)
     hbm_dev = chip.hbm_bytes / chip.devices_per_chip
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip
     peak = chip.bf16_flops_per_s / chip.devices_per_chip
@@ -112,7 +127,9 @@ def plan(
     n_dev = len(mesh_devices)
     chip_of = [tuple(d.coords) for d in mesh_devices]
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.params)
+    mtp_specs = specs.pop("mtp", None)  # the MTP layer's weights: read by the draft program only
     rep_w, exp_w = programs.weight_bytes_per_device(specs, ep)
+    mtp_rep, mtp_exp = programs.weight_bytes_per_device(mtp_specs, ep) if mtp_specs is not None else (0, 0)
     kv_dev = programs.nbytes({k: runner.cache[k] for k in ("k", "v")}) // dp
     gdn_dev = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // dp
     kv_per_token = 2 * c.num_attn_layers * c.num_key_value_heads * c.head_dim * runner.kv_dtype.itemsize
@@ -125,6 +142,9 @@ def plan(
         "decode": runner.buckets.decode_bucket(rows_per_rank),
         "prefill": runner.buckets.extend_bucket(1, args.chunked_prefill_per_rank)[0],
     }
+    buckets["verify"] = buckets["decode"]
+    if n_spec and "decode" in steps and "verify" not in steps:
+        steps = (*steps, "verify")
     report: dict[str, Any] = {
         "model": {"layers": c.num_hidden_layers, "experts": c.num_experts, "top_k": c.num_experts_per_tok,
                   "hidden": c.hidden_size, "fp8": fp8, "fp8_block": list(block)},
@@ -139,6 +159,8 @@ def plan(
         "chip": dataclasses.asdict(chip),
         "routing": {d.name: {"label": d.label, "zipf_s": d.s, "placement_seed": routing.PLACEMENT_SEED}
                     for d in routing.DISTRIBUTIONS},
+        "speculative": {"num_draft_tokens": n_spec, "accept_length": speculative_accept_length,
+                        "mtp_weights_replicated": mtp_rep, "mtp_weights_experts": mtp_exp} if n_spec else None,
         "memory_per_device": {"weights_replicated": rep_w, "weights_experts": exp_w, "kv_pool": kv_dev,
                               "gdn_slots": gdn_dev, "hbm": hbm_dev,
                               "gdn_running_slots": runner.sizing.num_running_slots - 1,
@@ -154,8 +176,7 @@ def plan(
         bucket = buckets[name]
         t0 = time.perf_counter()
         try:
-            fwd = runner.lower_forward(bucket).compile()
-            smp = runner.lower_sample("greedy", bucket.batch).compile()
+            fwd, *others = _compile_step(runner, name, bucket, n_spec)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -164,21 +185,35 @@ def plan(
             worst_total = float("inf")
             continue
         compile_s = time.perf_counter() - t0
-        mem, mem_s = programs.memory(fwd), programs.memory(smp)
-        cost, cost_s = programs.cost(fwd), programs.cost(smp)
-        worst_total = max(worst_total, mem["total"], mem_s["total"])
-        rows, tokens = bucket.batch, bucket.tokens
-        prefix = context_length - 1 if name == "decode" else 0
+        mem = programs.memory(fwd)
+        mem_others = [programs.memory(p) for p in others]
+        cost = programs.cost(fwd)
+        cost_s = {k: sum(programs.cost(p)[k] for p in others) for k in ("flops", "bytes_accessed")}
+        worst_total = max(worst_total, mem["total"], *(m["total"] for m in mem_others))
+        rows, tokens = bucket.batch, (n_spec if name == "verify" else bucket.tokens)
+        prefix = 0 if name == "prefill" else context_length - 1
         rows_rank = rows // dp
         tokens_step = rows * tokens
-        p_active = 1.0 - (1.0 - c.num_experts_per_tok / c.num_experts) ** tokens_step if c.num_experts else 0.0
+
+        def active(t: int) -> float:  # the chance that one expert serves some of t tokens (uniform routing)
+            return 1.0 - (1.0 - c.num_experts_per_tok / c.num_experts) ** t if c.num_experts else 0.0
+
         kv_read = rows_rank * (prefix + tokens) * kv_per_token
         kv_write = rows_rank * tokens * kv_per_token
-        state_rw = rows_rank * state_per_req * (2 if prefix > 0 else 1)  # fresh prefill only writes
+        # A fresh prefill only writes the state; a decode step reads and writes it; a verify step reads it and
+        # its commit reads and writes it again.
+        state_rw = rows_rank * state_per_req * {"prefill": 1, "decode": 2, "verify": 3}[name]
         min_bytes = (rep_w - embed_b + rows_rank * tokens * c.hidden_size * runner.dtype.itemsize
-                     + per_expert * e_local * p_active + kv_read + kv_write + state_rw)
-        fwd_text, smp_text = fwd.as_text(), smp.as_text()
-        tr_f, tr_s = programs.traffic(fwd_text, bw, peak), programs.traffic(smp_text, bw, peak, 1)
+                     + per_expert * e_local * active(tokens_step) + kv_read + kv_write + state_rw)
+        forward_min = min_bytes - (rows_rank * state_per_req * 2 if name == "verify" else 0)
+        if name == "verify":
+            min_bytes += _draft_min_bytes(c, n_spec, rows, rows_rank, mtp_rep, mtp_exp, embed_b, kv_per_token,
+                                          prefix, active)
+        fwd_text, other_texts = fwd.as_text(), [p.as_text() for p in others]
+        tr_f = programs.traffic(fwd_text, bw, peak)
+        tr_o = [programs.traffic(t, bw, peak, 1) for t in other_texts]
+        tr_s = {k: sum(t[k] for t in tr_o) for k in ("bytes", "kernel_bytes", "serial_s", "declared_flops")}
+        tr_s["top_excess"] = [e for t in tr_o for e in t["top_excess"]]
         bytes_accessed = tr_f["bytes"] + tr_s["bytes"]
         # Average visible context over the new tokens of a row; lm_head for each row's last token.
         ctx = prefix + (tokens + 1) / 2
@@ -192,19 +227,31 @@ def plan(
                                                            - tr_s["declared_flops"]) / peak
         moe = moe_extra(c, ep, tokens_step, per_expert, name)
         coll = collectives.charge(fwd_text, chip_of, chip)
-        coll_s = collectives.charge(smp_text, chip_of, chip)
-        for k in ("exposed", "overlapped", "total", "exposed_low", "exposed_high", "count", "ici_bytes_per_chip"):
-            coll[k] += coll_s[k]
-        coll["by_kind"].update(coll_s["by_kind"])
+        for text in other_texts:
+            coll_s = collectives.charge(text, chip_of, chip)
+            for k in ("exposed", "overlapped", "total", "exposed_low", "exposed_high", "count", "ici_bytes_per_chip"):
+                coll[k] += coll_s[k]
+            for kind, v in coll_s["by_kind"].items():
+                if kind in coll["by_kind"]:
+                    old_kind = coll["by_kind"][kind]
+                    for f in ("count", "exposed_s"):
+                        old_kind[f] += v[f]
+                else:
+                    coll["by_kind"][kind] = v
         step: dict[str, Any] = {
             "bucket": dataclasses.asdict(bucket), "rows": rows, "new_tokens_per_row": tokens,
             "context": prefix + tokens, "compile_s": round(compile_s, 1),
-            "memory": {**mem, "fits": mem["total"] <= hbm_dev, "sample_program": mem_s},
+            "memory": {**mem, "fits": max(mem["total"], *(m["total"] for m in mem_others)) <= hbm_dev,
+                       "sample_program": mem_others[-1],
+                       **({"commit_program": mem_others[0], "draft_program": mem_others[1]} if name == "verify"
+                          else {})},
             "flops": flops, "xla_flops": cost["flops"] + cost_s["flops"], "analytic_flops": flops_model,
             "bytes_accessed": bytes_accessed, "bytes_forward": tr_f["bytes"], "bytes_sample": tr_s["bytes"],
             "bytes_kernels": tr_f["kernel_bytes"] + tr_s["kernel_bytes"],
             "xla_cost_analysis_bytes": cost["bytes_accessed"] + cost_s["bytes_accessed"], "min_bytes": min_bytes,
             "bytes_ratio": bytes_accessed / min_bytes,
+            # The forward program alone (a verify step's target forward: its bytes against its own minimum).
+            "forward_bytes_ratio": tr_f["bytes"] / forward_min,
             "roofline_s": t_roof, "roofline_bound": "memory" if t_mem >= t_flops else "compute",
             "roofline_tokens_per_s_per_chip": tokens_step / report["chips"] / t_roof,
             "compiled_time_s": t_compiled,
@@ -223,6 +270,40 @@ def plan(
         report["steps"][name] = step
     report["fits"] = worst_total <= hbm_dev
     report["memory"] = {"fits": report["fits"], "worst_total_per_device": worst_total, "hbm_per_device": hbm_dev}
-    report["workloads"] = compose_workloads(report, chip, c, kv_per_token)
-    report["calibration"] = calibrate(report["workloads"], report)
+    plain = compose_workloads(report, chip, c, kv_per_token)
+    if n_spec:
+        report["workloads_without_speculation"] = plain
+        report["workloads"] = compose_workloads(report, chip, c, kv_per_token, decode_step="verify",
+                                                tokens_per_step=speculative_accept_length)
+    else:
+        report["workloads"] = plain
+    # The published measurements ran without speculation: calibrate against the plan without it.
+    report["calibration"] = calibrate(plain, report)
     return report
+
+
+def _compile_step(runner: Any, name: str, bucket: Any, n_spec: int) -> list[Any]:
+    """The compiled programs of step ``name``: the forward first, then the rest the step runs (the sampling
+    program; for "verify" the commit, draft and sampling programs of the server's verify step)."""
+    if name != "verify":
+        return [runner.lower_forward(bucket).compile(), runner.lower_sample("greedy", bucket.batch).compile()]
+    b = bucket.batch
+    keys = [("verify", b), ("commit", b), ("draft", b, n_spec, bucket.pages)]
+    return ([runner.programs.lower(k).compile() for k in keys]
+            + [runner.lower_sample("greedy", b * n_spec).compile()])
+
+
+def _draft_min_bytes(c: Qwen35MoeConfig, n_spec: int, rows: int, rows_rank: int, mtp_rep: float, mtp_exp: float,
+                     lm_head_bytes: float, kv_per_token: float, prefix: int, active: Any) -> float:
+    """Bytes the draft program must move per device: the MTP layer runs N - 1 times in a row (first over the N
+    verified positions of each row, then once per further draft), each time reading its replicated weights,
+    the experts its tokens route to and the lm_head, and reading and writing its one attention layer's KV."""
+    e_local_share = mtp_exp  # the device's local MTP experts
+    kv_layer = kv_per_token / max(c.num_attn_layers, 1)
+    total = 0.0
+    for i in range(n_spec - 1):
+        t = rows * (n_spec if i == 0 else 1)
+        fed = n_spec if i == 0 else 1
+        total += (mtp_rep + lm_head_bytes + e_local_share * active(t)
+                  + rows_rank * (prefix + n_spec + i + fed) * kv_layer)
+    return total

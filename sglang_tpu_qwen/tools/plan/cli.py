@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "the pool's bytes per token)")
     ap.add_argument("--mamba-ssm-dtype", choices=("float32", "bfloat16"), default=None,
                     help="server flag: GDN state storage dtype (default: the model config's mamba_ssm_dtype)")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=0,
+                    help="server flag: MTP speculative decoding (NEXTN, top-k 1) with this many tokens per request "
+                         "in a verify step; the verify, commit and draft programs are compiled as the 'verify' step")
+    ap.add_argument("--speculative-accept-length", type=float, default=None,
+                    help="tokens a request gains per verify step (SGLang's accept length, e.g. 3.2) to compose the "
+                         "workloads with; required with --speculative-num-draft-tokens")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args(argv)
     hf_block = [int(x) for x in a.fp8_block.split(",")]
@@ -47,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fp8=a.fp8, block=block, page_size=a.page_size, chunked_prefill_size=a.chunked_prefill_size,
         combine=a.moe_combine, steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
         kv_cache_dtype=a.kv_cache_dtype,
-        mamba_ssm_dtype=a.mamba_ssm_dtype,
+        mamba_ssm_dtype=a.mamba_ssm_dtype, speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+        speculative_accept_length=a.speculative_accept_length,
     )
     print(format_report(report))
     print(json.dumps(report))

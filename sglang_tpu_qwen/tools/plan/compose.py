@@ -58,12 +58,19 @@ def _units(tokens: int, t_total: float, t_dec: float, chips: int) -> dict[str, f
 
 
 def compose_workloads(report: dict[str, Any], chip: ChipPeaks, config: Qwen35MoeConfig,
-                      kv_per_token: int) -> list[dict[str, Any]]:
+                      kv_per_token: int, *, decode_step: str = "decode",
+                      tokens_per_step: float = 1.0) -> list[dict[str, Any]]:
     """Each of ``WORKLOADS`` at ``CONCURRENCY`` requests from the report's decode and prefill steps (module
     docstring). ``kv_per_token``: KV bytes of one token over all attention layers. Empty unless the plan's
     steps are at ``CONCURRENCY`` running requests (a decode step of another batch size would charge the
-    workload's requests for rows they do not have)."""
-    dec, pre = report["steps"].get("decode"), report["steps"].get("prefill")
+    workload's requests for rows they do not have).
+
+    ``decode_step``: the step that generates ("verify": speculative decoding's verify + commit + draft step,
+    feeding ``new_tokens_per_row`` tokens a row), yielding ``tokens_per_step`` output tokens a request (the
+    accept length), so the output takes ``output / tokens_per_step`` such steps; its attention reads the
+    context once a step and computes it for each fed token. Each row also carries ``tok_s_chip``: the planned
+    total tok/s/chip."""
+    dec, pre = report["steps"].get(decode_step), report["steps"].get("prefill")
     if not dec or not pre or "error" in dec or "error" in pre or report["max_running_requests"] != CONCURRENCY:
         return []
     dp, chips, chunk = report["dp"], report["chips"], report["prefill_tokens_per_rank"]
@@ -72,12 +79,14 @@ def compose_workloads(report: dict[str, Any], chip: ChipPeaks, config: Qwen35Moe
     for w in WORKLOADS:
         ctx = w["input"] + w["output"] / 2
         kv_delta = rows_rank * (ctx - dec["context"]) * kv_per_token
-        flops_delta = rows_rank * (attention_flops_per_token(config, ctx)
-                                   - attention_flops_per_token(config, dec["context"]))
+        flops_delta = rows_rank * dec["new_tokens_per_row"] * (attention_flops_per_token(config, ctx)
+                                                               - attention_flops_per_token(config, dec["context"]))
+        decode_steps = w["output"] / tokens_per_step
         prefill_steps = math.ceil(CONCURRENCY * w["input"] / (dp * chunk))
         prefixes = [i * chunk for i in range(math.ceil(w["input"] / chunk))]
         row = {"name": w["name"], "input": w["input"], "output": w["output"], "concurrency": CONCURRENCY,
-               "prefill_steps": prefill_steps, "decode_steps": w["output"], "chunk_prefixes": prefixes,
+               "prefill_steps": prefill_steps, "decode_steps": decode_steps, "decode_step": decode_step,
+               "tokens_per_decode_step": tokens_per_step, "chunk_prefixes": prefixes,
                "published": w["published"]}
         tokens = CONCURRENCY * (w["input"] + w["output"])
         for kind, end in (("roofline", "central"), ("planned", "central"), ("planned_zipf", "central"),
@@ -88,8 +97,9 @@ def compose_workloads(report: dict[str, Any], chip: ChipPeaks, config: Qwen35Moe
                                   extra_flops=chunk * attention_flops_per_token(config, p), ici_end=end)
                         for p in prefixes)
             t_pre /= len(prefixes)
-            t_total = prefill_steps * t_pre + w["output"] * t_dec
-            row[kind] = {**_units(tokens, t_total, t_dec, chips), "decode_step_s": t_dec, "prefill_step_s": t_pre,
-                         "prompt_tok_s_chip": dp * chunk / t_pre / chips}
+            t_total = prefill_steps * t_pre + decode_steps * t_dec
+            row[kind] = {**_units(tokens, t_total, t_dec / tokens_per_step, chips), "decode_step_s": t_dec,
+                         "prefill_step_s": t_pre, "prompt_tok_s_chip": dp * chunk / t_pre / chips}
+        row["tok_s_chip"] = row["planned"]["total_tok_s_chip"]
         out.append(row)
     return out

@@ -62,10 +62,21 @@ def format_report(r: dict[str, Any]) -> str:
         for i, e in enumerate(s.get("top_excess", [])):
             lines.append(f"{name} excess #{i + 1}: {_gib(e['bytes'])} {e['opcode']} {e['op']} x{e['count']} "
                          f"({e['source']})")
+    spec = r.get("speculative")
+    if spec:
+        v = r["steps"].get("verify", {})
+        lines.append(f"speculative decoding (MTP, {spec['num_draft_tokens']} tokens a verify step, accept length "
+                     f"{spec['accept_length']}): verify forward bytes / its minimum "
+                     f"{v.get('forward_bytes_ratio', float('nan')):.2f}; MTP layer weights per device "
+                     f"{_gib(spec['mtp_weights_replicated'] + spec['mtp_weights_experts'])}")
+        for w in r.get("workloads_without_speculation", []):
+            lines.append(f"workload {w['name']} x {CONCURRENCY} without speculation: planned total tok/s/chip "
+                         f"{w['tok_s_chip']:.0f} (roofline {w['roofline']['total_tok_s_chip']:.0f})")
     for w in r.get("workloads", []):
         p, ro, pl, pz = w["published"], w["roofline"], w["planned"], w["planned_zipf"]
         fast, slow = w["planned_ici_fast"]["total_tok_s_chip"], w["planned_ici_slow"]["total_tok_s_chip"]
-        lines.append(f"workload {w['name']} x {CONCURRENCY}: total tok/s/chip roofline {ro['total_tok_s_chip']:.0f}, "
+        lines.append(f"workload {w['name']} x {CONCURRENCY}"
+                     f"{' with speculation' if spec else ''}: total tok/s/chip roofline {ro['total_tok_s_chip']:.0f}, "
                      f"planned {pl['total_tok_s_chip']:.0f} (zipf {pz['total_tok_s_chip']:.0f}; ICI fast .. slow end "
                      f"{fast:.0f} .. {slow:.0f}); published measured "
                      f"{p['measured_total_tok_s_chip']} | decode-only output tok/s/chip roofline "
