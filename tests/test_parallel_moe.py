@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pd_harness import compile_cache_env
 
 TOL = 2e-4
 LAYOUTS = [(1, 8), (2, 4), (8, 8)]  # (dp, ep); (8, 8) is the Ironwood host: attention dp8 + MoE ep8
@@ -34,6 +35,7 @@ def _child_env() -> dict[str, str]:
     )
     env["JAX_PLATFORMS"] = "cpu"
     env["PJRT_NPROC"] = "16"  # >= 2 threads per device, else blocked collectives starve (launch_server.py)
+    env.update(compile_cache_env())  # its programs compile once per machine, as the servers' do
     return env
 
 
