@@ -296,14 +296,14 @@ def _compile_step(runner: Any, name: str, bucket: Any, n_spec: int) -> list[Any]
 def _draft_min_bytes(c: Qwen35MoeConfig, n_spec: int, rows: int, rows_rank: int, mtp_rep: float, mtp_exp: float,
                      lm_head_bytes: float, kv_per_token: float, prefix: int, active: Any) -> float:
     """Bytes the draft program must move per device: the MTP layer runs N - 1 times in a row (first over the N
-    verified positions of each row, then once per further draft), each time reading its replicated weights,
-    the experts its tokens route to and the lm_head, and reading and writing its one attention layer's KV."""
-    e_local_share = mtp_exp  # the device's local MTP experts
+    verified positions of each row, then once per further draft), each time reading its replicated weights
+    (``mtp_rep``), the share of its local experts (``mtp_exp``) its tokens route to and the lm_head, and reading
+    the context's and writing the fed tokens' KV of its one attention layer. ``active(t)``: the chance that an
+    expert serves some of t tokens."""
     kv_layer = kv_per_token / max(c.num_attn_layers, 1)
     total = 0.0
     for i in range(n_spec - 1):
-        t = rows * (n_spec if i == 0 else 1)
         fed = n_spec if i == 0 else 1
-        total += (mtp_rep + lm_head_bytes + e_local_share * active(t)
+        total += (mtp_rep + lm_head_bytes + mtp_exp * active(rows * fed)
                   + rows_rank * (prefix + n_spec + i + fed) * kv_layer)
     return total

@@ -37,7 +37,7 @@ def format_report(r: dict[str, Any]) -> str:
         md = {k: v * 1e3 for k, v in s["mean_device_s"].items()}
         sd = {k: v * 1e3 for k, v in s["slowest_device_s"].items()}
         lines.append(
-            f"| {name} | {b['batch']} x {b['tokens']} | {_gib(mm['arguments'])} / {_gib(mm['temp'])} / "
+            f"| {name} | {b['batch']} x {s['new_tokens_per_row']} | {_gib(mm['arguments'])} / {_gib(mm['temp'])} / "
             f"{_gib(mm['output'])} | {mm['fits']} | {_gib(s['bytes_accessed'])} | {_gib(s['min_bytes'])} | "
             f"{s['bytes_ratio']:.2f} | {s['roofline_s'] * 1e3:.2f} ({s['roofline_bound']}) | "
             f"{s['compiled_time_s'] * 1e3:.2f} | {s['serial_s'] * 1e3:.2f} | "
