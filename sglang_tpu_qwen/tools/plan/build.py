@@ -187,8 +187,8 @@ def plan(
         compile_s = time.perf_counter() - t0
         mem = programs.memory(fwd)
         mem_others = [programs.memory(p) for p in others]
-        cost = programs.cost(fwd)
-        cost_s = {k: sum(programs.cost(p)[k] for p in others) for k in ("flops", "bytes_accessed")}
+        cost, other_costs = programs.cost(fwd), [programs.cost(p) for p in others]
+        cost_s = {k: sum(oc[k] for oc in other_costs) for k in ("flops", "bytes_accessed")}
         worst_total = max(worst_total, mem["total"], *(m["total"] for m in mem_others))
         rows, tokens = bucket.batch, (n_spec if name == "verify" else bucket.tokens)
         prefix = 0 if name == "prefill" else context_length - 1
@@ -226,18 +226,7 @@ def plan(
         serial = tr_f["serial_s"] + tr_s["serial_s"] + max(0.0, flops - tr_f["declared_flops"]
                                                            - tr_s["declared_flops"]) / peak
         moe = moe_extra(c, ep, tokens_step, per_expert, name)
-        coll = collectives.charge(fwd_text, chip_of, chip)
-        for text in other_texts:
-            coll_s = collectives.charge(text, chip_of, chip)
-            for k in ("exposed", "overlapped", "total", "exposed_low", "exposed_high", "count", "ici_bytes_per_chip"):
-                coll[k] += coll_s[k]
-            for kind, v in coll_s["by_kind"].items():
-                if kind in coll["by_kind"]:
-                    old_kind = coll["by_kind"][kind]
-                    for f in ("count", "exposed_s"):
-                        old_kind[f] += v[f]
-                else:
-                    coll["by_kind"][kind] = v
+        coll = collectives.charge([fwd_text, *other_texts], chip_of, chip)
         step: dict[str, Any] = {
             "bucket": dataclasses.asdict(bucket), "rows": rows, "new_tokens_per_row": tokens,
             "context": prefix + tokens, "compile_s": round(compile_s, 1),

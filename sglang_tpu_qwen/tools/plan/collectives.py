@@ -18,8 +18,9 @@ from sglang_tpu_qwen.tools import hlo_traffic
 from sglang_tpu_qwen.tools.plan.chips import ChipPeaks, collective_time
 
 
-def charge(hlo_text: str, chip_of: list[tuple[int, ...]], chip: ChipPeaks) -> dict[str, Any]:
-    """Collective time of one program run on one device, from its compiled HLO ``hlo_text``.
+def charge(hlo_texts: list[str], chip_of: list[tuple[int, ...]], chip: ChipPeaks) -> dict[str, Any]:
+    """Collective time of the programs a step runs one after another on one device, from their compiled HLO
+    ``hlo_texts``.
 
     ``chip_of``: chip coordinates of each global device id (the mesh's flattened order, which the HLO's
     replica groups index). Returns ``{"exposed", "overlapped", "total"}`` seconds (central figures),
@@ -32,7 +33,7 @@ def charge(hlo_text: str, chip_of: list[tuple[int, ...]], chip: ChipPeaks) -> di
     out: dict[str, Any] = {"exposed": 0.0, "overlapped": 0.0, "total": 0.0, "exposed_low": 0.0, "exposed_high": 0.0,
                            "count": 0, "ici_bytes_per_chip": 0.0}
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "s_each": 0.0, "exposed_s": 0.0})
-    for c in hlo_traffic.program_collectives(hlo_text):
+    for c in (c for text in hlo_texts for c in hlo_traffic.program_collectives(text)):
         groups = c.groups or [[a, b] for a, b in c.pairs[:1]] or [[0]]
         group = max(groups, key=len)
         coords = [chip_of[i] for i in group if i < len(chip_of)]
