@@ -54,6 +54,11 @@ def clear_from(bitmask: np.ndarray, row: int, limit: int) -> None:
         words[row, first + 1 :] = 0
 
 
+def allows(bitmask: np.ndarray, row: int, token: int) -> bool:
+    """Whether bitmask[row] allows `token` (an id < 32 * width)."""
+    return bool((bitmask[row, token // 32].view(np.uint32) >> np.uint32(token % 32)) & 1)
+
+
 def allows_other_than(bitmask: np.ndarray, row: int, ids: Sequence[int]) -> bool:
     """Whether bitmask[row] allows some token outside `ids` (token ids < 32 * width)."""
     words = bitmask[row].view(np.uint32).copy()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sglang_tpu_qwen.grammar.backend import TokenMatcher
-from sglang_tpu_qwen.grammar.bitmask import clear_from
+from sglang_tpu_qwen.grammar.bitmask import allows, clear_from
 from sglang_tpu_qwen.grammar.spec import GrammarSpec
 
 if TYPE_CHECKING:
@@ -67,7 +67,11 @@ class RequestGrammar:
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the tokens allowed next into bitmask[row] ([B, ceil(V/32)] int32); padded ids never allowed."""
         assert self._matcher is not None, "fill before ready()"
-        if not self.in_reasoning:  # inside the reasoning the row stays as it is: every token allowed
+        self._fill_row(bitmask, row, self.in_reasoning)
+
+    def _fill_row(self, bitmask: np.ndarray, row: int, in_reasoning: bool) -> None:
+        assert self._matcher is not None
+        if not in_reasoning:  # inside the reasoning the row stays as it is: every token allowed
             self._matcher.fill_bitmask(bitmask, row)
         clear_from(bitmask, row, self._manager.vocab_limit)
 
@@ -79,16 +83,13 @@ class RequestGrammar:
         plus one. The matcher is left as it was (advanced over the drafts, then rolled back): the verify
         step's accepted tokens `advance` it as plain decoding's do."""
         assert self._matcher is not None, "fill_drafts before ready()"
-        words = bitmask.view(np.uint32)
         in_reasoning, consumed, n = self.in_reasoning, 0, 0
         while True:
-            if not in_reasoning:
-                self._matcher.fill_bitmask(bitmask, n)
-            clear_from(bitmask, n, self._manager.vocab_limit)
+            self._fill_row(bitmask, n, in_reasoning)
             if n == len(drafts):
                 break
             d = drafts[n]
-            if not (words[n, d // 32] >> np.uint32(d % 32)) & 1:
+            if not allows(bitmask, n, d):
                 break
             if in_reasoning:
                 in_reasoning = d != self.think_end_id
