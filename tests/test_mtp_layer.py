@@ -229,7 +229,7 @@ _commit = jax.jit(commit_gdn_states, static_argnames="config")
 def test_verify_then_commit_equals_feeding_the_accepted_tokens(ckpt: tuple[Any, Any, Path],
                                                                 accepted: int) -> None:
     """A TARGET_VERIFY step over 4 tokens leaves the GDN slot untouched; committing j of them gives the state
-    (and the next step's output) of a plain extend over those j tokens."""
+    (and the next step's output) of a plain extend over those j tokens, also in the snapshot slot it names."""
     _, _, path = ckpt
     config = load_config(path)
     params = load_params(path, config, jnp.float32)
@@ -238,7 +238,7 @@ def test_verify_then_commit_equals_feeding_the_accepted_tokens(ckpt: tuple[Any, 
     pages = np.arange(1, 6, dtype=np.int32)
 
     def prefilled() -> dict:
-        cache = init_cache(config, 6, PAGE_SIZE, 2, jnp.float32)
+        cache = init_cache(config, 6, PAGE_SIZE, 3, jnp.float32)  # slot 1 the request's, slot 2 a snapshot
         return _target(params, cache, _batch(prompt, 0, pages), config=config)[1]
 
     cache = prefilled()
@@ -247,7 +247,12 @@ def test_verify_then_commit_equals_feeding_the_accepted_tokens(ckpt: tuple[Any, 
     v_hidden, cache, saved = _verify(params, cache, vb, config=config)
     for k in ("conv", "rec"):
         np.testing.assert_array_equal(np.asarray(cache[k]), before[k])
-    cache = _commit(params, cache, vb, saved, jnp.asarray([accepted], jnp.int32), config=config)
+    cache = _commit(params, cache, vb, saved, jnp.asarray([accepted], jnp.int32), jnp.asarray([2], jnp.int32),
+                    config=config)
+    np.testing.assert_array_equal(np.asarray(cache["rec"][:, 2]), np.asarray(cache["rec"][:, 1]))
+    conv = np.asarray(cache["conv"])  # [layers, slots * (K - 1), channels]
+    conv = conv.reshape(conv.shape[0], 3, -1, conv.shape[2])
+    np.testing.assert_array_equal(conv[:, 2], conv[:, 1])
     nxt = fed[accepted] if accepted < len(fed) else after
     got, _ = _target(params, cache, _batch([nxt], len(prompt) + accepted, pages), config=config)
 

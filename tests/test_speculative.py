@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 from conftest import ENGINE_KWARGS
@@ -52,28 +53,53 @@ def _ids(seed: int, n: int) -> list[int]:
 @contextlib.contextmanager
 def oracle_drafts(eng: Engine, want: dict[tuple[tuple[int, ...], int], list[int]]) -> Iterator[None]:
     """Drafts from the reference continuation `want[(prompt, index)]`: all right on a request's verify steps
-    0, 3, 6, ..., the second one wrong on 1, 4, ..., the first one wrong on 2, 5, ...."""
+    0, 3, 6, ..., the second one wrong on 1, 4, ..., the first one wrong on 2, 5, ....
+
+    After an extend or plain decode step the host's drafts are replaced; after a verify step the device's
+    (its drafts and the carry the next verify step reads, overlap or not): the hook reads the step's accepted
+    counts there, which waits for the step, but leaves the order of the scheduler's work as it is."""
     spec = eng.scheduler.spec
-    original = spec._draft
+    state = eng.runner.state
+    original_draft, original_commit = spec._draft, spec.commit
+
+    def oracle(r: Any, known: int, verified: int) -> list[int] | None:
+        """The drafts after r's first `known` tokens, on the schedule of r's `verified`-th verify step."""
+        ref = want.get((tuple(r.prompt_ids), r.index))
+        if ref is None:
+            return None
+        n = known - len(r.prompt_ids)  # outputs up to the last known token
+        drafts = list(ref[n : n + STEPS]) + [0] * STEPS
+        wrong = {1: 1, 2: 0}.get(verified % 3)
+        if wrong is not None:
+            drafts[wrong] = drafts[wrong] + 1
+        return drafts[:STEPS]
 
     def draft(step: Any, forward: Any, rows: list) -> None:
-        original(step, forward, rows)
+        original_draft(step, forward, rows)
         for r, _, start, tokens, takes in rows:
-            ref = want.get((tuple(r.prompt_ids), r.index))
-            if ref is None or not takes or not tokens:
-                continue
-            n = start + len(tokens) + 1 - len(r.prompt_ids)  # outputs up to the last known token
-            drafts = list(ref[n : n + STEPS]) + [0] * STEPS
-            wrong = {1: 1, 2: 0}.get(r.spec_verify_ct % 3)
-            if wrong is not None:
-                drafts[wrong] = drafts[wrong] + 1
-            r.draft_tokens = drafts[:STEPS]
+            drafts = oracle(r, start + len(tokens) + 1, r.spec_verify_ct) if takes and tokens else None
+            if drafts is not None:
+                r.draft_tokens = drafts
 
-    spec._draft = draft
+    def commit(batch: Any, step: Any, sampled: Any) -> Any:
+        got, drafts = original_commit(batch, step, sampled)
+        got_h, drafts_h = np.asarray(got), np.array(drafts)
+        carry = np.array(state.spec_carry)
+        for r, row in zip(batch.reqs, batch.rows, strict=True):
+            # Committed rows only; the verify steps read by now exclude this one (hence + 1).
+            new = None if r.finished or r.slot is None else oracle(r, r.cached_len + int(got_h[row]) + 1,
+                                                                   r.spec_verify_ct + 1)
+            if new is not None:
+                drafts_h[row] = new
+                carry[row, 1 : 1 + STEPS] = new
+        state.spec_carry = jax.device_put(carry, state.spec_carry.sharding)
+        return got, jax.device_put(drafts_h, drafts.sharding)
+
+    spec._draft, spec.commit = draft, commit
     try:
         yield
     finally:
-        spec._draft = original
+        spec._draft, spec.commit = original_draft, original_commit
 
 
 def _both(engines: tuple[Engine, Engine], prompts: list[list[int]], sp: dict | list[dict], oracle: bool,
@@ -375,3 +401,65 @@ def test_dp2_ep2_and_ep2_on_emulated_devices() -> None:
         assert r["mtp"] and r["oracle"], (name, r)
         assert r["accept"] > 1.0 and r["free"], (name, r)
         assert r["expert_shard"] == [r["experts"] // 2], (name, r)
+
+
+def test_overlap_on_and_off_give_the_same_tokens(engines: tuple[Engine, Engine]) -> None:
+    """Overlap scheduling under speculation: a verify step is built while the one before runs, its rows' fed
+    tokens and start carried on the device; the tokens equal the synchronous run's and plain decoding's."""
+    spec, _ = engines
+    sched = spec.scheduler
+    prompts = [_ids(40, 11), _ids(41, 60), _ids(42, 23)]
+    sp = dict(GREEDY, max_new_tokens=30)
+    carried, overlapped = sched.device_fed_rows, sched.overlapped_steps
+    want, on, _ = _both(engines, prompts, sp, oracle=True)
+    assert sched.device_fed_rows - carried > 20 and sched.overlapped_steps > overlapped
+    sched.overlap = False
+    try:
+        carried = sched.device_fed_rows
+        _, off, delta = _both(engines, prompts, sp, oracle=True)
+    finally:
+        sched.overlap = True
+    assert sched.device_fed_rows == carried
+    _same(want, on)
+    _same(want, off)
+    assert delta["spec_accepted_tokens"] > 1.5 * delta["spec_verify_rows"]
+
+
+def test_retraction_with_a_verify_step_in_flight(engines: tuple[Engine, Engine]) -> None:
+    """A request retracted while its verify step runs, that step's accepted run crossing a page boundary: its
+    commit overwrote the private decode snapshot with a state the host has not read, so the snapshot must not
+    join the tree. The request re-prefills and gives plain decoding's tokens; nothing leaks."""
+    spec, _ = engines
+    sched = spec.scheduler
+    policy, ps = sched.policy, sched.page_size
+    cache = sched.ranks[0].prefix_cache
+    original = policy._pick_decode
+    retracted: list[tuple[str, bool]] = []  # (rid, its private snapshot joined the tree)
+
+    def crossing(r: Any) -> bool:  # reads the in-flight step's accepted counts (waits for it: a test only)
+        step = sched._in_flight
+        if step is None or step.accepted is None or r not in step.batch.reqs or not r.snapshot_pending:
+            return False
+        got = int(np.asarray(step.accepted[0])[step.batch.rows[step.batch.reqs.index(r)]])
+        return r.private_snapshot[1] > 0 and got >= ps - r.cached_len % ps
+
+    def pick_decode() -> Any:
+        for r in list(policy.running):
+            if len(retracted) < 2 and r.slot is not None and all(r.rid != x for x, _ in retracted) and crossing(r):
+                snap = r.private_snapshot[0]
+                policy.retract(r)  # as a page shortage would
+                retracted.append((r.rid, snap in cache._where))
+        return original()
+
+    policy._pick_decode = pick_decode
+    try:
+        want, got, _ = _both(engines, [_ids(43, 14), _ids(44, 70)], dict(GREEDY, max_new_tokens=60), oracle=True)
+    finally:
+        policy._pick_decode = original
+    assert len(retracted) == 2 and not any(joined for _, joined in retracted), retracted
+    _same(want, got)
+    assert spec.flush_cache()
+    mem = spec.get_server_info()["memory"]
+    assert mem["kv_pages_free"] == mem["kv_pages_total"]
+    assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
+    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]

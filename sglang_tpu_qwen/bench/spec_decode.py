@@ -34,8 +34,9 @@ MTP runs use the server's --speculative-draft-policy unless --draft-policy says 
 (the default) a decode step may run without verification, and the table counts verify and plain steps (the
 tokens of plain steps are not in the acceptance length).
 
-Caveats: speculation runs the scheduler synchronously (engine/scheduler/speculative.py) while plain decoding
-uses overlap scheduling by default; streaming costs the host one chunk per request per step in both. On the
+Caveats: both runs use overlap scheduling unless --disable-overlap-schedule (with speculation a verify step
+after an extend step runs synchronously: engine/scheduler/speculative.py); streaming costs the host one chunk per
+request per step in both. On the
 CPU the "device" is the same cores as the host, and this model's decode step takes about a millisecond, so
 host work per step (Python, the extra verify / commit / draft programs) weighs far more than on a TPU serving
 a real model. The tiny model's corpus is far more predictable than text: the acceptance length here is this

@@ -158,13 +158,16 @@ GdnInputs = tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
 
 
 def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: GdnInputs, commit_lens: jax.Array,
-                      *, config: Qwen35MoeConfig) -> Cache:
+                      snap_ids: jax.Array, *, config: Qwen35MoeConfig) -> Cache:
     """Advance each row's GDN state over the first ``commit_lens[b]`` tokens of a ``TARGET_VERIFY`` step.
 
     The verify step left the slots at the state before its tokens and returned its GDN layers' inputs
     (``saved``, :func:`forward_step`); this runs the causal conv1d and the gated delta rule again over the
     accepted tokens only (token by token, no weight but the conv kernels read) and writes the result, so the
-    slot holds exactly the state after the last accepted token (rejected draft tokens never touch it).
+    slot holds exactly the state after the last accepted token (rejected draft tokens never touch it). The same
+    state is also written to slot ``snap_ids[b]`` (the prefix cache's decode snapshot, due where the accepted
+    run ends on a page boundary; 0, the trash slot, elsewhere): a verify step never feeds tokens past the next
+    page boundary, so that is the only place a run reaches one.
 
     Args:
         params, config: as :func:`forward_step` (reads each GDN layer's ``conv1d``).
@@ -172,9 +175,10 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
         batch: the verify step's batch (its ``slot_ids``, ``prefix_lens``).
         saved: the verify step's :data:`GdnInputs`.
         commit_lens: ``[B]`` int32 in ``[0, extend_lens[b]]``: tokens of row b to keep (0: the state stays).
+        snap_ids: ``[B]`` int32 slot ids (rank-local, as ``slot_ids``).
 
     Returns:
-        The cache with the rows' GDN slots advanced.
+        The cache with the rows' GDN slots advanced and the snapshots written.
     """
     period = len(params["layers"])
     kinds = config.layer_types[:period]
@@ -183,6 +187,7 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
     t = batch.num_tokens
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < commit_lens[:, None]
     keep = dataclasses.replace(batch, extend_lens=commit_lens)
+    snap = dataclasses.replace(batch, slot_ids=snap_ids)
 
     def group(carry: tuple[jax.Array, jax.Array], xs: Any) -> tuple[tuple[jax.Array, jax.Array], None]:
         conv, rec = carry
@@ -193,6 +198,7 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
             # Tokens past the commit are padding now: zero decay and write strength leave the state as it is.
             gg, beta = (jnp.where(valid[..., None], a, 0.0) for a in (gg, beta))
             _, conv_s, rec_s = gdn_mix(mixed, w, gg, beta, conv_s, rec_s, valid, commit_lens, config, recurrent=True)
+            conv, rec = write_slot_states(snap, conv, rec, layer, conv_s, rec_s)
             conv, rec = write_slot_states(keep, conv, rec, layer, conv_s, rec_s)
         return (conv, rec), None
 

@@ -86,6 +86,12 @@ class Request:
     # Per-draft-token acceptance rate, a moving average of the request's draft-vs-target comparisons (adaptive
     # drafting: engine/scheduler/speculative.py); starts at SpecDecoder's prior.
     spec_alpha: float | None = None
+    # Tokens the verify step in flight fed for this request (0: none): what it yields is not read yet, and the
+    # next verify step takes its tokens from the device (overlap scheduling).
+    verify_fed: int = 0
+    # The verify step in flight may write this request's private decode snapshot (a page boundary inside its
+    # fed tokens): until read, the snapshot slot's content is not the one recorded in private_snapshot.
+    snapshot_pending: bool = False
 
     def __post_init__(self) -> None:
         self.fill_ids = self.prompt_ids + self.output_ids

@@ -130,12 +130,19 @@ class DeviceState:
         else:
             self.cache = jax.jit(make_cache, out_shardings=target)()
         self.prev_tokens: jax.Array | None = None  # set by keep_sampled; zeros on first use
+        self.spec_carry: jax.Array | None = None  # speculative decoding's carry (spec_programs._next_carry)
 
     def kept_tokens(self, rows: int) -> jax.Array:
         """The sampled ids [rows] int32 the last `keep_sampled` left on the device (zeros before any)."""
         if self.prev_tokens is None:
             self.prev_tokens = jax.device_put(np.zeros(rows, np.int32), self.placement.replicated())
         return self.prev_tokens
+
+    def kept_carry(self, shape: tuple[int, int]) -> jax.Array:
+        """The carry [R, T + 2] int32 the last verify step left on the device (zeros before any)."""
+        if self.spec_carry is None:
+            self.spec_carry = jax.device_put(np.zeros(shape, np.int32), self.placement.replicated())
+        return self.spec_carry
 
     def to_rank_local(self, ids: np.ndarray, per_rank: int) -> np.ndarray:
         """Global page/slot ids [B, ...] -> the ids each rank's shard uses (row block r minus r * per_rank).

@@ -240,9 +240,11 @@ class ModelRunner:
         """Speculative decoding: the target over each row's last token and drafts (StepExecutor.verify)."""
         return self.executor.verify(batch)
 
-    def commit(self, step: StepOutput, batch: ForwardBatch, start: np.ndarray, lens: np.ndarray) -> None:
-        """Advance the GDN states over the accepted tokens of a verify step (StepExecutor.commit)."""
-        self.executor.commit(step, batch, start, lens)
+    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput,
+               snap_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Accept a verify step's tokens on the device, commit the GDN states over them and draft the next
+        tokens; returns the device (accepted counts [B], drafts [B, k]) (StepExecutor.commit)."""
+        return self.executor.commit(step, batch, sampled, snap_ids)
 
     def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
         """Draft tokens [B, k] from the MTP layer over a step's positions (StepExecutor.draft)."""

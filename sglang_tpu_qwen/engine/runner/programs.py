@@ -112,7 +112,8 @@ class ProgramTable:
             self.spec = SpecPrograms(
                 config, self.param_leaves, param_def, state, buckets, backends, dtype, spec_steps,
                 columns=lambda t, p: step_columns(t, p, vision, False),
-                unpack=lambda packed, p: unpack_step(packed, p, no_kept, vision=vision), moe_combine=moe_combine)
+                unpack=lambda packed, p: unpack_step(packed, p, no_kept, vision=vision), prev_rows=self.prev_rows,
+                moe_combine=moe_combine)
         self._compiled: dict[tuple, Any] = {}
         self._key_set = set(self.keys())
         self.ready = False  # set once precompiled: a compilation after it is logged as an error

@@ -1,14 +1,18 @@
-"""The programs of speculative decoding with the MTP layer (SGLang's NEXTN): verify, commit and draft.
+"""The programs of speculative decoding with the MTP layer (SGLang's NEXTN): verify, commit, draft and carry.
 
 Each decode batch size B has a verify program (the target over ``1 + k`` tokens per row, ``k`` =
---speculative-num-steps: the last accepted token and the drafts) and a commit program (each row's GDN state
-advanced over the tokens that were accepted); every step shape that produces hidden states (each extend bucket,
-and each verify shape) has a draft program (the MTP layer over the step's positions, then run recursively for
-``k - 1`` more positions). The scheduler's side is engine/scheduler/speculative.py; the math is model/mtp.py
-(drafts) and model/forward.py (``TARGET_VERIFY``, ``commit_gdn_states``).
+--speculative-num-steps: the last accepted token and the drafts, read from the previous verify step's carry for
+rows whose tokens the host does not know yet), a commit program (the accepted counts on the device, each row's
+GDN state advanced over them with the decode snapshot at a page boundary, and the draft program's input), a
+carry program (what the next verify step reads) and a steps program (the carried rows' sampling steps); every
+step shape that produces hidden states (each extend bucket, and each verify shape) has a draft program (the MTP
+layer over the step's positions, then run recursively for ``k - 1`` more positions). The scheduler's side is
+engine/scheduler/speculative.py; the math is model/mtp.py (drafts) and model/forward.py (``TARGET_VERIFY``,
+``commit_gdn_states``).
 
-Keys: ``("verify", B)``, ``("commit", B)``, ``("draft", B, T, P)``. Programs take the step's packed host array
-(programs.pack_step, token_src -1) so their scheduler-thread cost is that of a forward.
+Keys: ``("verify", B)``, ``("commit", B)``, ``("spec_carry", B)``, ``("spec_steps", B)``, ``("draft", B, T, P)``.
+Programs take the step's packed host array (programs.pack_step) so their scheduler-thread cost is that of a
+forward; a verify step's draft program takes the packed array its commit built on the device.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from sglang_tpu_qwen.model.mtp import mtp_forward
 from sglang_tpu_qwen.parallel.sharded_forward import grouped_rows_pspec, make_sharded_forward, make_sharded_rows
 from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs
 
-SPEC_KINDS = ("verify", "commit", "draft")
+SPEC_KINDS = ("verify", "commit", "draft", "spec_carry", "spec_steps")
 
 
 class SpecPrograms:
@@ -39,10 +43,11 @@ class SpecPrograms:
 
     def __init__(self, config: Qwen35MoeConfig, param_leaves: list[Any], param_def: Any, state: DeviceState,
                  buckets: BucketSet, backends: KernelBackends, dtype: Any, steps: int,
-                 columns: Callable[[int, int], int], unpack: Callable[..., ForwardBatch],
+                 columns: Callable[[int, int], int], unpack: Callable[..., ForwardBatch], prev_rows: int,
                  moe_combine: str = "hierarchical") -> None:
         """`steps`: draft tokens per row (k); `columns(T, P)` the packed step's width; `unpack(packed, P)` the
-        packed step as a ForwardBatch (programs.unpack_step with no kept ids). On a mesh every program runs per
+        packed step as a ForwardBatch (programs.unpack_step with no kept ids); `prev_rows`: the rows of the
+        carry (the largest sampling batch, as overlap scheduling's kept ids). On a mesh every program runs per
         DP rank on its rows (parallel/sharded_forward.py), the MTP layer's MoE over the expert axis."""
         self.config, self.buckets, self.dtype, self.steps = config, buckets, dtype, steps
         self.state, self.placement = state, state.placement
@@ -71,29 +76,52 @@ class SpecPrograms:
             saved = tuple((grouped, grouped, grouped) for _ in gdn_positions)
             commit_fn = make_sharded_rows(layout, config, self.conv_weights, commit_body, (saved, rows, rows), cspec)
 
+        t, ps, prev_rows = self.tokens, state.sizing.page_size, prev_rows
+        rows_sharding, replicated = self.placement.rows(2), self.placement.replicated()
+
         def params_of(leaves: list[Any]) -> dict[str, Any]:
             return jax.tree.unflatten(param_def, leaves)
 
-        def verify(leaves, cache, packed):
+        def verify(leaves, cache, packed, carry):
             batch = dataclasses.replace(unpack(packed, pages), mode=ForwardMode.TARGET_VERIFY)
+            batch, shift = _from_carry(batch, packed[:, t + 3], carry)
+            # No row feeds tokens past its next page boundary (a decode snapshot is due there: see commit).
+            batch = dataclasses.replace(batch, extend_lens=_to_boundary(batch, ps))
             hidden, cache, saved = target(params_of(leaves), cache, batch)
-            return hidden, hidden.reshape(-1, hidden.shape[-1]), cache, saved
+            return hidden, hidden.reshape(-1, hidden.shape[-1]), cache, saved, batch.input_ids, shift
 
-        def commit(conv_weights, cache, packed, saved, start, lens):
-            return commit_fn(conv_weights, cache, unpack(packed, pages), saved, start, lens)
+        def commit(conv_weights, cache, packed, saved, tokens, fed, snap):
+            batch = unpack(packed, pages)
+            toks = tokens.reshape(fed.shape)
+            got = accepted_lengths(toks, fed, _to_boundary(batch, ps))  # as the verify step capped them
+            snap_ids = jnp.where(got == ps - batch.prefix_lens % ps, snap, 0)  # the run ends on a page boundary
+            cache = commit_fn(conv_weights, cache, batch, saved, got, snap_ids)
+            # The draft program's step: the tokens after each position are the sampled ones, `got` of them.
+            drafting = packed.at[:, :t].set(toks).at[:, t + 1].set(got)
+            return cache, got, jax.lax.with_sharding_constraint(drafting, rows_sharding)
 
         def draft(leaves, cache, packed, hidden):
             return draft_fn(params_of(leaves), cache, unpack(packed, pages), hidden)
 
+        def carry(drafting, drafts):
+            return jax.lax.with_sharding_constraint(_next_carry(drafting, drafts, t, prev_rows), replicated)
+
+        def shift_steps(steps, shift):
+            return jax.lax.with_sharding_constraint(steps + jnp.repeat(shift, t), self.placement.rows(1))
+
         self._verify = jax.jit(verify, donate_argnums=(1,))
-        self._commit = jax.jit(commit, donate_argnums=(1,))  # saved is read again by a second commit
+        self._commit = jax.jit(commit, donate_argnums=(1,))
         self._draft = jax.jit(draft, donate_argnums=(1,))
+        self._carry = jax.jit(carry)
+        self._shift_steps = jax.jit(shift_steps)
+        self.carry_shape = (prev_rows, t + 2)
 
     def keys(self) -> list[tuple]:
         """The verify and commit program of every decode batch size, the draft program of every step shape."""
         t = self.tokens
         decode = [bk for bk in self.buckets.step_buckets() if bk.mode == "decode"]
-        keys: list[tuple] = [("verify", bk.batch) for bk in decode] + [("commit", bk.batch) for bk in decode]
+        keys: list[tuple] = [(kind, bk.batch) for kind in ("verify", "commit", "spec_carry", "spec_steps")
+                             for bk in decode]
         shapes = {(bk.batch, bk.tokens, bk.pages) for bk in self.buckets.step_buckets() if bk.mode == "extend"}
         shapes |= {(bk.batch, t, bk.pages) for bk in decode} | {(bk.batch, 1, bk.pages) for bk in decode}
         return keys + [("draft", *shape) for shape in sorted(shapes)]
@@ -107,40 +135,77 @@ class SpecPrograms:
         spec, i32 = self.placement.spec, jnp.int32
         h, p = self.config.hidden_size, self.buckets.pages
         leaves, cache = abstract(self.param_leaves), abstract(self.state.cache)
+        t, carry = self.tokens, spec(self.carry_shape, i32, replicated=True)
         if key[0] == "verify":
-            b = key[1]
-            return self._verify.lower(leaves, cache, spec((b, self.columns(self.tokens, p)), i32))
+            return self._verify.lower(leaves, cache, spec((key[1], self.columns(t, p)), i32), carry)
         if key[0] == "commit":
             b = key[1]
-            saved = jax.eval_shape(self._verify, leaves, cache, spec((b, self.columns(self.tokens, p)), i32))[3]
-            return self._commit.lower(abstract(self.conv_weights), cache, spec((b, self.columns(self.tokens, p)), i32),
-                                      saved, spec((b,), i32), spec((b,), i32))
+            packed = spec((b, self.columns(t, p)), i32)
+            saved = jax.eval_shape(self._verify, leaves, cache, packed, carry)[3]
+            return self._commit.lower(abstract(self.conv_weights), cache, packed, saved, spec((b * t,), i32),
+                                      spec((b, t), i32), spec((b,), i32))
         if key[0] == "draft":
-            _, b, t, pages = key
-            return self._draft.lower(leaves, cache, spec((b, self.columns(t, pages)), i32), spec((b, t, h), self.dtype))
+            _, b, tokens, pages = key
+            return self._draft.lower(leaves, cache, spec((b, self.columns(tokens, pages)), i32),
+                                     spec((b, tokens, h), self.dtype))
+        if key[0] == "spec_carry":
+            b = key[1]
+            return self._carry.lower(spec((b, self.columns(t, p)), i32), spec((b, self.steps), i32))
+        if key[0] == "spec_steps":
+            b = key[1]
+            return self._shift_steps.lower(spec((b * t,), i32), spec((b,), i32))
         raise KeyError(key)
 
 
 def _commit_rows(conv_weights: list[jax.Array], cache: dict[str, jax.Array], batch: ForwardBatch, saved: Any,
-                 start: jax.Array, lens: jax.Array, *, config: Qwen35MoeConfig, gdn_positions: tuple[int, ...],
-                 period: int, moe_fn: Any = None) -> dict[str, jax.Array]:
-    """Row b's tokens [start_b, start_b + lens_b) of a verify step committed, its state already at start_b
-    (model/forward.py commit_gdn_states over the saved inputs shifted by start)."""
-    saved = jax.tree.map(partial(_shift_tokens, start=start), saved)
-    batch = dataclasses.replace(batch, prefix_lens=batch.prefix_lens + start)
+                 lens: jax.Array, snap_ids: jax.Array, *, config: Qwen35MoeConfig,
+                 gdn_positions: tuple[int, ...], period: int, moe_fn: Any = None) -> dict[str, jax.Array]:
+    """model/forward.py ``commit_gdn_states`` with the GDN layers' conv kernels as its only parameters."""
     layers: list[dict[str, Any]] = [{} for _ in range(period)]
     for j, w in zip(gdn_positions, conv_weights, strict=True):
         layers[j] = {"gdn": {"conv1d": w}}
-    return commit_gdn_states({"layers": layers}, cache, batch, saved, lens, config=config)
+    return commit_gdn_states({"layers": layers}, cache, batch, saved, lens, snap_ids, config=config)
 
 
-def _shift_tokens(x: jax.Array, *, start: jax.Array) -> jax.Array:
-    """``[G, B, T, ...]`` -> the same with row b's tokens shifted left by ``start[b]`` (the tail repeats the last
-    token; commit lengths never reach it)."""
-    t = x.shape[2]
-    idx = jnp.minimum(jnp.arange(t, dtype=jnp.int32)[None, :] + start[:, None], t - 1)  # [B, T]
-    idx = idx.reshape((1, *idx.shape) + (1,) * (x.ndim - 3))
-    return jnp.take_along_axis(x, jnp.broadcast_to(idx, (x.shape[0], *idx.shape[1:3], *x.shape[3:])), axis=2)
+def _to_boundary(batch: ForwardBatch, page_size: int) -> jax.Array:
+    """Each row's fed length capped at its next page boundary [B] int32: a verify run then reaches a boundary
+    only at its end, where the commit writes the decode snapshot (model/forward.py commit_gdn_states)."""
+    return jnp.minimum(batch.extend_lens, page_size - batch.prefix_lens % page_size)
+
+
+def accepted_lengths(sampled: jax.Array, fed: jax.Array, fed_lens: jax.Array) -> jax.Array:
+    """Tokens each verify row accepts: ``sampled [B, T]`` (the target's token at each position), ``fed [B, T]``
+    (the last token, then the drafts), ``fed_lens [B]`` -> ``[B]`` int32, 1 + the drafts equal to the target's
+    token before them (0 for a row that fed nothing). The host applies the same rule, stops included
+    (engine/scheduler/speculative.py)."""
+    t = fed.shape[1]
+    match = (sampled[:, :-1] == fed[:, 1:]) & (jnp.arange(t - 1)[None, :] < fed_lens[:, None] - 1)
+    run = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    return jnp.where(fed_lens > 0, 1 + run, 0).astype(jnp.int32)
+
+
+def _from_carry(batch: ForwardBatch, src: jax.Array, carry: jax.Array) -> tuple[ForwardBatch, jax.Array]:
+    """Overlap scheduling: a verify row whose previous verify step is still in flight (``src[b] >= 0``, its row
+    there) takes its fed tokens and its start from the carry (``_next_carry``), which the host does not know yet.
+    Returns the batch and each row's shift [B] int32 (the tokens that step accepted: its sampling steps move by
+    as many)."""
+    t = batch.num_tokens
+    use = src >= 0
+    row = carry[jnp.clip(src, 0, carry.shape[0] - 1)]
+    ids = jnp.where(use[:, None], row[:, :t], batch.input_ids)
+    prefix = jnp.where(use, row[:, t], batch.prefix_lens)
+    return dataclasses.replace(batch, input_ids=ids, prefix_lens=prefix), jnp.where(use, row[:, t + 1], 0)
+
+
+def _next_carry(drafting: jax.Array, drafts: jax.Array, t: int, rows: int) -> jax.Array:
+    """The carry [rows, T + 2] int32 a verify step leaves for the next one: row b's next fed tokens (its last
+    accepted token, then its new drafts), its next start (prefix + accepted) and its accepted count; from the
+    draft program's packed step (``drafting``: the sampled tokens, prefix, accepted count) and ``drafts [B, k]``."""
+    b = drafting.shape[0]
+    got = drafting[:, t + 1]
+    last = drafting[jnp.arange(b), jnp.maximum(got - 1, 0)]
+    row = jnp.concatenate([last[:, None], drafts, (drafting[:, t] + got)[:, None], got[:, None]], axis=1)
+    return jnp.zeros((rows, t + 2), jnp.int32).at[:b].set(row.astype(jnp.int32))
 
 
 def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: ForwardBatch, hidden: jax.Array, *,

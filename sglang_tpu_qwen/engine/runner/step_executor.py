@@ -106,12 +106,15 @@ class StepObservers:
 class StepOutput:
     """Device result of one forward step: hidden [B, T, H] (prompt logprobs) and last [B, H], each row's
     hidden state at its last new token (sampling); a verify step's last is [B * T, H], every position
-    (row b's token t at b * T + t), and gdn_inputs what its commit reads (model/forward.py GdnInputs)."""
+    (row b's token t at b * T + t), gdn_inputs what its commit reads (model/forward.py GdnInputs), and fed /
+    step_shift as StepExecutor.verify returns them."""
 
     hidden: jax.Array
     last: jax.Array
     decode: bool = False
     gdn_inputs: Any = None
+    fed: jax.Array | None = None  # a verify step's fed tokens [B, T] (device: carried rows included)
+    step_shift: jax.Array | None = None  # a verify step's carried rows' accepted counts [B]
 
 
 @dataclass
@@ -204,28 +207,43 @@ class StepExecutor:
     # ---- speculative decoding (engine/runner/spec_programs.py) -------------------------------------
     def verify(self, batch: ForwardBatch) -> StepOutput:
         """The target over each row's last token and drafts (input_ids [B, k + 1], B a decode bucket's batch);
-        GDN slots untouched until `commit`. Returns device arrays (does not wait); last is [B * (k + 1), H]."""
+        GDN slots untouched until `commit`. A row with token_src[b] >= 0 takes its fed tokens and prefix from
+        the carry the last verify step left on the device (its row token_src[b] there; overlap scheduling).
+        Returns device arrays (does not wait): last is [B * (k + 1), H]; `fed` the tokens fed [B, k + 1] and
+        `step_shift` [B] the carried rows' accepted counts (their sampling steps move by as many)."""
         spec = self._spec()
         b, t = batch.input_ids.shape
         if t != spec.tokens:
             raise ValueError(f"a verify step has {spec.tokens} token columns, got {t}")
         prog = self.programs.get(("verify", b))
-        hidden, last, self.state.cache, saved = prog(self.programs.param_leaves, self.state.cache,
-                                                     self._packed(batch))
-        return StepOutput(hidden, last, gdn_inputs=saved)
+        hidden, last, self.state.cache, saved, fed, shift = prog(
+            self.programs.param_leaves, self.state.cache, self._packed(batch), self.state.kept_carry(spec.carry_shape))
+        return StepOutput(hidden, last, gdn_inputs=saved, fed=fed, step_shift=shift)
 
-    def commit(self, step: StepOutput, batch: ForwardBatch, start: np.ndarray, lens: np.ndarray) -> None:
-        """Advance row b's GDN state over tokens [start[b], start[b] + lens[b]) of the verify step `step` of
-        `batch` (its state already after start[b] of them: 0, or an earlier commit's end)."""
+    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput, snap_ids: np.ndarray) -> jax.Array:
+        """After verify step `step` and its sampling `sampled`: accept on the device (spec_programs
+        accepted_lengths), commit the GDN states over the accepted tokens (the state where the run reaches a page
+        boundary also written to slot snap_ids[b], global ids, 0: none), run the draft program over the accepted
+        positions and keep the carry for the next verify step. `batch`: the step's rows with their exact prefix
+        and fed length (extend_lens 0 and slot 0 for a row to skip). Returns the accepted counts [B] and the
+        drafts [B, k] (device int32), without waiting."""
         spec = self._spec()
-        prog = self.programs.get(("commit", batch.batch_size))
-        self.state.cache = prog(spec.conv_weights, self.state.cache, self._packed(batch), step.gdn_inputs,
-                                np.asarray(start, np.int32), np.asarray(lens, np.int32))
+        b = batch.batch_size
+        packed = self._packed(batch)
+        snap = self.state.to_rank_local(np.asarray(snap_ids, np.int32), self.state.sizing.num_slots)
+        on_device = self.placement.put([packed, snap])
+        self.state.cache, got, drafting = self.programs.get(("commit", b))(
+            spec.conv_weights, self.state.cache, on_device[0], step.gdn_inputs, sampled.tokens, step.fed, on_device[1])
+        drafts, self.state.cache = self.programs.get(("draft", b, spec.tokens, batch.page_table.shape[1]))(
+            self.programs.param_leaves, self.state.cache, drafting, step.hidden)
+        self.state.spec_carry = self.programs.get(("spec_carry", b))(drafting, drafts)
+        return got, drafts
 
     def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
         """Draft tokens [B, k] int32 (device) from the MTP layer over `batch`'s positions: input_ids[b, t] the
         token after position prefix_lens[b] + t, step.hidden[b, t] the target's hidden state there
-        (spec_programs._draft_tokens); writes the MTP layer's KV."""
+        (spec_programs._draft_tokens); writes the MTP layer's KV. (After an extend or a plain decode step;
+        a verify step drafts in `commit`.)"""
         self._spec()
         b, t = batch.input_ids.shape
         prog = self.programs.get(("draft", b, t, batch.page_table.shape[1]))
@@ -298,6 +316,9 @@ class StepExecutor:
         fields.update(zip(optional, put[len(rows):], strict=True))
         if use_penalty:
             fields["penalty_table"] = self._penalty_table(b, batch)
+        if kind != "greedy" and step.step_shift is not None:  # carried verify rows: their steps move on the device
+            fields["steps"] = self.programs.get(("spec_steps", step.step_shift.shape[0]))(fields["steps"],
+                                                                                        step.step_shift)
         # The inputs this step does not set stay the resident "unused" arrays.
         row_params = self.unused_inputs(b)._replace(**fields)
         out = self.programs.get(("sample", kind, b))(self.programs.head_leaves, last, row_params, feats)
@@ -369,24 +390,28 @@ class StepExecutor:
             jax.block_until_ready(self.state.cache)
 
     def _warm_up_spec(self, outs: dict[int, StepOutput], extend_outs: dict[int, StepOutput]) -> None:
-        """Run every verify, commit, draft and verify-sampling program once on padding rows."""
+        """Run every verify, commit, draft, carry and verify-sampling program once on padding rows."""
         spec = self._spec()
+        h = self.programs.config.hidden_size
         for bucket in self.programs.buckets.step_buckets():
             b, zeros = bucket.batch, np.zeros(bucket.batch, np.int32)
             if bucket.mode == "decode":
                 vb = dataclasses.replace(_padding_batch(dataclasses.replace(bucket, tokens=spec.tokens), zeros),
                                          mode=ForwardMode.TARGET_VERIFY)
                 step = self.verify(vb)
-                self.draft(step, dataclasses.replace(vb, mode=ForwardMode.EXTEND))
-                self.commit(step, vb, zeros, zeros)
+                greedy = SamplingBatch.greedy(b * spec.tokens)
+                for batch in (greedy, dataclasses.replace(greedy, temperature=np.ones(b * spec.tokens, np.float32),
+                                                          banned_ids=np.full((b * spec.tokens, 1), -1, np.int32))):
+                    sampled = self.sample(step, batch)
+                self.commit(step, vb, sampled, zeros)
                 self.draft(outs[b], _padding_batch(bucket, zeros))  # after a plain decode step
             else:
                 self.draft(extend_outs[b] if extend_outs[b].hidden.shape[1] == bucket.tokens else
                            self.forward(_padding_batch(bucket, zeros)), _padding_batch(bucket, zeros))
+        self.state.spec_carry = None  # the padding steps' carry is nobody's
         for b in spec.sample_batches():
             if b in self.programs.buckets.sample_batches():
                 continue
-            h = self.programs.config.hidden_size
             (rows,) = self.placement.put([np.zeros((b, h), self.programs.dtype)])
             last = StepOutput(rows, rows)
             none = np.full((b, 1), -1, np.int32)

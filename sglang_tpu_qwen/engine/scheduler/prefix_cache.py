@@ -141,6 +141,26 @@ class PrefixCache:
                 pairs.append((r.slot, snap))
             self.runner.state.copy_slots(pairs)
 
+    def verify_snapshot_slot(self, r: Request) -> int:
+        """The slot a verify step's commit writes r's decode snapshot to when r's accepted tokens reach a page
+        boundary: r's private snapshot slot, taken now if r has none (0: no slot free, no snapshot)."""
+        if not self.takes_snapshots:
+            return 0
+        if r.private_snapshot is None:
+            fresh = self._alloc_snapshots(1)
+            if not fresh:
+                return 0
+            r.private_snapshot = (fresh[0], 0)
+        return r.private_snapshot[0]
+
+    def verify_snapshot_taken(self, r: Request, position: int) -> None:
+        """The verify step read: r's private snapshot now holds its state after `position` tokens (a page
+        boundary), written by the step's commit (verify_snapshot_slot)."""
+        self.host.settle()
+        assert r.private_snapshot is not None and position % self.page_size == 0
+        r.private_snapshot = (r.private_snapshot[0], position)
+        r.snapshot_pending = False
+
     def _insert(self, r: Request, upto: int) -> None:
         """Give the tree r's pages for fill_ids[:upto] (page-aligned); r keeps reading them, locked."""
         n = upto // self.page_size
@@ -175,7 +195,8 @@ class PrefixCache:
         if keep and r.slot is not None:
             upto = self.page_size * (r.cached_len // self.page_size)
             self._insert(r, upto)
-            if r.private_snapshot is not None and r.private_snapshot[1] > 0:
+            # A verify step in flight may have overwritten the snapshot with a state past what r keeps.
+            if r.private_snapshot is not None and r.private_snapshot[1] > 0 and not r.snapshot_pending:
                 snap, pos = r.private_snapshot
                 r.private_snapshot = None
                 self._attach(r.radix_ids[:pos], snap)
@@ -187,6 +208,7 @@ class PrefixCache:
             r.prefix_node = None
         r.pages = r.pages[r.num_tree_pages:]
         r.num_tree_pages = 0
+        r.snapshot_pending = False
         r.snapshot_targets = []
 
     # ---- memory pressure -----------------------------------------------------------------------

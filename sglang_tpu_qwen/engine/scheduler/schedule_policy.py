@@ -87,7 +87,7 @@ class SchedulePolicy:
         A request whose grammar failed to compile is finished with the compiler's message.
         """
         for r in list(self.waiting):
-            if r.tokens_in_flight:  # retracted while its token was on the device: wait until it is read
+            if r.tokens_in_flight or r.verify_fed:  # retracted while its tokens were on the device: wait for them
                 continue
             try:
                 if r.grammar is None or r.grammar.ready():
@@ -231,6 +231,9 @@ class SchedulePolicy:
             if r.tokens_in_flight and (r.num_output >= r.max_new_tokens
                                        or len(r.fill_ids) + r.tokens_in_flight >= self.context_length):
                 continue  # its token in flight is its last: it finishes when that token is read
+            if r.verify_fed and (len(r.output_ids) + 1 >= r.max_new_tokens
+                                 or len(r.fill_ids) + 1 >= self.context_length):
+                continue  # its verify step in flight yields at least one token, its last
             rows[r.rank] += 1
             if self._ensure_pages_or_retract(r, self._decode_tokens(r)):
                 reqs.append(r)
@@ -243,7 +246,8 @@ class SchedulePolicy:
         if not steps:
             return r.cached_len + 1
         cap = min(self.context_length, self.runner.buckets.pages * self.page_size)
-        return max(r.cached_len + 1, min(r.cached_len + 2 * steps + 1, cap))
+        # Its verify step in flight may accept all it fed (r.verify_fed), then 1 + k tokens and k - 1 drafts.
+        return max(r.cached_len + 1, min(r.cached_len + r.verify_fed + 2 * steps + 1, cap))
 
     # ---- memory --------------------------------------------------------------------------------
     def pages_needed(self, r: Request, num_tokens: int) -> int:

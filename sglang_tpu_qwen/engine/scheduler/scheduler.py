@@ -14,7 +14,10 @@ device reads it there (ForwardBatch.token_src, ModelRunner.keep_sampled), so the
 step N runs. Finish checks, stop strings and streaming apply one step late: a request that finished at step
 N may have computed one more token in N+1, which is discarded (its memory is freed when N is read, and a
 later user of it runs after N+1 on the device). Steps whose next batch needs the host to know the tokens run
-synchronously: a grammar or penalty row with a token in flight, and every step under a PD role.
+synchronously: a grammar or penalty row with a token in flight, and every step under a PD role. Speculative
+decoding overlaps verify steps the same way: a verify row reads its fed tokens and start from the carry the
+step in flight leaves on the device, and that step's commit and drafts are dispatched once the step before it
+is read (engine/scheduler/speculative.py).
 
 With --dp-size N (data-parallel attention) each DP rank has its own pages, slots and radix tree
 (rank_memory.py); a step runs every rank at once, rank r's rows being rows [r*B/N, (r+1)*B/N).
@@ -30,6 +33,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import jax
+import numpy as np
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.io.request import Request
@@ -62,6 +68,7 @@ class Launched:
     batch: ScheduleBatch
     sampled: SampleOutput | None
     step: StepOutput | None = None
+    accepted: tuple[jax.Array, jax.Array] | None = None  # a verify step's (accepted counts, drafts), on the device
 
 
 class Scheduler:
@@ -96,11 +103,8 @@ class Scheduler:
         # sets the encoder (set_image_encoder) before any request with images comes.
         self.image_inputs = ImageInputs(runner.config.hidden_size, None) if runner.config.has_vision else None
         # Speculative decoding (--speculative-algorithm, engine/scheduler/speculative.py): decode steps verify the
-        # MTP layer's drafts; synchronous, since a step's drafts come from its own accepted tokens.
+        # MTP layer's drafts; under overlap a verify step's fed tokens come from the one in flight, on the device.
         self.spec = SpecDecoder(self) if runner.spec_steps else None
-        if self.spec is not None and self.overlap:
-            logger.info("speculative decoding: steps run synchronously (no overlap scheduling)")
-            self.overlap = False
 
     def set_image_encoder(self, encode: Encode) -> None:
         """The vision encoder's call (images -> per image [num_tokens, hidden] arrays), for a vision model."""
@@ -227,6 +231,8 @@ class Scheduler:
         self.failures.step_failed(failed, exc)
         for r in [*self.waiting, *self.running]:
             r.tokens_in_flight = 0
+        if self.spec is not None:
+            self.spec.step_failed()
 
     def _drain_inbox(self) -> None:
         for msg in self._inbox.drain():
@@ -264,9 +270,20 @@ class Scheduler:
         self.health_state.step_begins()
         if _CHECK:
             self.policy.check_memory_invariants()
+        verify = self.spec is not None and picked.mode is ForwardMode.DECODE and self.spec.use_verify(picked.reqs)
+        if not verify and any(r.verify_fed for r in picked.reqs):  # a plain step reads its tokens on the host
+            self._resolve()
+            live = [r for r in picked.reqs if not r.finished]
+            picked = PickedBatch(picked.mode, live, [1] * len(live))
+            if not live:
+                assert self.spec is not None
+                self.spec.step_dropped()
+                return True
+            self._batch = picked
         prev = None if self._in_flight is None else self._in_flight.batch
-        if self.spec is not None and picked.mode is ForwardMode.DECODE and self.spec.use_verify(picked.reqs):
-            batch = self.spec.build(picked, self.eos_ids, self.runner.config.vocab_size)
+        if verify:
+            assert self.spec is not None
+            batch = self.spec.build(picked, self.eos_ids, self.runner.config.vocab_size, prev)
         else:
             batch = ScheduleBatch.build(picked, self.runner.buckets, self.eos_ids, self.runner.config.vocab_size,
                                         prev, self.image_inputs)
@@ -277,6 +294,9 @@ class Scheduler:
                 self.overlapped_steps += 1
                 self.device_fed_rows += int((batch.forward.token_src >= 0).sum())
             self._resolve()  # the previous step's tokens, read while the device runs this one
+            if launched.step is not None and launched.step.fed is not None:  # a verify step: exact starts now
+                assert self.spec is not None and launched.sampled is not None
+                launched.accepted = self.spec.commit(batch, launched.step, launched.sampled)
             self._in_flight = launched
             if not self.overlap or self.failures.has_suspects:
                 self._resolve()
@@ -284,9 +304,16 @@ class Scheduler:
 
     def _can_overlap(self, step: Launched) -> bool:
         """Whether the next step may be built before `step`'s tokens are read: not when a grammar row (its
-        mask follows the token) or a penalty row (its counts do) is waiting for one."""
-        return self.overlap and not any(r.grammar is not None or r.params.has_penalty
-                                        for r in step.batch.sampling_reqs if not r.finished)
+        mask follows the token) or a penalty row (its counts do) is waiting for one. Under speculative
+        decoding only a verify step whose rows can all be carried (SpecDecoder.can_carry): an extend or plain
+        decode step's drafts are drafted once its tokens are read."""
+        if not self.overlap:
+            return False
+        if self.spec is not None:
+            return step.batch.mode is ForwardMode.TARGET_VERIFY and all(
+                self.spec.can_carry(r) for r in step.batch.reqs if not r.finished)
+        return not any(r.grammar is not None or r.params.has_penalty
+                       for r in step.batch.sampling_reqs if not r.finished)
 
     def launch(self, batch: ScheduleBatch) -> Launched:
         """Dispatch forward (+ prompt logprobs, which wait for it) and sampling; advance cached_len; run the
@@ -298,9 +325,7 @@ class Scheduler:
             self.faults.check("sampler", rids)
             assert batch.sampling is not None
             sampled = self.runner.sample(step, batch.sampling)
-            for r in batch.reqs:
-                r.tokens_in_flight += 1
-            return Launched(batch, sampled, step)
+            return Launched(batch, sampled, step)  # its commit and drafts follow once the step before is read
         step = self.runner.forward(batch.forward)
         self.output.input_logprobs(batch, step)
         for r, n in zip(batch.reqs, batch.extend_lens, strict=True):
@@ -327,8 +352,9 @@ class Scheduler:
             return False
         # Cleared only once read: a failure while reading leaves it for _step_failed to rewind.
         if done.batch.mode is ForwardMode.TARGET_VERIFY:
-            assert self.spec is not None and done.sampled is not None and done.step is not None
-            self.spec.process_verify(done.batch, done.step, done.sampled.get())
+            assert self.spec is not None and done.sampled is not None and done.accepted is not None
+            got, drafts = jax.device_get(done.accepted)
+            self.spec.process_verify(done.batch, done.sampled.get(), np.asarray(got), np.asarray(drafts))
         else:
             sampled = None if done.sampled is None else done.sampled.get()
             if self.spec is not None and done.step is not None and done.batch.is_extend:

@@ -20,15 +20,25 @@ at position t is filled ahead over them (RequestGrammar.fill_drafts, which stops
 the grammar refuses or that ends it, then rolls the matcher back: the accepted tokens advance it afterwards
 as plain decoding's do).
 
-GDN state: the verify step leaves the slots as they were; once the host knows how many tokens each request
-accepted, the commit program runs the conv1d and delta rule again over exactly those tokens from the saved
-layer inputs (model/forward.py ``commit_gdn_states``: recompute from the pre-verify state), split at a page
-boundary so the prefix cache's decode snapshot is taken at the boundary. A snapshot is therefore always of
-accepted tokens (sglang #36537). Rejected positions' KV (target and MTP layer) sits past the request's length
-and is overwritten by later steps. Then the draft program runs the MTP layer over the accepted positions (their
-target hidden states, and the next tokens) and drafts the next k tokens.
+GDN state: the verify step leaves the slots as they were; its commit program counts each row's accepted tokens
+on the device (the same rule, without the host's stops) and runs the conv1d and delta rule again over exactly
+those tokens from the saved layer inputs (model/forward.py ``commit_gdn_states``: recompute from the pre-verify
+state). A verify step feeds no token past a row's next page boundary (spec_programs ``_to_boundary``), so an
+accepted run reaches a boundary only at its end; there the commit also writes the state to the request's
+private decode snapshot slot. A snapshot is therefore always of accepted tokens (sglang #36537); until the host
+has read the step the snapshot is pending (``Request.snapshot_pending``), and a request that ends before (abort,
+retraction) or inside the run (a stop) leaves it out of the tree. Rejected positions' KV (target and MTP layer)
+sits past the request's length and is overwritten by later steps. Then the draft program runs the MTP layer over
+the accepted positions (their target hidden states, and the next tokens) and drafts the next k tokens.
 
-The scheduler runs synchronously under speculation (the drafts of a step come from its own accepted tokens).
+Overlap scheduling: the scheduler builds and launches verify step N+1 before it reads step N. Step N's commit
+leaves a carry on the device (spec_programs ``_next_carry``: each row's next fed tokens, start and accepted
+count); step N+1's rows read it (``token_src``), and their sampling steps move by the accepted count there. The
+host reads N while N+1 runs, then dispatches N+1's commit and drafts with exact starts (``commit``): a request
+that N finished is skipped, its extra verify work discarded as plain overlap discards a step's. Bounds stand in
+for what the host does not know yet: ``draft_room`` and the pages count everything the step in flight fed as
+accepted. Rows whose sampling follows their tokens (``can_carry``) and the steps after an extend or plain decode
+step run synchronously.
 
 Adaptive drafting (--speculative-draft-policy adaptive, the default; no peer has it): acceptance collapses at long
 context, and then a verify step costs more than the tokens it adds. Each request keeps a moving average alpha of
@@ -45,12 +55,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from sglang_tpu_qwen.engine.io.request import Request
-from sglang_tpu_qwen.engine.runner.model_runner import StepOutput
+from sglang_tpu_qwen.engine.runner.model_runner import SampleOutput, StepOutput
 from sglang_tpu_qwen.engine.scheduler.schedule_batch import (
     PickedBatch,
     ScheduleBatch,
@@ -109,13 +121,14 @@ class SpecDecoder:
         self.adaptive = scheduler.args.speculative_draft_policy == "adaptive"
         self.step_s: dict[str, dict[int, float]] = {"verify": {}, "decode": {}}  # mode -> batch -> seconds
         self._since_probe = 0
-        self._started: tuple[str, int, float] | None = None
+        self._started: deque[tuple[str, int, float]] = deque()  # decode steps launched, not read: (mode, B, start)
+        self._last_done = 0.0
 
     # ---- adaptive drafting -------------------------------------------------------------------------
     def use_verify(self, reqs: list[Request]) -> bool:
         """Whether this decode step verifies drafts (module docstring); starts timing the step either way."""
         ctx = self.scheduler.policy.context_length
-        counts = [len(self.drafts_for(r, ctx)) for r in reqs]
+        counts = [self.draft_count(r, ctx) for r in reqs]
         rows_per_rank = max(sum(r.rank == k for r in reqs) for k in range(len(self.scheduler.ranks)))
         b = self.runner.buckets.decode_bucket(rows_per_rank).batch
         verify = any(counts)
@@ -127,44 +140,63 @@ class SpecDecoder:
                 gain = np.mean([expected_tokens(_alpha(r), n) for r, n in zip(reqs, counts, strict=True)])
                 verify = bool(gain > (cv / cd if cv and cd else 1.0))
         self._since_probe = self._since_probe + 1 if verify else 0
-        self._started = ("verify" if verify else "decode", b, time.perf_counter())
+        self._started.append(("verify" if verify else "decode", b, time.perf_counter()))
         return verify
 
     def _step_done(self) -> None:
-        if self._started is None:
-            return
-        mode, b, t0 = self._started
-        self._started = None
-        dt = time.perf_counter() - t0
-        old = self.step_s[mode].get(b)
-        self.step_s[mode][b] = dt if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * dt
+        """A decode step was read: its time is from its start (or the previous step's end, when the two
+        overlapped) to now."""
+        now = time.perf_counter()
+        if self._started:
+            mode, b, t0 = self._started.popleft()
+            dt = now - max(t0, self._last_done)
+            old = self.step_s[mode].get(b)
+            self.step_s[mode][b] = dt if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * dt
+        self._last_done = now
 
-    # ---- how far ahead a request needs pages ------------------------------------------------------
-    def lookahead(self) -> int:
-        """Tokens past cached_len a decoding request needs pages for: its verify step (1 + k) and the MTP
-        layer's recursive drafts after it (up to k - 1 positions past what the step accepts)."""
-        return 2 * self.steps + 1
+    def step_dropped(self) -> None:
+        """The decode step `use_verify` was asked about is not launched (its rows all finished meanwhile)."""
+        self._started.pop()
+
+    def step_failed(self) -> None:
+        """A step failed (StepFailures rewinds its requests): no timing or in-flight verify is left."""
+        self._started.clear()
+        for r in self.scheduler.requests():
+            r.verify_fed = 0
 
     # ---- verify step ---------------------------------------------------------------------------
     def draft_room(self, r: Request, context_length: int) -> int:
-        """How many drafts r may feed in its verify step: none past what r may still generate or hold."""
-        room = min(r.max_new_tokens - len(r.output_ids) - 1, context_length - len(r.fill_ids),
-                   len(r.pages) * self.page_size - len(r.fill_ids))
+        """How many drafts r may feed in its next verify step: none past what r may still generate or hold,
+        counting all the tokens its verify step in flight fed as accepted (the host does not know yet)."""
+        ahead = r.verify_fed
+        room = min(r.max_new_tokens - len(r.output_ids) - ahead - 1, context_length - len(r.fill_ids) - ahead,
+                   len(r.pages) * self.page_size - len(r.fill_ids) - ahead)
         return max(0, min(self.steps, room))
 
-    def drafts_for(self, r: Request, context_length: int) -> list[int]:
-        """The drafts r feeds in its verify step (its MTP drafts, within `draft_room`)."""
-        return r.draft_tokens[: self.draft_room(r, context_length)]
+    def draft_count(self, r: Request, context_length: int) -> int:
+        """How many drafts r feeds in its next verify step: its MTP drafts within `draft_room` (a carried row's
+        k drafts are on the device)."""
+        room = self.draft_room(r, context_length)
+        return room if r.verify_fed else len(r.draft_tokens[:room])
 
-    def build(self, picked: PickedBatch, eos_ids: Any, vocab_size: int) -> ScheduleBatch:
+    def can_carry(self, r: Request) -> bool:
+        """Whether r's next verify step may be built before its step in flight is read: its sampling settings
+        must not follow the tokens that step yields (no grammar mask, no penalty counts, no min_new_tokens bans
+        left)."""
+        return r.grammar is None and not r.params.has_penalty and len(r.output_ids) >= r.params.min_new_tokens
+
+    def build(self, picked: PickedBatch, eos_ids: Any, vocab_size: int, prev: ScheduleBatch | None) -> ScheduleBatch:
         """A DECODE pick laid out as a verify step: row b feeds [last token, drafts...] (T = k + 1), and its
-        sampling batch has one row per position (b * T + t)."""
+        sampling batch has one row per position (b * T + t). A row whose verify step `prev` is in flight takes
+        its fed tokens and start from the device (forward.token_src: its row in `prev`)."""
         buckets, ctx = self.runner.buckets, self.scheduler.policy.context_length
         rows, bucket = batch_rows(picked.reqs, picked.extend_lens, ForwardMode.DECODE, buckets)
         b, t, p = bucket.batch, self.tokens, bucket.pages
         input_ids = np.zeros((b, t), np.int32)
         prefix_lens, extend_lens, slot_ids = (np.zeros(b, np.int32) for _ in range(3))
+        token_src = np.full(b, -1, np.int32)
         page_table = np.zeros((b, p), np.int32)
+        prev_rows = {} if prev is None else {id(r): i for r, i in zip(prev.reqs, prev.rows, strict=True)}
         lens: list[int] = []
         s_reqs: list[Request] = []
         s_rows: list[int] = []
@@ -172,15 +204,20 @@ class SpecDecoder:
         ahead: list[list[int]] = []
         masks: list[MaskRow | None] = []
         for r, i in zip(picked.reqs, rows, strict=True):
-            drafts = self.drafts_for(r, ctx)
-            if not r.draft_tokens and self.draft_room(r, ctx):
-                self.stats.undrafted_rows += 1
             rows_mask = None
-            if r.grammar is not None:  # each position's mask follows the drafts before it
-                rows_mask = np.full((1 + len(drafts), bitmask_width(vocab_size)), -1, np.int32)
-                drafts = drafts[: r.grammar.fill_drafts(rows_mask, drafts)]
+            if r.verify_fed:
+                assert id(r) in prev_rows and self.can_carry(r), f"{r.rid}: carried but not in the step in flight"
+                token_src[i] = prev_rows[id(r)]
+                drafts = [0] * self.draft_room(r, ctx)  # on the device
+            else:
+                drafts = self.drafts_for(r, ctx)
+                if not r.draft_tokens and self.draft_room(r, ctx):
+                    self.stats.undrafted_rows += 1
+                if r.grammar is not None:  # each position's mask follows the drafts before it
+                    rows_mask = np.full((1 + len(drafts), bitmask_width(vocab_size)), -1, np.int32)
+                    drafts = drafts[: r.grammar.fill_drafts(rows_mask, drafts)]
+                input_ids[i, : 1 + len(drafts)] = [r.fill_ids[r.cached_len], *drafts]
             n = 1 + len(drafts)
-            input_ids[i, :n] = [r.fill_ids[r.cached_len], *drafts]
             prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
             page_table[i, : len(r.pages)] = r.pages
             lens.append(n)
@@ -190,47 +227,83 @@ class SpecDecoder:
                 offsets.append(pos)
                 ahead.append(drafts[:pos])
                 masks.append(None if rows_mask is None else MaskRow(rows_mask[pos]))
-        forward = ForwardBatch(ForwardMode.TARGET_VERIFY, input_ids, prefix_lens, extend_lens, page_table, slot_ids)
+        forward = ForwardBatch(ForwardMode.TARGET_VERIFY, input_ids, prefix_lens, extend_lens, page_table, slot_ids,
+                               token_src)
         sampling = sampling_batch(s_reqs, s_rows, b * t, eos_ids, vocab_size, offsets, ahead, masks)
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(picked.reqs), lens, rows, forward,
                              list(range(len(picked.reqs))), sampling)
 
-    def process_verify(self, batch: ScheduleBatch, step: StepOutput, sampled: tuple[np.ndarray, ...]) -> None:
-        """Accept each request's tokens (stop checks token by token), commit the GDN states over them, take the
-        prefix cache's decode snapshots, then draft the next step's tokens."""
+    def drafts_for(self, r: Request, context_length: int) -> list[int]:
+        """The drafts r feeds in its verify step (its MTP drafts, within `draft_room`)."""
+        return r.draft_tokens[: self.draft_room(r, context_length)]
+
+    def commit(self, batch: ScheduleBatch, step: StepOutput, sampled: SampleOutput) -> tuple[jax.Array, jax.Array]:
+        """Launch the verify step's commit and drafts (StepExecutor.commit), once every step before it was read:
+        each row's start is then exact, and a row finished or retracted meanwhile is skipped. A row whose fed
+        tokens reach a page boundary gets its private decode snapshot slot (the prefix cache's), marked pending
+        until the step is read; each committed row's `verify_fed` holds its fed tokens until then. Returns the
+        device (accepted counts [B], drafts [B, k])."""
+        forward = batch.forward
+        prefix_lens, extend_lens, slot_ids = (np.zeros(batch.batch_size, np.int32) for _ in range(3))
+        page_table = np.zeros_like(forward.page_table)
+        snaps = np.zeros(batch.batch_size, np.int32)
+        ps = self.page_size
+        for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
+            if r.finished or r.slot is None:
+                continue
+            prefix_lens[row], extend_lens[row], slot_ids[row] = r.cached_len, n, r.slot
+            page_table[row] = forward.page_table[row]
+            r.verify_fed = n  # set only now: reading the step before cleared the previous value
+            cache = self.scheduler.ranks[r.rank].prefix_cache
+            if cache is not None and ps - r.cached_len % ps <= n:
+                snaps[row] = cache.verify_snapshot_slot(r)
+                r.snapshot_pending = bool(snaps[row])
+        exact = dataclasses.replace(forward, prefix_lens=prefix_lens, extend_lens=extend_lens, slot_ids=slot_ids,
+                                    page_table=page_table, token_src=None)
+        return self.runner.commit(step, exact, sampled, snaps)
+
+    def process_verify(self, batch: ScheduleBatch, sampled: tuple[np.ndarray, ...], got: np.ndarray,
+                       drafts: np.ndarray) -> None:
+        """Accept each request's tokens (the device's accepted count `got` [B], stop checks token by token), move
+        its start and its decode snapshot with them and keep its next drafts [B, k]."""
         out = self.scheduler.output
         toks, lps = sampled[0].tolist(), sampled[1].tolist()
         now = time.perf_counter()
-        t = self.tokens
-        live: list[tuple[Request, int, int]] = []  # (request, row, tokens accepted) still decoding
+        t, ps = self.tokens, self.page_size
         self.stats.verify_steps += 1
         for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
-            r.tokens_in_flight -= 1
+            r.verify_fed = 0
             if r.finished:  # aborted while the step ran
                 continue
-            drafts = batch.forward.input_ids[row, 1:n].tolist()
-            got = 0
-            for pos in range(n):
+            g = int(got[row])
+            to_boundary = ps - r.cached_len % ps
+            n = min(n, to_boundary)  # the verify step fed no token past the next page boundary
+            if r.snapshot_pending and g < to_boundary:  # the commit wrote no snapshot
+                r.snapshot_pending = False
+            taken = 0
+            for pos in range(g):
                 k = row * t + pos
                 top = (sampled[2][k], sampled[3][k]) if r.top_logprobs_num else (None, None)
                 out.accept_token(r, toks[k], lps[k], *top, now)
-                got += 1
+                taken += 1
                 if pos < n - 1:  # the target's token compared with draft pos: one acceptance observation
-                    _observe(r, toks[k] == drafts[pos])
-                if r.finished or pos == n - 1 or toks[k] != drafts[pos]:
+                    _observe(r, pos < g - 1)
+                if r.finished:
                     break
             r.spec_verify_ct += 1
-            r.spec_accepted += got - 1
-            r.draft_tokens = []
+            r.spec_accepted += taken - 1
             self.stats.verify_rows += 1
-            self.stats.accepted_tokens += got
+            self.stats.accepted_tokens += taken
             self.stats.draft_tokens += n - 1
-            if not r.finished:
-                live.append((r, row, got))
-        if live:
-            self._commit(batch, step, live)
-            self._draft(step, batch.forward, [(r, row, int(batch.forward.prefix_lens[row]), _after(r, row, got, batch),
-                                               True) for r, row, got in live])
+            r.draft_tokens = []
+            if r.finished or r.slot is None:  # finished inside the run, or retracted while the step ran
+                continue
+            if r.snapshot_pending:  # the commit wrote the state at the boundary into the private snapshot
+                cache = self.scheduler.ranks[r.rank].prefix_cache
+                assert cache is not None
+                cache.verify_snapshot_taken(r, r.cached_len + to_boundary)
+            r.cached_len += g
+            r.draft_tokens = drafts[row].tolist()
         self._step_done()
 
     def after_decode(self, batch: ScheduleBatch, step: StepOutput) -> None:
@@ -249,34 +322,6 @@ class SpecDecoder:
         if rows:
             self._draft(step, batch.forward, rows)
         self._step_done()
-
-    def _commit(self, batch: ScheduleBatch, step: StepOutput, live: list[tuple[Request, int, int]]) -> None:
-        """GDN states over the accepted tokens, in two parts where a request crosses a page boundary (the prefix
-        cache snapshots the state at the boundary in between); cached_len advances with them."""
-        b, ps = batch.batch_size, self.page_size
-        first, rest = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        for r, row, got in live:
-            to_boundary = ps - r.cached_len % ps
-            first[row] = min(got, to_boundary)
-            rest[row] = got - first[row]
-        reqs = [r for r, _, _ in live]
-        forward = dataclasses.replace(batch.forward, slot_ids=np.where(first + rest > 0, batch.forward.slot_ids, 0))
-        self.runner.commit(step, forward, np.zeros(b, np.int32), first)
-        for r, row, _ in live:
-            r.cached_len += int(first[row])
-        self._after_commit(reqs)
-        if rest.any():
-            self.runner.commit(step, dataclasses.replace(forward, slot_ids=np.where(rest > 0, forward.slot_ids, 0)),
-                               first, rest)
-            for r, row, _ in live:
-                r.cached_len += int(rest[row])
-            self._after_commit([r for r, row, _ in live if rest[row]])
-
-    def _after_commit(self, reqs: list[Request]) -> None:
-        """The prefix cache's decode snapshots due now, each DP rank's for its own requests."""
-        for m in self.scheduler.ranks:
-            if m.prefix_cache is not None:
-                m.prefix_cache.after_step([r for r in reqs if r.rank == m.rank], False)
 
     # ---- drafts --------------------------------------------------------------------------------
     def after_extend(self, batch: ScheduleBatch, step: StepOutput, sampled: tuple[np.ndarray, ...] | None) -> None:
@@ -331,12 +376,6 @@ class SpecDecoder:
                 "speculative_draft_policy": "adaptive" if self.adaptive else "always",
                 # Measured wall seconds per decode step by mode and batch size (adaptive drafting's rho).
                 "spec_step_seconds": {m: {str(b): v for b, v in d.items()} for m, d in self.step_s.items()}}
-
-
-def _after(r: Request, row: int, got: int, batch: ScheduleBatch) -> list[int]:
-    """The tokens after the `got` positions a verify row accepted: the accepted outputs."""
-    start = int(batch.forward.prefix_lens[row])
-    return r.fill_ids[start + 1 : start + 1 + got]
 
 
 def _alpha(r: Request) -> float:

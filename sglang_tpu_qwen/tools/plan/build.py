@@ -201,8 +201,11 @@ def plan(
         kv_read = rows_rank * (prefix + tokens) * kv_per_token
         kv_write = rows_rank * tokens * kv_per_token
         # A fresh prefill only writes the state; a decode step reads and writes it; a verify step reads it and
-        # its commit reads and writes it again.
+        # its commit reads and writes it again, and writes the decode snapshot of the rows whose accepted run
+        # reaches a page boundary (accept length / page size of them).
         state_rw = rows_rank * state_per_req * {"prefill": 1, "decode": 2, "verify": 3}[name]
+        if name == "verify":
+            state_rw += rows_rank * state_per_req * min(1.0, speculative_accept_length / page_size)
         min_bytes = (rep_w - embed_b + rows_rank * tokens * c.hidden_size * runner.dtype.itemsize
                      + per_expert * e_local * active(tokens_step) + kv_read + kv_write + state_rw)
         forward_min = min_bytes - (rows_rank * state_per_req * 2 if name == "verify" else 0)
@@ -273,11 +276,11 @@ def plan(
 
 def _compile_step(runner: Any, name: str, bucket: Any, n_spec: int) -> list[Any]:
     """The compiled programs of step ``name``: the forward first, then the rest the step runs (the sampling
-    program; for "verify" the commit, draft and sampling programs of the server's verify step)."""
+    program; for "verify" the commit, draft, carry and sampling programs of the server's verify step)."""
     if name != "verify":
         return [runner.lower_forward(bucket).compile(), runner.lower_sample("greedy", bucket.batch).compile()]
     b = bucket.batch
-    keys = [("verify", b), ("commit", b), ("draft", b, n_spec, bucket.pages)]
+    keys = [("verify", b), ("commit", b), ("draft", b, n_spec, bucket.pages), ("spec_carry", b)]
     return ([runner.programs.lower(k).compile() for k in keys]
             + [runner.lower_sample("greedy", b * n_spec).compile()])
 
