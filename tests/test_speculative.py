@@ -403,6 +403,50 @@ def test_dp2_ep2_and_ep2_on_emulated_devices() -> None:
         assert r["expert_shard"] == [r["experts"] // 2], (name, r)
 
 
+def test_client_disconnect_frees_everything(engines: tuple[Engine, Engine]) -> None:
+    """A streaming client that hangs up mid-generation under speculation (overlap on, a verify step in flight):
+    the request is aborted and every page, GDN slot and snapshot slot comes back. Its third step is held on an
+    event until the server has seen the disconnect, so the request cannot finish first on any machine."""
+    import httpx
+    from conftest import serve_app
+
+    from sglang_tpu_qwen.server.app import create_app
+
+    spec, _ = engines
+    sched = spec.scheduler
+    rid = "mtp-disconnect"
+    body = {"input_ids": _ids(50, 12), "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    gate = threading.Event()
+    fault = sched.faults.arm("forward", rid=rid, skip=2, block=gate)
+    req = None
+    try:
+        with serve_app(create_app(spec)) as url:
+            with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break  # one chunk, then hang up
+            for _ in range(12000):  # the server sees the disconnect (a bounded wait, not a timing assumption)
+                req = next((x for x in [*sched.running, *sched.waiting] if x.rid == rid), None)
+                if req is not None and req.aborted:
+                    break
+                threading.Event().wait(0.01)
+    finally:
+        gate.set()
+        sched.faults.disarm(fault)
+    assert req is not None and req.aborted
+    for _ in range(12000):
+        if req.finished:
+            break
+        threading.Event().wait(0.01)
+    assert req.finish_reason["type"] == "abort" and len(req.output_ids) < 200
+    assert spec.flush_cache()
+    mem = spec.get_server_info()["memory"]
+    assert mem["kv_pages_free"] == mem["kv_pages_total"]
+    assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
+    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
+
+
 def test_overlap_on_and_off_give_the_same_tokens(engines: tuple[Engine, Engine]) -> None:
     """Overlap scheduling under speculation: a verify step is built while the one before runs, its rows' fed
     tokens and start carried on the device; the tokens equal the synchronous run's and plain decoding's."""

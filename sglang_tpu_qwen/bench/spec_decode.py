@@ -418,7 +418,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-policy", choices=("adaptive", "always"), default=None,
                    help="--speculative-draft-policy of the MTP runs (default: the server's, adaptive).")
     p.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="Plain decoding scheduled synchronously too (speculation always is).")
+                   help="Both runs scheduled synchronously (--disable-overlap-schedule).")
     p.add_argument("--work-dir", default=None,
                    help="Where the checkpoint is written (default: a temporary directory, deleted at exit); a "
                         "checkpoint trained there before with the same settings is reused.")
@@ -472,7 +472,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{100 * tr['mtp_heldout_top1']:.1f}%, MTP = main's greedy token {100 * tr['mtp_heldout_agree_main']:.1f}%",
         f"Prompts: {result['prompt_len']} tokens, {result['output_len']} greedy output tokens each "
         f"(min_new_tokens = max_new_tokens, ignore_eos); MTP: --speculative-num-steps {SPEC_STEPS}, top-k 1, "
-        f"{SPEC_STEPS + 1} draft tokens; plain decoding {plain}",
+        f"{SPEC_STEPS + 1} draft tokens; both runs {plain}",
         f"Machine: {m['cpu']}, {m['nproc']} CPUs; JAX on {m['jax']}; 1-min load average "
         f"{m['loadavg_1min_start']:.1f} at the start, {m['loadavg_1min_end']:.1f} at the end",
         "decode tok/s: tokens streamed after the last request of a round got its first token / that time "
