@@ -165,9 +165,8 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
     (``saved``, :func:`forward_step`); this runs the causal conv1d and the gated delta rule again over the
     accepted tokens only (token by token, no weight but the conv kernels read) and writes the result, so the
     slot holds exactly the state after the last accepted token (rejected draft tokens never touch it). The same
-    state is also written to slot ``snap_ids[b]`` (the prefix cache's decode snapshot, due where the accepted
-    run ends on a page boundary; 0, the trash slot, elsewhere): a verify step never feeds tokens past the next
-    page boundary, so that is the only place a run reaches one.
+    state is also written to slot ``snap_ids[b]`` (the prefix cache's decode snapshot, taken where the accepted
+    run ends on a page boundary; 0, the trash slot, elsewhere).
 
     Args:
         params, config: as :func:`forward_step` (reads each GDN layer's ``conv1d``).

@@ -241,10 +241,10 @@ class ModelRunner:
         return self.executor.verify(batch)
 
     def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput,
-               snap_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+               snapshots: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """Accept a verify step's tokens on the device, commit the GDN states over them and draft the next
         tokens; returns the device (accepted counts [B], drafts [B, k]) (StepExecutor.commit)."""
-        return self.executor.commit(step, batch, sampled, snap_ids)
+        return self.executor.commit(step, batch, sampled, snapshots)
 
     def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
         """Draft tokens [B, k] from the MTP layer over a step's positions (StepExecutor.draft)."""

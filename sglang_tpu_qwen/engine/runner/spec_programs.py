@@ -84,27 +84,29 @@ class SpecPrograms:
 
         def verify(leaves, cache, packed, carry):
             batch = dataclasses.replace(unpack(packed, pages), mode=ForwardMode.TARGET_VERIFY)
-            batch, shift = _from_carry(batch, packed[:, t + 3], carry)
-            # No row feeds tokens past its next page boundary (a decode snapshot is due there: see commit).
-            batch = dataclasses.replace(batch, extend_lens=_to_boundary(batch, ps))
+            batch, shift = _from_carry(batch, packed[:, t + 3], carry, ps)
             hidden, cache, saved = target(params_of(leaves), cache, batch)
-            return hidden, hidden.reshape(-1, hidden.shape[-1]), cache, saved, batch.input_ids, shift
+            return (hidden, hidden.reshape(-1, hidden.shape[-1]), cache, saved, batch.input_ids, batch.extend_lens,
+                    shift)
 
-        def commit(conv_weights, cache, packed, saved, tokens, fed, snap):
+        def commit(conv_weights, cache, packed, saved, tokens, fed, fed_lens, snap):
             batch = unpack(packed, pages)
             toks = tokens.reshape(fed.shape)
-            got = accepted_lengths(toks, fed, _to_boundary(batch, ps))  # as the verify step capped them
-            snap_ids = jnp.where(got == ps - batch.prefix_lens % ps, snap, 0)  # the run ends on a page boundary
-            cache = commit_fn(conv_weights, cache, batch, saved, got, snap_ids)
+            got = accepted_lengths(toks, fed, jnp.where(batch.extend_lens > 0, fed_lens, 0))  # 0: a skipped row
+            end = batch.prefix_lens + got
+            written = (got > 0) & (end % ps == 0) & (snap[:, 0] > 0)  # the run ends on a page boundary
+            cache = commit_fn(conv_weights, cache, batch, saved, got, jnp.where(written, snap[:, 0], 0))
+            # Whether the next verify step must stop at the next boundary: the snapshot lags the last one.
+            behind = (end // ps * ps > jnp.where(written, end, snap[:, 1])).astype(jnp.int32)
             # The draft program's step: the tokens after each position are the sampled ones, `got` of them.
             drafting = packed.at[:, :t].set(toks).at[:, t + 1].set(got)
-            return cache, got, jax.lax.with_sharding_constraint(drafting, rows_sharding)
+            return cache, got, jax.lax.with_sharding_constraint(drafting, rows_sharding), behind
 
         def draft(leaves, cache, packed, hidden):
             return draft_fn(params_of(leaves), cache, unpack(packed, pages), hidden)
 
-        def carry(drafting, drafts):
-            return jax.lax.with_sharding_constraint(_next_carry(drafting, drafts, t, prev_rows), replicated)
+        def carry(drafting, drafts, behind):
+            return jax.lax.with_sharding_constraint(_next_carry(drafting, drafts, behind, t, prev_rows), replicated)
 
         def shift_steps(steps, shift):
             return jax.lax.with_sharding_constraint(steps + jnp.repeat(shift, t), self.placement.rows(1))
@@ -114,7 +116,7 @@ class SpecPrograms:
         self._draft = jax.jit(draft, donate_argnums=(1,))
         self._carry = jax.jit(carry)
         self._shift_steps = jax.jit(shift_steps)
-        self.carry_shape = (prev_rows, t + 2)
+        self.carry_shape = (prev_rows, t + 3)
 
     def keys(self) -> list[tuple]:
         """The verify and commit program of every decode batch size, the draft program of every step shape."""
@@ -143,14 +145,14 @@ class SpecPrograms:
             packed = spec((b, self.columns(t, p)), i32)
             saved = jax.eval_shape(self._verify, leaves, cache, packed, carry)[3]
             return self._commit.lower(abstract(self.conv_weights), cache, packed, saved, spec((b * t,), i32),
-                                      spec((b, t), i32), spec((b,), i32))
+                                      spec((b, t), i32), spec((b,), i32), spec((b, 2), i32))
         if key[0] == "draft":
             _, b, tokens, pages = key
             return self._draft.lower(leaves, cache, spec((b, self.columns(tokens, pages)), i32),
                                      spec((b, tokens, h), self.dtype))
         if key[0] == "spec_carry":
             b = key[1]
-            return self._carry.lower(spec((b, self.columns(t, p)), i32), spec((b, self.steps), i32))
+            return self._carry.lower(spec((b, self.columns(t, p)), i32), spec((b, self.steps), i32), spec((b,), i32))
         if key[0] == "spec_steps":
             b = key[1]
             return self._shift_steps.lower(spec((b * t,), i32), spec((b,), i32))
@@ -167,12 +169,6 @@ def _commit_rows(conv_weights: list[jax.Array], cache: dict[str, jax.Array], bat
     return commit_gdn_states({"layers": layers}, cache, batch, saved, lens, snap_ids, config=config)
 
 
-def _to_boundary(batch: ForwardBatch, page_size: int) -> jax.Array:
-    """Each row's fed length capped at its next page boundary [B] int32: a verify run then reaches a boundary
-    only at its end, where the commit writes the decode snapshot (model/forward.py commit_gdn_states)."""
-    return jnp.minimum(batch.extend_lens, page_size - batch.prefix_lens % page_size)
-
-
 def accepted_lengths(sampled: jax.Array, fed: jax.Array, fed_lens: jax.Array) -> jax.Array:
     """Tokens each verify row accepts: ``sampled [B, T]`` (the target's token at each position), ``fed [B, T]``
     (the last token, then the drafts), ``fed_lens [B]`` -> ``[B]`` int32, 1 + the drafts equal to the target's
@@ -184,28 +180,35 @@ def accepted_lengths(sampled: jax.Array, fed: jax.Array, fed_lens: jax.Array) ->
     return jnp.where(fed_lens > 0, 1 + run, 0).astype(jnp.int32)
 
 
-def _from_carry(batch: ForwardBatch, src: jax.Array, carry: jax.Array) -> tuple[ForwardBatch, jax.Array]:
+def _from_carry(batch: ForwardBatch, src: jax.Array, carry: jax.Array,
+                page_size: int) -> tuple[ForwardBatch, jax.Array]:
     """Overlap scheduling: a verify row whose previous verify step is still in flight (``src[b] >= 0``, its row
-    there) takes its fed tokens and its start from the carry (``_next_carry``), which the host does not know yet.
-    Returns the batch and each row's shift [B] int32 (the tokens that step accepted: its sampling steps move by
-    as many)."""
+    there) takes its fed tokens and its start from the carry (``_next_carry``), which the host does not know yet;
+    where the carry says its decode snapshot lags, it feeds no token past its next page boundary (the host caps
+    its own rows alike: engine/scheduler/speculative.py). Returns the batch and each row's shift [B] int32 (the
+    tokens that step accepted: its sampling steps move by as many)."""
     t = batch.num_tokens
     use = src >= 0
     row = carry[jnp.clip(src, 0, carry.shape[0] - 1)]
     ids = jnp.where(use[:, None], row[:, :t], batch.input_ids)
     prefix = jnp.where(use, row[:, t], batch.prefix_lens)
-    return dataclasses.replace(batch, input_ids=ids, prefix_lens=prefix), jnp.where(use, row[:, t + 1], 0)
+    cap = jnp.where(use & (row[:, t + 2] > 0), page_size - prefix % page_size, t)
+    batch = dataclasses.replace(batch, input_ids=ids, prefix_lens=prefix,
+                                extend_lens=jnp.minimum(batch.extend_lens, cap))
+    return batch, jnp.where(use, row[:, t + 1], 0)
 
 
-def _next_carry(drafting: jax.Array, drafts: jax.Array, t: int, rows: int) -> jax.Array:
-    """The carry [rows, T + 2] int32 a verify step leaves for the next one: row b's next fed tokens (its last
-    accepted token, then its new drafts), its next start (prefix + accepted) and its accepted count; from the
-    draft program's packed step (``drafting``: the sampled tokens, prefix, accepted count) and ``drafts [B, k]``."""
+def _next_carry(drafting: jax.Array, drafts: jax.Array, behind: jax.Array, t: int, rows: int) -> jax.Array:
+    """The carry [rows, T + 3] int32 a verify step leaves for the next one: row b's next fed tokens (its last
+    accepted token, then its new drafts), its next start (prefix + accepted), its accepted count and whether its
+    decode snapshot lags (``behind`` [B]); from the draft program's packed step (``drafting``: the sampled
+    tokens, prefix, accepted count) and ``drafts [B, k]``."""
     b = drafting.shape[0]
     got = drafting[:, t + 1]
     last = drafting[jnp.arange(b), jnp.maximum(got - 1, 0)]
-    row = jnp.concatenate([last[:, None], drafts, (drafting[:, t] + got)[:, None], got[:, None]], axis=1)
-    return jnp.zeros((rows, t + 2), jnp.int32).at[:b].set(row.astype(jnp.int32))
+    row = jnp.concatenate([last[:, None], drafts, (drafting[:, t] + got)[:, None], got[:, None], behind[:, None]],
+                          axis=1)
+    return jnp.zeros((rows, t + 3), jnp.int32).at[:b].set(row.astype(jnp.int32))
 
 
 def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: ForwardBatch, hidden: jax.Array, *,

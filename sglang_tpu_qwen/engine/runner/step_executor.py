@@ -114,6 +114,7 @@ class StepOutput:
     decode: bool = False
     gdn_inputs: Any = None
     fed: jax.Array | None = None  # a verify step's fed tokens [B, T] (device: carried rows included)
+    fed_lens: jax.Array | None = None  # and how many of them each row fed [B]
     step_shift: jax.Array | None = None  # a verify step's carried rows' accepted counts [B]
 
 
@@ -209,34 +210,38 @@ class StepExecutor:
         """The target over each row's last token and drafts (input_ids [B, k + 1], B a decode bucket's batch);
         GDN slots untouched until `commit`. A row with token_src[b] >= 0 takes its fed tokens and prefix from
         the carry the last verify step left on the device (its row token_src[b] there; overlap scheduling).
-        Returns device arrays (does not wait): last is [B * (k + 1), H]; `fed` the tokens fed [B, k + 1] and
+        Returns device arrays (does not wait): last is [B * (k + 1), H]; `fed` the tokens fed [B, k + 1],
+        `fed_lens` [B] how many (a carried row stops at its page boundary where the carry says so) and
         `step_shift` [B] the carried rows' accepted counts (their sampling steps move by as many)."""
         spec = self._spec()
         b, t = batch.input_ids.shape
         if t != spec.tokens:
             raise ValueError(f"a verify step has {spec.tokens} token columns, got {t}")
         prog = self.programs.get(("verify", b))
-        hidden, last, self.state.cache, saved, fed, shift = prog(
+        hidden, last, self.state.cache, saved, fed, fed_lens, shift = prog(
             self.programs.param_leaves, self.state.cache, self._packed(batch), self.state.kept_carry(spec.carry_shape))
-        return StepOutput(hidden, last, gdn_inputs=saved, fed=fed, step_shift=shift)
+        return StepOutput(hidden, last, gdn_inputs=saved, fed=fed, fed_lens=fed_lens, step_shift=shift)
 
-    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput, snap_ids: np.ndarray) -> jax.Array:
+    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput,
+               snapshots: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """After verify step `step` and its sampling `sampled`: accept on the device (spec_programs
-        accepted_lengths), commit the GDN states over the accepted tokens (the state where the run reaches a page
-        boundary also written to slot snap_ids[b], global ids, 0: none), run the draft program over the accepted
-        positions and keep the carry for the next verify step. `batch`: the step's rows with their exact prefix
-        and fed length (extend_lens 0 and slot 0 for a row to skip). Returns the accepted counts [B] and the
-        drafts [B, k] (device int32), without waiting."""
+        accepted_lengths), commit the GDN states over the accepted tokens (where the run ends on a page boundary
+        the state also goes to slot snapshots[b, 0], a global id, 0: none; snapshots[b, 1] is the position of the
+        row's decode snapshot so far), run the draft program over the accepted positions and keep the carry for
+        the next verify step. `batch`: the step's rows with their exact prefix (extend_lens 0 and slot 0 for a
+        row to skip). Returns the accepted counts [B] and the drafts [B, k] (device int32), without waiting."""
         spec = self._spec()
         b = batch.batch_size
         packed = self._packed(batch)
-        snap = self.state.to_rank_local(np.asarray(snap_ids, np.int32), self.state.sizing.num_slots)
+        snap = np.asarray(snapshots, np.int32).copy()
+        snap[:, 0] = self.state.to_rank_local(snap[:, 0], self.state.sizing.num_slots)
         on_device = self.placement.put([packed, snap])
-        self.state.cache, got, drafting = self.programs.get(("commit", b))(
-            spec.conv_weights, self.state.cache, on_device[0], step.gdn_inputs, sampled.tokens, step.fed, on_device[1])
+        self.state.cache, got, drafting, behind = self.programs.get(("commit", b))(
+            spec.conv_weights, self.state.cache, on_device[0], step.gdn_inputs, sampled.tokens, step.fed,
+            step.fed_lens, on_device[1])
         drafts, self.state.cache = self.programs.get(("draft", b, spec.tokens, batch.page_table.shape[1]))(
             self.programs.param_leaves, self.state.cache, drafting, step.hidden)
-        self.state.spec_carry = self.programs.get(("spec_carry", b))(drafting, drafts)
+        self.state.spec_carry = self.programs.get(("spec_carry", b))(drafting, drafts, behind)
         return got, drafts
 
     def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
@@ -403,7 +408,7 @@ class StepExecutor:
                 for batch in (greedy, dataclasses.replace(greedy, temperature=np.ones(b * spec.tokens, np.float32),
                                                           banned_ids=np.full((b * spec.tokens, 1), -1, np.int32))):
                     sampled = self.sample(step, batch)
-                self.commit(step, vb, sampled, zeros)
+                self.commit(step, vb, sampled, np.zeros((b, 2), np.int32))
                 self.draft(outs[b], _padding_batch(bucket, zeros))  # after a plain decode step
             else:
                 self.draft(extend_outs[b] if extend_outs[b].hidden.shape[1] == bucket.tokens else

@@ -68,7 +68,8 @@ class Launched:
     batch: ScheduleBatch
     sampled: SampleOutput | None
     step: StepOutput | None = None
-    accepted: tuple[jax.Array, jax.Array] | None = None  # a verify step's (accepted counts, drafts), on the device
+    # A verify step's (accepted counts, drafts, fed lengths), on the device.
+    accepted: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 class Scheduler:
@@ -353,8 +354,8 @@ class Scheduler:
         # Cleared only once read: a failure while reading leaves it for _step_failed to rewind.
         if done.batch.mode is ForwardMode.TARGET_VERIFY:
             assert self.spec is not None and done.sampled is not None and done.accepted is not None
-            got, drafts = jax.device_get(done.accepted)
-            self.spec.process_verify(done.batch, done.sampled.get(), np.asarray(got), np.asarray(drafts))
+            got, drafts, fed_lens = (np.asarray(a) for a in jax.device_get(done.accepted))
+            self.spec.process_verify(done.batch, done.sampled.get(), got, drafts, fed_lens)
         else:
             sampled = None if done.sampled is None else done.sampled.get()
             if self.spec is not None and done.step is not None and done.batch.is_extend:

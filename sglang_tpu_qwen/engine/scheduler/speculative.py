@@ -23,11 +23,13 @@ as plain decoding's do).
 GDN state: the verify step leaves the slots as they were; its commit program counts each row's accepted tokens
 on the device (the same rule, without the host's stops) and runs the conv1d and delta rule again over exactly
 those tokens from the saved layer inputs (model/forward.py ``commit_gdn_states``: recompute from the pre-verify
-state). A verify step feeds no token past a row's next page boundary (spec_programs ``_to_boundary``), so an
-accepted run reaches a boundary only at its end; there the commit also writes the state to the request's
-private decode snapshot slot. A snapshot is therefore always of accepted tokens (sglang #36537); until the host
-has read the step the snapshot is pending (``Request.snapshot_pending``), and a request that ends before (abort,
-retraction) or inside the run (a stop) leaves it out of the tree. Rejected positions' KV (target and MTP layer)
+state). Where an accepted run ends on a page boundary the commit also writes the state to the request's private
+decode snapshot slot. A snapshot is therefore always of accepted tokens (sglang #36537); until the host has read
+the step the snapshot is pending (``Request.snapshot_pending``), and a request that ends before (abort,
+retraction) or inside the run (a stop) leaves it out of the tree. A run that crosses a boundary in its middle
+takes no snapshot there; a request whose snapshot so lags the last boundary it passed feeds no draft past the
+next one (``_snapshot_lags``; for a carried row the device decides the same from the carry), so its snapshot
+lags at most one page. Rejected positions' KV (target and MTP layer)
 sits past the request's length and is overwritten by later steps. Then the draft program runs the MTP layer over
 the accepted positions (their target hidden states, and the next tokens) and drafts the next k tokens.
 
@@ -82,6 +84,7 @@ ALPHA_PRIOR = 0.7
 ALPHA_WEIGHT = 0.2
 COST_WEIGHT = 0.2
 PROBE_EVERY = 32
+NO_SNAPSHOTS = 2**30  # a row's snapshot position where no snapshot is taken (it never lags)
 
 
 def expected_tokens(alpha: float, drafts: int) -> float:
@@ -213,6 +216,8 @@ class SpecDecoder:
                 drafts = self.drafts_for(r, ctx)
                 if not r.draft_tokens and self.draft_room(r, ctx):
                     self.stats.undrafted_rows += 1
+                if self._snapshot_lags(r):  # no token past the next page boundary, where the snapshot is due
+                    drafts = drafts[: self.page_size - r.cached_len % self.page_size - 1]
                 if r.grammar is not None:  # each position's mask follows the drafts before it
                     rows_mask = np.full((1 + len(drafts), bitmask_width(vocab_size)), -1, np.int32)
                     drafts = drafts[: r.grammar.fill_drafts(rows_mask, drafts)]
@@ -237,16 +242,27 @@ class SpecDecoder:
         """The drafts r feeds in its verify step (its MTP drafts, within `draft_room`)."""
         return r.draft_tokens[: self.draft_room(r, context_length)]
 
-    def commit(self, batch: ScheduleBatch, step: StepOutput, sampled: SampleOutput) -> tuple[jax.Array, jax.Array]:
+    def _snapshot_lags(self, r: Request) -> bool:
+        """Whether r's decode snapshot lags the last page boundary it passed (its verify step then stops at the
+        next one, so the snapshot catches up there); the device decides the same for a carried row
+        (spec_programs: the commit's `behind`)."""
+        cache = self.scheduler.ranks[r.rank].prefix_cache
+        if cache is None or not cache.takes_snapshots:
+            return False
+        return r.cached_len // self.page_size * self.page_size > _snapshot_position(r)
+
+    def commit(self, batch: ScheduleBatch, step: StepOutput,
+               sampled: SampleOutput) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Launch the verify step's commit and drafts (StepExecutor.commit), once every step before it was read:
         each row's start is then exact, and a row finished or retracted meanwhile is skipped. A row whose fed
         tokens reach a page boundary gets its private decode snapshot slot (the prefix cache's), marked pending
         until the step is read; each committed row's `verify_fed` holds its fed tokens until then. Returns the
-        device (accepted counts [B], drafts [B, k])."""
+        device (accepted counts [B], drafts [B, k], fed lengths [B])."""
         forward = batch.forward
         prefix_lens, extend_lens, slot_ids = (np.zeros(batch.batch_size, np.int32) for _ in range(3))
         page_table = np.zeros_like(forward.page_table)
-        snaps = np.zeros(batch.batch_size, np.int32)
+        snaps = np.zeros((batch.batch_size, 2), np.int32)  # (slot, position of the snapshot so far)
+        snaps[:, 1] = NO_SNAPSHOTS
         ps = self.page_size
         for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
             if r.finished or r.slot is None:
@@ -255,30 +271,34 @@ class SpecDecoder:
             page_table[row] = forward.page_table[row]
             r.verify_fed = n  # set only now: reading the step before cleared the previous value
             cache = self.scheduler.ranks[r.rank].prefix_cache
-            if cache is not None and ps - r.cached_len % ps <= n:
-                snaps[row] = cache.verify_snapshot_slot(r)
-                r.snapshot_pending = bool(snaps[row])
+            if cache is None or not cache.takes_snapshots:
+                continue
+            snaps[row, 1] = _snapshot_position(r)
+            if ps - r.cached_len % ps <= n:  # the run may end on a page boundary
+                snaps[row, 0] = cache.verify_snapshot_slot(r)
+                r.snapshot_pending = bool(snaps[row, 0])
         exact = dataclasses.replace(forward, prefix_lens=prefix_lens, extend_lens=extend_lens, slot_ids=slot_ids,
                                     page_table=page_table, token_src=None)
-        return self.runner.commit(step, exact, sampled, snaps)
+        got, drafts = self.runner.commit(step, exact, sampled, snaps)
+        assert step.fed_lens is not None
+        return got, drafts, step.fed_lens
 
     def process_verify(self, batch: ScheduleBatch, sampled: tuple[np.ndarray, ...], got: np.ndarray,
-                       drafts: np.ndarray) -> None:
-        """Accept each request's tokens (the device's accepted count `got` [B], stop checks token by token), move
-        its start and its decode snapshot with them and keep its next drafts [B, k]."""
+                       drafts: np.ndarray, fed_lens: np.ndarray) -> None:
+        """Accept each request's tokens (the device's accepted count `got` [B] of the `fed_lens` [B] it fed, stop
+        checks token by token), move its start and its decode snapshot with them and keep its next drafts
+        [B, k]."""
         out = self.scheduler.output
         toks, lps = sampled[0].tolist(), sampled[1].tolist()
         now = time.perf_counter()
         t, ps = self.tokens, self.page_size
         self.stats.verify_steps += 1
-        for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
+        for r, row in zip(batch.reqs, batch.rows, strict=True):
             r.verify_fed = 0
             if r.finished:  # aborted while the step ran
                 continue
-            g = int(got[row])
-            to_boundary = ps - r.cached_len % ps
-            n = min(n, to_boundary)  # the verify step fed no token past the next page boundary
-            if r.snapshot_pending and g < to_boundary:  # the commit wrote no snapshot
+            g, n = int(got[row]), int(fed_lens[row])
+            if r.snapshot_pending and not (g and (r.cached_len + g) % ps == 0):  # the commit wrote no snapshot
                 r.snapshot_pending = False
             taken = 0
             for pos in range(g):
@@ -301,7 +321,7 @@ class SpecDecoder:
             if r.snapshot_pending:  # the commit wrote the state at the boundary into the private snapshot
                 cache = self.scheduler.ranks[r.rank].prefix_cache
                 assert cache is not None
-                cache.verify_snapshot_taken(r, r.cached_len + to_boundary)
+                cache.verify_snapshot_taken(r, r.cached_len + g)
             r.cached_len += g
             r.draft_tokens = drafts[row].tolist()
         self._step_done()
@@ -376,6 +396,11 @@ class SpecDecoder:
                 "speculative_draft_policy": "adaptive" if self.adaptive else "always",
                 # Measured wall seconds per decode step by mode and batch size (adaptive drafting's rho).
                 "spec_step_seconds": {m: {str(b): v for b, v in d.items()} for m, d in self.step_s.items()}}
+
+
+def _snapshot_position(r: Request) -> int:
+    """Tokens r's private decode snapshot holds (0: none yet)."""
+    return 0 if r.private_snapshot is None else r.private_snapshot[1]
 
 
 def _alpha(r: Request) -> float:
