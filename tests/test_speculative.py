@@ -508,3 +508,21 @@ def test_retraction_with_a_verify_step_in_flight(engines: tuple[Engine, Engine])
     assert mem["kv_pages_free"] == mem["kv_pages_total"]
     assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
     assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
+
+
+def test_next_turn_hits_the_reply_within_a_page(engines: tuple[Engine, Engine]) -> None:
+    """Decode snapshots under MTP (taken where an accepted run ends on a page boundary; a request whose snapshot
+    lags is capped at the next boundary): the next turn of the conversation hits the reply to within a page of
+    the pages the request left in the tree (the prompt's own snapshot alone would give 16 tokens), and gives
+    plain decoding's tokens."""
+    spec, _ = engines
+    ps = spec.scheduler.page_size
+    prompt = _ids(60, 20)
+    want, got, _ = _both(engines, [prompt], dict(GREEDY, max_new_tokens=60), oracle=True)
+    _same(want, got)
+    turn = prompt + got[0]["output_ids"] + _ids(61, 5)
+    want, again, _ = _both(engines, [turn], dict(GREEDY, max_new_tokens=8), oracle=False)
+    _same(want, again)
+    # The first request computed at least its tokens but the last verify step's (1 + k) before it finished.
+    computed = len(prompt) + 60 - (STEPS + 2)
+    assert again[0]["meta_info"]["cached_tokens"] >= computed // ps * ps - ps, (again[0]["meta_info"], computed)
