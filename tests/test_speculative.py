@@ -425,11 +425,11 @@ def test_client_disconnect_frees_everything(engines: tuple[Engine, Engine]) -> N
         with serve_app(create_app(spec)) as url:
             with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
                 for line in r.iter_lines():
-                    if line.startswith("data: "):
+                    if line.startswith("data: "):  # running: it cannot pass the held step, nor be aborted yet
+                        req = next(x for x in [*sched.running, *sched.waiting] if x.rid == rid)
                         break  # one chunk, then hang up
             for _ in range(12000):  # the server sees the disconnect (a bounded wait, not a timing assumption)
-                req = next((x for x in [*sched.running, *sched.waiting] if x.rid == rid), None)
-                if req is not None and req.aborted:
+                if req.aborted or req.finished:
                     break
                 threading.Event().wait(0.01)
     finally:
