@@ -139,7 +139,7 @@ class DeviceState:
         return self.prev_tokens
 
     def kept_carry(self, shape: tuple[int, int]) -> jax.Array:
-        """The carry [R, T + 2] int32 the last verify step left on the device (zeros before any)."""
+        """The carry [R, T + 3] int32 the last verify step left on the device (zeros before any)."""
         if self.spec_carry is None:
             self.spec_carry = jax.device_put(np.zeros(shape, np.int32), self.placement.replicated())
         return self.spec_carry
