@@ -125,6 +125,15 @@ def _per_reply(prompts: list[list[int]], replies: list[dict]) -> list[list[int]]
     return [p for p in prompts for _ in range(n)]
 
 
+def _assert_memory_back(eng: Engine) -> None:
+    """Once the prefix cache is flushed, every KV page, GDN slot and snapshot slot is free."""
+    assert eng.flush_cache()
+    mem = eng.get_server_info()["memory"]
+    assert mem["kv_pages_free"] == mem["kv_pages_total"]
+    assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
+    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
+
+
 def _same(want: list[dict], got: list[dict], logprobs: bool = False) -> None:
     for w, g in zip(want, got, strict=True):
         assert g["output_ids"] == w["output_ids"]
@@ -350,11 +359,8 @@ def test_aborts_leave_nothing_behind(engines: tuple[Engine, Engine]) -> None:
     for t in threads:
         t.join(timeout=600)
     assert len(results) == 6
-    assert spec.flush_cache()
+    _assert_memory_back(spec)
     mem = spec.get_server_info()["memory"]
-    assert mem["kv_pages_free"] == mem["kv_pages_total"]
-    assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
-    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
     assert mem["cached_pages"] == mem["cached_snapshots"] == 0
 
 
@@ -441,11 +447,7 @@ def test_client_disconnect_frees_everything(engines: tuple[Engine, Engine]) -> N
             break
         threading.Event().wait(0.01)
     assert req.finish_reason["type"] == "abort" and len(req.output_ids) < 200
-    assert spec.flush_cache()
-    mem = spec.get_server_info()["memory"]
-    assert mem["kv_pages_free"] == mem["kv_pages_total"]
-    assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
-    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
+    _assert_memory_back(spec)
 
 
 def test_overlap_on_and_off_give_the_same_tokens(engines: tuple[Engine, Engine]) -> None:
@@ -503,11 +505,7 @@ def test_retraction_with_a_verify_step_in_flight(engines: tuple[Engine, Engine])
         policy._pick_decode = original
     assert len(retracted) == 2 and not any(joined for _, joined in retracted), retracted
     _same(want, got)
-    assert spec.flush_cache()
-    mem = spec.get_server_info()["memory"]
-    assert mem["kv_pages_free"] == mem["kv_pages_total"]
-    assert mem["gdn_slots_free"] == mem["gdn_slots_total"]
-    assert mem["snapshot_slots_free"] == mem["snapshot_slots_total"]
+    _assert_memory_back(spec)
 
 
 def test_next_turn_hits_the_reply_within_a_page(engines: tuple[Engine, Engine]) -> None:
