@@ -245,7 +245,7 @@ def test_vision_and_mtp_tensors_skipped_with_a_log_line(tmp_path_factory: pytest
 
 # ---- served: a dense checkpoint over HTTP with both Pallas kernels (interpret mode on CPU) ----
 
-# The embedded model's mixer dims (head_dim 64, GDN 2 key / 4 value heads of 32): a layout the fused GDN
+# Small mixer dims (head_dim 64, GDN 2 key / 4 value heads of 32): a layout the fused GDN
 # kernel takes (2 * Hk * dk = 128, a multiple of r * dv = 64), with a dense SwiGLU MLP.
 _SERVED = dict(_TEXT, hidden_size=128, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32,
                intermediate_size=192, tie_word_embeddings=True,

@@ -42,7 +42,7 @@ _SEED = 35_2025
 # so their logit is exactly 0, far below a typical maximum (~9), and greedy never picks them.
 _TOKENIZER_VOCAB = 248077
 # Bump when the weights or files change in a way the source hash below would not see.
-_BUILD_VERSION = "1"
+_BUILD_VERSION = "2"
 
 
 def embedded_config_dict() -> dict[str, Any]:
@@ -55,11 +55,11 @@ def embedded_config_dict() -> dict[str, Any]:
         "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 64,
+        "head_dim": 128,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
-        "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4,
         "num_experts": 8,
         "num_experts_per_tok": 2,
@@ -68,12 +68,12 @@ def embedded_config_dict() -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 32768,
-        # rotary_dim = 64 * 0.25 = 16 -> 8 frequencies, split t/h/w like the release's [11, 11, 10] of 32.
+        # rotary_dim = 128 * 0.25 = 32 -> 16 frequencies, split t/h/w like the release's [11, 11, 10] of 32.
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10_000_000.0,
             "partial_rotary_factor": 0.25,
-            "mrope_section": [3, 3, 2],
+            "mrope_section": [6, 5, 5],
             "mrope_interleaved": True,
         },
         "attention_bias": False,

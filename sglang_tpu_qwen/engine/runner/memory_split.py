@@ -6,11 +6,13 @@ KV bytes, default 0.9), unless ``--max-mamba-cache-size`` fixes the pool's slot 
 rest. Its state pool holds the running requests' states and the prefix cache's, as ours does: running slots
 first, snapshot slots after them. The rule here, per DP rank (each device holds one rank's pools):
 
-* Budget ``B``. On a device with a memory limit ``M``: ``M * --mem-fraction-static - weights - vision``
-  (``vision``: the vision encoder's ``memory_bytes()``, its weights, encoder cache cap and largest bucket's
-  activations, 0 for a text-only checkpoint; SGLang's profile measures what is free after loading the whole
-  model, ViT included); the
-  ``(1 - f) * M`` left over is the room of the step programs' temporaries (and the runtime's). Without a
+* Budget ``B``. On a device with a memory limit ``M``: ``S - weights - vision`` (``vision``: the vision
+  encoder's ``memory_bytes()``, its weights, encoder cache cap and largest bucket's activations, 0 for a
+  text-only checkpoint; SGLang's profile measures what is free after loading the whole model, ViT included).
+  ``S`` is ``M * --mem-fraction-static`` (SGLang's static memory: weights and pools), unless the ``(1 - f) * M``
+  that leaves is less than the step programs' temporaries ``T`` (the largest, read from XLA's analysis of the
+  compiled programs: engine/runner/program_memory.py) plus a runtime headroom ``RUNTIME_HEADROOM * M`` (step
+  inputs and outputs, sampling tables, the runtime's own): then ``S = M - T - headroom``. Without a
   limit (XLA:CPU) ``B`` is nominal: ``(1 + r)`` times the KV pool (``--max-total-tokens``, else
   DEFAULT_KV_TOKENS_WITHOUT_LIMIT), so the state pool gets ``r`` times the KV pool's bytes.
 * State slots ``N`` (the trash slot, ``R`` running, ``S`` snapshots). ``--max-gdn-snapshots S``: ``N = 1 + R +
@@ -21,6 +23,9 @@ first, snapshot slots after them. The rule here, per DP rank (each device holds 
   share. Without the prefix cache (or GDN layers) ``S = 0``.
 * KV pages: ``--max-total-tokens``, else (device limit) what ``B`` leaves after the ``N`` slots, at least 4
   pages (ValueError otherwise), else DEFAULT_KV_TOKENS_WITHOUT_LIMIT tokens.
+* Fixed sizes (``--max-total-tokens``, the running slots) may exceed ``B``; pools, weights, vision and ``T``
+  together beyond ``M`` are ``MemorySplit.check_fits``'s ValueError naming the flags to change: the server's
+  runner calls it, so a pool the device cannot hold fails at start, not at the first request.
 
 Everything here is integers and bytes: no JAX, no devices (callers pass the limit and the weights' bytes).
 """
@@ -34,6 +39,9 @@ GB = 1 << 30
 # KV pool when the device reports no memory limit (XLA:CPU) and --max-total-tokens is absent.
 DEFAULT_KV_TOKENS_WITHOUT_LIMIT = 65536
 MIN_KV_PAGES = 4
+# Share of device memory kept beyond the programs' temporaries: step inputs and outputs, the sampling tables
+# ([B, V] penalty counts), the runtime's own allocations.
+RUNTIME_HEADROOM = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,9 @@ class MemorySplit:
         page_bytes: bytes of one KV page (every attention layer's K and V).
         page_size: tokens per page.
         vision_bytes: the vision encoder's bytes taken out of the budget first (0: no vision tower).
+        temporaries: the largest compiled program's temporaries the split reserved room for (0: none read).
+        static_bytes: S above: weights, vision and pools may take this much (the device limit on a device
+            without a limit: 0).
     """
 
     rule: str
@@ -69,6 +80,8 @@ class MemorySplit:
     page_bytes: int
     page_size: int
     vision_bytes: int = 0
+    temporaries: int = 0
+    static_bytes: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -94,6 +107,23 @@ class MemorySplit:
         (--max-total-tokens, the running slots) may exceed it, eating into the temporaries' room."""
         return max(0, self.state_bytes + self.kv_bytes - self.budget) if self.device_limit else 0
 
+    @property
+    def device_bytes(self) -> int:
+        """Pools, weights, vision encoder and the programs' temporaries: what the device must hold."""
+        return self.state_bytes + self.kv_bytes + self.weight_bytes + self.vision_bytes + self.temporaries
+
+    def check_fits(self) -> None:
+        """Raise ValueError (the figures and the flags to change) when the device cannot hold ``device_bytes``
+        (a fixed --max-total-tokens or running-slot count too large); nothing on a device without a limit."""
+        if not self.device_limit or self.device_bytes <= self.device_limit:
+            return
+        raise ValueError(
+            f"the pools do not fit the device: KV {self.kv_bytes / GB:.2f} GiB + GDN state "
+            f"{self.state_bytes / GB:.2f} GiB + weights {self.weight_bytes / GB:.2f} GiB + vision encoder "
+            f"{self.vision_bytes / GB:.2f} GiB + program temporaries {self.temporaries / GB:.2f} GiB = "
+            f"{self.device_bytes / GB:.2f} GiB > {self.device_limit / GB:.2f} GiB; lower --max-total-tokens / "
+            "--max-running-requests / --max-gdn-snapshots / --max-mamba-cache-size or --chunked-prefill-size")
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-able figures (bytes, slot and token counts) for /get_server_info and the startup log."""
         return {
@@ -103,14 +133,16 @@ class MemorySplit:
             "running_slots": self.running_slots, "snapshot_slots": self.snapshot_slots,
             "state_slot_bytes": self.slot_bytes, "running_slots_bytes": (1 + self.running_slots) * self.slot_bytes,
             "snapshot_slots_bytes": self.snapshot_slots * self.slot_bytes, "state_pool_bytes": self.state_bytes,
-            "over_budget_bytes": self.over_budget,
+            "over_budget_bytes": self.over_budget, "program_temp_bytes": self.temporaries,
+            "static_bytes": self.static_bytes,
         }  # fmt: skip
 
     def describe(self) -> str:
         """One log line: the split and the rule."""
         limit = f"{self.device_limit / GB:.2f} GiB device" if self.device_limit else "no device limit"
         vision = f", vision encoder {self.vision_bytes / GB:.3f} GiB" if self.vision_bytes else ""
-        return (f"memory split per DP rank ({limit}, weights {self.weight_bytes / GB:.3f} GiB{vision}, budget "
+        temps = f", program temporaries {self.temporaries / GB:.3f} GiB" if self.temporaries else ""
+        return (f"memory split per DP rank ({limit}, weights {self.weight_bytes / GB:.3f} GiB{vision}{temps}, budget "
                 f"{self.budget / GB:.3f} GiB, rule: {self.rule}, --mamba-full-memory-ratio {self.ratio}): KV "
                 f"{self.kv_tokens} tokens ({self.kv_bytes / GB:.3f} GiB); GDN state {self.running_slots} running + "
                 f"{self.snapshot_slots} snapshot slots ({self.state_bytes / GB:.3f} GiB, "
@@ -123,7 +155,7 @@ def split_memory(
     *, page_bytes: int, slot_bytes: int, page_size: int, running_slots: int, device_limit: int | None,
     weight_bytes: int, mem_fraction_static: float, ratio: float, max_total_tokens: int | None = None,
     max_mamba_cache_size: int | None = None, max_snapshots: int | None = None, snapshots: bool = True,
-    vision_bytes: int = 0,
+    vision_bytes: int = 0, temporaries: int = 0,
 ) -> MemorySplit:
     """Split one DP rank's memory between GDN slots and KV pages by the rule in this module's docstring.
 
@@ -139,20 +171,29 @@ def split_memory(
         snapshots: the prefix cache keeps GDN snapshots (radix cache on and GDN layers present).
         vision_bytes: the vision encoder's bytes per device (VisionEncoder.memory_bytes), out of the budget
             before the split; 0 for a text-only checkpoint.
+        temporaries: the largest step program's temporaries per device (program_memory.py; 0: not known).
     Raises:
-        ValueError: --max-mamba-cache-size under the running requests, no budget left after the weights, or
-            fewer than MIN_KV_PAGES KV pages left (the message has the figures and what to change).
+        ValueError: --max-mamba-cache-size under the running requests, no budget left after the weights,
+            or fewer than MIN_KV_PAGES KV pages left (the message has the figures and what to change).
+            Fixed sizes the device cannot hold are `MemorySplit.check_fits`'s error (the planner reports them).
     """
     kv_fixed = max_total_tokens // page_size + 1 if max_total_tokens else None
     kv_nominal = kv_fixed or DEFAULT_KV_TOKENS_WITHOUT_LIMIT // page_size + 1  # the pool without a device limit
+    static = 0
     if device_limit:
-        budget = int(device_limit * mem_fraction_static) - weight_bytes - vision_bytes
+        static = int(device_limit * mem_fraction_static)
+        need = temporaries + int(RUNTIME_HEADROOM * device_limit)
+        if device_limit - static < need:  # --mem-fraction-static leaves too little room for the programs
+            static = device_limit - need
+        budget = static - weight_bytes - vision_bytes
         if budget <= 0:
             vision = (f" and the vision encoder ({vision_bytes / GB:.2f} GB: lower --mm-embedding-cache-size-mb "
                       "or --mm-max-patches)") if vision_bytes else ""
             raise ValueError(f"not enough device memory: {device_limit / GB:.2f} GB x --mem-fraction-static "
-                             f"{mem_fraction_static} does not hold the weights ({weight_bytes / GB:.2f} GB){vision}; "
-                             "raise --mem-fraction-static or use more devices")
+                             f"{mem_fraction_static} (at most the device less {need / GB:.2f} GB of program "
+                             f"temporaries and headroom) does not hold the weights ({weight_bytes / GB:.2f} GB)"
+                             f"{vision}; raise --mem-fraction-static, lower --chunked-prefill-size / "
+                             "--max-running-requests (smaller programs) or use more devices")
     else:
         budget = int((1 + ratio) * kv_nominal * page_bytes)
     least = 1 + running_slots
@@ -188,7 +229,8 @@ def split_memory(
                 f"{num_slots * slot_bytes / GB:.2f} GB leaves {max(left, 0) / GB:.3f} GB, under {MIN_KV_PAGES} pages "
                 f"of {page_bytes} bytes; raise --mem-fraction-static, lower --max-running-requests / "
                 "--max-gdn-snapshots / --max-mamba-cache-size / --mamba-full-memory-ratio, or use more devices")
-    return MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
-                       weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
-                       slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size,
-                       vision_bytes=vision_bytes)
+    split = MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
+                        weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
+                        slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size,
+                        vision_bytes=vision_bytes, temporaries=temporaries, static_bytes=static)
+    return split

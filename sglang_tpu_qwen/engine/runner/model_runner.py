@@ -20,6 +20,7 @@ the rest. The planner's runner has none: it plans the text model (tools/plan/ sa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.runner import compilation, greedy_screen, memory_accounting
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, Placement
+from sglang_tpu_qwen.engine.runner.memory_split import MIN_KV_PAGES
+from sglang_tpu_qwen.engine.runner.program_memory import ProgramMemory, measure, probe_temporaries
 from sglang_tpu_qwen.engine.runner.programs import ProgramTable, SampleKind
 from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing, resolve_dtype, resolve_kv_dtype
 from sglang_tpu_qwen.engine.runner.step_executor import (
@@ -68,16 +71,20 @@ class ModelRunner:
 
     def __init__(self, config: Qwen35MoeConfig, args: ServerArgs, params: dict[str, Any],
                  placement: Placement, device_memory_bytes: int | None = None, *,
-                 vision_encoder: VisionEncoder | None = None) -> None:
+                 vision_encoder: VisionEncoder | None = None, probe_temporaries: bool = True) -> None:
         """Build the runner on `params` placed per `placement`: arrays (the server's weights, already in their
         shardings) or ShapeDtypeStructs carrying their shardings (the planner's; then the cache is abstract
         too and nothing is allocated). `device_memory_bytes`: each device's memory limit where the devices
         report none (the planner's deviceless TPUs); default the devices' own. `vision_encoder`: the
         checkpoint's vision tower, built on `placement`'s devices (its memory_bytes() comes out of the budget).
+        `probe_temporaries`: on a device with a memory limit, compile the largest programs on a minimal pool
+        first and leave their temporaries room (program_memory.py); the planner's runner skips it (it reads
+        every program's analysis itself).
 
         Raises:
             ValueError: `params` mixes arrays and ShapeDtypeStructs; bad --dtype or kernel backend flags;
-                --chunked-prefill-size unresolved; too little device memory for the KV pool (memory_split.py);
+                --chunked-prefill-size unresolved; too little device memory for the KV pool, or pools the
+                device cannot hold beside the weights and the temporaries (memory_split.py);
                 bucket overrides that do not fit (engine/runner/buckets.py).
         """
         compilation.install_counter()
@@ -97,8 +104,23 @@ class ModelRunner:
         weight_bytes = memory_accounting.bytes_per_device(self.params)
         self.vision_encoder = vision_encoder
         vision_bytes = vision_encoder.memory_bytes() if vision_encoder is not None else 0
-        self.sizing = sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes,
-                                                  device_limit=device_memory_bytes, vision_bytes=vision_bytes)
+        sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes, device_limit=device_memory_bytes,
+                                    vision_bytes=vision_bytes)
+        self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
+                                         config=config)
+        self.spec_steps = args.speculative_steps  # speculative decoding: draft tokens per row (MTP layer)
+        if self.spec_steps and "mtp" not in self.params:
+            raise ValueError("speculative decoding needs the MTP layer's parameters (params['mtp'])")
+        self.buckets: BucketSet = sizing.bucket_set()
+        # On a device with a memory limit the pools leave room for the largest program's temporaries, read
+        # from XLA's analysis of those programs compiled on a minimal pool (engine/runner/program_memory.py).
+        self.probe: ProgramMemory | None = None
+        if sizing.split.device_limit and probe_temporaries:
+            self.probe = self._probe_temporaries(sizing, args.moe_combine)
+            sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes, device_limit=device_memory_bytes,
+                                        vision_bytes=vision_bytes, temporaries=self.probe.temp_bytes)
+            sizing.split.check_fits()
+        self.sizing = sizing
         self.state = DeviceState(config, sizing, placement, self.kv_dtype, abstract_only=self.is_abstract)
         self.memory_usage: list[dict[str, Any]] = [] if self.is_abstract else memory_accounting.memory_usage(
             self.params, self.state.cache, sizing.kv_tokens, vision_bytes)
@@ -108,15 +130,9 @@ class ModelRunner:
                     f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "",
                     sizing.state_dtype.name, sizing.units.gdn_per_slot / 2**20)
         (logger.warning if sizing.split.over_budget else logger.info)("%s", sizing.split.describe())
-        self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
-                                         config=config)
         logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
-        self.buckets: BucketSet = sizing.bucket_set()
-        # Speculative decoding (--speculative-algorithm): draft tokens per row, the MTP layer's params loaded.
-        self.spec_steps = args.speculative_steps
-        if self.spec_steps and "mtp" not in self.params:
-            raise ValueError("speculative decoding needs the MTP layer's parameters (params['mtp'])")
+        self.program_memory: ProgramMemory | None = None  # every compiled program's, read after precompile
         self.programs = ProgramTable(config, self.params, self.state, self.buckets, self.backends, args.moe_combine,
                                      self.dtype, spec_steps=self.spec_steps)
         self.executor = StepExecutor(self.programs, self.state)
@@ -145,12 +161,14 @@ class ModelRunner:
     @classmethod
     def abstract(cls, config: Qwen35MoeConfig, args: ServerArgs, devices: list[Any] | None = None, *,
                  platform: str | None = None, fp8_block: tuple[int, int] | None = None,
-                 device_memory_bytes: int | None = None) -> ModelRunner:
+                 device_memory_bytes: int | None = None, probe_temporaries: bool = False) -> ModelRunner:
         """The planner's runner: the server's runner for `config` and `args` on abstract weights
         (ShapeDtypeStructs with the shardings the server would load them into), for `devices` (e.g. a
         deviceless TPU topology's) and `platform` (its kernels and --dtype auto; default the JAX backend).
         `fp8_block`: block-FP8 weights with that [in, out] block. `device_memory_bytes`: each device's memory
         (deviceless devices report none); without it the pools are sized as on a device without a limit.
+        `probe_temporaries`: size the pools after the largest programs' temporaries as the server does (off by
+        default: the planner reads every program's analysis itself).
         """
         placement = Placement.for_devices(args, devices, platform)
         specs = param_specs(config, resolve_dtype(args.dtype, placement.platform), mtp=args.speculative_steps > 0)
@@ -158,7 +176,16 @@ class ModelRunner:
             specs = fp8_specs(specs, fp8_block)
         params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), specs,
                               placement.param_shardings(specs))
-        return cls(config, args, params, placement, device_memory_bytes)
+        return cls(config, args, params, placement, device_memory_bytes, probe_temporaries=probe_temporaries)
+
+    def _probe_temporaries(self, sizing: RunnerSizing, moe_combine: str) -> ProgramMemory:
+        """The largest temporaries of the set's largest programs (per kind), compiled on a minimal pool
+        (memory_split.MIN_KV_PAGES pages, the running slots) with the buckets `sizing` gives."""
+        small = dataclasses.replace(sizing, num_pages=min(sizing.num_pages, MIN_KV_PAGES + 1), num_snapshot_slots=0)
+        state = DeviceState(self.config, small, self.placement, self.kv_dtype, abstract_only=True)
+        table = ProgramTable(self.config, self.params, state, self.buckets, self.backends, moe_combine, self.dtype,
+                             spec_steps=self.spec_steps)
+        return probe_temporaries(table.lower, table.keys())
 
     # ---- programs ------------------------------------------------------------------------------
     def program_keys(self) -> list[tuple]:
@@ -204,6 +231,17 @@ class ModelRunner:
                     f"(batch {list(b.batch_sizes)} x dp {b.dp}, extend tokens {list(b.token_sizes)} for one row or "
                     f"the most rows within {b.extend_budget} tokens, page table {b.pages} columns)",
                     b.sample_batches())
+        pools = max(memory_accounting.bytes_per_device(self.state.cache).values(), default=0)  # per device
+        self.program_memory = measure(self.programs.compiled_items(), pool_bytes=pools)
+        stats["program_memory"] = self.program_memory.as_dict()
+        logger.info("%s", self.program_memory.describe())
+        split = self.sizing.split
+        if split.device_limit and split.device_bytes - split.temporaries + self.program_memory.temp_bytes \
+                > split.device_limit:
+            raise RuntimeError(f"{self.program_memory.largest} needs {self.program_memory.temp_bytes / 2**30:.2f} GiB "
+                               f"of temporaries, more than the {split.temporaries / 2**30:.2f} GiB the memory split "
+                               "reserved and the device holds beside the pools; lower --mem-fraction-static or "
+                               "--max-total-tokens")
         self.programs.ready = True
         compilation.arm()
         return stats

@@ -210,6 +210,10 @@ class ProgramTable:
             prog = self._compiled[key] = self.lower(key).compile()
         return prog
 
+    def compiled_items(self) -> list[tuple[tuple, Any]]:
+        """(key, compiled program) of every program compiled so far (program_memory.measure reads them)."""
+        return list(self._compiled.items())
+
     def compile_missing(self, progress: bool = True) -> int:
         """Compile (or load from the persistent cache) every program of the set not compiled yet; returns how
         many. Lowers on this thread (tracing holds the GIL), compiles on every core (XLA releases it); shows a

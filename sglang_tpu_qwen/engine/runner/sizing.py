@@ -148,7 +148,7 @@ class RunnerSizing:
 
     @classmethod
     def build(cls, config: Qwen35MoeConfig, args: ServerArgs, dtype: Any, weight_bytes: dict[Any, int] | None, *,
-              device_limit: int | None = None, vision_bytes: int = 0) -> RunnerSizing:
+              device_limit: int | None = None, vision_bytes: int = 0, temporaries: int = 0) -> RunnerSizing:
         """Sizes from the config and flags; GDN slots and KV pages split the memory the weights leave on the
         fullest device by engine/runner/memory_split.py's rule (--mamba-full-memory-ratio,
         --max-mamba-cache-size, --max-gdn-snapshots, --max-total-tokens, --mem-fraction-static).
@@ -162,6 +162,8 @@ class RunnerSizing:
                 ``bytes_limit``; None on XLA:CPU). The planner passes its chip's HBM for deviceless devices.
             vision_bytes: the vision encoder's bytes on each device (VisionEncoder.memory_bytes), taken out of
                 the budget before the split; 0 without a vision tower (the planner's runner has none).
+            temporaries: the largest step program's temporaries per device, reserved beside the pools
+                (engine/runner/program_memory.py; 0: none read).
         Raises:
             ValueError: --chunked-prefill-size unresolved (resolve_device_defaults), a device limit without
                 weight bytes, too little device memory (memory_split.split_memory), or a state dtype outside
@@ -186,7 +188,8 @@ class RunnerSizing:
             mem_fraction_static=args.mem_fraction_static, ratio=args.mamba_full_memory_ratio,
             max_total_tokens=args.max_total_tokens,
             max_mamba_cache_size=None if args.max_mamba_cache_size is None else args.max_mamba_cache_size // dp,
-            max_snapshots=args.max_gdn_snapshots, snapshots=not args.disable_radix_cache, vision_bytes=vision_bytes)
+            max_snapshots=args.max_gdn_snapshots, snapshots=not args.disable_radix_cache, vision_bytes=vision_bytes,
+            temporaries=temporaries)
         return cls(
             dp=dp, page_size=args.page_size, max_running_requests=args.max_running_requests,
             max_running_per_rank=per_rank, num_snapshot_slots=split.snapshot_slots, num_pages=split.num_pages,
