@@ -26,6 +26,7 @@ from sglang_tpu_qwen.engine.io.sampling_params import DEFAULT_MAX_NEW_TOKENS, Sa
 from sglang_tpu_qwen.engine.observability.health import HealthSnapshot
 from sglang_tpu_qwen.engine.observability.metrics import Metrics
 from sglang_tpu_qwen.engine.observability.profiler import ProfileConfig
+from sglang_tpu_qwen.engine.platform_report import log_platform
 from sglang_tpu_qwen.engine.runner import compilation
 from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.runner.sampler import TOP_LOGPROBS_MAX
@@ -94,6 +95,8 @@ class Engine:
         if args.nnodes > 1:
             raise ValueError("serving across hosts (--nnodes > 1) is not implemented yet; the mesh and the "
                              "sharded forward support it (parallel/multihost.py), the scheduler does not")
+        # The platform and its devices, and a loud warning when a TPU is present but JAX runs on the CPU.
+        log_platform(logger, devices)
         self.model_path = args.model_path or str(ensure_embedded_model())
         self.tokenizer_path = args.tokenizer_path or self.model_path
         self.served_model_name = args.served_model_name or self.model_path
@@ -494,6 +497,9 @@ class Engine:
                                 for usage in self.runner.memory_usage],
             # How each DP rank's memory was split between GDN slots and KV pages, and the rule that decided.
             "memory_split": self.runner.sizing.split.as_dict(),
+            # The compiled programs' largest temporaries (XLA's memory analysis), read after precompile; None
+            # when precompile was skipped (engine/runner/program_memory.py).
+            "program_memory": None if self.runner.program_memory is None else self.runner.program_memory.as_dict(),
             # The vision tower's bytes (out of the budget before the split), buckets and counters; None: text-only.
             "vision_encoder": self.runner.vision_info(),
             "num_running": len(self.scheduler.running),

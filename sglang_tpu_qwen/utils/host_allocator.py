@@ -48,13 +48,42 @@ _configured: bool | None = None
 ACCELERATOR_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")
 
 
+# libtpu's environment on a TPU VM (the VM's metadata sets them). Unset, libtpu looks them up on any host it
+# initialises on and, finding none, prints "could not determine TPU accelerator type" and "unexpected worker
+# hostname". Any type libtpu knows will do on a host without a TPU: the planner's deviceless topology comes from
+# its --topology name (a qwen3.5-0.8b decode plan on tpu7x:2x2x1 came out byte-identical with and without
+# these, with v5litepod-1 or tpu7x-8, compile time aside).
+QUIET_LIBTPU_ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def accelerator_device_files(patterns: tuple[str, ...] = ACCELERATOR_DEVICE_FILES) -> list[str]:
+    """The accelerator device files present on this host (a TPU's /dev/accelN or /dev/vfio/N, /dev/nvidiaN)."""
+    return sorted(path for pattern in patterns for path in glob.glob(pattern))
+
+
 def cpu_only_host() -> bool:
     """Whether JAX will run on the CPU: JAX_PLATFORMS names cpu first, or (unset) no accelerator device
     file exists. Checked without initialising JAX (the settings must precede its client's threads)."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip().lower() == "cpu"
-    return not any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_FILES)
+    return not accelerator_device_files()
+
+
+def quiet_libtpu_without_accelerator() -> list[str]:
+    """On a host with no accelerator device file, default libtpu's TPU VM variables (`QUIET_LIBTPU_ENV`) so
+    that loading it (JAX choosing a backend, the planner's deviceless topology) prints nothing.
+
+    The package's `__init__` calls it, before anything loads libtpu. Only `os.environ.setdefault`: a value
+    the user set wins. Never on a host with a device file (a TPU VM sets its own; a GPU host does not load
+    libtpu for its devices). Returns the names it set.
+    """
+    if accelerator_device_files():
+        return []
+    names = [name for name in QUIET_LIBTPU_ENV if name not in os.environ]
+    for name in names:
+        os.environ[name] = QUIET_LIBTPU_ENV[name]
+    return names
 
 
 def configure_host_allocator() -> bool:
