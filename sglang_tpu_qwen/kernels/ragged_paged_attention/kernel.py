@@ -56,6 +56,10 @@ from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import page_size
 
 # Integer division in the kernel uses lax.div / lax.rem (operands are >= 0): jnp's floor division lowers
 # through `sign`, whose Mosaic rule asks the *local* device for its TPU generation, which breaks deviceless AOT.
+# Float32 inputs (--dtype float32) multiply in float32: Mosaic's default for a float32 matmul is one bfloat16 pass
+# (~1e-2 off the reference on the chip). Mosaic refuses the fp32 contract precision for bfloat16 operands, whose
+# default pass is exact anyway (_precision).
+_HI = jax.lax.Precision.HIGHEST
 _MASK = -1e30  # finite: a fully masked row must not turn into NaN via (-inf) - (-inf)
 
 
@@ -160,14 +164,15 @@ def _one_sequence(
             # upcast comes first (exact for FP8 pages): the select then runs on the query dtype's tiles.
             k = jnp.where(key_ok, _head(k_all, h, nkv, per_row).astype(q.dtype), 0)
             v = jnp.where(key_ok, _head(v_all, h, nkv, per_row).astype(q.dtype), 0)
-            sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
+                                     preferred_element_type=jnp.float32)
             sc = jnp.where(mask, sc * score_scale, _MASK)
             m_prev = m_ref[h]  # [rows, 128], lanes equal
             m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
             pr = jnp.where(mask, jnp.exp(sc - m_new[:, :1]), 0.0)
             alpha = jnp.exp(m_prev - m_new)
             l_ref[h] = alpha * l_ref[h] + jnp.sum(pr, axis=1, keepdims=True)
-            pv = jnp.dot(pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.dot(pr.astype(v.dtype), v, precision=_precision(v.dtype), preferred_element_type=jnp.float32)
             acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
             m_ref[h] = m_new
         return c
@@ -179,6 +184,11 @@ def _one_sequence(
         if out_scale is not None:
             out = out * out_scale
         o_ref[s, h] = out.astype(o_ref.dtype)
+
+
+def _precision(dtype) -> jax.lax.Precision | None:
+    """HIGHEST for float32 operands, Mosaic's default otherwise (module constant _HI)."""
+    return _HI if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _head(kv_all, h: int, nkv: int, per_row: int):

@@ -1,0 +1,287 @@
+"""The Pallas kernels compiled by Mosaic on the chip against their jnp references on the host's CPU backend.
+
+Both kernels run as the model calls them (``interpret=False``, default block sizes on this chip, float32
+inputs and caches / states); each reference runs on ``jax.devices("cpu")[0]`` under
+``jax.default_matmul_precision("highest")``, so the reference is float32 arithmetic, not XLA:TPU's one-pass
+bfloat16 default. Head layouts: every distinct one of the released models (model/catalog.py) plus the embedded
+model's, with the released head counts. Step shapes:
+
+- decode: one token per row (contexts ending on, just past and well past page boundaries) and a padding row;
+- prefill: fresh prompts in one call (several query / token blocks) and a padding row;
+- mixed: decode rows and prefill rows in one call (the scheduler's mixed step) and a padding row;
+- continuing: chunks of prompts continuing a prefix the kernel itself wrote into the cache / state pools
+  (chained calls, each kernel's pools carried into its next call, the reference's into its own), ending in a
+  decode step.
+
+Only valid positions are compared (padding rows and tokens past a row's length hold anything); the KV caches must
+match exactly past the trash page 0, the GDN states within the tolerance past the trash slot 0, and what a call
+must not touch (the other layer) exactly.
+
+Tolerance: ``|kernel - reference| <= 2e-5 + 2e-5 * |reference|`` elementwise. Both sides compute in float32; the
+first run on a v5e measured agreement within 4e-6 on O(1) values, from summation order (a 256-wide head dim, the
+online softmax over 16-token pages) and the GDN chunk inverse (products of powers against a triangular solve).
+2e-5 is 5x that; an indexing, masking or layout bug shows as errors of 1e-2 or more.
+
+Off the chip (the suite's CPU switch, tests/tpu/suite.py) the kernels run in interpret mode with fewer heads: one
+KV head with the layout's query heads per KV head, two GDN key heads with the layout's value heads per key head.
+That cut is sound because each kernel's per-head work is independent: attention attends each KV head with its own
+query heads, and the GDN grid steps over key heads, each with its own value heads and states. The GDN value-block
+placement (blocked or element-offset, kernel._v_group_specs) depends on the head count; the cut keeps it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from conftest import record
+
+from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict
+from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
+from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
+from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from sglang_tpu_qwen.model.catalog import MODEL_CONFIGS, model_config
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig
+
+from .suite import interpret
+
+RTOL = ATOL = 2e-5
+NORM_TOL_SCALE = 4.0  # the fused output norm's epilogue (see _gdn_chain)
+PAGE = 16  # the runtime's default page size
+LAYERS, LAYER = 2, 1  # the kernels address one layer of a stacked pool; layer 0 must come back untouched
+SLOTS = 8  # GDN state slots; slot 0 is the trash slot of padding rows
+
+
+def _configs() -> dict[str, Qwen35MoeConfig]:
+    """Every released text config of the catalog, plus the embedded model's."""
+    configs = {name: model_config(name) for name in MODEL_CONFIGS}
+    configs["embedded"] = Qwen35MoeConfig.from_hf_dict(embedded_config_dict())
+    return configs
+
+
+def _layouts(key: Any) -> dict[tuple[int, ...], list[str]]:
+    """Distinct head layouts (``key(config)``) -> the models that have it."""
+    out: dict[tuple[int, ...], list[str]] = {}
+    for name, config in _configs().items():
+        out.setdefault(key(config), []).append(name)
+    return out
+
+
+# (query heads, KV heads, head_dim) and (GDN key heads, value heads, dk, dv, conv kernel).
+ATTENTION_LAYOUTS = _layouts(lambda c: (c.num_attention_heads, c.num_key_value_heads, c.head_dim))
+GDN_LAYOUTS = _layouts(lambda c: (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                                  c.linear_value_head_dim, c.linear_conv_kernel_dim))
+ATTENTION_IDS = [f"q{q}-kv{kv}-d{d}" for q, kv, d in ATTENTION_LAYOUTS]
+GDN_IDS = [f"k{k}-v{v}-d{dk}x{dv}" for k, v, dk, dv, _ in GDN_LAYOUTS]
+
+# Per (kernel, step, what): the worst absolute error and the largest share of the tolerance used, recorded in
+# the run's summary at the module's end.
+_WORST: dict[str, tuple[float, float]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _record_worst() -> Iterator[None]:
+    yield
+    where = "interpret mode on the CPU" if interpret() else f"Mosaic on {jax.devices()[0].device_kind}"
+    for key, (err, share) in sorted(_WORST.items()):
+        record(f"Pallas kernels ({where}) vs jnp reference on the CPU (float32, highest), all layouts",
+               f"{key}: max abs error {err:.1e}, {share:.2f} of the tolerance")
+
+
+def _devices() -> tuple[Any, Any]:
+    """(the device the kernels run on: the chip, or the CPU with the switch; the host's CPU device)."""
+    return jax.devices()[0], jax.devices("cpu")[0]
+
+
+def _assert_close(key: str, got: Any, want: Any, mask: np.ndarray | None = None, scale: float = 1.0) -> None:
+    """``got`` within ATOL + RTOL * |want| of ``want`` (at ``mask``), finite; the worst errors go to _WORST."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if mask is not None:
+        got, want = got[mask], want[mask]
+    assert got.size and np.all(np.isfinite(got)), key
+    err = np.abs(got - want)
+    tol = scale * (ATOL + RTOL * np.abs(want))
+    worst = _WORST.get(key, (0.0, 0.0))
+    _WORST[key] = (max(worst[0], float(err.max())), max(worst[1], float((err / tol).max())))
+    bad = err > tol
+    assert not bad.any(), (f"{key}: {int(bad.sum())} of {got.size} values off, max abs error {err.max():.2e} "
+                           f"(tolerance {scale} x ({ATOL:.0e} + {RTOL:.0e} x |reference|))")
+
+
+# ---- ragged paged attention ------------------------------------------------------------------------------------
+
+
+def _attention_heads(layout: tuple[int, ...]) -> tuple[int, int, int]:
+    """The layout's (query heads, KV heads, head_dim); off the chip one KV head with its query heads."""
+    nq, nkv, hd = layout
+    return (nq // nkv, 1, hd) if interpret() else (nq, nkv, hd)
+
+
+@functools.cache
+def _attention_reference() -> Any:
+    return jax.jit(ragged_paged_attention_reference)
+
+
+def _attention_chain(layout: tuple[int, ...], steps: list[tuple[list[int], int]], prefix: list[int],
+                     seed: int, key: str) -> None:
+    """Run ``steps`` ((new tokens per row, bucket T) each) through the kernel and the reference, each carrying
+    its own caches, starting from rows with ``prefix`` tokens already in a random cache; compare every step's
+    valid outputs and the caches at the end."""
+    nq, nkv, hd = _attention_heads(layout)
+    rng = np.random.default_rng(seed)
+    chip, cpu = _devices()
+    q_lens_all = np.asarray([q for q, _ in steps], np.int32)  # [steps, B]
+    final = np.asarray(prefix, np.int32) + q_lens_all.sum(0)
+    need = -(-final // PAGE)
+    num_pages = int(need.sum()) + 3
+    pool = iter(rng.permutation(np.arange(1, num_pages)))  # pages out of order, never the trash page 0
+    page_table = np.zeros((len(final), max(1, int(need.max()))), np.int32)
+    for b, n in enumerate(need):
+        page_table[b, :n] = [next(pool) for _ in range(n)]
+    cache_shape = (LAYERS, num_pages, PAGE, nkv, hd)
+    k_cache = rng.standard_normal(cache_shape, np.float32)
+    v_cache = rng.standard_normal(cache_shape, np.float32)
+    ker = [jax.device_put(k_cache, chip), jax.device_put(v_cache, chip)]
+    ref = [jax.device_put(k_cache, cpu), jax.device_put(v_cache, cpu)]
+    kv_lens = np.asarray(prefix, np.int32)
+    for q_lens, t in steps:
+        q_lens = np.asarray(q_lens, np.int32)
+        kv_lens = kv_lens + q_lens
+        b = len(q_lens)
+        step = dict(q=rng.standard_normal((b, t, nq, hd), np.float32),
+                    k_new=rng.standard_normal((b, t, nkv, hd), np.float32),
+                    v_new=rng.standard_normal((b, t, nkv, hd), np.float32),
+                    q_lens=q_lens, kv_lens=kv_lens.copy(), page_table=page_table)
+        out_k, *ker = ragged_paged_attention(**{k: jax.device_put(v, chip) for k, v in step.items()},
+                                             k_cache=ker[0], v_cache=ker[1], layer=LAYER, interpret=interpret())
+        with jax.default_matmul_precision("highest"):
+            out_r, *ref = _attention_reference()(**{k: jax.device_put(v, cpu) for k, v in step.items()},
+                                                 k_cache=ref[0], v_cache=ref[1], layer=LAYER)
+        out_k, out_r = np.asarray(out_k), np.asarray(out_r)
+        assert out_k.shape == out_r.shape == (b, t, nq, hd)
+        _assert_close(f"attention {key}: output", out_k, out_r, np.arange(t)[None, :] < q_lens[:, None])
+        assert np.all(out_k[q_lens == 0] == 0)  # a padding row's output is zeros
+    for got, want, before in zip(ker, ref, (k_cache, v_cache), strict=True):
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(got[LAYER, 1:], want[LAYER, 1:])  # the reference writes padding to page 0
+        np.testing.assert_array_equal(got[1 - LAYER], before[1 - LAYER])
+
+
+# name -> (rows' cached prefix, [(new tokens per row, bucket T), ...]).
+ATTENTION_STEPS: dict[str, tuple[list[int], list[tuple[list[int], int]]]] = {
+    # Contexts ending on, just past and well past page boundaries; 10 rows: two grid steps of 8 decode rows.
+    "decode": ([15, 16, 0, 47, 100, 1, 31, 200, 63, 0], [([1, 1, 1, 1, 1, 1, 1, 1, 1, 0], 1)]),
+    "prefill": ([0, 0, 0], [([64, 37, 0], 64)]),
+    "mixed": ([40, 0, 15, 0, 7], [([1, 64, 1, 29, 0], 64)]),
+    # Fresh prompts, then chunks over what the kernel wrote (one on a page boundary, one not), a decode row in
+    # a chunk's bucket, then a decode step.
+    "continuing": ([0, 0, 0], [([64, 64, 30], 64), ([64, 21, 1], 64), ([1, 33, 1], 64), ([1, 1, 1], 1)]),
+}
+
+
+@pytest.mark.parametrize("step", ATTENTION_STEPS)
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS, ids=ATTENTION_IDS)
+def test_ragged_paged_attention_matches_reference(layout: tuple[int, ...], step: str) -> None:
+    prefix, steps = ATTENTION_STEPS[step]
+    _attention_chain(layout, steps, prefix, seed=list(ATTENTION_STEPS).index(step) * 1000 + sum(layout), key=step)
+
+
+# ---- fused conv1d + Gated DeltaNet -----------------------------------------------------------------------------
+
+
+def _gdn_heads(layout: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """The layout's (Hk, Hv, dk, dv, K); off the chip two key heads with the layout's value heads per key head."""
+    hk, hv, dk, dv, k = layout
+    if not interpret():
+        return layout
+    r = hv // hk
+    blocked = (2 * hk * dk) % (r * dv) == 0  # kernel._v_group_specs: blocked or element-offset v windows
+    assert blocked == ((2 * 2 * dk) % (r * dv) == 0), layout  # the cut keeps the kernel's path
+    return 2, 2 * r, dk, dv, k
+
+
+@functools.cache
+def _gdn_reference() -> Any:
+    return jax.jit(fused_gdn_reference, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps"))
+
+
+def _gdn_chain(layout: tuple[int, ...], slots: list[int], steps: list[tuple[list[int], int, bool]], seed: int,
+               key: str, norm: bool = False) -> None:
+    """Run ``steps`` ((valid tokens per row, bucket T, rows start fresh) each) through the kernel and the
+    reference over the rows' state ``slots``, each side carrying its own pools (random at the start: a prefix
+    already in the state); compare every step's valid outputs and the pools at the end. ``norm``: with the
+    fused gated output norm, as the model calls the kernel."""
+    hk, hv, dk, dv, k = _gdn_heads(layout)
+    rng = np.random.default_rng(seed)
+    chip, cpu = _devices()
+    conv_dim = 2 * hk * dk + hv * dv
+    conv_w = (rng.standard_normal((conv_dim, k)) * 0.5).astype(np.float32)
+    conv0 = rng.standard_normal((LAYERS, SLOTS * (k - 1), conv_dim), np.float32)  # kernels/gdn/conv_pool.py
+    rec0 = (rng.standard_normal((LAYERS, SLOTS, hv, dk, dv)) * 0.1).astype(np.float32)
+    ker = [jax.device_put(conv0, chip), jax.device_put(rec0, chip)]
+    ref = [jax.device_put(conv0, cpu), jax.device_put(rec0, cpu)]
+    dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+    b = len(slots)
+    for lens, t, fresh in steps:
+        lens = np.asarray(lens, np.int32)
+        valid = np.arange(t)[None, :] < lens[:, None]
+        step = dict(
+            mixed=(rng.standard_normal((b, t, conv_dim)) * valid[..., None]).astype(np.float32),
+            conv_weight=conv_w,
+            g=(-rng.uniform(0.0, 0.5, (b, t, hv)) * valid[..., None]).astype(np.float32),  # log-decay <= 0
+            beta=(rng.uniform(0.0, 1.0, (b, t, hv)) * valid[..., None]).astype(np.float32),
+            slot_ids=np.asarray(slots, np.int32), new_lens=lens, fresh=np.full(b, fresh))
+        if norm:
+            step["gate"] = (rng.standard_normal((b, t, hv * dv)) * 2).astype(np.float32)
+            step["norm_weight"] = (1 + rng.standard_normal(dv) * 0.3).astype(np.float32)
+        out_k, *ker = fused_gdn(**{n: jax.device_put(v, chip) for n, v in step.items()}, conv_pool=ker[0],
+                                rec_pool=ker[1], layer=LAYER, interpret=interpret(), **dims)
+        with jax.default_matmul_precision("highest"):
+            out_r, *ref = _gdn_reference()(**{n: jax.device_put(v, cpu) for n, v in step.items()},
+                                           conv_pool=ref[0], rec_pool=ref[1], layer=LAYER, **dims)
+        assert out_k.shape == out_r.shape == (b, t, hv, dv)
+        # The fused output norm's rsqrt and sigmoid are the TPU's own approximations (a few 1e-6 relative off
+        # the CPU's), scaled by outputs up to ~45: 3 of 217,088 values sat at 1.02x the plain tolerance on the chip.
+        _assert_close(f"GDN {key}: output", out_k, out_r, valid, scale=NORM_TOL_SCALE if norm else 1.0)
+    conv_k, rec_k = (np.asarray(x) for x in ker)
+    conv_r, rec_r = (np.asarray(x) for x in ref)
+    # Past the trash slot 0 (the conv pool's first K-1 rows, the recurrent pool's first slot).
+    _assert_close(f"GDN {key}: conv state", conv_k[LAYER, k - 1 :], conv_r[LAYER, k - 1 :])
+    _assert_close(f"GDN {key}: recurrent state", rec_k[LAYER, 1:], rec_r[LAYER, 1:])
+    np.testing.assert_array_equal(conv_k[1 - LAYER], conv0[1 - LAYER])
+    np.testing.assert_array_equal(rec_k[1 - LAYER], rec0[1 - LAYER])
+    unused = sorted(set(range(1, SLOTS)) - set(slots))
+    np.testing.assert_array_equal(rec_k[LAYER, unused], rec0[LAYER, unused])  # slots of no row: untouched
+
+
+# name -> (each row's state slot, [(valid tokens per row, bucket T, rows start fresh), ...]).
+GDN_STEPS: dict[str, tuple[list[int], list[tuple[list[int], int, bool]]]] = {
+    # Slots out of order; a padding row on the trash slot.
+    "decode": ([5, 2, 7, 3, 0], [([1, 1, 1, 1, 0], 1, False)]),
+    # 300 tokens: two token blocks of 256 (the second partial), the other row ends inside the first.
+    "prefill": ([3, 6], [([300, 129], 300, True)]),
+    "mixed": ([4, 1, 6, 2, 0], [([1, 64, 1, 40, 0], 64, False)]),
+    # Fresh prompts, then chunks continuing the states the kernel wrote (a decode row inside a chunk's bucket),
+    # then a decode step.
+    "continuing": ([3, 5, 1], [([128, 70, 128], 128, True), ([128, 1, 44], 128, False), ([44, 1, 1], 64, False),
+                               ([1, 1, 1], 1, False)]),
+}
+
+
+@pytest.mark.parametrize("step", GDN_STEPS)
+@pytest.mark.parametrize("layout", GDN_LAYOUTS, ids=GDN_IDS)
+def test_fused_gdn_matches_reference(layout: tuple[int, ...], step: str) -> None:
+    slots, steps = GDN_STEPS[step]
+    _gdn_chain(layout, slots, steps, seed=list(GDN_STEPS).index(step) * 1000 + sum(layout), key=step)
+
+
+@pytest.mark.parametrize("layout", GDN_LAYOUTS, ids=GDN_IDS)
+def test_fused_gdn_output_norm_matches_reference(layout: tuple[int, ...]) -> None:
+    """The model's call: the gated RMSNorm fused into the kernel's epilogue (float32 gate and weight)."""
+    slots, steps = GDN_STEPS["mixed"]
+    _gdn_chain(layout, slots, steps, seed=7 + sum(layout), key="mixed, fused output norm", norm=True)
