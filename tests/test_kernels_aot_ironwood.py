@@ -18,11 +18,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
-from conftest import record  # noqa: E402
+from conftest import no_persistent_cache, record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict  # noqa: E402
-from sglang_tpu_qwen.engine.runner.compilation import configure_persistent_cache  # noqa: E402
 from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
     fp8_grouped_matmul_scatter_add,
     fp8_grouped_swiglu,
@@ -45,14 +44,9 @@ HK, HV, DK, DV, KCONV = 16, 64, 128, 128, 4
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_persistent_cache():
-    """Compile past JAX's persistent cache, which an earlier test's Engine may have turned on in this process:
-    a deviceless executable written there cannot be loaded back (no client to load it into), so every later
-    run would warn "Error reading persistent compilation cache entry" and compile again anyway."""
-    previous = jax.config.jax_compilation_cache_dir
-    configure_persistent_cache("none")
-    yield
-    if previous:
-        configure_persistent_cache(previous)
+    """Deviceless executables cannot be loaded back from the persistent cache (conftest.no_persistent_cache)."""
+    with no_persistent_cache():
+        yield
 
 
 @pytest.fixture(scope="module")

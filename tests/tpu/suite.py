@@ -55,6 +55,20 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 @contextmanager
+def highest_precision() -> Iterator[None]:
+    """Float32 matrix products in full for every program compiled inside (XLA:TPU's default for a float32
+    product is one bfloat16 pass, ~1e-3 off: enough to flip a greedy choice between two close logits)."""
+    import jax
+
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
+
+
+@contextmanager
 def running_engine(**kwargs: Any) -> Iterator[Any]:
     """An in-process Engine built from ServerArgs fields, shut down on exit. The collector runs before the build
     and after the shutdown: a shut-down engine sits in reference cycles, its device buffers with it."""

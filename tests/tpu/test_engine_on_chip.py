@@ -25,7 +25,17 @@ import pytest
 
 from sglang_tpu_qwen.engine.runner import compilation
 
-from .suite import ENGINE_KWARGS, GREEDY, PALLAS, REFERENCE, assert_memory_back, ids, output_ids, running_engine
+from .suite import (
+    ENGINE_KWARGS,
+    GREEDY,
+    PALLAS,
+    REFERENCE,
+    assert_memory_back,
+    highest_precision,
+    ids,
+    output_ids,
+    running_engine,
+)
 
 CHUNK = 64  # the served engine's --chunked-prefill-size
 WHOLE = 512  # a chunk size that holds every prompt here whole
@@ -40,12 +50,8 @@ BRANCH = PROMPTS[3][:100] + ids(6, 30)
 @pytest.fixture(scope="module", autouse=True)
 def _highest_precision() -> Iterator[None]:
     """Float32 matrix products in full for every program this module compiles (module docstring)."""
-    before = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    try:
+    with highest_precision():
         yield
-    finally:
-        jax.config.update("jax_default_matmul_precision", before)
 
 
 @pytest.fixture(scope="module")

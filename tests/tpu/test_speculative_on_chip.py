@@ -16,12 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
 import pytest
 from mtp_checkpoint import build_mtp_checkpoint
 from test_speculative import oracle_drafts
 
-from .suite import ENGINE_KWARGS, GREEDY, PALLAS, assert_memory_back, ids, output_ids, running_engine
+from .suite import (
+    ENGINE_KWARGS,
+    GREEDY,
+    PALLAS,
+    assert_memory_back,
+    highest_precision,
+    ids,
+    output_ids,
+    running_engine,
+)
 
 # 64-token chunks: the 150-token prompt prefills in three chunks (the MTP layer drafts after each).
 KWARGS: dict[str, Any] = dict(ENGINE_KWARGS, **PALLAS, chunked_prefill_size=64, disable_precompile=True)
@@ -37,12 +45,8 @@ def _highest_precision() -> Iterator[None]:
     """Float32 matrix products in full (test_engine_on_chip.py's docstring): at XLA:TPU's default one bfloat16
     pass, a verify step's logits (k + 1 positions a row) and a decode step's differ by ~1e-3, enough to flip a
     greedy choice between two close logits; the promise is about the float32 function."""
-    before = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    try:
+    with highest_precision():
         yield
-    finally:
-        jax.config.update("jax_default_matmul_precision", before)
 
 
 @pytest.fixture(scope="module")
