@@ -310,7 +310,7 @@ def test_fp8_forward_through_kernel_is_the_model():
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), init_embedded_params(config))
     q = fp8.quantize_params(params)
     assert isinstance(q["layers"][0]["moe"]["w_gate"], fp8.Fp8Weight)
-    assert q["layers"][3]["attn"]["q_proj"].scale.shape[-2:] == (2, 4)  # 200 rows, 512 columns
+    assert q["layers"][3]["attn"]["q_proj"].scale.shape[-2:] == (2, 8)  # 200 rows, 1024 columns (4 heads x 128 x 2)
     deq = fp8.dequantize_tree(q, jnp.float32)
     b, t = 2, 5
     args = (np.arange(1, b * t + 1, dtype=np.int32).reshape(b, t), np.zeros(b, np.int32), np.array([5, 3], np.int32),
