@@ -31,9 +31,11 @@ def split(tmp_path_factory):
     bport, dport = free_port(), free_port()
     # Each engine: data-parallel attention over its 4 devices, experts split 4 ways (docs/internals.md, "parallel/").
     # --chunked-prefill-size is split over the DP ranks (SGLang's rule): 256 keeps SMALL's 64 tokens per rank.
-    # --max-total-tokens: a rank's KV pool (XLA:CPU's default is 65,536 tokens and 1,030 GDN snapshot slots, whose
-    # size each step's cost grows with); 2,048 still holds 27 snapshot slots a rank for the prefix-cache hits.
+    # --max-total-tokens: a rank's KV pool (XLA:CPU's default is 65,536 tokens, whose size each step's cost grows
+    # with); at 2,048 the ratio rule leaves no GDN snapshot slot (0.39 MiB each in bfloat16), so 16 a rank are
+    # asked for the prefix-cache hits.
     server = ServerProc.start(logs, "split", [*SMALL, "--dp-size", "4", "--ep-size", "4", "--max-total-tokens", "2048",
+                                              "--max-gdn-snapshots", "16",
                                               "--chunked-prefill-size", "256", "--kv-cache-dtype", "fp8_e4m3",
                                               "--mamba-ssm-dtype", "bfloat16",
                                               "--disaggregation-mode", "colocated-split",
