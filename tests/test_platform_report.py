@@ -51,6 +51,7 @@ def test_log_platform_warns_on_a_faked_tpu_host(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(host_allocator.glob, "glob", lambda pattern: ["/dev/accel0"] if "accel" in pattern else [])
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(platform_report.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # an earlier entry point in this process may have set it
     logger = logging.getLogger("test_platform_report")
     with caplog.at_level(logging.INFO, logger="test_platform_report"):
         facts = platform_report.log_platform(logger)
