@@ -262,7 +262,7 @@ def test_embedded_layout(embedded_dir: Path) -> None:
     c = load_config(embedded_dir)
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert (c.vocab_size, c.hidden_size, c.num_experts, c.num_experts_per_tok) == (248320, 128, 8, 2)
-    assert c.eos_token_id == (248046,) and c.rotary_dim == 16 and c.rope_theta == 1e7
+    assert c.eos_token_id == (248046,) and c.rotary_dim == 32 and c.rope_theta == 1e7  # 128 x 0.25
     assert ensure_embedded_model(embedded_dir.parent.parent) == embedded_dir  # cached: no rebuild
 
 
