@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -99,39 +100,48 @@ def embedded_config_dict() -> dict[str, Any]:
     }
 
 
-def _init_leaf(name: str, shape: tuple[int, ...], hidden: int) -> np.ndarray:
-    """Random float32 values for the leaf ``name`` (its pytree path).
+def init_rule(path: tuple[str | int, ...], shape: tuple[int, ...], hidden: int) -> tuple[str, float]:
+    """How the leaf at ``path`` (its pytree path) is drawn: ``(kind, std)``; kind is ``normal`` (std * N(0, 1)),
+    ``gdn_norm`` (1 + std * N), ``A_log`` (log U(1, 16)) or ``dt_bias`` (inverse softplus of logU(1e-3, 0.1)).
 
     Scales make a decisive model: unit-RMS embeddings, fan-in-scaled projections (each residual
     update O(1)), lm_head std 2/sqrt(H) so logits have std ~2 (greedy rarely near a tie), norm
     weights near their neutral value. GDN decay follows HF's init for A (log U(1, 16)) and Mamba-2's
     for dt_bias (inverse softplus of dt ~ logU(1e-3, 0.1)) so the recurrent state keeps a memory of
-    many tokens, which makes prefix-cache bugs visible.
+    many tokens, which makes prefix-cache bugs visible. The MTP layer's norms (``pre_fc_norm_*``, ``norm``)
+    are RMSNorms applied as ``x * (1 + w)`` like the others (embedded/shaped_35b.py draws them).
     """
+    leaf = str(path[-1])
+    if leaf in ("A_log", "dt_bias"):
+        return leaf, 0.0
+    if leaf == "norm" and "gdn" in path:  # gated RMSNorm of GDN: applied as x * w
+        return "gdn_norm", 0.1
+    if leaf.endswith("norm") or leaf.startswith("pre_fc_norm"):  # every other RMSNorm: x * (1 + w)
+        return "normal", 0.1
+    if leaf == "embed":
+        return "normal", 1.0
+    if leaf in ("lm_head", "router"):
+        return "normal", 2.0 / math.sqrt(hidden)
+    if leaf == "conv1d":
+        return "normal", 0.3
+    return "normal", 1.0 / math.sqrt(shape[-2])  # projections [in, out] and expert stacks [E, in, out]
+
+
+def _init_leaf(name: str, shape: tuple[int, ...], hidden: int) -> np.ndarray:
+    """Random float32 values for the leaf ``name`` (its pytree path, "/"-joined) by `init_rule`; the padding
+    rows of ``embed`` and ``lm_head`` (past the tokenizer's ids) are zero."""
     # One stream per leaf (seed + path), so values do not depend on the order leaves are visited.
     rng = np.random.default_rng([_SEED, zlib.crc32(name.encode())])
-    leaf = name.rsplit("/", 1)[-1]
-    if leaf == "A_log":
+    kind, std = init_rule(tuple(name.split("/")), shape, hidden)
+    if kind == "A_log":
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-    if leaf == "dt_bias":
+    if kind == "dt_bias":
         dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), shape))
         return np.log(np.expm1(dt)).astype(np.float32)
-    if leaf == "norm":  # gated RMSNorm of GDN: applied as x * w
+    if kind == "gdn_norm":
         return (1.0 + 0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
-    if leaf.endswith("norm"):  # every other RMSNorm: applied as x * (1 + w)
-        std = 0.1
-    elif leaf == "embed":
-        std = 1.0
-    elif leaf in ("lm_head", "router"):
-        std = 2.0 / np.sqrt(hidden)
-    elif leaf == "conv1d":
-        std = 0.3
-    else:  # projections [in, out] or expert stacks [E, in, out]
-        std = 1.0 / np.sqrt(shape[-2])
     x = rng.standard_normal(shape, np.float32) * np.float32(std)
-    if leaf == "embed":
-        x[_TOKENIZER_VOCAB:] = 0.0
-    elif leaf == "lm_head":
+    if name.rsplit("/", 1)[-1] in ("embed", "lm_head"):
         x[_TOKENIZER_VOCAB:] = 0.0
     return x
 

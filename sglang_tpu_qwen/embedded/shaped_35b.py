@@ -19,7 +19,7 @@ on a v5e host; this builder 53-57 s there, writing included), one leaf at a time
 writer, and written shard by shard: host memory holds one shard's tensors plus the leaves in flight (about 4 GB at
 these sizes), never the whole model. On the v5e host the TPU runtime itself holds another ~13.6 GB from its start,
 so the process peaks at ~17.5 GB resident. Scales follow the embedded model's initialisation
-(embedded/checkpoint.py ``_init_leaf``: fan-in scaled projections, unit-RMS embeddings, norms near neutral, GDN
+(embedded/checkpoint.py ``init_rule``: fan-in scaled projections, unit-RMS embeddings, norms near neutral, GDN
 decay like HF's and Mamba-2's), so the random model is decisive under greedy decoding.
 
 Usage: ``python -m sglang_tpu_qwen.embedded.shaped_35b [--out ROOT]`` builds the checkpoint once under ROOT
@@ -128,29 +128,6 @@ def checkpoint_nbytes(config_dict: dict[str, Any]) -> int:
     return sum(math.prod(spec.hf_shape) * dt.itemsize for _, spec, dt in _tensor_plan(_text_config(config_dict)))
 
 
-def _leaf_rule(path: tuple[str | int, ...], shape: tuple[int, ...], hidden: int) -> tuple[str, float]:
-    """How the leaf at ``path`` is drawn: ``(kind, std)``; kind is ``normal`` (std * N(0, 1)), ``gdn_norm``
-    (1 + std * N), ``A_log`` (log U(1, 16)) or ``dt_bias`` (inverse softplus of logU(1e-3, 0.1)).
-
-    The embedded model's rules (embedded/checkpoint.py ``_init_leaf``), extended to the MTP layer: its norms
-    (``pre_fc_norm_*``, ``norm``: applied as ``x * (1 + w)``) std 0.1, its ``fc`` fan-in scaled.
-    """
-    leaf = str(path[-1])
-    if leaf in ("A_log", "dt_bias"):
-        return leaf, 0.0
-    if leaf == "norm" and "gdn" in path:  # gated RMSNorm of GDN: applied as x * w
-        return "gdn_norm", 0.1
-    if leaf.endswith("norm") or leaf.startswith("pre_fc_norm"):  # every other RMSNorm: x * (1 + w)
-        return "normal", 0.1
-    if leaf == "embed":
-        return "normal", 1.0
-    if leaf in ("lm_head", "router"):
-        return "normal", 2.0 / math.sqrt(hidden)
-    if leaf == "conv1d":
-        return "normal", 0.3
-    return "normal", 1.0 / math.sqrt(shape[-2])  # projections [in, out] and expert stacks [E, in, out]
-
-
 def _draw_fn() -> Any:
     """The jitted draw: ``(key, std, shape, kind, layout, dtype, pad_from) -> the leaf in its HF layout`` on the
     default device (``expert_t``: ``[E, out, in]``, one expert per index). Values are drawn in float32 and
@@ -218,8 +195,10 @@ class _LeafSource:
         import jax
         import jax.numpy as jnp
 
+        from sglang_tpu_qwen.embedded.checkpoint import init_rule
+
         shape = tuple(self._leaf_at(self._specs, path).shape)
-        kind, std = _leaf_rule(path, shape, self._hidden)
+        kind, std = init_rule(path, shape, self._hidden)
         name = "/".join(str(p) for p in path)  # the embedded model's leaf names: "layers/3/moe/w_gate"
         key = jax.random.fold_in(self._root, zlib.crc32(name.encode()) & 0x7FFFFFFF)
         pad = _TOKENIZER_VOCAB if path[-1] in ("embed", "lm_head") and shape[0] > _TOKENIZER_VOCAB else 0

@@ -229,8 +229,7 @@ def split_memory(
                 f"{num_slots * slot_bytes / GB:.2f} GB leaves {max(left, 0) / GB:.3f} GB, under {MIN_KV_PAGES} pages "
                 f"of {page_bytes} bytes; raise --mem-fraction-static, lower --max-running-requests / "
                 "--max-gdn-snapshots / --max-mamba-cache-size / --mamba-full-memory-ratio, or use more devices")
-    split = MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
-                        weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
-                        slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size,
-                        vision_bytes=vision_bytes, temporaries=temporaries, static_bytes=static)
-    return split
+    return MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
+                       weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
+                       slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size,
+                       vision_bytes=vision_bytes, temporaries=temporaries, static_bytes=static)

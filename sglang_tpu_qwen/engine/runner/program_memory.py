@@ -85,8 +85,9 @@ def measure(compiled: Iterable[tuple[tuple, Any]], pool_bytes: int = 0) -> Progr
 
 def largest_keys(keys: list[tuple]) -> list[tuple]:
     """Per program kind (``key[0]``), the key of the largest shape: the programs whose temporaries bound the
-    set's (a program's activations grow with its rows and tokens). Forward programs count batch x tokens,
-    the rest their first integer (the batch)."""
+    set's (a program's activations grow with its rows and tokens). Forward programs count batch x tokens, the
+    rest the product of their first two integers (the batch, times the tokens where a key has them: draft).
+    Sampling programs are one kind per sampling kind (greedy, sample)."""
     def size(key: tuple) -> int:
         bucket = key[1] if len(key) > 1 else None
         if hasattr(bucket, "batch") and hasattr(bucket, "tokens"):
