@@ -247,3 +247,70 @@ def test_bad_images_are_400s_and_the_server_stays_healthy(server, tmp_path):
         server.engine.generate(input_ids=[1, 2], images=[item], sampling_params={"max_new_tokens": 1})
     usage = server.engine.scheduler.memory_usage()
     assert usage["gdn_slots_free"] == usage["gdn_slots_total"]
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height RGB pixels and holds none: the way to send a zero-size image,
+    which Pillow will not write."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_image_shapes_the_processor_cannot_take_are_400s(vl_engine):
+    """Issue 45, on a server over the VL engine: images of 300 x 1, 4000 x 2 and 2 x 900 pixels (aspect ratio
+    over the processor's 200) and of 0 x 5 pixels were a 500 (the processor's ValueError); each is now a 400 in
+    the route's error shape naming the limit, on the chat route and /generate, streamed or not, before anything
+    is scheduled. Images at the limit (200 x 1) or smaller than one patch group (1 x 1: upscaled, as
+    transformers does) are served. Then /health, a valid image request, and every slot free."""
+    import base64
+
+    from sglang_tpu_qwen.server.app import create_app
+    from tests.conftest import serve_app
+
+    def url(data: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(data).decode()
+
+    def chat(ref: str, stream: bool) -> dict:
+        parts = [{"type": "image_url", "image_url": {"url": ref}}, {"type": "text", "text": "what?"}]
+        return {"messages": [{"role": "user", "content": parts}], "max_tokens": 2, "stream": stream}
+
+    def generate(ref: str, stream: bool) -> dict:
+        return {"text": "<|vision_start|><|image_pad|><|vision_end|>what?", "image_data": ref, "stream": stream,
+                "sampling_params": {"max_new_tokens": 2}}
+
+    shapes = [((300, 1), "aspect ratio must be smaller than 200, got 300.0"),
+              ((4000, 2), "aspect ratio must be smaller than 200, got 2000.0"),
+              ((2, 900), "aspect ratio must be smaller than 200, got 450.0"),
+              ((0, 5), "0 x 5 pixels: an image needs at least 1 x 1")]
+    failures = []
+    before = vl_engine.scheduler.memory_usage()
+    with serve_app(create_app(vl_engine)) as base:
+        for (width, height), fragment in shapes:
+            ref = url(_png_claiming(width, height) if width == 0 else _png(width, height))
+            for path, body in ((CHAT, chat), ("/generate", generate)):
+                for stream in (False, True):
+                    r = httpx.post(base + path, json=body(ref, stream), timeout=60)
+                    reply = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                    message = reply.get("message", "") if path == CHAT else reply.get("error", {}).get("message", "")
+                    if r.status_code != 400 or fragment not in message or \
+                            (path == CHAT and (reply.get("object"), reply.get("code")) != ("error", 400)):
+                        failures.append((path, (width, height), stream, r.status_code, r.text[:300]))
+        assert not failures, "\n".join(map(str, failures))
+        # Refused in the HTTP layer: the scheduler saw nothing (no cache query, no page, no slot taken).
+        assert vl_engine.scheduler.memory_usage() == before
+        assert httpx.get(base + "/health").status_code == 200
+        for width, height in [(200, 1), (1, 1)]:
+            r = httpx.post(base + CHAT, json=dict(chat(url(_png(width, height)), False), temperature=0), timeout=300)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 2
+            r = httpx.post(base + "/generate", json=generate(url(_png(width, height)), False), timeout=300)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["output_ids"]) >= 1
+    usage = vl_engine.scheduler.memory_usage()
+    assert usage["gdn_slots_free"] == usage["gdn_slots_total"]

@@ -256,6 +256,40 @@ def test_too_many_pixels_is_refused_before_decoding(vl_dir: Path) -> None:
     _refusal(ii, [_data_url(_png_header_only(60000, 60000))], "above the limit of 1000000 .--max-image-pixels")
 
 
+def _jpeg_of_size(width: int, height: int) -> bytes:
+    """A 4 x 4 JPEG whose start-of-frame header is rewritten to claim width x height."""
+    data = bytearray(_encode(Image.new("RGB", (4, 4)), "JPEG"))
+    sof = data.find(b"\xff\xc0")
+    data[sof + 5:sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def test_shapes_the_processor_cannot_take_are_refused(vl_dir: Path) -> None:
+    """Issue 45: an aspect ratio over the processor's limit is refused with the processor's own message (the
+    limit, 200 in transformers 5.24, read from it, not copied); exactly 200:1 and images smaller than one patch
+    group (upscaled to min_pixels, as transformers does) are taken; an image of zero width or height is refused
+    from its header, PNG or JPEG."""
+    ii = _inputs(vl_dir)
+    for width, height in [(300, 1), (4000, 2), (2, 900), (401, 2)]:
+        img = Image.new("RGB", (width, height), (40, 80, 120))
+        with pytest.raises(ValueError) as oracle:  # what the processor itself says of this image
+            ii.preprocessor.processor(images=[img], return_tensors="np")
+        assert "aspect ratio must be smaller than 200" in str(oracle.value)
+        with pytest.raises(ImageInputError) as refused:
+            ii.load([_data_url(_encode(img, "PNG"))])
+        assert str(refused.value) == (f"image 0: the image is {width} x {height} pixels, a shape the checkpoint's "
+                                      f"image processor cannot resize: {oracle.value}")
+    merge = PREPROCESSOR["merge_size"]
+    for width, height in [(200, 1), (1, 200), (1, 1), (1, 2), (3, 1)]:
+        (item,) = ii.load([_data_url(_encode(Image.new("RGB", (width, height)), "PNG"))])
+        assert item.num_tokens >= 1 and item.grid_thw[1] % merge == 0 and item.grid_thw[2] % merge == 0
+    for width, height in [(0, 5), (5, 0), (0, 0)]:
+        _refusal(ii, [_data_url(_png_header_only(width, height))],
+                 f"the PNG image is {width} x {height} pixels: an image needs at least 1 x 1")
+        _refusal(ii, [_data_url(_jpeg_of_size(width, height), "image/jpeg")],
+                 f"the JPEG image is {width} x {height} pixels: an image needs at least 1 x 1")
+
+
 def test_a_model_without_vision_refuses_after_checking(tmp_path: Path) -> None:
     """No vision tower: a valid image is refused as such; a bad one is named first."""
     ii = _inputs(None)

@@ -33,6 +33,35 @@ def image_format(data: bytes) -> str:
     raise ImageInputError("the data is not a PNG, JPEG or WebP image (no image signature)")
 
 
+# JPEG start-of-frame markers (baseline, progressive, lossless...): C0-CF except DHT (C4), JPG (C8), DAC (CC).
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def header_size(fmt: str, data: bytes) -> tuple[int, int] | None:
+    """(width, height) as a PNG's IHDR or a JPEG's start-of-frame states them, read without Pillow (which does
+    not open an image of zero width or height at all); None for WebP or a header not found."""
+    if fmt == "PNG":
+        if len(data) >= 24 and data[12:16] == b"IHDR":
+            return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        return None
+    if fmt != "JPEG":
+        return None
+    i = 2  # past SOI; each segment is FF, a marker, then a big-endian length that counts itself
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # a fill byte
+            i += 1
+            continue
+        if marker in _JPEG_SOF:
+            if i + 9 > len(data):
+                return None
+            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+        if marker == 0xDA:  # start of scan: no frame header came first
+            return None
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return None
+
+
 def decode_image(data: bytes, limits: MediaLimits) -> Any:
     """Decode an image fully (every pixel read now, so a truncated file fails here, not later).
 
@@ -50,6 +79,9 @@ def decode_image(data: bytes, limits: MediaLimits) -> Any:
     from PIL import Image
 
     fmt = image_format(data)
+    size = header_size(fmt, data)
+    if size is not None and min(size) == 0:  # Pillow refuses these with "cannot identify image file"
+        raise ImageInputError(f"the {fmt} image is {size[0]} x {size[1]} pixels: an image needs at least 1 x 1")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit applies below
@@ -60,7 +92,7 @@ def decode_image(data: bytes, limits: MediaLimits) -> Any:
         raise ImageInputError(f"could not decode the {fmt} image: {e}") from None
     width, height = img.size
     if width <= 0 or height <= 0:
-        raise ImageInputError(f"the {fmt} image has no pixels ({width} x {height})")
+        raise ImageInputError(f"the {fmt} image is {width} x {height} pixels: an image needs at least 1 x 1")
     if width * height > limits.max_image_pixels:
         raise ImageInputError(f"the {fmt} image is {width} x {height} = {width * height} pixels, above the limit "
                               f"of {limits.max_image_pixels} (--max-image-pixels)")

@@ -85,10 +85,15 @@ class ImagePreprocessor:
         The image is converted to RGB as the processor's ``do_convert_rgb`` does (transparency over white), and
         ``content_hash`` is taken of those RGB pixels: equal pixels give equal processor output, so the hash
         identifies what the vision tower sees.
+
+        Raises:
+            ImageInputError: a shape the processor cannot resize (``check_shape``), or more patches than
+                ``max_patches`` after preprocessing.
         """
         from PIL import Image
         from transformers.image_transforms import convert_to_rgb
 
+        self.check_shape(*image.size)
         rgb = convert_to_rgb(image, return_numpy=True)  # uint8 [H, W, 3]
         out = self.processor(images=[Image.fromarray(rgb)], return_tensors="np")
         grid = tuple(int(v) for v in np.asarray(out["image_grid_thw"])[0])
@@ -99,6 +104,29 @@ class ImagePreprocessor:
                                   f"encoder's largest bucket of {self.max_patches} (--mm-max-patches)")
         return ImageItem(grid_thw=(grid[0], grid[1], grid[2]), content_hash=content_hash(rgb),
                          pixel_values=pixels, merge_size=self.merge_size)
+
+    def check_shape(self, width: int, height: int) -> None:
+        """Refuse an image of ``width`` x ``height`` pixels that the processor's resize would refuse.
+
+        The processor's own rule decides, so its limits are not copied here: ``get_number_of_image_patches``
+        runs the same ``smart_resize`` with the same factor and min / max pixels as the resize, and raises the
+        same ValueError, which names the limit (transformers 5.24: "absolute aspect ratio must be smaller than
+        200, got 300.0"). Left to the resize, that ValueError escaped the HTTP layer as a 500. A processor
+        without the method is called as is.
+
+        Raises:
+            ImageInputError: no pixels, or a shape the processor refuses (its message quoted).
+        """
+        if width <= 0 or height <= 0:
+            raise ImageInputError(f"the image is {width} x {height} pixels: an image needs at least 1 x 1")
+        count = getattr(self.processor, "get_number_of_image_patches", None)
+        if count is None:
+            return
+        try:
+            count(height, width)
+        except ValueError as e:
+            raise ImageInputError(f"the image is {width} x {height} pixels, a shape the checkpoint's image "
+                                  f"processor cannot resize: {e}") from None
 
 
 def _size(processor: Any, key: str) -> int | None:
