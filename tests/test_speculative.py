@@ -1,12 +1,15 @@
-"""Speculative decoding with the MTP layer (--speculative-algorithm NEXTN): the tokens are plain decoding's.
+"""Speculative decoding with the MTP layer (--speculative-algorithm NEXTN): plain decoding's tokens and distribution.
 
 The spec engine serves the embedded checkpoint plus a random MTP layer (tests/mtp_checkpoint.py); the reference
 engine serves the same target weights with the same flags and no speculation. Random MTP weights almost never
 draft the target's token, so the tests that need accepted drafts inject them: `oracle_drafts` replaces the MTP
 layer's drafts (after its program ran, so its KV is still written) with the reference's own continuation,
-corrupted on a fixed schedule so that steps accept all drafts, some, or none. Every comparison is exact: the
-verify step samples each position with the request's own random stream step, so greedy and seeded sampling
-give the reference's tokens token for token (CPU, float32 both sides; the MTP layer never changes a token).
+corrupted on a fixed schedule so that steps accept all drafts, some, or none. The verify step samples each
+position with the request's own random stream step, so greedy decoding gives the reference's tokens token for
+token (CPU, float32 both sides; the MTP layer never changes a token). Seeded sampling with a top-k cut gives them
+too in the cases compared here (exactly: among few candidates a pick seldom sits within rounding of a boundary).
+Without a cut, a seeded pick can tip to the neighbouring id on the verify step's rounding:
+test_seeded_sampling_agrees_with_plain_decoding measures how often.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import ENGINE_KWARGS
+from conftest import ENGINE_KWARGS, record
 from mtp_checkpoint import build_mtp_checkpoint
 
 from sglang_tpu_qwen.engine.engine import Engine
@@ -258,6 +261,52 @@ def test_sampled_token_frequencies_match(engines: tuple[Engine, Engine]) -> None
         b = np.bincount([o["output_ids"][pos] for o in spec_out], minlength=248320)
         assert np.count_nonzero(a) > 1, pos  # the position is sampled, not forced
         np.testing.assert_array_equal(a, b, err_msg=f"position {pos}")
+
+
+# The promise docs/features.md makes for seeded sampling (issue 45). The verify step is another program than a
+# decode step, so its logits differ by float32 rounding (the sampled tokens' logprobs by at most 7e-6 measured
+# here; test_logprobs_of_accepted_tokens bounds them at 1e-5). A seeded row draws the same uniform u at each
+# output position either way, and the token is the id where the cumulative probability passes u: where u lands
+# within that difference of a boundary, the pick is the neighbouring id (a "tip") and the reply goes on from
+# another context. Nothing else may differ: a wrong random stream or distribution would pick an unrelated id
+# (some 80,000 ids away on average), so every seed either equals plain decoding or first differs by a tip, at
+# most TIP_IDS ids apart (3 measured: with no filter every id has probability, so a shift of ~1e-5 in cumulative
+# probability moves the pick by a few ids).
+# How often a pick tips grows with how flat the distribution is. The embedded checkpoint's random weights are
+# near the worst case: at temperature 1.0 a sampled token's mean logprob is -10.4 (uniform over 248k ids: -12.4).
+# There 86.9% of tokens (38 of 50 seeds whole) agree; with top-k 50 (mean logprob -6.6), 100%. AGREEMENT_MIN
+# is the floor for this worst case, below the 90% issue 45 proposed (not met here).
+AGREEMENT_SEEDS, AGREEMENT_TOKENS, AGREEMENT_MIN, TIP_IDS = 50, 32, 0.8, 8
+
+
+def test_seeded_sampling_agrees_with_plain_decoding(engines: tuple[Engine, Engine]) -> None:
+    """Temperature 1.0 (no filter), 32 tokens, sampling_seed 1..50 on one prompt, all 50 in one generate call per
+    engine, the spec engine's drafts accepted often: each seed's tokens equal plain decoding's up to its first
+    difference, which is a tip (neighbouring ids), and at least AGREEMENT_MIN of all tokens agree position by
+    position (the figure is printed and kept in the run's summary)."""
+    prompt = _ids(18, 12)
+    sp = [{"temperature": 1.0, "max_new_tokens": AGREEMENT_TOKENS, "ignore_eos": True, "sampling_seed": seed}
+          for seed in range(1, AGREEMENT_SEEDS + 1)]
+    want, got, delta = _both(engines, [prompt] * AGREEMENT_SEEDS, sp, oracle=True)
+    assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"]  # accepted drafts' positions were sampled
+    agree, whole, tips = 0, 0, []
+    for w, g in zip(want, got, strict=True):
+        a, b = w["output_ids"], g["output_ids"]
+        assert len(a) == len(b) == AGREEMENT_TOKENS
+        agree += sum(x == y for x, y in zip(a, b, strict=True))
+        first = next((i for i in range(AGREEMENT_TOKENS) if a[i] != b[i]), None)
+        if first is None:
+            whole += 1
+            continue
+        tips.append(b[first] - a[first])
+        assert abs(b[first] - a[first]) <= TIP_IDS, (first, a[first], b[first])
+    distinct = len({tuple(w["output_ids"]) for w in want})
+    total = AGREEMENT_SEEDS * AGREEMENT_TOKENS
+    record("speculative", f"seeded sampling (temperature 1.0, {AGREEMENT_TOKENS} tokens, {AGREEMENT_SEEDS} seeds), "
+                          f"NEXTN vs plain: {agree}/{total} tokens agree ({agree / total:.1%}), {whole}/"
+                          f"{AGREEMENT_SEEDS} seeds whole; first differences (id steps): {tips}")
+    assert distinct == AGREEMENT_SEEDS  # the seeds sample different replies: agreement is not forced
+    assert agree / total >= AGREEMENT_MIN
 
 
 def test_prefix_hit_equals_miss(engines: tuple[Engine, Engine]) -> None:
