@@ -33,7 +33,7 @@ def _heads(hk: int, hv: int, dk: int, dv: int) -> dict[str, int]:
 
 def test_supported_layout_passes():
     assert gdn_pallas_unsupported(_config(), interpret=True) is None
-    assert resolve_backends("auto", "pallas", platform="cpu", config=_config()).gdn == "pallas"
+    assert resolve_backends("auto", "pallas", platform="cpu", config=_config()).gdn.name == "pallas"
 
 
 @pytest.mark.parametrize("heads", TPU_LAYOUTS, ids=[f"{hk}k-{hv}v-{dk}-{dv}" for hk, hv, dk, dv in TPU_LAYOUTS])
@@ -43,14 +43,14 @@ def test_released_layouts_run_the_kernel_on_tpu(heads, caplog):
     assert gdn_pallas_unsupported(config) is None
     with caplog.at_level(logging.WARNING, logger="sglang_tpu_qwen.kernels.dispatch"):
         for flag in ("auto", "pallas"):
-            assert resolve_backends("auto", flag, platform="tpu", config=config) == KernelBackends(
+            assert resolve_backends("auto", flag, platform="tpu", config=config) == KernelBackends.of(
                 "pallas", "pallas", False, "tpu")
     assert not caplog.records
 
 
 def test_interpret_mode_takes_any_head_dims():
     got = resolve_backends("reference", "pallas", platform="cpu", config=_config(**ODD_HEADS))
-    assert got == KernelBackends("reference", "pallas", True, "cpu")
+    assert got == KernelBackends.of("reference", "pallas", True, "cpu")
 
 
 def test_explicit_pallas_with_untileable_dims_on_tpu_is_a_startup_error_naming_fields():
@@ -64,7 +64,7 @@ def test_explicit_pallas_with_untileable_dims_on_tpu_is_a_startup_error_naming_f
 def test_auto_falls_back_to_reference_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="sglang_tpu_qwen.kernels.dispatch"):
         got = resolve_backends("auto", "auto", platform="tpu", config=_config(**ODD_HEADS))
-    assert got == KernelBackends("pallas", "reference", False, "tpu")
+    assert got == KernelBackends.of("pallas", "reference", False, "tpu")
     assert any("linear_value_head_dim" in r.getMessage() for r in caplog.records)
 
 
@@ -95,7 +95,7 @@ def test_engine_serves_three_value_heads_per_key_head_with_dk_ne_dv_in_the_kerne
     for backend in ("reference", "pallas"):
         eng = Engine(gdn_backend=backend, attention_backend="reference", **small)
         try:
-            assert eng.runner.backends.gdn == backend
+            assert eng.runner.backends.gdn.name == backend
             out[backend] = [r["output_ids"] for r in eng.generate(prompts, params)]
         finally:
             eng.shutdown()

@@ -20,7 +20,7 @@ def _generate(attention_backend: str, gdn_backend: str) -> list[list[int]]:
     eng = Engine(**KWARGS, attention_backend=attention_backend, gdn_backend=gdn_backend)
     try:
         resolved = eng.runner.backends
-        assert (resolved.attention, resolved.gdn) == (attention_backend, gdn_backend)
+        assert (resolved.attention.name, resolved.gdn.name) == (attention_backend, gdn_backend)
         assert resolved.interpret == (attention_backend == "pallas")  # CPU: Pallas runs in interpret mode
         return [r["output_ids"] for r in eng.generate(PROMPTS, PARAMS)]
     finally:
@@ -28,9 +28,10 @@ def _generate(attention_backend: str, gdn_backend: str) -> list[list[int]]:
 
 
 def test_resolve_backends_on_cpu() -> None:
-    assert resolve_backends("auto", "auto", platform="cpu") == KernelBackends("reference", "reference", False, "cpu")
-    assert resolve_backends("auto", "auto", platform="tpu") == KernelBackends("pallas", "pallas", False, "tpu")
-    assert resolve_backends("pallas", "reference", platform="cpu") == KernelBackends("pallas", "reference", True, "cpu")
+    assert resolve_backends("auto", "auto", platform="cpu") == KernelBackends.of("reference", "reference", False, "cpu")
+    assert resolve_backends("auto", "auto", platform="tpu") == KernelBackends.of("pallas", "pallas", False, "tpu")
+    assert resolve_backends("pallas", "reference", platform="cpu") == KernelBackends.of(
+        "pallas", "reference", True, "cpu")
     assert resolve_backends("auto", "auto", platform="cpu").xla_cpu  # the XLA:CPU forms of the reference
 
 

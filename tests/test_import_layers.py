@@ -33,10 +33,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel",),  # the model over a mesh: DP attention, EP MoE, sharding, collectives
     ("model.vision",),  # the vision tower: config, weights, host-side grid arrays, the tower's math
     ("model",),  # Qwen3.5 config, layers, the one forward, weight loading
-    ("quant",),  # FP8 block-quantised weights and their matmuls
-    ("kernels",),  # the kernel choice per layer kind and platform (dispatch)
+    ("args",),  # ServerArgs (names of the chat parsers come from parsers/; page-size rules from kernels/)
+    ("kernels",),  # the backend per layer kind and platform (dispatch): its kernel and its pool layout
+    ("quant",),  # FP8 block-quantised weight types
     ("kernels.fp8_matmul", "kernels.gdn", "kernels.ragged_paged_attention"),  # Pallas kernels + jnp references
-    ("args",),  # ServerArgs (names of the chat parsers come from parsers/)
     ("parsers",),  # reasoning and tool-call parsers
     ("tokenizer",),
     ("utils",),  # exception types, shape helpers, process settings: any folder may use them

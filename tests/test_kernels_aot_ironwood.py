@@ -29,7 +29,7 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
-from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import pool_shape  # noqa: E402
+from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR  # noqa: E402
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig  # noqa: E402
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_pooled  # noqa: E402
@@ -73,7 +73,7 @@ def _report(name: str, compiled, in_place: bool = True) -> None:
     assert mem.temp_size_in_bytes < 64 * 2**20
 
 
-# FP8 pools are stored packed ([L, N, page / 2, 4, 256] for 2 KV heads; page_layout.py): with the second-minor
+# FP8 pools are stored packed ([L, N, page / 2, 4, 256] for 2 KV heads; token_major.py): with the second-minor
 # dim 2 XLA's default layout for a float8 pool was {4,2,3,1,0:T(32,128)} while Mosaic asks for the row-major
 # T(4,128), and XLA copied both pools into the kernel's layout and back on every call (1920 MiB of temporaries
 # at these shapes). The temp bound in _report fails if that copy comes back.
@@ -92,8 +92,8 @@ def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens
         _spec((batch, tokens, NQ, HD), jnp.bfloat16, device),
         _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
         _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
-        _spec(pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
-        _spec(pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
+        _spec(TOKEN_MAJOR.pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
+        _spec(TOKEN_MAJOR.pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
         _spec((), jnp.int32, device),
         _spec((batch,), jnp.int32, device),
         _spec((batch,), jnp.int32, device),

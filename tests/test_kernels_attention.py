@@ -23,8 +23,8 @@ import pytest
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv
-from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import logical, pool_shape, stored
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 BLOCKS = BlockSizes(decode_seqs=4, prefill_q=8, kv_pages=2)
@@ -130,13 +130,13 @@ def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int) -> None:
     inputs = _batch(rng, prefix, q_lens, t, nkv=nkv, hd=128)
     # Scales away from 1 and not powers of two, K and V different: a swapped or missing scale shows.
     k_scale, v_scale = jnp.float32(0.37), jnp.float32(2.9)
-    # Stored packed: [L, N, page / r, r * nkv, hd] (page_layout.py; r = 2 for nkv = 2, 4 for nkv = 1).
-    k8 = stored(quantize_kv(inputs["k_cache"] * 40.0, FP8_KV_DTYPE, k_scale))  # spread over e4m3's range
-    v8 = stored(quantize_kv(inputs["v_cache"], FP8_KV_DTYPE, v_scale))
+    # Stored packed: [L, N, page / r, r * nkv, hd] (token_major.py; r = 2 for nkv = 2, 4 for nkv = 1).
+    k8 = TOKEN_MAJOR.stored(quantize_kv(inputs["k_cache"] * 40.0, FP8_KV_DTYPE, k_scale))  # spread over e4m3's range
+    v8 = TOKEN_MAJOR.stored(quantize_kv(inputs["v_cache"], FP8_KV_DTYPE, v_scale))
     assert k8.shape[2:] == (inputs["k_cache"].shape[2] * nkv // 4, 4, 128)
     with pytest.raises(ValueError, match="page size 6 must be a multiple of 4"):
-        pool_shape(1, 1, 6, 1, 128, FP8_KV_DTYPE)
-    assert pool_shape(1, 1, 6, 1, 128, jnp.bfloat16) == (1, 1, 6, 1, 128)  # other dtypes: unpacked
+        TOKEN_MAJOR.pool_shape(1, 1, 6, 1, 128, FP8_KV_DTYPE)
+    assert TOKEN_MAJOR.pool_shape(1, 1, 6, 1, 128, jnp.bfloat16) == (1, 1, 6, 1, 128)  # other dtypes: unpacked
     k_new, v_new = inputs["k_new"] * 40.0, inputs["v_new"]
     out_k, kc_k, vc_k = ragged_paged_attention(**{**inputs, "k_new": k_new, "v_new": v_new,  # donates its caches
                                                   "k_cache": jnp.array(k8, copy=True),
@@ -156,7 +156,8 @@ def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int) -> None:
 
     out_r, _, _ = ref(
         **{**inputs, "k_new": dq(k_new, k_scale), "v_new": dq(v_new, v_scale),
-           "k_cache": dequantize_kv(logical(k8, nkv), k_scale), "v_cache": dequantize_kv(logical(v8, nkv), v_scale)})
+           "k_cache": dequantize_kv(TOKEN_MAJOR.logical(k8, nkv), k_scale),
+           "v_cache": dequantize_kv(TOKEN_MAJOR.logical(v8, nkv), v_scale)})
     valid = np.arange(t)[None, :] < np.asarray(q_lens)[:, None]
     err = np.abs(np.asarray(out_k) - np.asarray(out_r))[valid]
     assert np.all(np.isfinite(np.asarray(out_k)))

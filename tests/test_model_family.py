@@ -279,7 +279,7 @@ def test_served_dense_checkpoint_with_pallas_kernels_matches_hf(tmp_path: Path) 
                  max_running_requests=2, context_length=64, chunked_prefill_size=64, disable_radix_cache=True,
                  grammar_backend="none", skip_server_warmup=True)
     try:
-        assert (eng.runner.backends.attention, eng.runner.backends.gdn, eng.runner.backends.interpret) == (
+        assert (eng.runner.backends.attention.name, eng.runner.backends.gdn.name, eng.runner.backends.interpret) == (
             "pallas", "pallas", True)
         with serve_app(create_app(eng)) as url:
             reply = requests.post(f"{url}/generate", json={

@@ -67,7 +67,7 @@ def test_default_engine_updates_pools_in_place_and_sizes_them_after_temporaries(
     the chip with them, and the largest decode and prefill programs (the served shapes, full pools) with
     temporaries under 1% of the pools (the issue asks < 10%), the pools aliased to the outputs."""
     runner = _runner(embedded_config_dict(), v5e)
-    assert (runner.backends.attention, runner.backends.gdn) == ("pallas", "pallas")
+    assert (runner.backends.attention.name, runner.backends.gdn.name) == ("pallas", "pallas")
     split = runner.sizing.split
     assert runner.probe is not None and split.temporaries == runner.probe.temp_bytes > 0
     assert split.device_bytes <= V5E_HBM and _pool_bytes(runner) > 0.5 * V5E_HBM

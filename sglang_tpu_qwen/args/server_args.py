@@ -244,10 +244,8 @@ class ServerArgs:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
-        if self.kv_cache_dtype.startswith("fp8") and self.page_size % 4:
-            # FP8 pages are stored up to 4 tokens per 32-bit sublane row (kernels/ragged_paged_attention/page_layout.py)
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs a --page-size that is a multiple of 4 "
-                             f"(FP8 pages pack up to 4 tokens per TPU sublane row), got {self.page_size}")
+        if self.kv_cache_dtype.startswith("fp8"):
+            self._check_fp8_page_size()
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be one of 0, 1, 2, 3, got {self.log_requests_level}")
         if self.mamba_ssm_dtype not in (None, "float32", "bfloat16"):
@@ -307,6 +305,20 @@ class ServerArgs:
                            "with --speculative-eagle-topk 1 (as SGLang does)", self.speculative_num_draft_tokens,
                            chain)
         self.speculative_num_draft_tokens = chain
+
+    def _check_fp8_page_size(self) -> None:
+        """The attention backend's KV pool layout may pack FP8 tokens into rows (the token-major layout stores
+        up to 4 per 32-bit TPU sublane row, kernels/ragged_paged_attention/token_major.py): the page size must
+        be a multiple of what the layout asks. Raises ValueError naming both flags."""
+        import jax.numpy as jnp  # here: parsing flags does not import JAX
+
+        from sglang_tpu_qwen.kernels.dispatch import page_multiple
+
+        multiple = page_multiple(self.attention_backend, jnp.float8_e4m3fn)
+        if self.page_size % multiple:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs a --page-size that is a multiple of "
+                             f"{multiple} (FP8 pages pack up to {multiple} tokens per TPU sublane row), got "
+                             f"{self.page_size}")
 
     def _check_state_budget(self) -> None:
         """Refuse GDN state budgets that mean nothing (engine/runner/memory_split.py uses them). Raises ValueError."""

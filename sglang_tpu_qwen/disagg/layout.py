@@ -3,6 +3,9 @@
 A prefill server and a decode server may differ in page size, pool sizes and mesh, but the state they
 exchange must have the same model, dtypes and per-layer shapes. The layout is sent in the transfer's
 header and compared field by field; a mismatch is an error naming both values, never a reinterpretation.
+The exchanged state is logical (token-major KV, one slot's GDN state), not the pools' stored form, so the
+two servers' pool layouts (kernels/ragged_paged_attention/layout.py, kernels/gdn/state_layout.py) may differ:
+each side's layouts read and write its own pools (memory/kv_io.py) and are not part of the header.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tpu_qwen.kernels.gdn import conv_pool
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.utils.errors import TransferError
 
@@ -40,16 +43,21 @@ class StateLayout:
     rec_shape: tuple[int, int, int, int]  # (n_gdn_layers, Hv, dk, dv)
 
     @classmethod
-    def from_cache(cls, config: Qwen35MoeConfig, cache: dict[str, Any]) -> StateLayout:
-        """The layout of an engine's device cache (`init_cache` arrays) for `config`."""
+    def from_cache(cls, config: Qwen35MoeConfig, cache: dict[str, Any],
+                   backends: KernelBackends | None = None) -> StateLayout:
+        """The layout of an engine's device cache (`init_cache` arrays) for `config`, its pools stored as
+        `backends`' layouts say (None: the defaults)."""
+        backends = backends or KernelBackends()
         k, conv, rec = cache["k"], cache["conv"], cache["rec"]
+        kv_layers, _, _, kv_heads, head_dim = backends.attention.layout.logical_shape(k, config.num_key_value_heads)
+        conv_shape, rec_shape = backends.gdn.state_layout.slot_shapes(conv, rec)
         return cls(
             fingerprint=config_fingerprint(config),
             kv_dtype=np.dtype(k.dtype).name,
             state_dtype=np.dtype(conv.dtype).name,
-            kv_token_shape=(k.shape[0], config.num_key_value_heads, k.shape[4]),  # not k.shape[3]: FP8 packs rows
-            conv_shape=(conv.shape[0], conv.shape[2], conv_pool.taps_of(conv, rec.shape[1])),
-            rec_shape=(rec.shape[0], rec.shape[2], rec.shape[3], rec.shape[4]),
+            kv_token_shape=(kv_layers, kv_heads, head_dim),
+            conv_shape=conv_shape,  # type: ignore[arg-type]
+            rec_shape=rec_shape,  # type: ignore[arg-type]
         )
 
     def to_json(self) -> dict[str, Any]:

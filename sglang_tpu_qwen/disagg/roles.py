@@ -68,7 +68,7 @@ def setup(engine: Any) -> _Roles | None:
     if mode == "null":
         return None
     scheduler = engine.scheduler
-    layout = StateLayout.from_cache(engine.model_config, engine.runner.cache)
+    layout = StateLayout.from_cache(engine.model_config, engine.runner.cache, engine.runner.backends)
     backend = "inprocess" if args.disaggregation_transfer_backend == "inprocess" else "tcp"
     timeout = args.disaggregation_timeout
     port = args.disaggregation_bootstrap_port

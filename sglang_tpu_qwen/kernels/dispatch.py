@@ -1,4 +1,4 @@
-"""Which implementation runs each kernel: the Pallas TPU kernel or the model's pure-jnp reference.
+"""Which backend runs each layer kind: the Pallas TPU kernel or the model's pure-jnp reference, with its layout.
 
 ``--attention-backend`` / ``--gdn-backend`` take ``auto | pallas | reference``. ``auto`` is ``pallas`` on a
 TPU backend and ``reference`` elsewhere. ``pallas`` on a non-TPU backend runs the kernels in Pallas TPU
@@ -12,16 +12,16 @@ a warning.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 
-from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
-from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from sglang_tpu_qwen.kernels.attention_backend import AttentionBackend
+from sglang_tpu_qwen.kernels.gdn_backend import GdnBackend
+from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
 
 logger = logging.getLogger(__name__)
 
@@ -30,27 +30,41 @@ CHOICES = ("auto", "pallas", "reference")
 
 @dataclass(frozen=True)
 class KernelBackends:
-    """Resolved backends (hashable: it is static configuration of the jitted step).
+    """Resolved backends per layer kind (hashable: it is static configuration of the jitted step).
 
     Attributes:
-        attention: ``"pallas"`` or ``"reference"``.
-        gdn: ``"pallas"`` or ``"reference"``.
-        interpret: run the Pallas kernels in interpret mode (set when the JAX backend is not a TPU).
+        attention: the attention kernel and the KV pool layout (kernels/attention_backend.py).
+        gdn: the GDN kernel and the state pools' layout (kernels/gdn_backend.py).
         platform: the JAX platform the program is compiled for ("cpu", "tpu", "gpu"). On "cpu" the
             reference path takes the forms XLA:CPU runs fastest: the recurrent GDN form at prefill too
             (``model.gated_deltanet.gdn_mix``) and dense experts (``model.moe.all_experts``).
     """
 
-    attention: str = "reference"
-    gdn: str = "reference"
-    interpret: bool = False
+    attention: AttentionBackend = field(default_factory=AttentionBackend)
+    gdn: GdnBackend = field(default_factory=GdnBackend)
     platform: str = "tpu"
+
+    @classmethod
+    def of(cls, attention: str = "reference", gdn: str = "reference", interpret: bool = False,
+           platform: str = "tpu") -> KernelBackends:
+        """Backends by name, with their default layouts and one ``interpret`` flag for both (as
+        :func:`resolve_backends` builds them). Raises ValueError for an unknown name."""
+        return cls(AttentionBackend(attention, interpret=interpret), GdnBackend(gdn, interpret=interpret), platform)
 
     @property
     def xla_cpu(self) -> bool:
         """The program runs on XLA:CPU (the reference forms above)."""
         return self.platform == "cpu"
 
+    @property
+    def interpret(self) -> bool:
+        """Some Pallas kernel runs in interpret mode (the JAX backend is not a TPU)."""
+        return self.attention.interpret or self.gdn.interpret
+
+    @property
+    def kv_layout(self) -> KVPoolLayout:
+        """The KV pool layout the attention backend reads (what ``init_cache`` allocates)."""
+        return self.attention.layout
 
 def gdn_pallas_unsupported(config: Any, interpret: bool = False) -> str | None:
     """Why the fused Pallas GDN kernel cannot run this model's Gated DeltaNet head layout, or None when it can.
@@ -82,7 +96,7 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
             ``pallas`` is refused.
 
     Returns:
-        The resolved :class:`KernelBackends`.
+        The resolved :class:`KernelBackends` (the default KV pool layout, token-major).
 
     Raises:
         ValueError: for a value outside :data:`CHOICES`, or ``pallas`` chosen for a model config the kernel
@@ -98,30 +112,25 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
             return "pallas" if on_tpu else "reference"
         return flag
 
-    resolved = KernelBackends(attention=one("attention", attention), gdn=one("gdn", gdn))
-    checked = config is not None and resolved.gdn == "pallas"
+    attn_name, gdn_name = one("attention", attention), one("gdn", gdn)
+    checked = config is not None and gdn_name == "pallas"
     why = gdn_pallas_unsupported(config, interpret=not on_tpu) if checked else None
     if why is not None:
         if gdn == "pallas":
             raise ValueError(f"--gdn-backend pallas cannot run this model: {why}. Use --gdn-backend reference "
                              "(or auto, which falls back to it).")
         logger.warning("fused GDN kernel cannot run this model (%s); using the reference GDN", why)
-        resolved = KernelBackends(resolved.attention, "reference")
-    uses_pallas = "pallas" in (resolved.attention, resolved.gdn)
-    return KernelBackends(resolved.attention, resolved.gdn, interpret=uses_pallas and not on_tpu, platform=platform)
+        gdn_name = "reference"
+    # Interpret mode off a TPU, for every Pallas kernel alike (the flag was one for the whole step).
+    interpret = "pallas" in (attn_name, gdn_name) and not on_tpu
+    return KernelBackends.of(attn_name, gdn_name, interpret, platform)
 
 
-def attention_kernel(backends: KernelBackends) -> Callable | None:
-    """The Pallas ragged paged attention (``model.attention.attention_layer``'s ``core``), or None for the
-    model's reference path. Signature: ``(q, k_new, v_new, k_cache, v_cache, layer, q_lens, kv_lens,
-    page_table) -> (out, k_cache, v_cache)``."""
-    if backends.attention != "pallas":
-        return None
-    return functools.partial(ragged_paged_attention, interpret=backends.interpret)
-
-
-def gdn_kernel(backends: KernelBackends) -> Callable | None:
-    """The fused Pallas GDN (``fused_gdn`` with ``interpret`` bound), or None for the model's reference path."""
-    if backends.gdn != "pallas":
-        return None
-    return functools.partial(fused_gdn, interpret=backends.interpret)
+def page_multiple(attention: str, kv_dtype: Any) -> int:
+    """What ``--page-size`` must be a multiple of for ``--attention-backend attention`` and a ``kv_dtype`` KV
+    cache, whatever the platform and the model (a flag check: ``auto`` may resolve to either backend, so the
+    least common multiple of both layouts' requirements). Raises ValueError for a value outside :data:`CHOICES`."""
+    if attention not in CHOICES:
+        raise ValueError(f"--attention-backend must be one of {', '.join(CHOICES)}; got {attention!r}")
+    names = ("pallas", "reference") if attention == "auto" else (attention,)
+    return math.lcm(*(AttentionBackend(name).layout.page_multiple(kv_dtype) for name in names))

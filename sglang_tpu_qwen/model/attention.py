@@ -7,13 +7,12 @@ RMSNorm (``1 + w``); partial RoPE; softmax attention with scale ``hd^-0.5``; out
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import logical, page_size_of
+from sglang_tpu_qwen.kernels.attention_backend import AttentionBackend
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import page_slots, paged_attention, write_kv
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
@@ -31,7 +30,7 @@ def attention_layer(
     v_cache: jax.Array,
     layer: jax.Array | int,
     config: Qwen35MoeConfig,
-    core: Callable | None = None,
+    backend: AttentionBackend | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One gated attention block (token mixer only; norms and residual are the caller's).
 
@@ -44,13 +43,15 @@ def attention_layer(
         batch: the step (model/forward_batch.py): its page table, positions, valid tokens (padded tokens'
             K/V go to trash page 0) and KV lengths.
         rope: ``(cos, sin)``, each ``[B, T, rotary_dim]`` float32, for ``batch.positions``.
-        k_cache, v_cache: ``[L_attn, num_pages, page_size, nkv, hd]``, the compute dtype or float8_e4m3fn (an FP8
-            pool stored packed: kernels/ragged_paged_attention/page_layout.py).
+        k_cache, v_cache: logically ``[L_attn, num_pages, page_size, nkv, hd]``, stored as ``backend.layout``
+            says (kernels/ragged_paged_attention/layout.py), the compute dtype or float8_e4m3fn.
         layer: index of this layer among the attention layers.
         config: model config.
-        core: optional replacement for write_kv + paged_attention with the signature of
+        backend: the attention backend (kernels/attention_backend.py): its kernel, with the signature of
             ``kernels.ragged_paged_attention`` (``(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens,
-            page_table, *, k_scale, v_scale) -> (attn, k_cache, v_cache)``); None runs this module's reference.
+            page_table, *, k_scale, v_scale) -> (attn, k_cache, v_cache)``), replaces write_kv +
+            paged_attention; without one (the reference backend, or None) the reference runs on its layout
+            (None: the default, token-major).
 
     Returns:
         ``(out [B, T, H], k_cache, v_cache)`` with the new K/V written.
@@ -68,16 +69,17 @@ def attention_layer(
 
     valid, kv_lens, page_table = batch.valid, batch.kv_lens, batch.page_table
     k_scale, v_scale = p.get("k_scale"), p.get("v_scale")
-    if core is not None:
+    backend = backend or AttentionBackend()
+    if (core := backend.kernel) is not None:
         q_lens = jnp.sum(valid, axis=1, dtype=jnp.int32)
         attn, k_cache, v_cache = core(q, k, v, k_cache, v_cache, layer, q_lens, kv_lens, page_table,
                                       k_scale=k_scale, v_scale=v_scale)
     else:
-        positions = batch.positions
-        pages, offsets = page_slots(positions, valid, page_table, page_size_of(k_cache, nkv))
-        k_cache = write_kv(k_cache, layer, k, pages, offsets, k_scale)
-        v_cache = write_kv(v_cache, layer, v, pages, offsets, v_scale)
-        attn = paged_attention(q, logical(k_cache, nkv), logical(v_cache, nkv), layer, page_table, positions,
-                               kv_lens, k_scale, v_scale)
+        positions, layout = batch.positions, backend.layout
+        pages, offsets = page_slots(positions, valid, page_table, layout.page_size_of(k_cache, nkv))
+        k_cache = write_kv(k_cache, layer, k, pages, offsets, k_scale, layout=layout)
+        v_cache = write_kv(v_cache, layer, v, pages, offsets, v_scale, layout=layout)
+        attn = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens, k_scale, v_scale,
+                               nkv=nkv, layout=layout)
     out = attn.reshape(b, t, nq * hd) * jax.nn.sigmoid(gate)
     return linear(out, p["o_proj"]), k_cache, v_cache

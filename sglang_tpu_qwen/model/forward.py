@@ -20,10 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.kernels.dispatch import KernelBackends, attention_kernel, gdn_kernel
-from sglang_tpu_qwen.kernels.gdn.conv_pool import pool_shape
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gdn_mix
-from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import pool_shape as kv_pool_shape
+from sglang_tpu_qwen.kernels.gdn.state_layout import GDN_STATE_LAYOUT, GdnStateLayout
+from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
+from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
 from sglang_tpu_qwen.model.attention import attention_layer
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.dense_mlp import dense_mlp
@@ -52,29 +53,33 @@ def init_cache(
     kv_dtype: Any,
     state_dtype: Any = jnp.float32,
     mtp_layers: int = 0,
+    *,
+    kv_layout: KVPoolLayout = TOKEN_MAJOR,
+    state_layout: GdnStateLayout = GDN_STATE_LAYOUT,
 ) -> Cache:
     """Zeroed cache for all layers.
 
     ``mtp_layers``: the KV pool also holds that many MTP layers' pages, after the target's attention layers
     (layer index ``config.num_attn_layers + i``, model/mtp.py): the MTP layer's KV follows the page table, and
-    so the radix tree, with the target's.
+    so the radix tree, with the target's. ``kv_layout`` / ``state_layout``: how the pools are stored, the
+    attention and GDN backends' (``KernelBackends.attention.layout`` / ``.gdn.state_layout``); every later
+    reader of the cache must be given the same ones.
 
     Returns:
-        ``{"k", "v": [n_attn_layers + mtp_layers, num_pages, page_size, nkv, hd] kv_dtype (FP8: the packed
-        row-major reshape ``[.., page_size / r, r * nkv, hd]`` of kernels/ragged_paged_attention/page_layout.py),
-        "conv": [n_gdn_layers, num_slots * (K-1), conv_dim] state_dtype (kernels/gdn/conv_pool.py),
-        "rec": [n_gdn_layers, num_slots, Hv, dk, dv] state_dtype}``. Page 0 and slot 0 are trash targets.
+        ``{"k", "v": kv_layout.pool_shape(n_attn_layers + mtp_layers, num_pages, page_size, nkv, hd, kv_dtype)
+        kv_dtype (logically [L, num_pages, page_size, nkv, hd]; kernels/ragged_paged_attention/layout.py),
+        "conv": [n_gdn_layers, num_slots * (K-1), conv_dim] and "rec": [n_gdn_layers, num_slots, Hv, dk, dv]
+        state_dtype (kernels/gdn/state_layout.py)}``. Page 0 and slot 0 are trash targets.
+
+    Raises:
+        ValueError: ``page_size`` does not fit ``kv_layout`` for ``kv_dtype`` (e.g. FP8 packing).
     """
-    kv_shape = kv_pool_shape(config.num_attn_layers + mtp_layers, num_pages, page_size, config.num_key_value_heads,
-                             config.head_dim, kv_dtype)
-    conv_shape = pool_shape(config.num_gdn_layers, num_slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1)
-    rec_shape = (
-        config.num_gdn_layers,
-        num_slots,
-        config.linear_num_value_heads,
-        config.linear_key_head_dim,
-        config.linear_value_head_dim,
-    )
+    kv_shape = kv_layout.pool_shape(config.num_attn_layers + mtp_layers, num_pages, page_size,
+                                    config.num_key_value_heads, config.head_dim, kv_dtype)
+    conv_shape = state_layout.conv_shape(config.num_gdn_layers, num_slots, config.gdn_conv_dim,
+                                         config.linear_conv_kernel_dim - 1)
+    rec_shape = state_layout.rec_shape(config.num_gdn_layers, num_slots, config.linear_num_value_heads,
+                                       config.linear_key_head_dim, config.linear_value_head_dim)
     return {
         "k": jnp.zeros(kv_shape, kv_dtype),
         "v": jnp.zeros(kv_shape, kv_dtype),
@@ -247,10 +252,10 @@ def decoder_layer(
     inputs = None
     if kind == "full_attention":
         x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, index, config,
-                                              attention_kernel(backends))
+                                              backends.attention)
     elif batch.mode.is_verify:  # the jnp reference over the slot states, which stay as they are
         x, inputs = gdn_layer_verify(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
-    elif (gdn_fused := gdn_kernel(backends)) is not None:
+    elif (gdn_fused := backends.gdn.kernel) is not None:
         x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused)
     else:
         x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)

@@ -62,7 +62,7 @@ def expected() -> dict[str, Any]:
     out: dict[str, Any] = {}
     with running_engine(**ENGINE_KWARGS, **REFERENCE, chunked_prefill_size=WHOLE, disable_radix_cache=True,
                         disable_precompile=True) as ref:
-        assert (ref.runner.backends.attention, ref.runner.backends.gdn) == ("reference", "reference")
+        assert (ref.runner.backends.attention.name, ref.runner.backends.gdn.name) == ("reference", "reference")
         out["prompts"] = output_ids(ref.generate(input_ids=PROMPTS, sampling_params=GREEDY))
         out["long"] = output_ids(ref.generate(input_ids=LONG, sampling_params=GREEDY))[0]
         out["branch"] = output_ids(ref.generate(input_ids=BRANCH, sampling_params=GREEDY))[0]
@@ -81,7 +81,7 @@ def served(expected: dict[str, Any]) -> Iterator[Any]:
     ``expected`` so that the reference engines have run and are gone before it starts.)"""
     with running_engine(**ENGINE_KWARGS, **PALLAS, chunked_prefill_size=CHUNK) as eng:
         backends = eng.runner.backends
-        assert (backends.attention, backends.gdn) == ("pallas", "pallas")
+        assert (backends.attention.name, backends.gdn.name) == ("pallas", "pallas")
         assert backends.interpret == (jax.default_backend() != "tpu")  # on the chip: compiled by Mosaic
         yield eng
         assert_memory_back(eng)

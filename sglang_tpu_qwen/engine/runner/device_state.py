@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.memory import gdn_state, kv_io
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import init_cache
@@ -98,30 +99,39 @@ class Placement:
             return jax.tree.map(lambda _: target, params)
         return shardings(param_pspecs(params, self.layout), self.layout)
 
-    def cache_shardings(self) -> Any:
-        """Shardings of the cache dict (pages / slots split over the DP ranks), or the one device's."""
+    def cache_shardings(self, backends: KernelBackends | None = None) -> Any:
+        """Shardings of the cache dict (pages / slots split over the DP ranks, on the axes the backends' pool
+        layouts name; None: the default layouts), or the one device's."""
         if self.layout is None:
             return self.single()
-        return shardings(cache_pspecs(self.layout), self.layout)
+        backends = backends or KernelBackends()
+        return shardings(cache_pspecs(self.layout, backends.attention.layout, backends.gdn.state_layout),
+                         self.layout)
 
 
 class DeviceState:
     """The KV pages and GDN slots of every DP rank (`cache`) and the kept sampled ids, with their operations.
 
-    cache: {"k", "v": [L_attn, dp * num_pages, page_size, kv_heads, head_dim] KV dtype (--kv-cache-dtype:
-    the compute dtype, bfloat16 or float8_e4m3fn); "conv", "rec": GDN state of dp * num_slots slots,
-    sizing.state_dtype (--mamba-ssm-dtype)} (model/forward.py `init_cache`), split over the DP ranks.
+    cache: {"k", "v": logically [L_attn, dp * num_pages, page_size, kv_heads, head_dim], stored in
+    `kv_layout` (the attention backend's), KV dtype (--kv-cache-dtype: the compute dtype, bfloat16 or
+    float8_e4m3fn); "conv", "rec": GDN state of dp * num_slots slots in `state_layout`, sizing.state_dtype
+    (--mamba-ssm-dtype)} (model/forward.py `init_cache`), split over the DP ranks.
     """
 
     def __init__(self, config: Qwen35MoeConfig, sizing: RunnerSizing, placement: Placement, kv_dtype: Any,
-                 abstract_only: bool = False) -> None:
+                 abstract_only: bool = False, backends: KernelBackends | None = None) -> None:
         """Allocate the cache as zeros in its sharding (no device ever holds the global cache), committed like
         the caches the compiled steps return, so eager slot copies see one signature. `abstract_only`: the
-        planner's state, ShapeDtypeStructs with shardings; nothing is allocated."""
+        planner's state, ShapeDtypeStructs with shardings; nothing is allocated. `backends`: whose pool
+        layouts the cache is stored in (None: the defaults)."""
         self.sizing, self.placement = sizing, placement
+        backends = backends or KernelBackends()
+        self.kv_layout, self.state_layout = backends.attention.layout, backends.gdn.state_layout
+        self.num_kv_heads = config.num_key_value_heads
         make_cache = partial(init_cache, config, sizing.dp * sizing.num_pages, sizing.page_size,
-                             sizing.dp * sizing.num_slots, kv_dtype, sizing.state_dtype, sizing.mtp_layers)
-        target = placement.cache_shardings()
+                             sizing.dp * sizing.num_slots, kv_dtype, sizing.state_dtype, sizing.mtp_layers,
+                             kv_layout=self.kv_layout, state_layout=self.state_layout)
+        target = placement.cache_shardings(backends)
         if abstract_only:
             shapes = jax.eval_shape(make_cache)
             self.cache: Any = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
@@ -164,37 +174,37 @@ class DeviceState:
     # ---- GDN slots and KV pages (global ids) --------------------------------------------------------
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the GDN state of slot src into slot dst for each (src, dst) pair."""
-        self.cache = gdn_state.copy_slots(self.cache, pairs)
+        self.cache = gdn_state.copy_slots(self.cache, pairs, self.state_layout)
 
     def fill_nan_slots(self, slots: list[int]) -> None:
         """Poison freed GDN slots with NaN (--debug-nan-fill-freed-slots)."""
-        self.cache = gdn_state.fill_nan(self.cache, slots)
+        self.cache = gdn_state.fill_nan(self.cache, slots, self.state_layout)
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copy of one slot's GDN state (conv [n_gdn, conv_dim, K-1], rec [n_gdn, Hv, dk, dv])."""
-        return gdn_state.read_slot(self.cache, slot)
+        return gdn_state.read_slot(self.cache, slot, self.state_layout)
 
     def read_slot_async(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Device copies of one slot's GDN state with their host copy started, without waiting
         (gdn_state.read_slot_async: the host tier's demotion)."""
-        return gdn_state.read_slot_async(self.cache, slot)
+        return gdn_state.read_slot_async(self.cache, slot, self.state_layout)
 
     def write_slot(self, slot: int, conv: np.ndarray | jax.Array, rec: np.ndarray | jax.Array) -> None:
         """Upload a copy (from read_slot or read_slot_async) into a slot, without waiting."""
-        self.cache = gdn_state.write_slot(self.cache, slot, conv, rec)
+        self.cache = gdn_state.write_slot(self.cache, slot, conv, rec, self.state_layout)
 
     def gather_kv(self, pages: list[int], start: int, end: int) -> tuple[jax.Array, jax.Array]:
         """Token-major KV of positions [start, end) of a sequence with page table `pages` (kv_io.gather_kv)."""
-        return kv_io.gather_kv(self.cache, pages, self.sizing.page_size, start, end)
+        return kv_io.gather_kv(self.cache, self.kv_layout, self.num_kv_heads, pages, start, end)
 
     def read_gdn(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """Device copies of one slot's GDN state (kv_io.read_gdn)."""
-        return kv_io.read_gdn(self.cache, slot)
+        return kv_io.read_gdn(self.cache, slot, self.state_layout)
 
     def write_state(self, pages: list[int], k: Any, v: Any, slot: int, conv: Any, rec: Any) -> None:
         """Write a transferred request's token-major KV into `pages` and its GDN state into `slot`."""
-        self.cache = kv_io.write_kv(self.cache, pages, k, v)
-        self.cache = kv_io.write_gdn(self.cache, slot, conv, rec)
+        self.cache = kv_io.write_kv(self.cache, self.kv_layout, pages, k, v)
+        self.cache = kv_io.write_gdn(self.cache, slot, conv, rec, self.state_layout)
 
     def input_placement(self) -> jax.sharding.Sharding:
         """Where arrays given to write_state should live (replicated over the cache's devices)."""
@@ -210,10 +220,11 @@ class DeviceState:
         # twice, so both inputs are seen.
         sizes = [1 << i for i in range(next_pow2(max_rows).bit_length())]
         for n in sizes + sizes:
-            self.cache = gdn_state.copy_slots(self.cache, [(0, 0)] * n)
+            self.cache = gdn_state.copy_slots(self.cache, [(0, 0)] * n, self.state_layout)
         if host_tier:  # demotion to host memory and restore from it: from host arrays and from pending device ones
             for rank in range(self.sizing.dp):
                 trash = self.sizing.slot_base(rank)
-                pending = gdn_state.read_slot_async(self.cache, trash)
-                self.cache = gdn_state.write_slot(self.cache, trash, *pending)
-                self.cache = gdn_state.write_slot(self.cache, trash, *(np.asarray(a) for a in pending))
+                pending = gdn_state.read_slot_async(self.cache, trash, self.state_layout)
+                self.cache = gdn_state.write_slot(self.cache, trash, *pending, self.state_layout)
+                self.cache = gdn_state.write_slot(self.cache, trash, *(np.asarray(a) for a in pending),
+                                                  self.state_layout)

@@ -3,8 +3,8 @@ share what is left of ``--mem-fraction-static`` (engine/runner/memory_split.py h
 ``/get_server_info`` reports the result per device.
 
 Bytes come from the arrays actually built (per-device shard sizes from ``addressable_shards``) and from
-the cache layout ``init_cache`` produces for the dtypes in use (``jax.eval_shape``, nothing allocated),
-so an FP8 weight, a bf16 KV cache or a float32 GDN state is counted at its own size.
+the pools' layouts (``KVPoolLayout.page_bytes``, ``GdnStateLayout.slot_bytes``: nothing allocated), so an
+FP8 weight, a bf16 KV cache or a float32 GDN state is counted at its own size.
 SGLang's equivalents: ``ModelRunner.profile_max_num_token`` (pool size from the memory left after the
 weights, hybrid-GDN models first reserving their mamba/state pool) and the scheduler's
 ``memory_usage`` (``weight`` and ``kvcache`` in GB = 2**30 bytes, ``token_capacity``).
@@ -20,8 +20,10 @@ from typing import Any
 import jax
 
 from sglang_tpu_qwen.engine.runner.memory_split import GB
+from sglang_tpu_qwen.kernels.gdn.state_layout import GDN_STATE_LAYOUT, GdnStateLayout
+from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
+from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.forward import init_cache
 
 _KV_KEYS = ("k", "v")
 _STATE_KEYS = ("conv", "rec")
@@ -41,16 +43,25 @@ class CacheUnits:
         return self.kv_per_page // self.page_size
 
 
-def cache_units(config: Qwen35MoeConfig, page_size: int, kv_dtype: Any, state_dtype: Any,
-                mtp_layers: int = 0) -> CacheUnits:
-    """Per-page and per-slot bytes of ``init_cache(config, ..., kv_dtype, state_dtype, mtp_layers)`` (shapes
-    only; ``mtp_layers``: the MTP layer's KV in every page, speculative decoding)."""
-    one = jax.eval_shape(lambda: init_cache(config, 1, page_size, 1, kv_dtype, state_dtype, mtp_layers))
+def cache_units(config: Qwen35MoeConfig, page_size: int, kv_dtype: Any, state_dtype: Any, mtp_layers: int = 0, *,
+                kv_layout: KVPoolLayout = TOKEN_MAJOR, state_layout: GdnStateLayout = GDN_STATE_LAYOUT) -> CacheUnits:
+    """Per-page and per-slot bytes of ``init_cache(config, ..., kv_dtype, state_dtype, mtp_layers)`` in these
+    layouts (``mtp_layers``: the MTP layer's KV in every page, speculative decoding).
 
-    def nbytes(keys: tuple[str, ...]) -> int:
-        return sum(one[k].size * one[k].dtype.itemsize for k in keys)
-
-    return CacheUnits(nbytes(_KV_KEYS), nbytes(_STATE_KEYS), page_size)
+    Raises:
+        ValueError: ``page_size`` does not fit ``kv_layout`` for ``kv_dtype`` (``KVPoolLayout.pool_shape``).
+    """
+    kv_layers = config.num_attn_layers + mtp_layers
+    nkv, hd = config.num_key_value_heads, config.head_dim
+    kv_layout.pool_shape(kv_layers, 1, page_size, nkv, hd, kv_dtype)  # the layout's page-size check
+    kv = 2 * kv_layers * kv_layout.page_bytes(page_size, nkv, hd, kv_dtype)  # K and V
+    taps = config.linear_conv_kernel_dim - 1
+    conv = jax.ShapeDtypeStruct(state_layout.conv_shape(config.num_gdn_layers, 1, config.gdn_conv_dim, taps),
+                                state_dtype)
+    rec = jax.ShapeDtypeStruct(state_layout.rec_shape(config.num_gdn_layers, 1, config.linear_num_value_heads,
+                                                      config.linear_key_head_dim, config.linear_value_head_dim),
+                               state_dtype)
+    return CacheUnits(kv, state_layout.slot_bytes(conv, rec), page_size)
 
 
 def bytes_per_device(tree: Any) -> dict[Any, int]:

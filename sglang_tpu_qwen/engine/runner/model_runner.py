@@ -104,10 +104,11 @@ class ModelRunner:
         weight_bytes = memory_accounting.bytes_per_device(self.params)
         self.vision_encoder = vision_encoder
         vision_bytes = vision_encoder.memory_bytes() if vision_encoder is not None else 0
-        sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes, device_limit=device_memory_bytes,
-                                    vision_bytes=vision_bytes)
+        # The backends first: their pool layouts size a KV page and a GDN slot.
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
                                          config=config)
+        sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes, device_limit=device_memory_bytes,
+                                    vision_bytes=vision_bytes, backends=self.backends)
         self.spec_steps = args.speculative_steps  # speculative decoding: draft tokens per row (MTP layer)
         if self.spec_steps and "mtp" not in self.params:
             raise ValueError("speculative decoding needs the MTP layer's parameters (params['mtp'])")
@@ -118,10 +119,12 @@ class ModelRunner:
         if sizing.split.device_limit and probe_temporaries:
             self.probe = self._probe_temporaries(sizing, args.moe_combine)
             sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes, device_limit=device_memory_bytes,
-                                        vision_bytes=vision_bytes, temporaries=self.probe.temp_bytes)
+                                        vision_bytes=vision_bytes, temporaries=self.probe.temp_bytes,
+                                        backends=self.backends)
             sizing.split.check_fits()
         self.sizing = sizing
-        self.state = DeviceState(config, sizing, placement, self.kv_dtype, abstract_only=self.is_abstract)
+        self.state = DeviceState(config, sizing, placement, self.kv_dtype, abstract_only=self.is_abstract,
+                                 backends=self.backends)
         self.memory_usage: list[dict[str, Any]] = [] if self.is_abstract else memory_accounting.memory_usage(
             self.params, self.state.cache, sizing.kv_tokens, vision_bytes)
         logger.info("KV pool: %d pages x %d tokens, %s; GDN slots: %d running + %d snapshots%s, state %s (%.2f "
@@ -130,7 +133,8 @@ class ModelRunner:
                     f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "",
                     sizing.state_dtype.name, sizing.units.gdn_per_slot / 2**20)
         (logger.warning if sizing.split.over_budget else logger.info)("%s", sizing.split.describe())
-        logger.info("kernels: attention %s, gdn %s%s", self.backends.attention, self.backends.gdn,
+        logger.info("kernels: attention %s (KV pool %s), gdn %s%s", self.backends.attention.name,
+                    self.backends.attention.layout.name, self.backends.gdn.name,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
         self.program_memory: ProgramMemory | None = None  # every compiled program's, read after precompile
         self.programs = ProgramTable(config, self.params, self.state, self.buckets, self.backends, args.moe_combine,
@@ -182,7 +186,8 @@ class ModelRunner:
         """The largest temporaries of the set's largest programs (per kind), compiled on a minimal pool
         (memory_split.MIN_KV_PAGES pages, the running slots) with the buckets `sizing` gives."""
         small = dataclasses.replace(sizing, num_pages=min(sizing.num_pages, MIN_KV_PAGES + 1), num_snapshot_slots=0)
-        state = DeviceState(self.config, small, self.placement, self.kv_dtype, abstract_only=True)
+        state = DeviceState(self.config, small, self.placement, self.kv_dtype, abstract_only=True,
+                            backends=self.backends)
         table = ProgramTable(self.config, self.params, state, self.buckets, self.backends, moe_combine, self.dtype,
                              spec_steps=self.spec_steps)
         return probe_temporaries(table.lower, table.keys())

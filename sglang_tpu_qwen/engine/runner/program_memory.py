@@ -15,7 +15,7 @@ instead of guessing:
 
 A program that updates the pools in place has temporaries that do not grow with the pools. One that copies a
 pool (a layout XLA picks for the parameter that differs from what a kernel or fusion asks for: pool dims
-under the TPU's (8, 128) tile, kernels/ragged_paged_attention/page_layout.py) has temporaries of the pool's
+under the TPU's (8, 128) tile, kernels/ragged_paged_attention/token_major.py) has temporaries of the pool's
 size; ``measure``'s ratio to the pool bytes shows it (tests/test_program_memory.py checks it on a deviceless
 TPU compile).
 """

@@ -24,6 +24,7 @@ from sglang_tpu_qwen.engine.runner import memory_accounting, memory_split
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet
 from sglang_tpu_qwen.engine.runner.memory_accounting import CacheUnits
 from sglang_tpu_qwen.engine.runner.memory_split import MemorySplit
+from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,8 @@ class RunnerSizing:
 
     @classmethod
     def build(cls, config: Qwen35MoeConfig, args: ServerArgs, dtype: Any, weight_bytes: dict[Any, int] | None, *,
-              device_limit: int | None = None, vision_bytes: int = 0, temporaries: int = 0) -> RunnerSizing:
+              device_limit: int | None = None, vision_bytes: int = 0, temporaries: int = 0,
+              backends: KernelBackends | None = None) -> RunnerSizing:
         """Sizes from the config and flags; GDN slots and KV pages split the memory the weights leave on the
         fullest device by engine/runner/memory_split.py's rule (--mamba-full-memory-ratio,
         --max-mamba-cache-size, --max-gdn-snapshots, --max-total-tokens, --mem-fraction-static).
@@ -164,6 +166,7 @@ class RunnerSizing:
                 the budget before the split; 0 without a vision tower (the planner's runner has none).
             temporaries: the largest step program's temporaries per device, reserved beside the pools
                 (engine/runner/program_memory.py; 0: none read).
+            backends: the kernel backends, whose pool layouts size a page and a slot; None: the defaults.
         Raises:
             ValueError: --chunked-prefill-size unresolved (resolve_device_defaults), a device limit without
                 weight bytes, too little device memory (memory_split.split_memory), or a state dtype outside
@@ -173,7 +176,10 @@ class RunnerSizing:
         per_rank = -(-args.max_running_requests // dp)
         state_dtype = resolve_state_dtype(args.mamba_ssm_dtype, config)
         mtp_layers = 1 if args.speculative_steps else 0
-        units = memory_accounting.cache_units(config, args.page_size, dtype, state_dtype, mtp_layers)
+        backends = backends or KernelBackends()
+        units = memory_accounting.cache_units(config, args.page_size, dtype, state_dtype, mtp_layers,
+                                              kv_layout=backends.attention.layout,
+                                              state_layout=backends.gdn.state_layout)
         weights = 0
         if weight_bytes:
             device = max(weight_bytes, key=weight_bytes.__getitem__)

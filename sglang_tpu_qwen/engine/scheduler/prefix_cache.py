@@ -265,8 +265,8 @@ class PrefixCache:
 
     def _demote(self, sid: int, key: tuple[int, ...]) -> None:
         cache = self.runner.cache
-        # One slot, all GDN layers (the rec pool's dim 1 is its slots; the conv pool holds K-1 rows per slot).
-        nbytes = sum(cache[k].nbytes for k in ("conv", "rec")) // cache["rec"].shape[1]
+        # One slot, all GDN layers, as the state pools' layout stores it (kernels/gdn/state_layout.py).
+        nbytes = self.runner.state.state_layout.slot_bytes(cache["conv"], cache["rec"])
         if not self.host.fits(nbytes):  # decided before reading: no device copy for a snapshot the host cannot hold
             return
         # Not waited for: the copy is dispatched after the step just launched and lands while the host goes on

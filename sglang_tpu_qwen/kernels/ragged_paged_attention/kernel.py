@@ -15,7 +15,8 @@ share the call. Shapes:
 
     q              [B, T, nq, hd]       queries (RoPE applied), any float dtype
     k_new, v_new   [B, T, nkv, hd]      this step's keys / values
-    k_cache, v_cache [L, num_pages, page_size, nkv, hd]   all attention layers (contract in docs/internals.md)
+    k_cache, v_cache [L, num_pages, page_size, nkv, hd]   all attention layers, token-major (token_major.py;
+                                        contract in docs/internals.md)
     layer          int32 scalar         attention layer to use
     q_lens         [B] int32            new tokens per row (0: padding row; nothing written, output 0)
     kv_lens        [B] int32            context length after this step (prefix + q_len)
@@ -34,7 +35,7 @@ sizes: ``block_sizes.py``. Page fetches are double-buffered: block kb + 1's page
 FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the call; reads upcast each
 page tile to the query dtype in VMEM (exact) and apply the scales to the float32 scores (K) and the output (V).
 An FP8 pool is stored packed, ``[L, N, page_size / r, r * nkv, hd]`` with ``r * nkv`` a multiple of 4
-(page_layout.py: otherwise XLA's default layout for the pool differs from the kernel's and it copies the pool
+(token_major.py: otherwise XLA's default layout for the pool differs from the kernel's and it copies the pool
 around every call). One token of a packed row is a sub-tile slice Mosaic's DMA cannot address, so for FP8 the
 new tokens are written by an XLA whole-row scatter before the call (``_scatter_rows``, in place), and a block's
 head ``h`` is read as the ``r`` sublane slices ``p * nkv + h`` stacked (keys reordered; ``_key_offsets`` gives
@@ -52,7 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes, block_sizes_for
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
-from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import page_size_of, pool_shape, tokens_per_row
+from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR, tokens_per_row
 
 # Integer division in the kernel uses lax.div / lax.rem (operands are >= 0): jnp's floor division lowers
 # through `sign`, whose Mosaic rule asks the *local* device for its TPU generation, which breaks deviceless AOT.
@@ -258,8 +259,9 @@ def ragged_paged_attention(
         q: ``[B, T, nq, hd]`` queries; ``nq`` a multiple of ``nkv``.
         k_new, v_new: ``[B, T, nkv, hd]`` new keys / values (stored as ``kv_quant.quantize_kv`` gives them: cast to
             the cache dtype, or for FP8 caches divided by the scale and saturated).
-        k_cache, v_cache: ``page_layout.pool_shape(L, num_pages, page_size, nkv, hd, dtype)`` (``[L, num_pages,
-            page_size, nkv, hd]``, FP8 packed), donated and updated in place; float32, bfloat16 or float8_e4m3fn.
+        k_cache, v_cache: ``TOKEN_MAJOR.pool_shape(L, num_pages, page_size, nkv, hd, dtype)`` (``[L, num_pages,
+            page_size, nkv, hd]``, FP8 packed; token_major.py), donated and updated in place; float32, bfloat16
+            or float8_e4m3fn.
         layer: attention-layer index into the caches (int32 scalar, may be traced).
         q_lens: ``[B]`` int32 valid new tokens per row (``<= T``).
         kv_lens: ``[B]`` int32 context length including the new tokens.
@@ -275,14 +277,15 @@ def ragged_paged_attention(
         but meaningless (0 for rows with ``q_lens[b] == 0``); the K/V of padded tokens is not written.
 
     Raises:
-        ValueError: when ``nq`` is not a multiple of ``nkv``, or the caches are not in ``pool_shape``.
+        ValueError: when ``nq`` is not a multiple of ``nkv``, or the caches are not in the token-major
+            ``pool_shape``.
     """
     b, t, nq, hd = q.shape
     nkv = k_new.shape[2]
-    page_size = page_size_of(k_cache, nkv)
+    page_size = TOKEN_MAJOR.page_size_of(k_cache, nkv)
     per_row = tokens_per_row(k_cache.dtype, nkv)
-    if k_cache.shape != pool_shape(k_cache.shape[0], k_cache.shape[1], page_size, nkv, hd, k_cache.dtype):
-        raise ValueError(f"cache shape {k_cache.shape} is not page_layout.pool_shape for {nkv} KV heads of {hd}")
+    if k_cache.shape != TOKEN_MAJOR.pool_shape(k_cache.shape[0], k_cache.shape[1], page_size, nkv, hd, k_cache.dtype):
+        raise ValueError(f"cache shape {k_cache.shape} is not the token-major pool_shape for {nkv} KV heads of {hd}")
     if nq % nkv:
         raise ValueError(f"query heads ({nq}) must be a multiple of KV heads ({nkv})")
     groups = nq // nkv

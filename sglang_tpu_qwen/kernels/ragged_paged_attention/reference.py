@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
-from sglang_tpu_qwen.kernels.ragged_paged_attention.page_layout import logical, page_size_of, stored
+from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
+from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
 
 
 def page_slots(
@@ -41,22 +42,21 @@ def page_slots(
 
 
 def write_kv(cache: jax.Array, layer: int, new: jax.Array, pages: jax.Array, offsets: jax.Array,
-             scale: Any = None) -> jax.Array:
+             scale: Any = None, *, layout: KVPoolLayout = TOKEN_MAJOR) -> jax.Array:
     """Scatter new keys (or values) of one layer into the paged cache.
 
     Args:
-        cache: all attention layers, as ``page_layout.pool_shape`` stores them (``[L, num_pages, page_size,
-            nkv, hd]`` or its packed FP8 reshape).
+        cache: all attention layers, as ``layout.pool_shape`` stores them (layout.py).
         layer: attention-layer index into ``cache``.
         new: ``[B, T, nkv, hd]``.
         pages, offsets: ``[B, T]`` from :func:`page_slots`.
         scale: the layer's K (or V) scale, float32 scalar or None (1.0); used only by an FP8 cache.
+        layout: the pool's layout.
 
     Returns:
         The updated cache (same shape and dtype), ``new`` stored as ``kv_quant.quantize_kv`` gives it.
     """
-    view = logical(cache, new.shape[2])  # a packed FP8 pool (page_layout.py) as [L, N, page_size, nkv, hd]
-    return stored(view.at[layer, pages, offsets].set(quantize_kv(new, cache.dtype, scale)))
+    return layout.write_tokens(cache, layer, quantize_kv(new, cache.dtype, scale), pages, offsets)
 
 
 _PAGES_PER_BLOCK = 8  # key block of the reference loop: 8 pages (128 keys at page size 16)
@@ -73,6 +73,9 @@ def paged_attention(
     kv_lens: jax.Array,
     k_scale: Any = None,
     v_scale: Any = None,
+    *,
+    nkv: int,
+    layout: KVPoolLayout = TOKEN_MAJOR,
 ) -> jax.Array:
     """Causal GQA attention of new queries over the pages of the whole context.
 
@@ -83,7 +86,8 @@ def paged_attention(
 
     Args:
         q: ``[B, T, nq, hd]`` queries (RoPE applied).
-        k_cache, v_cache: ``[L, num_pages, page_size, nkv, hd]``.
+        k_cache, v_cache: all attention layers, as ``layout.pool_shape`` stores them (logically ``[L, num_pages,
+            page_size, nkv, hd]``, layout.py).
         layer: attention-layer index.
         page_table: ``[B, P]`` int32; key position ``j`` of row ``b`` lives in page ``page_table[b, j // ps]``.
         q_positions: ``[B, T]`` int32 absolute query positions.
@@ -91,12 +95,15 @@ def paged_attention(
         k_scale, v_scale: the layer's dequantisation scales (float32 scalars, None = 1.0), read only when the
             caches are FP8 (kv_quant.py); the pages are upcast to ``q.dtype`` (exact: every e4m3 value is a
             bfloat16) and the scales multiply the float32 scores and the output.
+        nkv: KV heads (a packed pool's stored shape does not tell them).
+        layout: the pools' layout; pages are read through ``layout.page_reader``.
 
     Returns:
         ``[B, T, nq, hd]`` in ``q.dtype``. Rows with no visible key (padding rows) give zeros.
     """
     b, t, nq, hd = q.shape
-    _, _, ps, nkv, _ = k_cache.shape
+    ps = layout.page_size_of(k_cache, nkv)
+    read_k, read_v = layout.page_reader(k_cache, nkv), layout.page_reader(v_cache, nkv)
     bp = min(_PAGES_PER_BLOCK, page_table.shape[1])
     pad = (-page_table.shape[1]) % bp
     if pad:
@@ -111,8 +118,8 @@ def paged_attention(
     def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         m, denom, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(page_table, i * bp, bp, axis=1)
-        k = k_cache[layer, cols].reshape(b, blk, nkv, hd)
-        v = v_cache[layer, cols].reshape(b, blk, nkv, hd)
+        k = read_k(layer, cols).reshape(b, blk, nkv, hd)
+        v = read_v(layer, cols).reshape(b, blk, nkv, hd)
         key_pos = i * blk + jnp.arange(blk, dtype=jnp.int32)
         key_ok = key_pos[None, :] < kv_lens[:, None]  # [B, blk]
         # Zero unused keys/values so stale or trash contents (page 0) can never reach real rows as NaN * 0.
@@ -149,16 +156,18 @@ def ragged_paged_attention_reference(
     *,
     k_scale: Any = None,
     v_scale: Any = None,
+    layout: KVPoolLayout = TOKEN_MAJOR,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write new K/V, then causal GQA attention over the pages (shapes as the kernel).
 
     Args:
         q: ``[B, T, nq, hd]``; k_new, v_new: ``[B, T, nkv, hd]``.
-        k_cache, v_cache: as ``page_layout.pool_shape`` stores them.
+        k_cache, v_cache: as ``layout.pool_shape`` stores them.
         layer: attention-layer index.
         q_lens, kv_lens: ``[B]`` int32 new tokens and context length (prefix + new).
         page_table: ``[B, P]`` int32.
         k_scale, v_scale: FP8 caches' per-layer scales (float32 scalars, None = 1.0; kv_quant.py).
+        layout: the pools' layout (layout.py; the kernel reads the token-major one).
 
     Returns:
         ``(out [B, T, nq, hd] in q.dtype, k_cache, v_cache)``.
@@ -168,9 +177,9 @@ def ragged_paged_attention_reference(
     positions = (kv_lens - q_lens)[:, None] + ar[None, :]
     valid = ar[None, :] < q_lens[:, None]
     nkv = k_new.shape[2]
-    pages, offsets = page_slots(positions, valid, page_table, page_size_of(k_cache, nkv))
-    k_cache = write_kv(k_cache, layer, k_new, pages, offsets, k_scale)
-    v_cache = write_kv(v_cache, layer, v_new, pages, offsets, v_scale)
-    out = paged_attention(q, logical(k_cache, nkv), logical(v_cache, nkv), layer, page_table, positions, kv_lens,
-                          k_scale, v_scale)
+    pages, offsets = page_slots(positions, valid, page_table, layout.page_size_of(k_cache, nkv))
+    k_cache = write_kv(k_cache, layer, k_new, pages, offsets, k_scale, layout=layout)
+    v_cache = write_kv(v_cache, layer, v_new, pages, offsets, v_scale, layout=layout)
+    out = paged_attention(q, k_cache, v_cache, layer, page_table, positions, kv_lens, k_scale, v_scale, nkv=nkv,
+                          layout=layout)
     return out, k_cache, v_cache

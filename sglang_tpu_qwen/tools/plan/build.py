@@ -132,8 +132,9 @@ def plan(
     mtp_rep, mtp_exp = programs.weight_bytes_per_device(mtp_specs, ep) if mtp_specs is not None else (0, 0)
     kv_dev = programs.nbytes({k: runner.cache[k] for k in ("k", "v")}) // dp
     gdn_dev = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // dp
-    kv_per_token = 2 * c.num_attn_layers * c.num_key_value_heads * c.head_dim * runner.kv_dtype.itemsize
-    state_per_req = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // (dp * runner.sizing.num_slots)
+    kv_per_token = 2 * c.num_attn_layers * runner.backends.attention.layout.token_bytes(
+        c.num_key_value_heads, c.head_dim, runner.kv_dtype)
+    state_per_req = runner.backends.gdn.state_layout.slot_bytes(runner.cache["conv"], runner.cache["rec"])
     embed_b = c.vocab_size * c.hidden_size * runner.dtype.itemsize
     e_local = c.num_experts // ep
     per_expert = exp_w / e_local if e_local else 0.0  # a dense model has no experts
@@ -154,7 +155,7 @@ def plan(
         "chunked_prefill_size": args.chunked_prefill_size,
         "mamba_ssm_dtype": runner.sizing.state_dtype.name,
         "prefill_tokens_per_rank": args.chunked_prefill_per_rank,
-        "kernels": {"attention": runner.backends.attention, "gdn": runner.backends.gdn,
+        "kernels": {"attention": runner.backends.attention.name, "gdn": runner.backends.gdn.name,
                     "fp8_matmul": "pallas" if fp8 else None},
         "chip": dataclasses.asdict(chip),
         "routing": {d.name: {"label": d.label, "zipf_s": d.s, "placement_seed": routing.PLACEMENT_SEED}
