@@ -28,8 +28,8 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
 )
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
+from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
-from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR  # noqa: E402
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig  # noqa: E402
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sglang_tpu_qwen.model.gated_deltanet import gdn_layer_pooled  # noqa: E402
@@ -69,8 +69,9 @@ def _report(name: str, compiled, in_place: bool = True) -> None:
            f"{name}: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, out {mem.output_size_in_bytes / 2**20:.1f} "
            f"MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, alias {mem.alias_size_in_bytes / 2**20:.1f} MiB")
     assert (mem.alias_size_in_bytes > 0) == in_place  # the caches / states are updated in place
-    # No copy of a cache or state pool around the kernel (a relayout would show up here as GiBs).
-    assert mem.temp_size_in_bytes < 64 * 2**20
+    # No copy of a cache or state pool around the kernel (a relayout would show up here as GiBs). The attention
+    # kernel's page writes hold each row's touched pages twice per pool (64 x 2 x 256 KiB x 2 = 64 MiB here).
+    assert mem.temp_size_in_bytes < 128 * 2**20
 
 
 # FP8 pools are stored packed ([L, N, page / 2, 4, 256] for 2 KV heads; token_major.py): with the second-minor
@@ -82,9 +83,9 @@ def _report(name: str, compiled, in_place: bool = True) -> None:
                           (4, 256, jnp.float8_e4m3fn)],
                          ids=["decode", "prefill", "decode-fp8", "prefill-fp8"])
 def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens: int, kv_dtype) -> None:
-    """bf16 pages, and FP8 pages (--kv-cache-dtype fp8_e4m3: packed rows written by an in-place XLA scatter,
-    in-kernel upcast, scales from SMEM, traced as the model passes them) aliased in place at half the cache
-    bytes, with no copy of either pool (the temp bound in _report)."""
+    """Head-major bf16 pages, and FP8 pages (--kv-cache-dtype fp8_e4m3: in-kernel upcast, scales from SMEM,
+    traced as the model passes them), the new tokens written whole pages at a time by an in-place XLA scatter,
+    aliased in place at half the cache bytes for FP8, with no copy of either pool (the temp bound in _report)."""
     layers, pages, pages_per_seq = 15, 256, 16
     fn = functools.partial(ragged_paged_attention, block_sizes=block_sizes_for(HD, PAGE, "TPU7x"))
     fp8 = kv_dtype == jnp.float8_e4m3fn
@@ -92,8 +93,8 @@ def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens
         _spec((batch, tokens, NQ, HD), jnp.bfloat16, device),
         _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
         _spec((batch, tokens, NKV, HD), jnp.bfloat16, device),
-        _spec(TOKEN_MAJOR.pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
-        _spec(TOKEN_MAJOR.pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
+        _spec(HEAD_MAJOR.pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
+        _spec(HEAD_MAJOR.pool_shape(layers, pages, PAGE, NKV, HD, kv_dtype), kv_dtype, device),
         _spec((), jnp.int32, device),
         _spec((batch,), jnp.int32, device),
         _spec((batch,), jnp.int32, device),

@@ -1,5 +1,9 @@
 """Ragged paged attention: the Pallas kernel in interpret mode (CPU) against the model's jnp reference.
 
+The kernel reads head-major pools (kernels/ragged_paged_attention/head_major.py); the reference runs on the
+same values stored token-major (its default), so the comparison also checks the kernel's whole-page writes
+against the reference's per-token ones through the two layouts' logical views.
+
 Seeded ragged batches over a paged cache with shuffled page tables: only decodes, only prefills, mixed
 decodes + prefill chunks with and without a cached prefix, contexts crossing page boundaries, padding rows
 (zero-length context), head_dim 128 and 256, and the largest bucket the test affords. Small head counts and
@@ -21,13 +25,15 @@ import numpy as np
 import pytest
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes
+from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
-BLOCKS = BlockSizes(decode_seqs=4, prefill_q=8, kv_pages=2)
+# Small blocks so a row crosses several key blocks and a decode grid step holds several rows.
+BLOCKS = BlockSizes(decode_seqs=4, prefill_q=8, block_keys=16)
 
 
 def _batch(rng, prefix_lens, q_lens, t, *, nq=4, nkv=2, hd=128, page_size=8, layers=2, dtype=jnp.float32):
@@ -52,10 +58,15 @@ def _batch(rng, prefix_lens, q_lens, t, *, nq=4, nkv=2, hd=128, page_size=8, lay
                 page_table=jnp.asarray(page_table))
 
 
+def _head_major(inputs):
+    """The inputs with the (logical, token-major) pools stored head-major, as the kernel reads them."""
+    return {k: HEAD_MAJOR.stored(v) if k in ("k_cache", "v_cache") else v for k, v in inputs.items()}
+
+
 def _check(inputs, dtype, block_sizes=BLOCKS):
     out_r, k_r, v_r = ragged_paged_attention_reference(**inputs)
-    copies = {k: jnp.array(v, copy=True) if k in ("k_cache", "v_cache") else v for k, v in inputs.items()}
-    out_k, k_k, v_k = ragged_paged_attention(**copies, block_sizes=block_sizes, interpret=True)
+    out_k, k_k, v_k = ragged_paged_attention(**_head_major(inputs), block_sizes=block_sizes, interpret=True)
+    k_k, v_k = HEAD_MAJOR.logical(k_k, 0), HEAD_MAJOR.logical(v_k, 0)
     q_lens = np.asarray(inputs["q_lens"])
     valid = np.arange(inputs["q"].shape[1])[None, :] < q_lens[:, None]
     err = np.abs(np.asarray(out_k, np.float32) - np.asarray(out_r, np.float32))[valid]
@@ -95,7 +106,7 @@ def test_gqa_ratio_and_largest_bucket() -> None:
     """Eight query heads per KV head, 64-token bucket over many pages, default-ish blocks."""
     rng = np.random.default_rng(4)
     inputs = _batch(rng, [40, 0, 100], [64, 64, 33], 64, nq=8, nkv=1, page_size=16)
-    _check(inputs, jnp.float32, BlockSizes(decode_seqs=8, prefill_q=32, kv_pages=4))
+    _check(inputs, jnp.float32, BlockSizes(decode_seqs=8, prefill_q=32, block_keys=64))
 
 
 def test_layer_index_selects_only_that_layer() -> None:
@@ -103,10 +114,8 @@ def test_layer_index_selects_only_that_layer() -> None:
     inputs = _batch(rng, [5, 0], [3, 4], 4, layers=3)
     inputs["layer"] = jnp.int32(1)
     before = np.asarray(inputs["k_cache"]).copy()
-    _, k_k, _ = ragged_paged_attention(**{**inputs, "k_cache": jnp.array(inputs["k_cache"], copy=True),
-                                          "v_cache": jnp.array(inputs["v_cache"], copy=True)},
-                                       block_sizes=BLOCKS, interpret=True)
-    k_k = np.asarray(k_k)
+    _, k_k, _ = ragged_paged_attention(**_head_major(inputs), block_sizes=BLOCKS, interpret=True)
+    k_k = np.asarray(HEAD_MAJOR.logical(k_k, 0))
     np.testing.assert_array_equal(k_k[0], before[0])
     np.testing.assert_array_equal(k_k[2], before[2])
     assert not np.array_equal(k_k[1], before[1])
@@ -117,6 +126,12 @@ def test_rejects_bad_head_ratio() -> None:
     rng = np.random.default_rng(6)
     inputs = _batch(rng, [0], [2], 2, nq=3, nkv=2)
     with pytest.raises(ValueError, match="multiple"):
+        jax.eval_shape(lambda: ragged_paged_attention(**_head_major(inputs), interpret=True))
+
+
+def test_rejects_token_major_pools() -> None:
+    inputs = _batch(np.random.default_rng(6), [0], [2], 2)
+    with pytest.raises(ValueError, match="head-major"):
         jax.eval_shape(lambda: ragged_paged_attention(**inputs, interpret=True))
 
 
@@ -130,10 +145,10 @@ def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int) -> None:
     inputs = _batch(rng, prefix, q_lens, t, nkv=nkv, hd=128)
     # Scales away from 1 and not powers of two, K and V different: a swapped or missing scale shows.
     k_scale, v_scale = jnp.float32(0.37), jnp.float32(2.9)
-    # Stored packed: [L, N, page / r, r * nkv, hd] (token_major.py; r = 2 for nkv = 2, 4 for nkv = 1).
-    k8 = TOKEN_MAJOR.stored(quantize_kv(inputs["k_cache"] * 40.0, FP8_KV_DTYPE, k_scale))  # spread over e4m3's range
-    v8 = TOKEN_MAJOR.stored(quantize_kv(inputs["v_cache"], FP8_KV_DTYPE, v_scale))
-    assert k8.shape[2:] == (inputs["k_cache"].shape[2] * nkv // 4, 4, 128)
+    # The kernel's head-major FP8 pools (no packing: the page is the second-minor dim).
+    k8 = HEAD_MAJOR.stored(quantize_kv(inputs["k_cache"] * 40.0, FP8_KV_DTYPE, k_scale))  # spread over e4m3's range
+    v8 = HEAD_MAJOR.stored(quantize_kv(inputs["v_cache"], FP8_KV_DTYPE, v_scale))
+    assert k8.shape[2:] == (nkv, inputs["k_cache"].shape[2], 128)
     with pytest.raises(ValueError, match="page size 6 must be a multiple of 4"):
         TOKEN_MAJOR.pool_shape(1, 1, 6, 1, 128, FP8_KV_DTYPE)
     assert TOKEN_MAJOR.pool_shape(1, 1, 6, 1, 128, jnp.bfloat16) == (1, 1, 6, 1, 128)  # other dtypes: unpacked
@@ -145,9 +160,9 @@ def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int) -> None:
                                                block_sizes=BLOCKS, interpret=True)
     assert kc_k.dtype == vc_k.dtype == FP8_KV_DTYPE
     # Reference 1: the same FP8 caches through the jnp reference (the writes must agree byte for byte).
-    ref = jax.jit(ragged_paged_attention_reference)
+    ref = jax.jit(ragged_paged_attention_reference, static_argnames="layout")
     _, kc_r, vc_r = ref(**{**inputs, "k_new": k_new, "v_new": v_new, "k_cache": k8, "v_cache": v8},
-                        k_scale=k_scale, v_scale=v_scale)
+                        k_scale=k_scale, v_scale=v_scale, layout=HEAD_MAJOR)
     np.testing.assert_array_equal(np.asarray(kc_k)[:, 1:].view(np.uint8), np.asarray(kc_r)[:, 1:].view(np.uint8))
     np.testing.assert_array_equal(np.asarray(vc_k)[:, 1:].view(np.uint8), np.asarray(vc_r)[:, 1:].view(np.uint8))
     # Reference 2: float32 attention on the dequantised pages and new K/V.
@@ -156,8 +171,8 @@ def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int) -> None:
 
     out_r, _, _ = ref(
         **{**inputs, "k_new": dq(k_new, k_scale), "v_new": dq(v_new, v_scale),
-           "k_cache": dequantize_kv(TOKEN_MAJOR.logical(k8, nkv), k_scale),
-           "v_cache": dequantize_kv(TOKEN_MAJOR.logical(v8, nkv), v_scale)})
+           "k_cache": dequantize_kv(HEAD_MAJOR.logical(k8, nkv), k_scale),
+           "v_cache": dequantize_kv(HEAD_MAJOR.logical(v8, nkv), v_scale)})
     valid = np.arange(t)[None, :] < np.asarray(q_lens)[:, None]
     err = np.abs(np.asarray(out_k) - np.asarray(out_r))[valid]
     assert np.all(np.isfinite(np.asarray(out_k)))

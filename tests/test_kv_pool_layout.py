@@ -81,8 +81,9 @@ def test_layouts_page_rules() -> None:
     assert HEAD_MAJOR.head_axis(FP8_KV_DTYPE, 2) == 2
     assert page_multiple("auto", FP8_KV_DTYPE) == 4 and page_multiple("reference", jnp.bfloat16) == 1
     assert hash(AttentionBackend("reference", HEAD_MAJOR)) == hash(AttentionBackend("reference", HEAD_MAJOR))
-    with pytest.raises(ValueError, match="token_major"):
-        AttentionBackend("pallas", HEAD_MAJOR)  # the Pallas kernel reads the token-major layout only
+    assert AttentionBackend("pallas").layout == HEAD_MAJOR and AttentionBackend().layout == TOKEN_MAJOR
+    with pytest.raises(ValueError, match="head_major"):
+        AttentionBackend("pallas", TOKEN_MAJOR)  # the Pallas kernel reads the head-major layout only
 
 
 @pytest.mark.parametrize("dtype", (jnp.float32, FP8_KV_DTYPE), ids=lambda d: jnp.dtype(d).name)

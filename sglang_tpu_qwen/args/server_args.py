@@ -13,11 +13,25 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from sglang_tpu_qwen.utils.host_allocator import TPU_DEVICE_FILES, accelerator_device_files, cpu_only_host
+
 logger = logging.getLogger(__name__)
 
 # Fewest prompt tokens a DP rank's prefill step may be bounded to: the smallest compiled extend size
 # (engine/runner/buckets.py MIN_EXTEND_TOKENS is this value); a smaller budget would pad every step to it.
 MIN_PREFILL_CHUNK = 16
+# --page-size defaults: the Pallas attention kernel's on a TPU (the fastest page measured on v5e: 64 streamed decode
+# KV at 490 GB/s against 316 for 256, docs/performance.md; a multiple of every dtype's sublane tile), and 16
+# elsewhere (the jnp reference, prefix-cache granularity on small CPU runs).
+TPU_PAGE_SIZE, DEFAULT_PAGE_SIZE = 64, 16
+
+
+def default_page_size(attention_backend: str) -> int:
+    """--page-size's default for ``--attention-backend``: :data:`TPU_PAGE_SIZE` where the Pallas kernel runs on a
+    TPU (``auto`` or ``pallas`` on a host with a TPU device file that JAX_PLATFORMS does not send to the CPU),
+    else :data:`DEFAULT_PAGE_SIZE`. Decided without initialising JAX (flags are parsed before it starts)."""
+    tpu = not cpu_only_host() and bool(accelerator_device_files(TPU_DEVICE_FILES))
+    return TPU_PAGE_SIZE if tpu and attention_backend in ("auto", "pallas") else DEFAULT_PAGE_SIZE
 # --kv-cache-dtype choices: SGLang's names for what is implemented (SGLang also has fp8_e5m2 and fp4_e2m1).
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
 # Images a request may carry without --limit-mm-data-per-request (SGLang has no limit by default; a bound keeps
@@ -72,7 +86,9 @@ class ServerArgs:
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size."})
     dp_size: int = field(default=1, metadata={"help": "Data-parallel (attention) size."})
     ep_size: int = field(default=1, metadata={"help": "Expert-parallel size."})
-    page_size: int = field(default=16, metadata={"help": "Tokens per KV page."})
+    page_size: int | None = field(default=None, metadata={
+        "help": "Tokens per KV page. Default: 64 where the Pallas attention kernel runs on a TPU (--attention-backend "
+                "auto or pallas on a host with a TPU; the fastest measured on v5e, docs/performance.md), else 16."})
     chunked_prefill_size: int | None = field(default=None, metadata={
         "help": "Max prompt tokens per prefill step over all DP ranks; each rank prefills its 1/--dp-size share "
                 "(SGLang's rule under DP attention), at least 16 tokens. Default by device memory as SGLang: 8192 "
@@ -225,6 +241,8 @@ class ServerArgs:
         "help": "colocated-split: devices of the prefill engine, the first N (default half); decode gets the rest."})
 
     def __post_init__(self) -> None:
+        if self.page_size is None:
+            self.page_size = default_page_size(self.attention_backend)
         if self.page_size <= 0:
             raise ValueError(f"--page-size must be positive, got {self.page_size}")
         for name in ("tp_size", "dp_size", "ep_size", "max_running_requests", "max_prefill_tokens"):

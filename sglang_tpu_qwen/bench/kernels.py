@@ -8,7 +8,9 @@ so; ``--small`` (the default off TPU) shrinks the shapes so that finishes quickl
 not a test.
 
 Cost model (analytic, counts useful work only). Attention: flops ``4 * nq * hd * sum(visible keys per
-query)`` (QK^T and PV); bytes: the K/V pages read once per sequence plus q, out and the new K/V.
+query)`` (QK^T and PV); bytes: the K/V pages read once per sequence plus q, out and the new K/V. Each
+implementation reads its own pool layout (the kernel head-major, the reference token-major) at the server's
+TPU page size.
 GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the output read per token) plus the
 chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
 once plus inputs and outputs.
@@ -26,8 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sglang_tpu_qwen.args.server_args import TPU_PAGE_SIZE
 from sglang_tpu_qwen.kernels.gdn.kernel import CHUNK_SIZE, fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
+from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -80,7 +84,7 @@ def _time(fn: Callable, args: tuple, donate: tuple[int, ...], iters: int) -> flo
 
 
 def _attention_case(mix: Mix, small: bool, dtype) -> tuple[tuple, float, float]:
-    nq, nkv, hd, page = (4, 2, 64, 16) if small else (32, 2, 256, 256)
+    nq, nkv, hd, page = (4, 2, 64, 16) if small else (32, 2, 256, TPU_PAGE_SIZE)
     rng = np.random.default_rng(0)
     b, t = len(mix.new), mix.t
     kv = np.asarray(mix.prefix) + np.asarray(mix.new)
@@ -150,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         for impl, pallas in impls:
             att = ragged_paged_attention if pallas else jax.jit(ragged_paged_attention_reference,
                                                                  donate_argnums=(3, 4))
-            secs = _time(att, att_args, (3, 4), args.iters)
+            # Each backend's own pool layout (kernels/attention_backend.py): head-major for the kernel.
+            pools = tuple(HEAD_MAJOR.stored(c) for c in att_args[3:5]) if pallas else att_args[3:5]
+            secs = _time(att, (*att_args[:3], *pools, *att_args[5:]), (3, 4), args.iters)
             print(_row("ragged_paged_attention", mix.name, impl, secs, att_flops, att_bytes, peaks))
             fn = fused_gdn if pallas else jax.jit(fused_gdn_reference, static_argnames=tuple(dims),
                                                   donate_argnums=(4, 5))

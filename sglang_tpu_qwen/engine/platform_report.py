@@ -21,10 +21,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from sglang_tpu_qwen.utils.host_allocator import accelerator_device_files
+from sglang_tpu_qwen.utils.host_allocator import TPU_DEVICE_FILES, accelerator_device_files
 
 # The device files of a TPU (a subset of host_allocator.ACCELERATOR_DEVICE_FILES: not the GPUs').
-TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 TPU_INSTALL_FIX = "pip install -e '.[tpu]' (jax[tpu]==0.10.2: the libtpu matching this JAX)"
 
 

@@ -96,7 +96,8 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
             ``pallas`` is refused.
 
     Returns:
-        The resolved :class:`KernelBackends` (the default KV pool layout, token-major).
+        The resolved :class:`KernelBackends`, each with its kernel's KV pool layout (head-major for the Pallas
+        attention kernel, token-major for the reference).
 
     Raises:
         ValueError: for a value outside :data:`CHOICES`, or ``pallas`` chosen for a model config the kernel

@@ -46,6 +46,7 @@ _configured: bool | None = None
 
 # Device files of the accelerators JAX would use instead of the CPU (TPU VMs: accel or vfio; NVIDIA GPUs).
 ACCELERATOR_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")
+TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")  # a TPU VM's chips
 
 
 # libtpu's environment on a TPU VM (the VM's metadata sets them). Unset, libtpu looks them up on any host it

@@ -19,7 +19,7 @@ must not touch (the other layer) exactly.
 
 Tolerance: ``|kernel - reference| <= 2e-5 + 2e-5 * |reference|`` elementwise. Both sides compute in float32; the
 first run on a v5e measured agreement within 4e-6 on O(1) values, from summation order (a 256-wide head dim, the
-online softmax over 16-token pages) and the GDN chunk inverse (products of powers against a triangular solve).
+online softmax over key blocks of 1024) and the GDN chunk inverse (products of powers against a triangular solve).
 2e-5 is 5x that; an indexing, masking or layout bug shows as errors of 1e-2 or more.
 
 Off the chip (the suite's CPU switch, tests/tpu/suite.py) the kernels run in interpret mode with fewer heads: one
@@ -43,6 +43,7 @@ from conftest import record
 from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
+from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from sglang_tpu_qwen.model.catalog import MODEL_CONFIGS, model_config
@@ -52,7 +53,7 @@ from .suite import interpret
 
 RTOL = ATOL = 2e-5
 NORM_TOL_SCALE = 4.0  # the fused output norm's epilogue (see _gdn_chain)
-PAGE = 16  # the runtime's default page size
+PAGE = 64  # the runtime's default page size on a TPU (args/server_args.py)
 LAYERS, LAYER = 2, 1  # the kernels address one layer of a stacked pool; layer 0 must come back untouched
 SLOTS = 8  # GDN state slots; slot 0 is the trash slot of padding rows
 
@@ -146,7 +147,7 @@ def _attention_chain(layout: tuple[int, ...], steps: list[tuple[list[int], int]]
     cache_shape = (LAYERS, num_pages, PAGE, nkv, hd)
     k_cache = rng.standard_normal(cache_shape, np.float32)
     v_cache = rng.standard_normal(cache_shape, np.float32)
-    ker = [jax.device_put(k_cache, chip), jax.device_put(v_cache, chip)]
+    ker = [jax.device_put(HEAD_MAJOR.stored(c), chip) for c in (k_cache, v_cache)]  # the kernel's layout
     ref = [jax.device_put(k_cache, cpu), jax.device_put(v_cache, cpu)]
     kv_lens = np.asarray(prefix, np.int32)
     for q_lens, t in steps:
@@ -167,15 +168,15 @@ def _attention_chain(layout: tuple[int, ...], steps: list[tuple[list[int], int]]
         _assert_close(f"attention {key}: output", out_k, out_r, np.arange(t)[None, :] < q_lens[:, None])
         assert np.all(out_k[q_lens == 0] == 0)  # a padding row's output is zeros
     for got, want, before in zip(ker, ref, (k_cache, v_cache), strict=True):
-        got, want = np.asarray(got), np.asarray(want)
+        got, want = np.asarray(HEAD_MAJOR.logical(got, nkv)), np.asarray(want)
         np.testing.assert_array_equal(got[LAYER, 1:], want[LAYER, 1:])  # the reference writes padding to page 0
         np.testing.assert_array_equal(got[1 - LAYER], before[1 - LAYER])
 
 
 # name -> (rows' cached prefix, [(new tokens per row, bucket T), ...]).
 ATTENTION_STEPS: dict[str, tuple[list[int], list[tuple[list[int], int]]]] = {
-    # Contexts ending on, just past and well past page boundaries; 10 rows: two grid steps of 8 decode rows.
-    "decode": ([15, 16, 0, 47, 100, 1, 31, 200, 63, 0], [([1, 1, 1, 1, 1, 1, 1, 1, 1, 0], 1)]),
+    # Contexts ending on, just past and well past page boundaries and key blocks, and a padding row.
+    "decode": ([63, 64, 0, 127, 300, 1, 1023, 1500, 191, 0], [([1, 1, 1, 1, 1, 1, 1, 1, 1, 0], 1)]),
     "prefill": ([0, 0, 0], [([64, 37, 0], 64)]),
     "mixed": ([40, 0, 15, 0, 7], [([1, 64, 1, 29, 0], 64)]),
     # Fresh prompts, then chunks over what the kernel wrote (one on a page boundary, one not), a decode row in

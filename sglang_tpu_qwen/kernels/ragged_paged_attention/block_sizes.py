@@ -1,19 +1,19 @@
 """Block sizes of the ragged paged attention kernel, per TPU generation.
 
-``decode_seqs``: decode sequences (one query token each) handled per grid step; a decode step of one sequence
-is a ``[G, hd] x [hd, page]`` matmul, far too small to amortise the ~0.35 us per-step overhead, so several
-share a step. ``prefill_q``: query tokens per grid step for prefill chunks; the score tile is
-``[prefill_q * G, kv_pages * page_size]`` float32 per KV head, sized so scores, the accumulators and the K/V
-page buffers fit the scoped VMEM limit with room for Mosaic's temporaries. ``kv_pages``: pages fetched per
-inner step (``kv_pages * page_size`` keys).
+``decode_seqs``: rows (one query token each) walked per grid step at decode; within a grid step the next row's
+first key block loads while this row's last one computes, so more rows per step means fewer pipeline bubbles.
+``prefill_q``: query tokens per grid step for prefill chunks; the score tile is ``[prefill_q * G, block_keys]``
+float32 per KV head. ``block_keys``: keys per inner step (``block_keys / page_size`` pages, one DMA each per
+pool, double-buffered).
 
-Ironwood (TPU7x) has 64 MiB of VMEM per TensorCore. With Qwen3.5-397B's attention (G = 16 query heads per KV
-head, head_dim 256, page 256, bf16 cache) one prefill step with ``prefill_q = 64`` holds a 1024-row query
-tile, two 1024 x 256 fp32 accumulators (2 MiB) plus their max/sum rows (2 MiB), 1024 x 256 fp32 scores per
-head (1 MiB) and the double-buffered K and V page buffers, which Mosaic pads from 2 to 16 sublanes
-(``[page, nkv, hd]`` tiles: 2 MiB per page, 8 MiB in all); about 18 MiB, well under the 48 MiB limit asked
-for. The table was checked by the deviceless Ironwood AOT compile (tests/test_kernels_aot_ironwood.py), not
-tuned on hardware.
+Measured on one TPU v5e chip (2026-12-05, Qwen3.5 attention: 16 query / 2 KV heads of 256, bf16, the dev sweep
+of this kernel in docs/performance.md): decode streamed 408-628 GB/s at pages of 64 with blocks of 512 to 2048
+keys alike (the block size moves it by under 2%), so ``block_keys`` is 1024; prefill 8 x 4096 ran at 78 TFLOP/s
+with 128 query tokens per step and 1024 keys. A prefill step holds at most ``prefill_rows`` = 1024 query rows
+(128 tokens x G = 8; 64 tokens of the 397B's G = 16): 1024 x 1024 float32 scores per head and their exponentials
+(8 MiB for two heads), the float32 accumulator and its max / sum rows (3 MiB) and the double-buffered K and V
+blocks (4 MiB); 2048 rows did not fit Ironwood's 48 MiB scoped limit (the deviceless compile). Ironwood (64 MiB of VMEM
+per TensorCore) is checked by the deviceless compile (tests/test_kernels_aot_ironwood.py), not tuned on it.
 """
 
 from __future__ import annotations
@@ -28,31 +28,27 @@ class BlockSizes:
     """Tiling of one kernel call (see module docstring).
 
     Attributes:
-        decode_seqs: sequences per grid step when every sequence has one query token (T == 1).
-        prefill_q: query tokens per grid step when T > 1 (clipped to T).
-        kv_pages: KV pages per inner step.
+        decode_seqs: rows per grid step when every row has one query token (T == 1).
+        prefill_q: query tokens per grid step when T > 1 (clipped to T and to ``prefill_rows / G``).
+        prefill_rows: query rows (tokens x the G query heads of a KV head) per grid step at most; bounds the
+            float32 score tile (the 397B's G = 16 halves ``prefill_q`` against the 35B's G = 8).
+        block_keys: keys per inner step (rounded down to whole pages, at least one page).
         vmem_limit_bytes: scoped VMEM limit handed to Mosaic.
     """
 
-    decode_seqs: int = 8
-    prefill_q: int = 32
-    kv_pages: int = 1
-    vmem_limit_bytes: int = 32 * 1024 * 1024
+    decode_seqs: int = 128
+    prefill_q: int = 128
+    prefill_rows: int = 1024
+    block_keys: int = 1024
+    vmem_limit_bytes: int = 48 * 1024 * 1024
 
 
-# (generation, head_dim, page_size) -> block sizes; generation as in ``device_kind`` ("TPU7x", "TPU v6 lite").
-TABLE: dict[tuple[str, int, int], BlockSizes] = {
-    ("TPU7x", 256, 256): BlockSizes(decode_seqs=8, prefill_q=64, kv_pages=1, vmem_limit_bytes=48 << 20),
-    ("TPU7x", 128, 256): BlockSizes(decode_seqs=16, prefill_q=64, kv_pages=2, vmem_limit_bytes=48 << 20),
-    ("TPU7x", 256, 128): BlockSizes(decode_seqs=8, prefill_q=64, kv_pages=2, vmem_limit_bytes=48 << 20),
-    ("TPU7x", 128, 128): BlockSizes(decode_seqs=16, prefill_q=64, kv_pages=4, vmem_limit_bytes=48 << 20),
-}
-
-# Default per generation when the (head_dim, page_size) pair is not in TABLE; older chips have less VMEM.
-GENERATION_DEFAULT: dict[str, BlockSizes] = {
-    "TPU7x": BlockSizes(decode_seqs=8, prefill_q=64, kv_pages=1, vmem_limit_bytes=48 << 20),
-    "TPU v6 lite": BlockSizes(decode_seqs=8, prefill_q=32, kv_pages=1, vmem_limit_bytes=32 << 20),
-    "TPU v5": BlockSizes(decode_seqs=8, prefill_q=32, kv_pages=1, vmem_limit_bytes=32 << 20),
+# Per generation (``device_kind``: "TPU7x", "TPU v6 lite", "TPU v5 lite"); any other device (interpret mode on a
+# CPU) takes the BlockSizes defaults.
+GENERATION: dict[str, BlockSizes] = {
+    "TPU7x": BlockSizes(vmem_limit_bytes=48 << 20),
+    "TPU v6 lite": BlockSizes(vmem_limit_bytes=64 << 20),
+    "TPU v5 lite": BlockSizes(vmem_limit_bytes=64 << 20),
 }
 
 
@@ -60,17 +56,14 @@ def block_sizes_for(head_dim: int, page_size: int, generation: str | None = None
     """Block sizes for a head_dim / page_size on a TPU generation.
 
     Args:
-        head_dim: attention head dimension.
-        page_size: tokens per KV page.
-        generation: ``device_kind`` of the target chip; ``None`` reads it from ``jax.devices()[0]`` (any
-            non-TPU device gets :class:`BlockSizes` defaults, which suit interpret mode).
+        head_dim: attention head dimension (the table does not depend on it yet; kept for the callers' key).
+        page_size: tokens per KV page (likewise).
+        generation: ``device_kind`` of the target chip; ``None`` reads it from ``jax.devices()[0]``.
 
     Returns:
-        The table entry, else the generation default, else ``BlockSizes()``.
+        The generation's entry, else ``BlockSizes()``.
     """
+    del head_dim, page_size
     if generation is None:
         generation = jax.devices()[0].device_kind
-    hit = TABLE.get((generation, head_dim, page_size))
-    if hit is not None:
-        return hit
-    return GENERATION_DEFAULT.get(generation, BlockSizes())
+    return GENERATION.get(generation, BlockSizes())

@@ -9,7 +9,8 @@ axis holding KV heads, and the bytes of a token or a page (engine/runner/memory_
 
 The attention backend (kernels/attention_backend.py) names the layout its kernel reads; the jnp reference
 runs on any layout. Implementations: :class:`token_major.TokenMajorLayout` (``[L, N, page/r, r * nkv, hd]``,
-the default, FP8 packed) and :class:`head_major.HeadMajorLayout` (``[L, N, nkv, page_size, hd]``).
+FP8 packed; the reference backend's) and :class:`head_major.HeadMajorLayout` (``[L, N, nkv, page_size, hd]``;
+the Pallas kernel's).
 
 A layout is a frozen dataclass with no array state: it is static configuration of the jitted step (hashable,
 compared by value). Where a stored shape cannot tell the KV head count (a packed FP8 pool), methods take it.

@@ -1,9 +1,9 @@
-"""The default KV pool layout, token-major: ``[L, num_pages, page_size / r, r * nkv, hd]``.
+"""The reference backend's KV pool layout, token-major: ``[L, num_pages, page_size / r, r * nkv, hd]``.
 
 A page holds ``page_size`` tokens of ``nkv`` heads x ``hd``. Logically that is ``[page_size, nkv, hd]``; it is
 stored as the row-major reshape ``[page_size / r, r * nkv, hd]`` (``r`` consecutive tokens per row: token ``t``,
-head ``h`` sit at row ``t // r``, sublane ``(t % r) * nkv + h``), so the two views share their bytes. The Pallas
-ragged paged attention (kernel.py) reads this layout.
+head ``h`` sit at row ``t // r``, sublane ``(t % r) * nkv + h``), so the two views share their bytes. The jnp
+reference writes one token into it in place on every platform.
 
 Why: TPU packs ``4 / itemsize`` elements of a sub-32-bit dtype into one 32-bit sublane word, so XLA tiles an
 8-bit array's two minor dims by (4|8|32, 128). When the second-minor dim is smaller than that packing (FP8
