@@ -160,3 +160,18 @@ def test_encoder_cache_size_from_the_flag_else_sglang_env(monkeypatch: pytest.Mo
         monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", bad)
         with pytest.raises(ValueError, match="SGLANG_VLM_CACHE_SIZE_MB"):
             encoder_cache_bytes(ServerArgs())
+
+
+def test_page_size_default_follows_where_the_pallas_kernel_runs(monkeypatch) -> None:
+    """64 (the page measured fastest on v5e) where the Pallas attention kernel runs on a TPU, 16 elsewhere; a
+    given --page-size is kept."""
+    import sglang_tpu_qwen.args.server_args as sa
+
+    assert ServerArgs().page_size == sa.DEFAULT_PAGE_SIZE == 16  # this CPU host
+    monkeypatch.setattr(sa, "cpu_only_host", lambda: False)
+    monkeypatch.setattr(sa, "accelerator_device_files", lambda patterns: ["/dev/accel0"])
+    assert ServerArgs().page_size == ServerArgs(attention_backend="pallas").page_size == sa.TPU_PAGE_SIZE == 64
+    assert ServerArgs(attention_backend="reference").page_size == 16
+    assert ServerArgs(page_size=32).page_size == 32
+    monkeypatch.setattr(sa, "accelerator_device_files", lambda patterns: [])  # a GPU or CPU host
+    assert ServerArgs().page_size == 16
