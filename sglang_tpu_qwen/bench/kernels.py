@@ -44,6 +44,9 @@ PEAKS: dict[str, tuple[float, float]] = {
 }
 
 
+SHAPES = "Qwen3.5 (attention 16 / 2 heads of 256, GDN the 397B's)"
+
+
 @dataclass(frozen=True)
 class Mix:
     """One batch mix: per-row cached prefix and new tokens, padded to ``T``."""
@@ -61,8 +64,10 @@ def _mixes(small: bool) -> list[Mix]:
     if small:
         return [Mix("decode", (60,) * 8, (1,) * 8), Mix("prefill", (0, 0), (64, 40)),
                 Mix("mixed", (30, 0, 61, 7), (1, 32, 1, 20))]
-    return [Mix("decode", (2047,) * 64, (1,) * 64), Mix("prefill", (0,) * 4, (512,) * 4),
-            Mix("mixed", (4095, 1024, 0, 2047) * 4, (1, 256, 256, 1) * 4)]
+    # The decode issue's shapes: decode 64 x 2,048, 128 x 1,024 and 32 x 8,192; prefill 4 x 512 and 8 x 4,096.
+    return [Mix("decode", (2047,) * 64, (1,) * 64), Mix("decode", (1023,) * 128, (1,) * 128),
+            Mix("decode", (8191,) * 32, (1,) * 32), Mix("prefill", (0,) * 4, (512,) * 4),
+            Mix("prefill", (0,) * 8, (4096,) * 8), Mix("mixed", (4095, 1024, 0, 2047) * 4, (1, 256, 256, 1) * 4)]
 
 
 def _time(fn: Callable, args: tuple, donate: tuple[int, ...], iters: int) -> float:
@@ -84,7 +89,7 @@ def _time(fn: Callable, args: tuple, donate: tuple[int, ...], iters: int) -> flo
 
 
 def _attention_case(mix: Mix, small: bool, dtype) -> tuple[tuple, float, float]:
-    nq, nkv, hd, page = (4, 2, 64, 16) if small else (32, 2, 256, TPU_PAGE_SIZE)
+    nq, nkv, hd, page = (4, 2, 64, 16) if small else (16, 2, 256, TPU_PAGE_SIZE)  # 35B-A3B / 122B attention
     rng = np.random.default_rng(0)
     b, t = len(mix.new), mix.t
     kv = np.asarray(mix.prefix) + np.asarray(mix.new)
@@ -145,12 +150,13 @@ def main(argv: list[str] | None = None) -> None:
     small = args.small or not on_tpu
     peaks = PEAKS.get(dev.device_kind) if on_tpu else None
     dtype = jnp.bfloat16 if on_tpu else jnp.float32
-    print(f"device: {dev.device_kind} ({jax.default_backend()}), shapes: {'small' if small else 'Qwen3.5-397B'}"
+    print(f"device: {dev.device_kind} ({jax.default_backend()}), shapes: {'small' if small else SHAPES}"
           + ("" if on_tpu else "; not a TPU: running the jnp references only (Pallas would be interpreted)"))
     impls = [("reference", False)] + ([("pallas", True)] if on_tpu else [])
     for mix in _mixes(small):
         att_args, att_flops, att_bytes = _attention_case(mix, small, dtype)
         gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype)
+        print(f"-- {mix.name}: {len(mix.new)} rows, {max(mix.prefix) + max(mix.new)} longest context", flush=True)
         for impl, pallas in impls:
             att = ragged_paged_attention if pallas else jax.jit(ragged_paged_attention_reference,
                                                                  donate_argnums=(3, 4))
