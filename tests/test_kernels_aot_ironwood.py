@@ -87,7 +87,7 @@ def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens
     traced as the model passes them), the new tokens written whole pages at a time by an in-place XLA scatter,
     aliased in place at half the cache bytes for FP8, with no copy of either pool (the temp bound in _report)."""
     layers, pages, pages_per_seq = 15, 256, 16
-    fn = functools.partial(ragged_paged_attention, block_sizes=block_sizes_for(HD, PAGE, "TPU7x"))
+    fn = functools.partial(ragged_paged_attention, block_sizes=block_sizes_for("TPU7x"))
     fp8 = kv_dtype == jnp.float8_e4m3fn
     args = [
         _spec((batch, tokens, NQ, HD), jnp.bfloat16, device),

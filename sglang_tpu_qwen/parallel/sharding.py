@@ -26,7 +26,6 @@ from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJ
 from sglang_tpu_qwen.parallel.mesh import EXPERT, Layout
 
 EXPERT_LEAVES = frozenset({"w_gate", "w_up", "w_down"})
-CACHE_KEYS = ("k", "v", "conv", "rec")
 
 
 def _key_names(path: tuple[Any, ...]) -> set[str]:

@@ -52,18 +52,16 @@ GENERATION: dict[str, BlockSizes] = {
 }
 
 
-def block_sizes_for(head_dim: int, page_size: int, generation: str | None = None) -> BlockSizes:
-    """Block sizes for a head_dim / page_size on a TPU generation.
+def block_sizes_for(generation: str | None = None) -> BlockSizes:
+    """Block sizes on a TPU generation (one entry per generation: the measured sizes did not depend on the head
+    dim or the page size, module docstring).
 
     Args:
-        head_dim: attention head dimension (the table does not depend on it yet; kept for the callers' key).
-        page_size: tokens per KV page (likewise).
         generation: ``device_kind`` of the target chip; ``None`` reads it from ``jax.devices()[0]``.
 
     Returns:
         The generation's entry, else ``BlockSizes()``.
     """
-    del head_dim, page_size
     if generation is None:
         generation = jax.devices()[0].device_kind
     return GENERATION.get(generation, BlockSizes())

@@ -196,9 +196,10 @@ def write_new_kv(pool: jax.Array, new: jax.Array, layer: jax.Array | int, q_lens
         interpret: run the page copy in Pallas TPU interpret mode (CPU).
 
     Returns:
-        The pool with token ``kv_len - q_len + t`` of row ``b`` set to ``new[b, t]`` for ``t < q_len``; padding
-        rows and tokens write nothing. Every row's touched pages are its own (the radix cache shares only
-        full pages), so the page writes never collide.
+        The pool with token ``kv_len - q_len + t`` of row ``b`` set to ``new[b, t]`` for ``t < q_len``; no
+        other real page changes. The copy has a fixed count (``B x`` the most pages T tokens touch): padding
+        rows' and unused slots' copies go to trash page 0, which no row reads. Every row's touched pages are its
+        own (the radix cache shares only full pages), so the real copies never collide.
 
     Cost: a decode step rewrites one page per row (at pages of 64 and 2,048-token contexts, 3% of the KV it
     reads). A write of whole sublane tiles instead of pages by XLA is not enough: XLA then copies the pool.
@@ -295,12 +296,13 @@ def ragged_paged_attention(
         k_scale, v_scale: this layer's FP8 dequantisation scales (float32 scalars, may be traced; None = 1.0);
             ignored for other cache dtypes.
         sm_scale: softmax scale, default ``hd ** -0.5``.
-        block_sizes: tiling; default from ``block_sizes_for(hd, page_size)`` for the current device.
+        block_sizes: tiling; default ``block_sizes_for()`` for the current device.
         interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
 
     Returns:
         ``(out [B, T, nq, hd] in q.dtype, k_cache, v_cache)``. Rows ``t >= q_lens[b]`` of ``out`` are finite
-        but meaningless (0 for rows with ``q_lens[b] == 0``); the K/V of padded tokens is not written.
+        but meaningless (0 for rows with ``q_lens[b] == 0``); the K/V of padded tokens reaches no real page
+        (only trash page 0, as the reference's does).
 
     Raises:
         ValueError: when ``nq`` is not a multiple of ``nkv``, the caches are not head-major for ``nkv`` heads of
@@ -326,7 +328,7 @@ def ragged_paged_attention(
                            interpret=interpret)
     v_cache = write_new_kv(v_cache, quantize_kv(v_new, v_cache.dtype, v_scale), layer, q_lens, kv_lens, page_table,
                            interpret=interpret)
-    bs = block_sizes or block_sizes_for(hd, page_size)
+    bs = block_sizes or block_sizes_for()
     if t == 1:
         q_block, rows_per_step = 1, min(bs.decode_seqs, b)
     else:
