@@ -43,7 +43,7 @@ def _step(rng, lens, t, heads=(HK, HV, DK, DV)):
     return mixed, g, beta, jnp.asarray(lens)
 
 
-def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64, heads=(HK, HV, DK, DV)):
+def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64, heads=(HK, HV, DK, DV), **kernel_kw):
     hk, hv, dk, dv = heads
     dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
     conv_w = jnp.asarray(rng.standard_normal((2 * hk * dk + hv * dv, K)) * 0.5, jnp.float32)
@@ -52,7 +52,7 @@ def _run_both(rng, lens, t, slots, fresh, layer=1, block_t=64, heads=(HK, HV, DK
     slots, fresh = jnp.asarray(slots, jnp.int32), jnp.asarray(fresh, bool)
     ref = fused_gdn_reference(mixed, conv_w, g, beta, conv, rec, layer, slots, lens, fresh, **dims)
     ker = fused_gdn(mixed, conv_w, g, beta, jnp.array(conv, copy=True), jnp.array(rec, copy=True), layer, slots,
-                    lens, fresh, block_t=block_t, interpret=True, **dims)
+                    lens, fresh, block_t=block_t, interpret=True, **dims, **kernel_kw)
     valid = np.arange(t)[None, :] < np.asarray(lens)[:, None]
     return ref, ker, valid, (conv, rec)
 
@@ -110,6 +110,23 @@ def test_head_layouts(heads, lens, t, slots, fresh) -> None:
     rng = np.random.default_rng(20)
     ref, ker, valid, before = _run_both(rng, lens, t, slots, fresh, heads=heads)
     assert ker[0].shape == ref[0].shape == (len(lens), t, heads[1], heads[3])
+    _assert_close(ref, ker, valid, before)
+
+
+@pytest.mark.parametrize(("heads", "budget", "per_step"), [
+    ((4, 8, 32, 32), 1, 1), ((4, 8, 32, 32), 16 << 10, 2), ((4, 8, 32, 32), 1 << 20, 4),
+    ((4, 12, 32, 32), 24 << 10, 2),  # 2 key heads of r = 3: v groups placed by element offset
+], ids=["1-head", "2-heads", "all-heads", "r3-2-heads"])
+def test_decode_groups_key_heads_per_step(heads, budget, per_step) -> None:
+    """Decode steps group key heads up to ``decode_state_bytes`` of state (kernel.decode_heads): every
+    grouping gives the reference's outputs and states."""
+    from sglang_tpu_qwen.kernels.gdn.kernel import decode_heads
+
+    hk, hv, dk, dv = heads
+    assert decode_heads(hk, hv // hk, dk, dv, 4, budget) == per_step
+    rng = np.random.default_rng(21)
+    ref, ker, valid, before = _run_both(rng, [1, 1, 1, 0], 1, [5, 2, 7, 0], [False, True, False, False],
+                                        heads=heads, decode_state_bytes=budget)
     _assert_close(ref, ker, valid, before)
 
 

@@ -109,8 +109,13 @@ def _attention_case(mix: Mix, small: bool, dtype) -> tuple[tuple, float, float]:
     return args, flops, nbytes
 
 
-def _gdn_case(mix: Mix, small: bool, dtype) -> tuple[tuple, dict, float, float]:
-    hk, hv, dk, dv = (2, 4, 32, 32) if small else (16, 64, 128, 128)
+# GDN head layouts (Hk, Hv, dk, dv) of the decode-layout section: the released 397B-A17B's and 35B-A3B's.
+GDN_LAYOUTS = {"397B": (16, 64, 128, 128), "35B": (16, 32, 128, 128)}
+
+
+def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = GDN_LAYOUTS["397B"],
+              state_dtype=jnp.float32) -> tuple[tuple, dict, float, float]:
+    hk, hv, dk, dv = (2, 4, 32, 32) if small else heads
     conv_dim = 2 * hk * dk + hv * dv
     rng = np.random.default_rng(0)
     b, t = len(mix.new), mix.t
@@ -120,19 +125,20 @@ def _gdn_case(mix: Mix, small: bool, dtype) -> tuple[tuple, dict, float, float]:
             jnp.asarray(rng.standard_normal((conv_dim, 4)) * 0.5, dtype),
             jnp.asarray(-rng.uniform(0, 0.5, (b, t, hv)) * valid, jnp.float32),
             jnp.asarray(rng.uniform(0, 1, (b, t, hv)) * valid, jnp.float32),
-            jnp.zeros((1, (b + 1) * 3, conv_dim), jnp.float32), jnp.zeros((1, b + 1, hv, dk, dv), jnp.float32),
+            jnp.zeros((1, (b + 1) * 3, conv_dim), jnp.float32), jnp.zeros((1, b + 1, hv, dk, dv), state_dtype),
             jnp.int32(0), jnp.arange(1, b + 1, dtype=jnp.int32), jnp.asarray(lens),
             jnp.asarray(np.asarray(mix.prefix) == 0))
     dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
     tokens = float(lens.sum())
     flops = tokens * hv * (6 * dk * dv + (2 * CHUNK_SIZE * (dk + dv) if t > 1 else 0))
-    nbytes = 2 * b * hv * dk * dv * 4 + tokens * (conv_dim * jnp.dtype(dtype).itemsize + hv * dv * 4)
+    state_bytes = jnp.dtype(state_dtype).itemsize
+    nbytes = 2 * b * hv * dk * dv * state_bytes + tokens * (conv_dim * jnp.dtype(dtype).itemsize + hv * dv * 4)
     return args, dims, flops, nbytes
 
 
 def _row(kernel: str, mix: str, impl: str, secs: float, flops: float, nbytes: float,
          peaks: tuple[float, float] | None) -> str:
-    line = (f"{kernel:<24}{mix:<9}{impl:<11}{secs * 1e6:>11.1f} us{flops / secs / 1e12:>10.2f} TFLOP/s"
+    line = (f"{kernel:<24}{mix:<15}{impl:<11}{secs * 1e6:>11.1f} us{flops / secs / 1e12:>10.2f} TFLOP/s"
             f"{nbytes / secs / 1e9:>10.1f} GB/s")
     if peaks:
         line += f"   {flops / secs / peaks[0]:6.1%} of peak flops, {nbytes / secs / peaks[1]:6.1%} of peak HBM"
@@ -168,6 +174,19 @@ def main(argv: list[str] | None = None) -> None:
                                                   donate_argnums=(4, 5))
             secs = _time(functools.partial(fn, **dims), gdn_args, (4, 5), args.iters)
             print(_row("fused_gdn", mix.name, impl, secs, gdn_flops, gdn_bytes, peaks))
+    # GDN decode per released layout and --mamba-ssm-dtype: the state read and written once is the traffic.
+    rows = 8 if small else 64
+    print(f"-- GDN decode, {rows} rows, per layout and state dtype", flush=True)
+    mix = Mix("decode", (100,) * rows, (1,) * rows)
+    for name, heads in ({"small": GDN_LAYOUTS["397B"]} if small else GDN_LAYOUTS).items():
+        for state_dtype in (jnp.float32, jnp.bfloat16):
+            gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, heads, state_dtype)
+            for impl, pallas in impls:
+                fn = fused_gdn if pallas else jax.jit(fused_gdn_reference, static_argnames=tuple(dims),
+                                                      donate_argnums=(4, 5))
+                secs = _time(functools.partial(fn, **dims), gdn_args, (4, 5), args.iters)
+                label = f"{name}/{jnp.dtype(state_dtype).name}"
+                print(_row("fused_gdn", label, impl, secs, gdn_flops, gdn_bytes, peaks))
 
 
 if __name__ == "__main__":

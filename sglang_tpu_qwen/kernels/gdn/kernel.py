@@ -61,6 +61,9 @@ from jax.experimental.pallas import tpu as pltpu
 from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 
 CHUNK_SIZE = 64
+# Decode: recurrent-state bytes per grid step (key heads are grouped up to it). A step of one key head
+# (256 KiB at the 397B's layout) spent more time in per-step overhead than in its copies.
+DECODE_STATE_BYTES = 1 << 20
 _HI = jax.lax.Precision.HIGHEST
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
@@ -88,8 +91,9 @@ def _gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float
 
 def _kernel(
     _layer_ref, _slot_ref, len_ref, fresh_ref,  # scalar prefetch (layer and slots feed the index map)
-    *refs, dk: int, dv: int, r: int, chunk: int, norm: tuple[float, bool] | None,
+    *refs, dk: int, dv: int, r: int, heads: int, chunk: int, norm: tuple[float, bool] | None,
 ):
+    # One step holds ``heads`` key heads and their ``heads * r`` value heads (heads > 1 only at decode).
     # Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the
     # recurrent pool), scratch (acc: the block's float32 output before the norm).
     n_in = 14 if norm else 12
@@ -105,7 +109,8 @@ def _kernel(
 
     @pl.when(tb == 0)
     def _load_states():
-        for src, dst in ((cq_in, cq), (ck_in, ck), (cv_in, cv), (rec_in, rec_ref)):
+        # A decode step reads its recurrent state straight from rec_in (one pass over it, below).
+        for src, dst in ((cq_in, cq), (ck_in, ck), (cv_in, cv)) + (() if block_t == 1 else ((rec_in, rec_ref),)):
             dst[...] = jnp.where(fresh, 0, src[...])
 
     def conv(x_ref, w_ref, win_ref, xs_ref):
@@ -122,20 +127,25 @@ def _kernel(
         return y * jax.nn.sigmoid(y)
 
     valid = jax.lax.broadcasted_iota(jnp.int32, (block_t, 1), 0) < n
-    qn[...] = _l2norm(conv(xq_ref, wq_ref, cq, sq)) * (dk**-0.5)
-    kn[...] = jnp.where(valid, _l2norm(conv(xk_ref, wk_ref, ck, sk)), 0.0)
+    q_all, k_all = conv(xq_ref, wq_ref, cq, sq), conv(xk_ref, wk_ref, ck, sk)
+    for j in range(heads):  # q/k are L2-normalised per key head
+        keys = slice(j * dk, (j + 1) * dk)
+        qn[:, keys] = _l2norm(q_all[:, keys]) * (dk**-0.5)
+        kn[:, keys] = jnp.where(valid, _l2norm(k_all[:, keys]), 0.0)
     vn[...] = conv(xv_ref, wv_ref, cv, sv)
 
-    for h in range(r):
+    columns = {}
+    for h in range(heads * r):
         lanes = slice(h * dv, (h + 1) * dv)
-        s0 = rec_ref[h].astype(jnp.float32)
-        if block_t == 1:  # decode: the recurrent form
-            g, beta = g_ref[:, h : h + 1], beta_ref[:, h : h + 1]  # [1, 1]
-            s = s0 * jnp.exp(g)
-            delta = (vn[:, lanes] - _dot(kn[...], s)) * beta
-            s = s + _dot(kn[...], delta, _TN)
-            o_ref[:, lanes] = _dot(qn[...], s)
+        if block_t == 1:  # decode: the recurrent form, on the VPU (see _decode_head)
+            j = h // r
+            if j not in columns:
+                columns[j] = tuple(_lane_replicated(ref[:, j * dk : (j + 1) * dk], dv) for ref in (kn, qn))
+            s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32))
+            s, o_ref[:, lanes] = _decode_head(s0, *columns[j], vn[:, lanes], g_ref[:, h : h + 1],
+                                              beta_ref[:, h : h + 1])
         else:
+            s0 = rec_ref[h].astype(jnp.float32)
             o_ref[:, lanes] = jnp.zeros((block_t, dv), jnp.float32)
             s = jax.lax.fori_loop(
                 0, jax.lax.div(n + chunk - 1, chunk), functools.partial(_chunk_step, h=h, dv=dv, chunk=chunk,
@@ -148,6 +158,27 @@ def _kernel(
                                               o_out.dtype, norm[1])
     if not norm:
         o_out[...] = o_ref[...]
+
+
+def _lane_replicated(row: jax.Array, width: int) -> jax.Array:
+    """``[1, d]`` -> ``[d, width]`` with ``out[i, :] = row[0, i]``: broadcast over sublanes and transpose
+    (Mosaic transposes whole tiles), so the decode products below need no per-use lane broadcast."""
+    return jnp.broadcast_to(row, (width, row.shape[-1])).T
+
+
+def _decode_head(s0: jax.Array, k: jax.Array, q: jax.Array, v: jax.Array, g: jax.Array,
+                 beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One value head's decode step on the VPU: ``s0 [dk, dv]`` float32, ``k``/``q`` lane-replicated
+    ``[dk, dv]`` (:func:`_lane_replicated`), ``v [1, dv]``, ``g``/``beta [1, 1]``; returns
+    ``(S_t, o_t [1, dv])``: the module docstring's recurrence, with ``k^T (e^g S) = e^g (k^T S)``.
+
+    The products with one token are multiplies and sublane sums in float32: a one-row MXU matmul at HIGHEST
+    precision would push ``S`` through the MXU six times per product, three products per head.
+    """
+    decay = jnp.exp(g)
+    delta = (v - decay * jnp.sum(s0 * k, axis=0, keepdims=True)) * beta
+    s = s0 * decay + k * delta
+    return s, jnp.sum(s * q, axis=0, keepdims=True)
 
 
 def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
@@ -180,6 +211,13 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
     intra = jnp.where(causal, _dot(q, k, _NT) * decay, 0.0)
     o_ref[tok, lanes] = _dot(q * jnp.exp(cum), s) + _dot(intra, v_new)
     return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN)
+
+
+def decode_heads(hk: int, r: int, dk: int, dv: int, itemsize: int, budget: int) -> int:
+    """Key heads per decode grid step: the largest divisor of ``hk`` whose ``heads * r`` value heads' states
+    (``dk x dv`` of ``itemsize`` bytes each) fit ``budget`` bytes; at least 1."""
+    per_head = r * dk * dv * itemsize
+    return max(h for h in range(1, hk + 1) if hk % h == 0 and (h == 1 or h * per_head <= budget))
 
 
 def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: int,
@@ -217,7 +255,8 @@ def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: i
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t", "interpret"),
+    jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t",
+                              "decode_state_bytes", "interpret"),
     donate_argnums=(4, 5))
 def fused_gdn(
     mixed: jax.Array,
@@ -238,6 +277,7 @@ def fused_gdn(
     norm_weight: jax.Array | None = None,
     norm_eps: float = 1e-6,
     block_t: int = 256,
+    decode_state_bytes: int = DECODE_STATE_BYTES,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Conv1d + L2 norm + gated delta rule of a batch, updating the state pools in place (module docstring);
@@ -260,6 +300,8 @@ def fused_gdn(
             layer at 4096 tokens).
         norm_weight: ``[dv]`` the norm's weight (required with ``gate``); norm_eps: its epsilon.
         block_t: tokens per grid step when T > 1 (rounded to a multiple of the 64-token chunk).
+        decode_state_bytes: when T == 1, the most recurrent-state bytes one grid step holds: key heads are
+            grouped per step up to it (:func:`decode_heads`).
         interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
 
     Returns:
@@ -279,8 +321,10 @@ def fused_gdn(
     if gate is not None and norm_weight is None:
         raise ValueError("a fused output norm needs norm_weight")
     km1 = conv_weight.shape[1] - 1
+    heads = 1
     if t == 1:
         bt, tp = 1, 1
+        heads = decode_heads(hk, r, dk, dv, rec_pool.dtype.itemsize, decode_state_bytes)
     else:
         bt = min(-(-block_t // CHUNK_SIZE), -(-t // CHUNK_SIZE)) * CHUNK_SIZE
         tp = -(-t // bt) * bt
@@ -290,6 +334,9 @@ def fused_gdn(
         beta = jnp.pad(beta, ((0, 0), (0, tp - t), (0, 0)))
         gate = None if gate is None else jnp.pad(gate, ((0, 0), (0, tp - t), (0, 0)))
 
+    # A grid step's group of key heads acts as one key head of width heads * dk with heads * r value heads:
+    # the channels, states and g/beta of consecutive key heads are contiguous.
+    hk, dk, r = hk // heads, heads * dk, heads * r
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     slot_ids = slot_ids.astype(jnp.int32)
 
@@ -310,8 +357,10 @@ def fused_gdn(
         norm_in_specs = [pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)),
                          pl.BlockSpec((1, dv), lambda b, h, t, *_: (0, 0))]
         norm_args = [gate, norm_weight.reshape(1, dv)]
-    kernel = functools.partial(_kernel, dk=dk, dv=dv, r=r, chunk=CHUNK_SIZE, norm=norm)
-    state_spec = pl.BlockSpec((None, None, r, dk, dv), lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
+    kernel = functools.partial(_kernel, dk=dk // heads, dv=dv, r=r // heads, heads=heads, chunk=CHUNK_SIZE,
+                               norm=norm)
+    state_spec = pl.BlockSpec((None, None, r, head_k_dim, dv),
+                              lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
     v_mixed_spec, v_weight_spec, v_window_spec = _v_group_specs(bt, tp == bt, km1, hk, dk, r, dv)
     win_in_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
@@ -356,11 +405,11 @@ def fused_gdn(
         # XLA cannot see in: the traffic is the rows' inputs and outputs and each row's recurrent state
         # read and written once (not the whole pool operand).
         cost_estimate=pl.CostEstimate(
-            flops=int(bsz * tp * hv * dk * dv * 6), transcendentals=int(bsz * tp * hv * 2),
+            flops=int(bsz * tp * hv * head_k_dim * dv * 6), transcendentals=int(bsz * tp * hv * 2),
             bytes_accessed=int(bsz * tp * (conv_dim * mixed.dtype.itemsize + 8 * hv
                                            + hv * dv * jnp.dtype(out_dtype).itemsize * (2 if norm else 1))
                                + 3 * bsz * km1 * conv_dim * conv_pool.dtype.itemsize
-                               + 2 * bsz * hv * dk * dv * rec_pool.dtype.itemsize)),
+                               + 2 * bsz * hv * head_k_dim * dv * rec_pool.dtype.itemsize)),
     )(
         layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
         conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
