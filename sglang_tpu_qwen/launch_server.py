@@ -112,8 +112,9 @@ def launch_server(args: ServerArgs) -> None:
         logger.warning(warning)
     if args.disaggregation_mode == "colocated-split":  # two engines, two ports (disagg/colocated.py)
         from sglang_tpu_qwen.disagg.colocated import launch_colocated_split
+        from sglang_tpu_qwen.server.app import create_app
 
-        launch_colocated_split(args, _warm_up_and_announce)
+        launch_colocated_split(args, _warm_up_and_announce, create_app)
         return
     if args.disaggregation_transfer_backend == "inprocess":
         raise SystemExit("--disaggregation-transfer-backend inprocess needs --disaggregation-mode colocated-split "

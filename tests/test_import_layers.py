@@ -19,8 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("",),  # entry points: launch_server, the bench_* shims
     ("tools.plan",),  # the planner (deviceless AOT compile, its chip, routing and collective models)
     ("bench", "tools"),  # benchmarks; HLO traffic, weight manifests
-    ("disagg",),  # prefill/decode roles, composed onto an engine by the launcher
-    ("server",),  # HTTP: FastAPI app, OpenAI routes, SSE, error mapping
+    ("server", "disagg"),  # HTTP: FastAPI app, OpenAI routes, SSE; PD roles, composed onto an engine by the launcher
     ("multimodal",),  # image inputs: references to bytes, decoding, preprocessing, prompt pad expansion
     ("engine",),  # Engine: the in-process API
     ("engine.scheduler",),  # scheduler, policy, ScheduleBatch, output processor, failures, prefix cache

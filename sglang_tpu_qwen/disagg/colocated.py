@@ -51,17 +51,18 @@ def device_groups(num_prefill: int | None, devices: list[Any] | None = None) -> 
     return devs[:k], devs[k:]
 
 
-def launch_colocated_split(args: ServerArgs, warm_up_and_announce: Callable[..., None]) -> None:
+def launch_colocated_split(args: ServerArgs, warm_up_and_announce: Callable[..., None],
+                           create_app: Callable[[Any], Any]) -> None:
     """Build both engines, serve both over HTTP until interrupted (KeyboardInterrupt stops both).
 
-    warm_up_and_announce(server, args, announce=True): launch_server's warm-up, passed in so this module
-    does not import its caller.
+    The launcher composes the HTTP side and passes it in, so disagg/ imports neither its caller nor
+    server/ (the two folders share a layer): warm_up_and_announce(server, args, announce=True) is
+    launch_server's warm-up; create_app(engine) -> ASGI app is server.app.create_app.
     """
     import uvicorn
 
     from sglang_tpu_qwen.disagg import roles
     from sglang_tpu_qwen.engine.engine import Engine
-    from sglang_tpu_qwen.server.app import create_app
 
     prefill_args, decode_args = split_args(args)
     prefill_devs, decode_devs = device_groups(args.disaggregation_prefill_devices)

@@ -3,9 +3,9 @@
 The policy (schedule_policy.py) picks a `PickedBatch`: the step's mode, its requests and how many new tokens
 each feeds. Failure handling (step_failures.py) and the serving role's hooks (scheduler_role.py) take that
 object too. `ScheduleBatch.build` lays a pick out in batch rows and fills every host array of the step in one
-place: the model inputs as one `ForwardBatch` (model/forward_batch.py, numpy leaves) and, when a row
-samples, the sampling batch. The runner runs it and the output processor (output_processor.py) reads the
-results back by row.
+place: the model inputs as one `ForwardBatch` (model/forward_batch.py, numpy leaves, filled by
+`host_forward_batch`, which the speculative steps use too) and, when a row samples, the sampling batch. The
+runner runs it and the output processor (output_processor.py) reads the results back by row.
 
 Row layout with --dp-size N: rank r's rows are [r*B/N, (r+1)*B/N) of the B rows (B: the batch of the step's
 compiled bucket, engine/runner/buckets.py), so each DP rank's shard of the batch holds only its own requests.
@@ -13,9 +13,9 @@ compiled bucket, engine/runner/buckets.py), so each DP rank's shard of the batch
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -118,23 +118,18 @@ class ScheduleBatch(PickedBatch):
         reqs = [picked.reqs[j] for j in order]
         lens = [picked.extend_lens[j] for j in order]
         rows, bucket = batch_rows(reqs, lens, mode, buckets)
-        b, t, p = bucket.batch, bucket.tokens, bucket.pages
-        input_ids = np.zeros((b, t), np.int32)
-        prefix_lens = np.zeros(b, np.int32)
-        extend_lens = np.zeros(b, np.int32)
-        slot_ids = np.zeros(b, np.int32)
-        page_table = np.zeros((b, p), np.int32)
-        token_src = np.full(b, -1, np.int32)
+        b = bucket.batch
         prev_rows = {} if prev is None else {id(r): i for r, i in zip(prev.reqs, prev.rows, strict=True)}
+        fills: list[RowInputs] = []
         for r, n, i in zip(reqs, lens, rows, strict=True):
+            ids, src = None, -1
             if r.tokens_in_flight:  # a decode row fed by the step in flight: its token never left the device
                 assert n == 1 and id(r) in prev_rows, f"{r.rid}: token in flight but not in the previous step"
-                token_src[i] = prev_rows[id(r)]
+                src = prev_rows[id(r)]
             else:
-                input_ids[i, :n] = r.fill_ids[r.cached_len : r.cached_len + n]
-            prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
-            page_table[i, : len(r.pages)] = r.pages
-        forward = ForwardBatch(mode, input_ids, prefix_lens, extend_lens, page_table, slot_ids, token_src)
+                ids = r.fill_ids[r.cached_len : r.cached_len + n]
+            fills.append(RowInputs(i, r.cached_len, n, r.slot, r.pages, ids, src))
+        forward = host_forward_batch(mode, (b, bucket.tokens, bucket.pages), fills)
         if images is not None:
             forward = add_image_inputs(forward, reqs, lens, rows, images.hidden, images.encode)
         finishing = [i for i, (r, n) in enumerate(zip(reqs, lens, strict=True)) if n == r.pending]
@@ -154,6 +149,50 @@ class ScheduleBatch(PickedBatch):
         if self.sampling is None:
             return []
         return [r for r in (self.reqs[i] for i in self.finishing) if r.max_new_tokens != 0]
+
+
+class RowInputs(NamedTuple):
+    """One row of a host ForwardBatch (`host_forward_batch`): what a request feeds in a step."""
+
+    row: int  # batch row
+    prefix_len: int  # tokens already in the cache
+    extend_len: int  # tokens this step feeds
+    slot: int  # GDN state slot
+    pages: Sequence[int]  # KV pages from position 0 on (the start of the row's page table)
+    input_ids: Sequence[int] | None = None  # the extend_len tokens fed; None: they stay 0 (on the device)
+    token_src: int = -1  # row of the previous step's sampled ids that feeds this row (overlap); -1: input_ids
+
+
+def host_forward_batch(mode: ForwardMode, shape: tuple[int, int, int], rows: Iterable[RowInputs], *,
+                       with_token_src: bool = True, rope_deltas: Any = None) -> ForwardBatch:
+    """The host ForwardBatch of one step: `rows` laid out in B rows of T token columns and P pages, every other
+    row a padding row (all zero: page 0 / slot 0, the trash targets). shape is (B, T, P).
+
+    Its arrays, numpy int32:
+        input_ids    [B, T]  row.input_ids in columns [0, extend_len), 0 elsewhere (and where input_ids is None)
+        prefix_lens  [B]     row.prefix_len
+        extend_lens  [B]     row.extend_len (0 on padding rows)
+        page_table   [B, P]  row.pages in columns [0, len(pages)), 0 elsewhere
+        slot_ids     [B]     row.slot
+        token_src    [B]     row.token_src, -1 on padding rows; None when not `with_token_src` (steps that no
+                             token in flight feeds: the MTP draft and the verify commit)
+    rope_deltas is passed through (None: text-only; a vision model's [B] int32).
+    Used by ScheduleBatch.build and the speculative verify, commit and draft steps (speculative.py).
+    """
+    b, t, p = shape
+    input_ids = np.zeros((b, t), np.int32)
+    prefix_lens = np.zeros(b, np.int32)
+    extend_lens = np.zeros(b, np.int32)
+    slot_ids = np.zeros(b, np.int32)
+    page_table = np.zeros((b, p), np.int32)
+    token_src = np.full(b, -1, np.int32)
+    for i, prefix_len, extend_len, slot, pages, ids, src in rows:
+        if ids is not None:
+            input_ids[i, :extend_len] = ids
+        prefix_lens[i], extend_lens[i], slot_ids[i], token_src[i] = prefix_len, extend_len, slot, src
+        page_table[i, : len(pages)] = pages
+    return ForwardBatch(mode, input_ids, prefix_lens, extend_lens, page_table, slot_ids,
+                        token_src if with_token_src else None, rope_deltas=rope_deltas)
 
 
 def batch_rows(reqs: list[Request], lens: list[int], mode: ForwardMode,

@@ -67,8 +67,10 @@ from sglang_tpu_qwen.engine.io.request import Request
 from sglang_tpu_qwen.engine.runner.model_runner import SampleOutput, StepOutput
 from sglang_tpu_qwen.engine.scheduler.schedule_batch import (
     PickedBatch,
+    RowInputs,
     ScheduleBatch,
     batch_rows,
+    host_forward_batch,
     sampling_batch,
 )
 from sglang_tpu_qwen.grammar.bitmask import MaskRow, bitmask_width
@@ -194,12 +196,9 @@ class SpecDecoder:
         its fed tokens and start from the device (forward.token_src: its row in `prev`)."""
         buckets, ctx = self.runner.buckets, self.scheduler.policy.context_length
         rows, bucket = batch_rows(picked.reqs, picked.extend_lens, ForwardMode.DECODE, buckets)
-        b, t, p = bucket.batch, self.tokens, bucket.pages
-        input_ids = np.zeros((b, t), np.int32)
-        prefix_lens, extend_lens, slot_ids = (np.zeros(b, np.int32) for _ in range(3))
-        token_src = np.full(b, -1, np.int32)
-        page_table = np.zeros((b, p), np.int32)
+        b, t = bucket.batch, self.tokens
         prev_rows = {} if prev is None else {id(r): i for r, i in zip(prev.reqs, prev.rows, strict=True)}
+        fills: list[RowInputs] = []
         lens: list[int] = []
         s_reqs: list[Request] = []
         s_rows: list[int] = []
@@ -207,10 +206,10 @@ class SpecDecoder:
         ahead: list[list[int]] = []
         masks: list[MaskRow | None] = []
         for r, i in zip(picked.reqs, rows, strict=True):
-            rows_mask = None
+            rows_mask, ids, src = None, None, -1
             if r.verify_fed:
                 assert id(r) in prev_rows and self.can_carry(r), f"{r.rid}: carried but not in the step in flight"
-                token_src[i] = prev_rows[id(r)]
+                src = prev_rows[id(r)]
                 drafts = [0] * self.draft_room(r, ctx)  # on the device
             else:
                 drafts = self.drafts_for(r, ctx)
@@ -221,10 +220,9 @@ class SpecDecoder:
                 if r.grammar is not None:  # each position's mask follows the drafts before it
                     rows_mask = np.full((1 + len(drafts), bitmask_width(vocab_size)), -1, np.int32)
                     drafts = drafts[: r.grammar.fill_drafts(rows_mask, drafts)]
-                input_ids[i, : 1 + len(drafts)] = [r.fill_ids[r.cached_len], *drafts]
+                ids = [r.fill_ids[r.cached_len], *drafts]
             n = 1 + len(drafts)
-            prefix_lens[i], extend_lens[i], slot_ids[i] = r.cached_len, n, r.slot
-            page_table[i, : len(r.pages)] = r.pages
+            fills.append(RowInputs(i, r.cached_len, n, r.slot, r.pages, ids, src))
             lens.append(n)
             for pos in range(n):
                 s_reqs.append(r)
@@ -232,8 +230,7 @@ class SpecDecoder:
                 offsets.append(pos)
                 ahead.append(drafts[:pos])
                 masks.append(None if rows_mask is None else MaskRow(rows_mask[pos]))
-        forward = ForwardBatch(ForwardMode.TARGET_VERIFY, input_ids, prefix_lens, extend_lens, page_table, slot_ids,
-                               token_src)
+        forward = host_forward_batch(ForwardMode.TARGET_VERIFY, (b, t, bucket.pages), fills)
         sampling = sampling_batch(s_reqs, s_rows, b * t, eos_ids, vocab_size, offsets, ahead, masks)
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(picked.reqs), lens, rows, forward,
                              list(range(len(picked.reqs))), sampling)
@@ -259,16 +256,14 @@ class SpecDecoder:
         until the step is read; each committed row's `verify_fed` holds its fed tokens until then. Returns the
         device (accepted counts [B], drafts [B, k], fed lengths [B])."""
         forward = batch.forward
-        prefix_lens, extend_lens, slot_ids = (np.zeros(batch.batch_size, np.int32) for _ in range(3))
-        page_table = np.zeros_like(forward.page_table)
+        fills: list[RowInputs] = []
         snaps = np.zeros((batch.batch_size, 2), np.int32)  # (slot, position of the snapshot so far)
         snaps[:, 1] = NO_SNAPSHOTS
         ps = self.page_size
         for r, n, row in zip(batch.reqs, batch.extend_lens, batch.rows, strict=True):
             if r.finished or r.slot is None:
                 continue
-            prefix_lens[row], extend_lens[row], slot_ids[row] = r.cached_len, n, r.slot
-            page_table[row] = forward.page_table[row]
+            fills.append(RowInputs(row, r.cached_len, n, r.slot, forward.page_table[row]))
             r.verify_fed = n  # set only now: reading the step before cleared the previous value
             cache = self.scheduler.ranks[r.rank].prefix_cache
             if cache is None or not cache.takes_snapshots:
@@ -277,8 +272,11 @@ class SpecDecoder:
             if ps - r.cached_len % ps <= n:  # the run may end on a page boundary
                 snaps[row, 0] = cache.verify_snapshot_slot(r)
                 r.snapshot_pending = bool(snaps[row, 0])
-        exact = dataclasses.replace(forward, prefix_lens=prefix_lens, extend_lens=extend_lens, slot_ids=slot_ids,
-                                    page_table=page_table, token_src=None)
+        # The verify step's batch with exact starts (its input_ids and image inputs kept; no token_src).
+        starts = host_forward_batch(forward.mode, (*forward.input_ids.shape, forward.page_table.shape[1]), fills,
+                                    with_token_src=False)
+        exact = dataclasses.replace(forward, prefix_lens=starts.prefix_lens, extend_lens=starts.extend_lens,
+                                    slot_ids=starts.slot_ids, page_table=starts.page_table, token_src=None)
         got, drafts = self.runner.commit(step, exact, sampled, snaps)
         assert step.fed_lens is not None
         return got, drafts, step.fed_lens
@@ -369,17 +367,11 @@ class SpecDecoder:
         """Run the draft program over rows (request, row, first position, the tokens after each position, whether
         the request takes the drafts) of `step`."""
         b, t = forward.input_ids.shape
-        input_ids = np.zeros((b, t), np.int32)
-        prefix_lens, extend_lens, slot_ids = (np.zeros(b, np.int32) for _ in range(3))
-        page_table = np.zeros_like(forward.page_table)
-        for r, row, start, tokens, _ in rows:
-            if not tokens:
-                continue
-            input_ids[row, : len(tokens)] = tokens
-            prefix_lens[row], extend_lens[row], slot_ids[row] = start, len(tokens), r.slot
-            page_table[row, : len(r.pages)] = r.pages
-        draft = ForwardBatch(ForwardMode.EXTEND if t > 1 else ForwardMode.DECODE, input_ids, prefix_lens, extend_lens,
-                             page_table, slot_ids, rope_deltas=forward.rope_deltas)
+        fills = [RowInputs(row, start, len(tokens), r.slot, r.pages, tokens)
+                 for r, row, start, tokens, _ in rows if tokens]
+        draft = host_forward_batch(ForwardMode.EXTEND if t > 1 else ForwardMode.DECODE,
+                                   (b, t, forward.page_table.shape[1]), fills, with_token_src=False,
+                                   rope_deltas=forward.rope_deltas)
         drafts = np.asarray(self.runner.draft(step, draft))
         for r, row, _, tokens, takes in rows:
             if takes and tokens:
