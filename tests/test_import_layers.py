@@ -17,8 +17,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sglang_tpu_qwen"
 # above it; folders on one line do not import each other. "" is the package root (the entry points).
 LAYERS: list[tuple[str, ...]] = [
     ("",),  # entry points: launch_server, the bench_* shims
+    ("bench",),  # benchmarks (a measured step beside the planner's plan of it: bench/decode_step.py)
     ("tools.plan",),  # the planner (deviceless AOT compile, its chip, routing and collective models)
-    ("bench", "tools"),  # benchmarks; HLO traffic, weight manifests
+    ("tools",),  # HLO traffic, weight manifests
     ("server", "disagg"),  # HTTP: FastAPI app, OpenAI routes, SSE; PD roles, composed onto an engine by the launcher
     ("multimodal",),  # image inputs: references to bytes, decoding, preprocessing, prompt pad expansion
     ("engine",),  # Engine: the in-process API

@@ -55,12 +55,14 @@ class DecodeTimer:
         self.stats.decode_waits += 1
 
 
-def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 20, windows: int = 3) -> float:
+def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 20, windows: int = 3,
+                     warmup: int = 2) -> float:
     """Device seconds per greedy decode step (forward, sampling and keep_sampled programs, input tokens
     read on the device as under overlap scheduling) of `rows` rows at `context` tokens each: the median
     over `windows` windows of `iters` steps dispatched back to back with one wait at the end, so host
-    dispatch overlaps the device. For benchmarks on an IDLE engine only: rows read arbitrary pages and
-    write position context - 1 into the trash page and trash slot; observers do not see these steps."""
+    dispatch overlaps the device, after `warmup` untimed steps. For benchmarks on an IDLE engine only: rows
+    read arbitrary pages and write position context - 1 into the trash page and trash slot; observers do not
+    see these steps."""
     sizing = runner.sizing
     dp, ps, num_pages = sizing.dp, sizing.page_size, sizing.num_pages
     bucket = runner.buckets.decode_bucket(-(-rows // dp))
@@ -85,7 +87,7 @@ def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 
 
     times = []
     with runner.side_steps():
-        for _ in range(2):
+        for _ in range(warmup):
             step().tokens.block_until_ready()
         for _ in range(windows):
             start = time.perf_counter()

@@ -250,20 +250,24 @@ def decoder_layer(
     eps = config.rms_norm_eps
     x = rms_norm(h, lp["input_norm"], eps)
     inputs = None
-    if kind == "full_attention":
-        x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, index, config,
-                                              backends.attention)
-    elif batch.mode.is_verify:  # the jnp reference over the slot states, which stay as they are
-        x, inputs = gdn_layer_verify(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
-    elif (gdn_fused := backends.gdn.kernel) is not None:
-        x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused)
-    else:
-        x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
+    # The named scopes ("attention", "gdn", "moe", "mlp"; "lm_head" in compute_logits) reach the compiled HLO's
+    # op_name metadata: a profile's ops are grouped by them (bench/decode_step.py).
+    with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
+        if kind == "full_attention":
+            x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, index, config,
+                                                  backends.attention)
+        elif batch.mode.is_verify:  # the jnp reference over the slot states, which stay as they are
+            x, inputs = gdn_layer_verify(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
+        elif (gdn_fused := backends.gdn.kernel) is not None:
+            x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused)
+        else:
+            x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
     h = h + x
     x = rms_norm(h, lp["post_attn_norm"], eps)
     # A layer holds "moe" or "mlp" (model/param_layout.py, per config.mlp_types).
     moe = moe_fn or functools.partial(moe_block, dense=backends.xla_cpu)
-    h = h + (moe(lp["moe"], x, config) if "moe" in lp else dense_mlp(lp["mlp"], x))
+    with jax.named_scope("moe" if "moe" in lp else "mlp"):
+        h = h + (moe(lp["moe"], x, config) if "moe" in lp else dense_mlp(lp["mlp"], x))
     return h, (k_cache, v_cache, conv, rec), inputs
 
 
@@ -298,7 +302,8 @@ def compute_logits(params: Params, hidden: jax.Array, *, config: Qwen35MoeConfig
     Returns:
         ``[N, V]`` float32.
     """
-    return jnp.einsum("nh,vh->nv", hidden, lm_head_weight(params, config), preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+        return jnp.einsum("nh,vh->nv", hidden, lm_head_weight(params, config), preferred_element_type=jnp.float32)
 
 
 def lm_head_weight(params: Params, config: Qwen35MoeConfig) -> jax.Array:

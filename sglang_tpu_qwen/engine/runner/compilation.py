@@ -134,3 +134,18 @@ def configure_persistent_cache(path: str | None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
+
+
+@contextlib.contextmanager
+def persistent_cache_off() -> Iterator[None]:
+    """Compile past JAX's persistent cache within the block, then restore the directory in use: deviceless
+    executables (the planner's, compiled for a TPU topology in a process whose engine turned the cache on) cannot
+    be loaded back from it (no client to load them into), and a later process would warn "Error reading
+    persistent compilation cache entry" and compile again."""
+    previous = jax.config.jax_compilation_cache_dir
+    configure_persistent_cache("none")
+    try:
+        yield
+    finally:
+        if previous:
+            configure_persistent_cache(previous)

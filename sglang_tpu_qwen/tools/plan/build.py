@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 import time
 from typing import Any
 
 import jax
 
+from sglang_tpu_qwen.engine.runner import compilation
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.tools.plan import collectives, programs, routing
+from sglang_tpu_qwen.tools.plan import collectives, programs, routing, step_bytes
 from sglang_tpu_qwen.tools.plan.calibration import calibrate
 from sglang_tpu_qwen.tools.plan.chips import CHIPS
 from sglang_tpu_qwen.tools.plan.compose import compose_workloads
 from sglang_tpu_qwen.tools.plan.flops import analytic_flops_per_token, expert_pair_flops
 
+_TOPOLOGY_LOCK = threading.Lock()
 MC_TRIALS = {"decode": 400, "verify": 100, "prefill": 4}  # Monte-Carlo layer steps per distribution (fixed seed)
 
 
@@ -29,6 +33,23 @@ def abstract_runner(config: Qwen35MoeConfig, args: Any, devices: Any, *, fp8: bo
 
     return ModelRunner.abstract(config, args, devices, platform=platform, fp8_block=block if fp8 else None,
                                 device_memory_bytes=device_memory_bytes)
+
+
+def topology_devices(topology: str) -> list[Any]:
+    """The compile-only devices of a deviceless TPU ``topology`` (``"tpu7x:2x2x1"``, ``"v5e:1x1"``). A slice smaller
+    than libtpu's default host (2x2x1 chips) is described as a host of its own size: ``v5e:1x1`` is one chip.
+
+    Raises:
+        RuntimeError / JaxRuntimeError: libtpu is missing or does not know the topology.
+    """
+    from jax.experimental import topologies
+
+    shape = [int(v) for v in topology.split(":")[1].split("x")]
+    kwargs: dict[str, Any] = {}
+    if math.prod(shape) < 4:  # libtpu's default chips_per_host_bounds is 2x2x1
+        kwargs["chips_per_host_bounds"] = tuple(shape + [1] * (3 - len(shape)))
+    with _TOPOLOGY_LOCK:  # the first call loads libtpu's plugin: two threads at once both try, one fails
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs).devices)
 
 
 def moe_extra(config: Qwen35MoeConfig, ep: int, tokens: int, per_expert_bytes: float, name: str) -> dict[str, Any]:
@@ -92,15 +113,13 @@ def plan(
         ValueError: unknown chip family, or sizes that do not divide (requests or experts vs dp / ep), or
             speculation without an accept length in [1, N].
     """
-    from jax.experimental import topologies
-
     from sglang_tpu_qwen.args.server_args import ServerArgs
 
     family = topology.split(":")[0]
     if family not in CHIPS:
         raise ValueError(f"no peak figures for {family!r}; known: {sorted(CHIPS)}")
     chip = CHIPS[family]
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    topo_devices = topology_devices(topology)
     if max_running_requests % dp:
         raise ValueError(f"--max-running-requests {max_running_requests} is not a multiple of dp={dp}")
     rows_per_rank = max_running_requests // dp
@@ -121,23 +140,20 @@ def plan(
     args.resolve_chunked_prefill_size("tpu", int(hbm_dev))  # the server's default for the device memory
     # The server's memory rule on the chip's HBM: KV is the planned context of every row (--max-total-tokens),
     # the GDN snapshot slots get what --mem-fraction-static leaves after it (engine/runner/memory_split.py).
-    runner = abstract_runner(config, args, topo.devices, fp8=fp8, block=block, device_memory_bytes=int(hbm_dev))
+    runner = abstract_runner(config, args, topo_devices, fp8=fp8, block=block, device_memory_bytes=int(hbm_dev))
     c = config
-    mesh_devices = list(runner.layout.mesh.devices.flat)
+    # Without dp or ep (one device) the runner has no mesh: it places everything on the first device.
+    mesh_devices = list(runner.layout.mesh.devices.flat) if runner.layout is not None else topo_devices[:1]
     n_dev = len(mesh_devices)
     chip_of = [tuple(d.coords) for d in mesh_devices]
-    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.params)
-    mtp_specs = specs.pop("mtp", None)  # the MTP layer's weights: read by the draft program only
-    rep_w, exp_w = programs.weight_bytes_per_device(specs, ep)
-    mtp_rep, mtp_exp = programs.weight_bytes_per_device(mtp_specs, ep) if mtp_specs is not None else (0, 0)
+    # The weights, KV and state sizes every step's least bytes are counted from (step_bytes.py); the MTP
+    # layer's weights apart: the draft program reads them.
+    rb = step_bytes.runner_bytes(runner, ep)
+    rep_w, exp_w, mtp_rep, mtp_exp = rb.replicated, rb.experts, rb.mtp_replicated, rb.mtp_experts
     kv_dev = programs.nbytes({k: runner.cache[k] for k in ("k", "v")}) // dp
     gdn_dev = programs.nbytes({k: runner.cache[k] for k in ("conv", "rec")}) // dp
-    kv_per_token = 2 * c.num_attn_layers * runner.backends.attention.layout.token_bytes(
-        c.num_key_value_heads, c.head_dim, runner.kv_dtype)
-    state_per_req = runner.backends.gdn.state_layout.slot_bytes(runner.cache["conv"], runner.cache["rec"])
-    embed_b = c.vocab_size * c.hidden_size * runner.dtype.itemsize
-    e_local = c.num_experts // ep
-    per_expert = exp_w / e_local if e_local else 0.0  # a dense model has no experts
+    kv_per_token = rb.kv_per_token
+    per_expert = rb.per_expert
 
     buckets = {
         "decode": runner.buckets.decode_bucket(rows_per_rank),
@@ -177,7 +193,8 @@ def plan(
         bucket = buckets[name]
         t0 = time.perf_counter()
         try:
-            fwd, *others = _compile_step(runner, name, bucket, n_spec)
+            with compilation.persistent_cache_off():
+                fwd, *others = _compile_step(runner, name, bucket, n_spec)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -195,24 +212,13 @@ def plan(
         prefix = 0 if name == "prefill" else context_length - 1
         rows_rank = rows // dp
         tokens_step = rows * tokens
-
-        def active(t: int) -> float:  # the chance that one expert serves some of t tokens (uniform routing)
-            return 1.0 - (1.0 - c.num_experts_per_tok / c.num_experts) ** t if c.num_experts else 0.0
-
-        kv_read = rows_rank * (prefix + tokens) * kv_per_token
-        kv_write = rows_rank * tokens * kv_per_token
-        # A fresh prefill only writes the state; a decode step reads and writes it; a verify step reads it and
-        # its commit reads and writes it again, and writes the decode snapshot of the rows whose accepted run
-        # reaches a page boundary (accept length / page size of them).
-        state_rw = rows_rank * state_per_req * {"prefill": 1, "decode": 2, "verify": 3}[name]
-        if name == "verify":
-            state_rw += rows_rank * state_per_req * min(1.0, speculative_accept_length / page_size)
-        min_bytes = (rep_w - embed_b + rows_rank * tokens * c.hidden_size * runner.dtype.itemsize
-                     + per_expert * e_local * active(tokens_step) + kv_read + kv_write + state_rw)
-        forward_min = min_bytes - (rows_rank * state_per_req * 2 if name == "verify" else 0)
-        if name == "verify":
-            min_bytes += _draft_min_bytes(c, n_spec, rows, rows_rank, mtp_rep, mtp_exp, embed_b, kv_per_token,
-                                          prefix, active)
+        parts = step_bytes.step_min_bytes(
+            rb, name, rows_rank=rows_rank, tokens=tokens, prefix=prefix, tokens_step=tokens_step,
+            page_size=page_size, accept_length=speculative_accept_length,
+            draft=lambda: step_bytes.draft_min_bytes(c, rb, n_spec, rows, rows_rank, prefix))  # noqa: B023
+        min_bytes = sum(parts.values())
+        # The verify forward alone: without the draft program and the commit's second pass over the state.
+        forward_min = min_bytes - parts["draft"] - (rows_rank * rb.state_per_slot * 2 if name == "verify" else 0)
         fwd_text, other_texts = fwd.as_text(), [p.as_text() for p in others]
         tr_f = programs.traffic(fwd_text, bw, peak)
         tr_o = [programs.traffic(t, bw, peak, 1) for t in other_texts]
@@ -242,6 +248,7 @@ def plan(
             "bytes_accessed": bytes_accessed, "bytes_forward": tr_f["bytes"], "bytes_sample": tr_s["bytes"],
             "bytes_kernels": tr_f["kernel_bytes"] + tr_s["kernel_bytes"],
             "xla_cost_analysis_bytes": cost["bytes_accessed"] + cost_s["bytes_accessed"], "min_bytes": min_bytes,
+            "min_bytes_parts": parts,
             "bytes_ratio": bytes_accessed / min_bytes,
             # The forward program alone (a verify step's target forward: its bytes against its own minimum).
             "forward_bytes_ratio": tr_f["bytes"] / forward_min,
@@ -284,19 +291,3 @@ def _compile_step(runner: Any, name: str, bucket: Any, n_spec: int) -> list[Any]
     keys = [("verify", b), ("commit", b), ("draft", b, n_spec, bucket.pages), ("spec_carry", b)]
     return ([runner.programs.lower(k).compile() for k in keys]
             + [runner.lower_sample("greedy", b * n_spec).compile()])
-
-
-def _draft_min_bytes(c: Qwen35MoeConfig, n_spec: int, rows: int, rows_rank: int, mtp_rep: float, mtp_exp: float,
-                     lm_head_bytes: float, kv_per_token: float, prefix: int, active: Any) -> float:
-    """Bytes the draft program must move per device: the MTP layer runs N - 1 times in a row (first over the N
-    verified positions of each row, then once per further draft), each time reading its replicated weights
-    (``mtp_rep``), the share of its local experts (``mtp_exp``) its tokens route to and the lm_head, and reading
-    the context's and writing the fed tokens' KV of its one attention layer. ``active(t)``: the chance that an
-    expert serves some of t tokens."""
-    kv_layer = kv_per_token / max(c.num_attn_layers, 1)
-    total = 0.0
-    for i in range(n_spec - 1):
-        fed = n_spec if i == 0 else 1
-        total += (mtp_rep + lm_head_bytes + mtp_exp * active(rows * fed)
-                  + rows_rank * (prefix + n_spec + i + fed) * kv_layer)
-    return total

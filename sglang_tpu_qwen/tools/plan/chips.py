@@ -99,7 +99,19 @@ CHIPS = {
                "4614 TFLOP/s FP8, 192 GiB HBM, 7380 GB/s HBM, 2 TensorCores",
         ici=TPU7X_ICI,
     ),
+    # The chip the project measures on (DESIGN.md section 9): its plans are set beside its measurements
+    # (bench/decode_step.py) before the same model's Ironwood figures are believed.
+    "v5e": ChipPeaks(
+        name="TPU v5e", devices_per_chip=1, hbm_bytes=16 * 2**30, hbm_bytes_per_s=819e9,
+        bf16_flops_per_s=197e12, fp8_flops_per_s=197e12,
+        source="Google Cloud TPU v5e docs (docs.cloud.google.com/tpu/docs/v5e): per chip 197 TFLOP/s BF16, "
+               "393 TOP/s Int8, 16 GB HBM2 at 819 GB/s (a later revision of the page says 800 GiB/s), one "
+               "TensorCore; no FP8 MXU, so FP8 weights run at the BF16 peak. JAX reports 15.75 GiB of it usable",
+    ),
 }  # fmt: skip
+# JAX's ``device_kind`` of each chip's devices -> its key in CHIPS (benchmarks take the peaks of the chip they run
+# on from here).
+DEVICE_KINDS = {"TPU7x": "tpu7x", "TPU v5 lite": "v5e"}
 
 
 def collective_time(kind: str, in_bytes: float, out_bytes: float, group_chips: list[tuple[int, ...]],

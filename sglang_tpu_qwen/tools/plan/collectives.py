@@ -26,14 +26,19 @@ def charge(hlo_texts: list[str], chip_of: list[tuple[int, ...]], chip: ChipPeaks
     replica groups index). Returns ``{"exposed", "overlapped", "total"}`` seconds (central figures),
     ``"exposed_low"`` / ``"exposed_high"`` (the chip model's fast and slow ends), ``"count"``, ``"ici_bytes_per_chip"``,
     and ``"by_kind"``: per (kind, group size, bytes) the count, seconds each and how much of it is exposed.
+    All zero for programs without collectives (one device), on any chip.
+
+    Raises:
+        ValueError: a collective on a chip without an ICI model (``chip.ici`` None).
     """
-    assert chip.ici is not None, f"{chip.name}: no ICI model"
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip
     peak = chip.bf16_flops_per_s / chip.devices_per_chip
     out: dict[str, Any] = {"exposed": 0.0, "overlapped": 0.0, "total": 0.0, "exposed_low": 0.0, "exposed_high": 0.0,
                            "count": 0, "ici_bytes_per_chip": 0.0}
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "s_each": 0.0, "exposed_s": 0.0})
     for c in (c for text in hlo_texts for c in hlo_traffic.program_collectives(text)):
+        if chip.ici is None:  # a chip planned alone (v5e): its programs have no collective to charge
+            raise ValueError(f"{chip.name}: no ICI model for the program's {c.kind}")
         groups = c.groups or [[a, b] for a, b in c.pairs[:1]] or [[0]]
         group = max(groups, key=len)
         coords = [chip_of[i] for i in group if i < len(chip_of)]

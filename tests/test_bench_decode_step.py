@@ -1,0 +1,203 @@
+"""The decode-step benchmark's pure parts (bench/decode_step.py): its roofline bytes are the planner's account
+(tools/plan/step_bytes.py) and come out as the issue counted them for the 35B-shaped checkpoint; the planner's v5e
+decode step holds the same bytes; the profile's breakdown of a synthetic TPU trace and of a real CPU trace.
+
+Nothing here builds the 35B-shaped checkpoint: its runner is abstract (shapes only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+# The deviceless v5e compile loads libtpu beside other processes (see test_kernels_aot_ironwood.py).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from conftest import record  # noqa: E402
+
+from sglang_tpu_qwen.args.server_args import ServerArgs  # noqa: E402
+from sglang_tpu_qwen.bench import decode_step  # noqa: E402
+from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict  # noqa: E402
+from sglang_tpu_qwen.embedded.shaped_35b import shaped_35b_config_dict  # noqa: E402
+from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner  # noqa: E402
+from sglang_tpu_qwen.model.config import Qwen35MoeConfig  # noqa: E402
+from sglang_tpu_qwen.model.param_layout import param_specs  # noqa: E402
+from sglang_tpu_qwen.parallel.sharding import EXPERT_LEAVES  # noqa: E402
+
+V5E_HBM = 16 * 2**30
+ROWS, CONTEXT, PAGE = 64, decode_step.DEFAULT_CONTEXT, 64
+
+
+def _tpu_runner(config_dict: dict, rows: int = ROWS, devices: list | None = None) -> ModelRunner:
+    """The server's runner for ``config_dict`` on abstract weights with the TPU's kernels and dtypes, flagged as
+    the planner flags it (tools/plan/build.py ``plan``)."""
+    args = ServerArgs(max_running_requests=rows, context_length=CONTEXT, page_size=PAGE,
+                      max_total_tokens=rows * CONTEXT)
+    args.resolve_chunked_prefill_size("tpu", V5E_HBM)
+    return ModelRunner.abstract(Qwen35MoeConfig.from_hf_dict(config_dict), args, devices, platform="tpu",
+                                device_memory_bytes=V5E_HBM if devices is not None else None)
+
+
+def test_35b_shaped_roofline_bytes_by_part() -> None:
+    """64 rows x 576 on the 35B-shaped checkpoint, bf16, f32 GDN state: each part of the benchmark's roofline
+    (the planner's account) equals the arithmetic from the config, and the whole is the issue's ~5.3 GB (lm_head
+    1.02 GB + ~126 of 128 experts 3.16 GB + dense 0.28 GB + GDN state 0.80 GB + KV 0.08 GB; the issue left out the
+    conv state's 0.04 GB)."""
+    cd = shaped_35b_config_dict()
+    c = Qwen35MoeConfig.from_hf_dict(cd)
+    runner = _tpu_runner(cd)
+    bucket, parts = decode_step.roofline_parts(runner, ROWS, CONTEXT)
+    assert bucket.batch == ROWS and runner.dtype == jax.numpy.bfloat16
+    h, e, k = c.hidden_size, c.num_experts, c.num_experts_per_tok
+    moe_layers = sum(t == "moe" for t in c.mlp_types)
+    gdn_layers, attn_layers = c.num_gdn_layers, c.num_attn_layers
+    assert (moe_layers, gdn_layers, attn_layers, e, k) == (4, 3, 1, 128, 8)
+    touched = e * (1 - (1 - k / e) ** ROWS)
+    specs = param_specs(c)
+    dense = sum(math.prod(x.shape) * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(specs)
+                if not ({getattr(p, "key", None) for p in path} & (EXPERT_LEAVES | {"embed", "lm_head"})))
+    conv_dim, taps = c.gdn_conv_dim, c.linear_conv_kernel_dim - 1
+    state = runner.sizing.state_dtype.itemsize
+    kv_token = 2 * attn_layers * c.num_key_value_heads * c.head_dim * 2
+    want = {
+        "lm_head": c.vocab_size * h * 2,
+        "dense": dense,
+        "embedding_rows": ROWS * h * 2,
+        "experts": moe_layers * 3 * h * c.moe_intermediate_size * 2 * touched,
+        "kv_read": ROWS * CONTEXT * kv_token,
+        "kv_write": ROWS * kv_token,
+        "gdn_recurrent": 2 * ROWS * gdn_layers * c.linear_num_value_heads * c.linear_key_head_dim
+        * c.linear_value_head_dim * state,
+        "gdn_conv": 2 * ROWS * gdn_layers * conv_dim * taps * runner.cache["conv"].dtype.itemsize,
+        "draft": 0,
+    }
+    assert parts == pytest.approx(want, rel=1e-12)
+    assert state == 4 and 125.5 < touched < 126.5
+    total = sum(parts.values())
+    assert 5.3e9 < total < 5.45e9
+    record("Decode step roofline: 35B-shaped, 64 x 576", ", ".join(f"{p} {v / 1e9:.3f} GB" for p, v in parts.items()
+                                                                   if v) + f"; total {total / 1e9:.3f} GB, "
+           f"{total / 819e9 * 1e3:.2f} ms at 819 GB/s")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_planned_v5e_step_holds_the_benchmarks_bytes() -> None:
+    """The planner's decode step on one v5e chip (the deviceless compile the benchmark runs after its engine) is
+    held against exactly the benchmark's roofline bytes, part by part, and plans a positive step with no
+    collectives; shown for the embedded model (a quick compile), the 35B-shaped checkpoint goes the same way."""
+    from sglang_tpu_qwen.tools.plan.build import topology_devices
+
+    rows = 8
+    cd = embedded_config_dict()
+    try:
+        devices = topology_devices("v5e:1x1")
+    except Exception as e:  # a libtpu that does not know the chip
+        pytest.skip(f"no deviceless v5e topology: {e}")
+    runner = _tpu_runner(cd, rows, devices)
+    _, parts = decode_step.roofline_parts(runner, rows, CONTEXT)
+    info = {"page_size": PAGE, "kv_cache_dtype": "auto", "mamba_ssm_dtype": runner.sizing.state_dtype.name}
+    planned = decode_step.plan_rows(info, runner.config, "v5e", rows, CONTEXT)
+    assert planned["min_bytes_parts"] == pytest.approx(parts, rel=1e-12)
+    assert planned["min_bytes"] == pytest.approx(sum(parts.values()), rel=1e-12)
+    assert planned["kernels"]["attention"] == "pallas" and planned["kernels"]["gdn"] == "pallas"
+    assert planned["planned_s"] >= planned["serial_s"] > 0 and planned["bucket_rows"] == rows
+    # The profile's categories on the chip's own HLO: the model's named scopes reach the op_name of a fresh compile.
+    from sglang_tpu_qwen.engine.runner.compilation import persistent_cache_off
+
+    with persistent_cache_off():
+        text = runner.lower_forward(runner.buckets.decode_bucket(rows)).compile().as_text()
+    (table,) = decode_step.op_table([("forward", text)]).values()
+    cats = {decode_step.categorize(name, op.opcode, op.op_name, "jit_forward_program") for name, op in table.items()}
+    assert {"attention kernel (Pallas)", "GDN kernel (Pallas)", "MoE grouped matmul (ragged_dot / FP8 kernel)",
+            "MoE routing (top-k, sort, gather / scatter)", "attention (XLA: projections, RoPE, norms, KV write)",
+            "GDN (XLA: projections, gates, state layout)", "copies"} <= cats, cats
+    record("Decode step roofline: the planner on v5e:1x1",
+           f"embedded model, {rows} x {CONTEXT}: least bytes {planned['min_bytes'] / 1e6:.1f} MB (= the benchmark's), "
+           f"planned {planned['planned_s'] * 1e3:.3f} ms, HLO bytes / least {planned['bytes_ratio']:.2f}")
+
+
+def _synthetic_tpu_trace() -> object:
+    """A trace as a TPU writes it: a device plane whose XLA Ops line holds, inside one XLA Modules event per step,
+    a while op enclosing its body's ops (so nested time must count once). Two steps of 1.0 ms each."""
+    from jax.profiler import ProfileData
+
+    ops = {1: "while.3", 2: "ragged_paged_attention.7", 3: "fused_gdn", 4: "ragged-dot-none.2", 5: "copy.9",
+           6: "fusion.13", 7: "fusion.40", 8: "fusion.99"}
+    meta = "\n".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for i, n in ops.items())
+    events, modules = [], []
+    for step in range(2):
+        t0 = step * 2_000_000_000  # ps
+        modules.append(f"events {{ metadata_id: 20 offset_ps: {t0} duration_ps: 800000000 }}")
+        modules.append(f"events {{ metadata_id: 21 offset_ps: {t0 + 800000000} duration_ps: 200000000 }}")
+        body = [(1, 0, 600), (2, 0, 200), (3, 200, 150), (4, 350, 150), (5, 500, 100), (7, 600, 200),
+                (6, 800, 150), (8, 950, 50)]  # (op, start us, us): the while holds ops 2-5
+        events += [f"events {{ metadata_id: {op} offset_ps: {t0 + s * 10**6} duration_ps: {d * 10**6} }}"
+                   for op, s, d in body]
+    text = (f'planes {{ id: 1 name: "/device:TPU:0" '
+            f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 0 {" ".join(modules)} }} '
+            f'lines {{ id: 2 name: "XLA Ops" timestamp_ns: 0 {" ".join(events)} }} '
+            f'{meta} event_metadata {{ key: 20 value {{ id: 20 name: "jit_forward_program(7)" }} }} '
+            f'event_metadata {{ key: 21 value {{ id: 21 name: "jit_sample_program(8)" }} }} }} '
+            f'planes {{ id: 2 name: "/host:CPU" }}')
+    return ProfileData.from_text_proto(text)
+
+
+def test_profile_of_a_synthetic_tpu_trace() -> None:
+    """Self times (a while op's body counted once), each op's program from the XLA Modules event around it, its
+    op_name from the compiled programs' table, the categories and the top ops, per step."""
+    info = decode_step.OpInfo
+    table = {
+        "jit_forward_program": {
+            "ragged_paged_attention.7": info("custom-call", "jit(forward_program)/attention/jit(ragged_paged_attention)"
+                                                            "/pallas_call"),
+            "fused_gdn": info("custom-call", "jit(forward_program)/gdn/jit(fused_gdn)/pallas_call"),
+            "ragged-dot-none.2": info("custom-call", "jit(forward_program)/moe/ragged_dot_general/ragged-dot-none"),
+            "copy.9": info("copy", "param_leaves[18]"),
+            "fusion.40": info("fusion", "jit(forward_program)/while/body/closed_call/moe/gather"),
+        },
+        "jit_sample_program": {"fusion.13": info("fusion", "jit(sample_program)/lm_head/nh,vh->nv/dot_general"),
+                               "fusion.99": info("fusion", "jit(sample_program)/argmax")},
+    }
+    prof = decode_step.aggregate_profile(_synthetic_tpu_trace(), table, steps=2)
+    assert prof["source"] == "device" and prof["plane"] == "/device:TPU:0"
+    assert prof["total_ms_per_step"] == pytest.approx(1.0) and prof["modules_ms_per_step"] == pytest.approx(1.0)
+    cats = {c["category"]: c["ms_per_step"] for c in prof["categories"]}
+    assert cats == pytest.approx({
+        "attention kernel (Pallas)": 0.2, "GDN kernel (Pallas)": 0.15, "MoE grouped matmul (ragged_dot / FP8 kernel)":
+        0.15, "copies": 0.1, "MoE routing (top-k, sort, gather / scatter)": 0.2, "lm_head": 0.15, "sampling": 0.05,
+        decode_step.OTHER: 0.0})
+    assert sum(c["share"] for c in prof["categories"]) == pytest.approx(1.0)
+    top = prof["top_ops"]
+    assert [o["op"] for o in top[:2]] == ["ragged_paged_attention.7", "fusion.40"]
+    assert {o["module"] for o in top} == {"jit_forward_program", "jit_sample_program"}
+    assert all(o["count"] == 1 for o in top)
+    text = decode_step.format_profile({**prof, "rows": 64, "context": 576, "trace": "t.xplane.pb"})
+    assert "device plane /device:TPU:0" in text and "| lm_head | 0.150 | 15.0% |" in text
+
+
+def test_profile_of_a_cpu_engine_uses_the_host_plane(engine, tmp_path) -> None:
+    """On the CPU the trace has no device plane: the profile says so and groups the host plane's XLA ops, each
+    found in the engine's compiled decode and sampling programs. (Their op_name metadata is whatever the
+    persistent cache held: the named scopes are checked on a fresh compile below.)"""
+    prof = decode_step.profile_step(engine.runner, rows=4, context=40, steps=2, out_dir=tmp_path)
+    assert prof["source"] == "host" and prof["rows"] == 4 and prof["total_ms_per_step"] > 0
+    assert prof["trace"].endswith(".xplane.pb")
+    assert {o["module"] for o in prof["top_ops"]} <= {"jit_forward_program", "jit_sample_program",
+                                                      "jit_keep_sampled"}
+    assert "sampling" in {c["category"] for c in prof["categories"]}
+    assert all(o["opcode"] for o in prof["top_ops"])  # every top op found in the compiled programs' table
+    assert "no device plane in the trace" in decode_step.format_profile(prof)
+
+
+def test_flags() -> None:
+    """Defaults: the 35B-shaped checkpoint, rows 8 / 64 / 256 at 576, running requests for the largest; "embedded"
+    is the embedded model; a given --max-running-requests stays."""
+    ns, args = decode_step.parse_args([])
+    assert ns.row_counts == [8, 64, 256] and ns.context == 576 and args.max_running_requests == 256
+    assert args.model_path == "shaped-35b"
+    ns, args = decode_step.parse_args(["--model-path", "embedded", "--rows", "4,2", "--max-running-requests", "8"])
+    assert args.model_path is None and ns.row_counts == [2, 4] and args.max_running_requests == 8
+    with pytest.raises(SystemExit):
+        decode_step.parse_args(["--rows", "0"])
