@@ -14,6 +14,7 @@ import os
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from conftest import record  # noqa: E402
 
@@ -123,8 +124,12 @@ def _synthetic_tpu_trace() -> object:
     a while op enclosing its body's ops (so nested time must count once). Two steps of 1.0 ms each."""
     from jax.profiler import ProfileData
 
-    ops = {1: "while.3", 2: "ragged_paged_attention.7", 3: "fused_gdn", 4: "ragged-dot-none.2", 5: "copy.9",
-           6: "fusion.13", 7: "fusion.40", 8: "fusion.99"}
+    # Two ops named as the v5e names them: the whole instruction text, the name before " = ".
+    ops = {1: "while.3", 2: "ragged_paged_attention.7",
+           3: "fused_gdn = (bf16[64,1,4096]{2,1,0}) custom-call(s32[1]{0} %constant.7), "
+              "custom_call_target=tpu_custom_call", 4: "ragged-dot-none.2", 5: "copy.9",
+           6: "fusion.13 = f32[64,248320]{1,0} fusion(bf16[64,2048]{1,0} %copy-done, bf16[248320,2048]{1,0} %w), "
+              "kind=kOutput", 7: "fusion.40", 8: "fusion.99"}
     meta = "\n".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for i, n in ops.items())
     events, modules = [], []
     for step in range(2):
@@ -201,3 +206,18 @@ def test_flags() -> None:
     assert args.model_path is None and ns.row_counts == [2, 4] and args.max_running_requests == 8
     with pytest.raises(SystemExit):
         decode_step.parse_args(["--rows", "0"])
+
+
+def test_replayed_rows_route_like_a_batch(engine) -> None:
+    """The replayed decode step's rows carry distinct token ids (decode_timer.replay_batch), so their hidden
+    states, and so their MoE routings, differ: on one input every row took the same top-k experts and the step
+    read k experts' weights (the first v5e run). Checked on the greedy ids the step samples."""
+    from sglang_tpu_qwen.bench.decode_timer import replay_batch
+
+    runner = engine.runner
+    batch, sampling = replay_batch(runner, rows=4, context=40)
+    assert batch.token_src is None and len(set(batch.input_ids[:, 0].tolist())) == batch.input_ids.shape[0]
+    with runner.side_steps():
+        out = runner.sample(runner.forward(batch), sampling)
+    tokens = np.asarray(out.tokens)[: batch.input_ids.shape[0]]
+    assert len(set(tokens.tolist())) > len(tokens) // 2, tokens

@@ -182,9 +182,16 @@ def profiled_programs(runner: Any, rows: int) -> list[tuple[str, str]]:
 # (category, test): the first whose test holds names an op. ``t``: the op's lower-cased text (name, opcode, op_name
 # metadata, the trace's own strings); ``op``: its opcode ("" when unknown); ``module``: its program.
 _KERNEL_OPS = ("custom-call", "tpu_custom_call")
+
+
+def _kernel(t: str, op: str) -> bool:
+    """A Mosaic kernel call: by its opcode, or by its instruction text where the opcode is unknown."""
+    return op in _KERNEL_OPS or "tpu_custom_call" in t
+
+
 CATEGORIES: tuple[tuple[str, Any], ...] = (
-    ("attention kernel (Pallas)", lambda t, op, module: op in _KERNEL_OPS and "ragged_paged_attention" in t),
-    ("GDN kernel (Pallas)", lambda t, op, module: op in _KERNEL_OPS and "fused_gdn" in t),
+    ("attention kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "ragged_paged_attention" in t),
+    ("GDN kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "fused_gdn" in t),
     ("MoE grouped matmul (ragged_dot / FP8 kernel)",
      lambda t, op, module: any(k in t for k in ("ragged-dot", "ragged_dot", "fp8_matmul", "grouped_matmul"))),
     ("copies", lambda t, op, module: op in ("copy", "copy-start", "copy-done") or t.startswith("copy")),
@@ -297,13 +304,16 @@ def aggregate_profile(profile: Any, table: dict[str, dict[str, OpInfo]], steps: 
     cats: dict[str, float] = {}
     ops = []
     for (name, module), (ns, count) in per_op.items():
-        info = table.get(module, {}).get(name)
+        # On the v5e the device plane's op is the whole instruction text ("fused_gdn.2 = (...) custom-call(...)"):
+        # its name is what comes before " = ".
+        short = name.split(" = ", 1)[0].strip().lstrip("%")
+        info = table.get(module, {}).get(short)
         if info is None:  # a module name that differs from the HLO's: the op's name alone
-            info = next((t[name] for t in table.values() if name in t), None)
+            info = next((t[short] for t in table.values() if short in t), None)
         opcode, op_name = (info.opcode, info.op_name) if info else ("", "")
         cat = categorize(name, opcode, op_name, module, extras.get((name, module), ""))
         cats[cat] = cats.get(cat, 0.0) + ns
-        ops.append({"op": name, "module": module, "category": cat, "opcode": opcode, "op_name": op_name[-100:],
+        ops.append({"op": short, "module": module, "category": cat, "opcode": opcode, "op_name": op_name[-100:],
                     "ms_per_step": ns / 1e6 / steps, "share": ns / total_ns if total_ns else 0.0,
                     "count": count / steps})
     ops.sort(key=lambda o: -o["ms_per_step"])

@@ -55,14 +55,15 @@ class DecodeTimer:
         self.stats.decode_waits += 1
 
 
-def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 20, windows: int = 3,
-                     warmup: int = 2) -> float:
-    """Device seconds per greedy decode step (forward, sampling and keep_sampled programs, input tokens
-    read on the device as under overlap scheduling) of `rows` rows at `context` tokens each: the median
-    over `windows` windows of `iters` steps dispatched back to back with one wait at the end, so host
-    dispatch overlaps the device, after `warmup` untimed steps. For benchmarks on an IDLE engine only: rows
-    read arbitrary pages and write position context - 1 into the trash page and trash slot; observers do not
-    see these steps."""
+def replay_batch(runner: ModelRunner, rows: int, context: int) -> tuple[ForwardBatch, SamplingBatch]:
+    """The decode batch and greedy sampling that :func:`time_decode_step` replays: ``rows`` rows padded to their
+    decode bucket, every row at ``context`` tokens over arbitrary pages, writing position ``context - 1`` into
+    the trash page and slot, each with its own fixed token id (seeded, distinct; ``[B, 1]`` int32,
+    ``token_src`` None). Distinct ids make the MoE layers route rows as a real batch does: rows with one
+    input (all on the trash slot's state) would all pick the same top-k experts, and the grouped matmuls
+    would read k experts' weights instead of the ~all a real batch touches (seen on the v5e: 0.155 ms per
+    268 MB expert stack, faster than HBM allows). ``token_src`` is data in the step program, so this is the
+    overlapped step's program (-1 rows read the host's ids)."""
     sizing = runner.sizing
     dp, ps, num_pages = sizing.dp, sizing.page_size, sizing.num_pages
     bucket = runner.buckets.decode_bucket(-(-rows // dp))
@@ -74,11 +75,19 @@ def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 
         page_table += (np.arange(b) // (b // dp))[:, None] * num_pages
         page_table[:, (context - 1) // ps] = (np.arange(b) // (b // dp)) * num_pages
     slots = ((np.arange(b) // (b // dp)) * sizing.num_slots).astype(np.int32)
-    sampling = SamplingBatch.greedy(b)
-    # As an overlapped decode step: each row's input token is the previous step's sampled id, kept on
-    # the device by keep_sampled.
-    batch = ForwardBatch(ForwardMode.DECODE, np.zeros((b, 1), np.int32), np.full(b, context - 1, np.int32),
-                         np.ones(b, np.int32), page_table, slots, np.arange(b, dtype=np.int32))
+    ids = np.random.default_rng(0).choice(runner.config.vocab_size, size=(b, 1), replace=False).astype(np.int32)
+    batch = ForwardBatch(ForwardMode.DECODE, ids, np.full(b, context - 1, np.int32), np.ones(b, np.int32),
+                         page_table, slots, None)
+    return batch, SamplingBatch.greedy(b)
+
+
+def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 20, windows: int = 3,
+                     warmup: int = 2) -> float:
+    """Device seconds per greedy decode step (forward, sampling and keep_sampled programs) of
+    :func:`replay_batch`: the median over `windows` windows of `iters` steps dispatched back to back with one
+    wait at the end, so host dispatch overlaps the device, after `warmup` untimed steps. For benchmarks on an
+    IDLE engine only (the rows write the trash page and slot); observers do not see these steps."""
+    batch, sampling = replay_batch(runner, rows, context)
 
     def step() -> SampleOutput:
         out = runner.sample(runner.forward(batch), sampling)
