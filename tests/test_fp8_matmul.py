@@ -1,7 +1,7 @@
-"""Block-FP8 matmuls (quant/fp8.py, kernels/fp8_matmul): the Pallas grouped matmul (interpret mode) and
-the XLA path equal dequantise-then-matmul, with partial edge blocks, empty groups, row tiles shared by
-groups and rows past the groups; the model's forward with FP8 weights through the Pallas kernel equals
-the forward on the dequantised weights.
+"""Block-FP8 matmuls (quant/fp8.py weights, kernels/fp8_matmul, kernels/moe_backend.py): the Pallas grouped
+matmul (interpret mode) and the XLA path equal dequantise-then-matmul, with partial edge blocks, empty groups,
+row tiles shared by groups and rows past the groups; the MoE backend's two kinds agree; the model's forward
+with FP8 weights through the Pallas kernel equals the forward on the dequantised weights.
 
 Tolerance: float32 inputs; the kernel sums 128-row partial products in a different order than one dot
 over the dequantised matrix, so results agree to ~1e-6 relative; we allow 1e-5 of the largest magnitude.
@@ -30,9 +30,11 @@ from sglang_tpu_qwen.kernels.fp8_matmul.reference import (
     fp8_grouped_matmul_scatter_add_reference,
     fp8_grouped_swiglu_reference,
 )
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.quant import fp8
 
 TOL = 1e-5
+REFERENCE, PALLAS = MoeBackend("reference"), MoeBackend("pallas", interpret=True)  # interpret: on CPU
 
 
 def _rel(got: jax.Array, want: jax.Array) -> float:
@@ -219,9 +221,9 @@ def test_swiglu_kernel_gathers_its_rows(m, k, n, s, sizes, tiles):
     assert np.all(np.asarray(got)[covered:] == 0)
     ref = fp8_grouped_swiglu_reference(src[ids], wg.q, wg.scale, wu.q, wu.scale, gs, (128, 128), rs)
     assert _rel(got, ref) < TOL
-    # The XLA path (quant/fp8.py) gathers the same rows from the same source.
+    # The reference backend's XLA path (kernels/moe_backend.py) gathers the same rows from the same source.
     w_gate, w_up = wg, wu
-    xla = fp8.grouped_swiglu(src.reshape(s, k // 128, 128), w_gate, w_up, gs, rs, row_ids=ids)
+    xla = REFERENCE.grouped_swiglu(src.reshape(s, k // 128, 128), w_gate, w_up, gs, rs, row_ids=ids)
     assert _rel(xla[:covered], ref[:covered]) < TOL
 
 
@@ -240,20 +242,21 @@ def test_kernel_reads_one_layer_of_a_stack():
 
 
 def test_xla_path_and_linear():
-    """Off TPU, ``grouped``/``linear`` dequantise in XLA: equal to the dense matmul of the dequantised
-    weight; ``linear`` through the kernel (interpret) too, with leading batch dims."""
+    """Under the reference backend ``grouped``/``linear`` dequantise in XLA: equal to the dense matmul of the
+    dequantised weight; ``linear`` through the kernel (the pallas backend, interpret) too, with leading batch
+    dims."""
     rng = np.random.default_rng(1)
     w = _weights(rng, 3, 200, 136, (128, 128))
     x = jnp.asarray(rng.standard_normal((30, 200)), jnp.float32)
     gs = jnp.asarray([10, 0, 15], jnp.int32)
     with jax.default_matmul_precision("highest"):
         want = fp8_grouped_matmul_reference(x, w.q, w.scale, gs, w.block)
-        assert _rel(jax.jit(fp8.grouped)(x, w, gs), want) < TOL
+        assert _rel(jax.jit(REFERENCE.grouped)(x, w, gs), want) < TOL
         one = fp8.Fp8Weight(q=w.q[1], scale=w.scale[1], block=w.block)
         xb = x.reshape(5, 6, 200)
         dense = xb @ dequantize_blocks(one.q, one.scale, one.block, jnp.float32)
-        assert _rel(jax.jit(fp8.linear)(xb, one), dense) < TOL
-        assert _rel(jax.jit(functools.partial(fp8.linear, interpret=True))(xb, one), dense) < TOL
+        assert _rel(jax.jit(REFERENCE.linear)(xb, one), dense) < TOL
+        assert _rel(jax.jit(PALLAS.linear)(xb, one), dense) < TOL
 
 
 def test_linear_tiles_read_each_weight_once():
@@ -281,7 +284,7 @@ def test_linear_tiles_read_each_weight_once():
     xs = jnp.asarray(rng.standard_normal((256, 1024)), jnp.float32)
     assert linear_tiles(256, 1024, 256, 4)["tm"] == 256  # the default: two 512-deep K tiles, 2 weight reads
     dense = xs @ dequantize_blocks(w.q[0], w.scale[0], w.block, jnp.float32)
-    assert _rel(jax.jit(functools.partial(fp8.linear, interpret=True))(xs, one), dense) < TOL
+    assert _rel(jax.jit(PALLAS.linear)(xs, one), dense) < TOL
 
 
 def test_quantize_partial_blocks():
@@ -295,9 +298,11 @@ def test_quantize_partial_blocks():
 
 
 def test_fp8_forward_through_kernel_is_the_model():
-    """``forward_step`` with FP8 weights and every FP8 matmul in the Pallas kernel (interpret mode) equals
-    ``forward_step`` on the dequantised weights (a prefill step of two rows, one of them padded)."""
+    """``forward_step`` with FP8 weights and every FP8 matmul in the Pallas kernel (the pallas MoE backend,
+    interpret mode) equals ``forward_step`` on the dequantised weights (a prefill step of two rows, one of them
+    padded)."""
     from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict, init_embedded_params
+    from sglang_tpu_qwen.kernels.dispatch import KernelBackends
     from sglang_tpu_qwen.model.config import Qwen35MoeConfig
     from sglang_tpu_qwen.model.forward import forward_step, init_cache
     from sglang_tpu_qwen.model.forward_batch import ForwardBatch
@@ -318,8 +323,8 @@ def test_fp8_forward_through_kernel_is_the_model():
     fwd = functools.partial(forward_step, config=config)
     with jax.default_matmul_precision("highest"):
         ref, _ = jax.jit(fwd)(deq, init_cache(config, 8, 4, 4, jnp.float32), ForwardBatch.of(*args))
-        with fp8.interpret_kernels():
-            got, _ = jax.jit(fwd)(q, init_cache(config, 8, 4, 4, jnp.float32), ForwardBatch.of(*args))
+        on_kernel = functools.partial(fwd, backends=KernelBackends(moe=PALLAS))
+        got, _ = jax.jit(on_kernel)(q, init_cache(config, 8, 4, 4, jnp.float32), ForwardBatch.of(*args))
     valid = np.arange(t)[None, :] < args[2][:, None]
     err = _rel(jnp.asarray(np.asarray(got)[valid]), jnp.asarray(np.asarray(ref)[valid]))
     print(f"FP8 forward through the kernel vs dequantised weights: rel err {err:.1e}")

@@ -27,6 +27,7 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
     fp8_grouped_swiglu,
 )
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention  # noqa: E402
@@ -228,9 +229,11 @@ def test_gdn_layer_compiles_for_ironwood(device, layout) -> None:
         return ForwardBatch(mode, _spec((rows, tokens), i32, device), _spec((rows,), i32, device),
                             _spec((rows,), i32, device), _spec((rows, 1), i32, device), _spec((rows,), i32, device))
 
+    fp8_kernel = MoeBackend("pallas")  # the FP8 projections in the Pallas grouped matmul, as the server runs them
+
     def step(p, x_dec, b_dec, x_pre, b_pre, conv, rec):
-        y_dec, conv, rec = gdn_layer_pooled(p, x_dec, b_dec, conv, rec, 0, config, fused_gdn)
-        y_pre, conv, rec = gdn_layer_pooled(p, x_pre, b_pre, conv, rec, 1, config, fused_gdn)
+        y_dec, conv, rec = gdn_layer_pooled(p, x_dec, b_dec, conv, rec, 0, config, fused_gdn, fp8_kernel)
+        y_pre, conv, rec = gdn_layer_pooled(p, x_pre, b_pre, conv, rec, 1, config, fused_gdn, fp8_kernel)
         return y_dec, y_pre, conv, rec
 
     start = time.perf_counter()

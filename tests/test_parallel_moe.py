@@ -81,7 +81,7 @@ def test_local_experts_runs_skewed_routing_in_several_chunks():
     assert -(-m * k // rows) > 1  # the device holding experts 4..7 needs several chunks
     here = local_experts(x, weights, ids, w_gate[4:], w_up[4:], w_down[4:], jnp.int32(4), e)
     want = routed_experts(x, weights, ids, w_gate, w_up, w_down)
-    assert here.shape == (m, h)  # dense experts: plain rows (parallel/fp8.kernel_rows)
+    assert here.shape == (m, h)  # dense experts: plain rows (MoeBackend.kernel_rows)
     np.testing.assert_allclose(np.asarray(here), np.asarray(want), rtol=1e-5, atol=1e-5)
     elsewhere = local_experts(x, weights, ids, w_gate[:4], w_up[:4], w_down[:4], jnp.int32(0), e)
     assert not np.any(np.asarray(elsewhere))
@@ -96,11 +96,13 @@ def test_local_experts_fp8_kernels_in_several_chunks():
     import jax.numpy as jnp
     import numpy as np
 
+    from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
     from sglang_tpu_qwen.model.moe import routed_experts
     from sglang_tpu_qwen.parallel.expert_parallel import chunk_rows, local_experts
     from sglang_tpu_qwen.quant import fp8
 
     m, k, e, e_local, h, i = 24, 2, 8, 4, 128, 128
+    pallas = MoeBackend("pallas", interpret=True)
     keys = jax.random.split(jax.random.key(1), 5)
     x = jax.random.normal(keys[0], (m, h), jnp.float32)
     stacks = [fp8.quantize(jax.random.normal(kk, shape, jnp.float32) / 8)
@@ -114,11 +116,10 @@ def test_local_experts_fp8_kernels_in_several_chunks():
         return [fp8.Fp8Weight(q=w.q[lo : lo + e_local], scale=w.scale[lo : lo + e_local], block=w.block)
                 for w in stacks]
 
-    rows = x.reshape(m, h // 128, 128)  # the kernels' row layout (parallel/fp8.kernel_rows)
-    with fp8.interpret_kernels():
-        here = local_experts(rows, weights, ids.astype(jnp.int32), *experts(4), jnp.int32(4), e)
-        empty_ids = jnp.full((m, k), 4, jnp.int32).at[:, 1].set(5)
-        nothing = local_experts(rows, weights, empty_ids, *experts(0), jnp.int32(0), e)
+    rows = x.reshape(m, *pallas.kernel_rows(stacks[0], h))  # the kernels' row layout: [m, h / 128, 128]
+    here = local_experts(rows, weights, ids.astype(jnp.int32), *experts(4), jnp.int32(4), e, backend=pallas)
+    empty_ids = jnp.full((m, k), 4, jnp.int32).at[:, 1].set(5)
+    nothing = local_experts(rows, weights, empty_ids, *experts(0), jnp.int32(0), e, backend=pallas)
     local_w = jnp.where(ids >= 4, weights, 0.0)
     want = routed_experts(x, local_w, ids.astype(jnp.int32), *(fp8.dequantize(w, jnp.float32) for w in stacks))
     assert here.shape == (m, h // 128, 128)
@@ -233,19 +234,20 @@ def _child() -> None:  # noqa: C901 - one linear script
                     emit(f"moe dp{dp} ep{ep} {combine} {name}" + (f" mb{mb}" if mb > 1 else ""),
                          np.asarray(got), np.asarray(want))
 
-    # FP8 experts and shared expert through the Pallas grouped matmul (interpret mode) inside the
-    # expert-parallel shard_map, against the single-device block on the same FP8 weights (XLA path).
+    # FP8 experts and shared expert through the Pallas grouped matmul (the pallas MoE backend, interpret mode)
+    # inside the expert-parallel shard_map, against the single-device block on the same FP8 weights (the
+    # reference backend: XLA).
+    from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
     from sglang_tpu_qwen.quant import fp8
 
     q = fp8.quantize_params(moe_p)
     lay = make_layout(8, 8)
     fn = make_ep_moe_fn(EXPERT, 8, tokens_replicated=False, combine="hierarchical")
-    with fp8.interpret_kernels():
-        run = jax.jit(jax.shard_map(
-            functools.partial(fn, config=config), mesh=lay.mesh,
-            in_specs=(sharding.param_pspecs(q, lay), sharding.batch_pspec(lay)),
-            out_specs=sharding.batch_pspec(lay), check_vma=False))
-        got = run(sharding.shard_params(q, lay), x)
+    run = jax.jit(jax.shard_map(
+        functools.partial(fn, config=config, backend=MoeBackend("pallas", interpret=True)), mesh=lay.mesh,
+        in_specs=(sharding.param_pspecs(q, lay), sharding.batch_pspec(lay)),
+        out_specs=sharding.batch_pspec(lay), check_vma=False))
+    got = run(sharding.shard_params(q, lay), x)
     emit("moe dp8 ep8 hierarchical fp8", np.asarray(got), np.asarray(moe_block(q, x, config)))
 
     # Full forward: prefill (T=8, uneven lengths, one all-padding row) then one decode step.

@@ -173,6 +173,11 @@ class ServerArgs:
     # Kernels.
     attention_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
     gdn_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
+    moe_runner_backend: str = field(default="auto", metadata={
+        "help": "SGLang's flag with our kernels: auto (pallas on a TPU, else reference), pallas (the Pallas "
+                "block-FP8 grouped matmul, kernels/fp8_matmul) or reference (FP8 weights dequantised in XLA, then "
+                "ragged_dot). Runs the routed experts and every block-FP8 linear layer; dense weights use "
+                "ragged_dot / XLA's matmul under both."})
     # Constrained decoding (sglang_tpu_qwen/grammar).
     grammar_backend: str = field(
         default="xgrammar", metadata={"help": "xgrammar, llguidance or none (constrained requests get a 400)."}
@@ -256,7 +261,8 @@ class ServerArgs:
                              f"DP ranks: each rank needs at least {MIN_PREFILL_CHUNK} prompt tokens per step, so "
                              f"at least {MIN_PREFILL_CHUNK * self.dp_size}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
-                   "gdn_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
+                   "gdn_backend": ("auto", "pallas", "reference"),
+                   "moe_runner_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
                    "grammar_backend": ("xgrammar", "llguidance", "none"),
                    "kv_cache_dtype": KV_CACHE_DTYPES, "speculative_draft_policy": ("adaptive", "always")}
         for name, allowed in choices.items():

@@ -1,13 +1,14 @@
 """Which backend runs each layer kind: the Pallas TPU kernel or the model's pure-jnp reference, with its layout.
 
-``--attention-backend`` / ``--gdn-backend`` take ``auto | pallas | reference``. ``auto`` is ``pallas`` on a
-TPU backend and ``reference`` elsewhere. ``pallas`` on a non-TPU backend runs the kernels in Pallas TPU
-interpret mode (``pltpu.InterpretParams()``): exact but slow, for tests on CPU. Given the model config,
-``resolve_backends`` checks it against what the kernels support before anything is compiled. The fused GDN
-kernel runs every head layout the model config accepts (any value heads per key head, any dk and dv); on a
-TPU, Mosaic needs dk and dv to be multiples of 128 (every released model's are 128). For another layout on a
-TPU, an explicit ``pallas`` is a startup error naming the config fields and ``auto`` uses the reference with
-a warning.
+``--attention-backend`` / ``--gdn-backend`` / ``--moe-runner-backend`` take ``auto | pallas | reference``.
+``auto`` is ``pallas`` on a TPU backend and ``reference`` elsewhere. ``pallas`` on a non-TPU backend runs the
+kernels in Pallas TPU interpret mode (``pltpu.InterpretParams()``): exact but slow, for tests on CPU. Given the
+model config, ``resolve_backends`` checks it against what the kernels support before anything is compiled. The
+fused GDN kernel runs every head layout the model config accepts (any value heads per key head, any dk and dv);
+on a TPU, Mosaic needs dk and dv to be multiples of 128 (every released model's are 128). For another layout on
+a TPU, an explicit ``pallas`` is a startup error naming the config fields and ``auto`` uses the reference with
+a warning. The MoE backend's Pallas kernel serves block-FP8 weights of any shape (kernels/moe_backend.py);
+dense expert weights go to ``ragged_dot`` under either MoE backend.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax
 
 from sglang_tpu_qwen.kernels.attention_backend import AttentionBackend
 from sglang_tpu_qwen.kernels.gdn_backend import GdnBackend
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ class KernelBackends:
     Attributes:
         attention: the attention kernel and the KV pool layout (kernels/attention_backend.py).
         gdn: the GDN kernel and the state pools' layout (kernels/gdn_backend.py).
+        moe: the kernel of the routed experts' grouped matmuls and of every block-FP8 linear layer, and the
+            token rows its expert-parallel kernels read (kernels/moe_backend.py).
         platform: the JAX platform the program is compiled for ("cpu", "tpu", "gpu"). On "cpu" the
             reference path takes the forms XLA:CPU runs fastest: the recurrent GDN form at prefill too
             (``model.gated_deltanet.gdn_mix``) and dense experts (``model.moe.all_experts``).
@@ -42,14 +46,18 @@ class KernelBackends:
 
     attention: AttentionBackend = field(default_factory=AttentionBackend)
     gdn: GdnBackend = field(default_factory=GdnBackend)
+    moe: MoeBackend = field(default_factory=MoeBackend)
     platform: str = "tpu"
 
     @classmethod
     def of(cls, attention: str = "reference", gdn: str = "reference", interpret: bool = False,
-           platform: str = "tpu") -> KernelBackends:
-        """Backends by name, with their default layouts and one ``interpret`` flag for both (as
-        :func:`resolve_backends` builds them). Raises ValueError for an unknown name."""
-        return cls(AttentionBackend(attention, interpret=interpret), GdnBackend(gdn, interpret=interpret), platform)
+           platform: str = "tpu", moe: str | None = None) -> KernelBackends:
+        """Backends by name, with their default layouts and one ``interpret`` flag for all (as
+        :func:`resolve_backends` builds them). ``moe`` None: the MoE backend ``auto`` picks on ``platform``
+        (``pallas`` on "tpu", else ``reference``). Raises ValueError for an unknown name."""
+        moe = moe or ("pallas" if platform == "tpu" else "reference")
+        return cls(attention=AttentionBackend(attention, interpret=interpret), gdn=GdnBackend(gdn, interpret=interpret),
+                   moe=MoeBackend(moe, interpret=interpret), platform=platform)
 
     @property
     def xla_cpu(self) -> bool:
@@ -59,7 +67,7 @@ class KernelBackends:
     @property
     def interpret(self) -> bool:
         """Some Pallas kernel runs in interpret mode (the JAX backend is not a TPU)."""
-        return self.attention.interpret or self.gdn.interpret
+        return self.attention.interpret or self.gdn.interpret or self.moe.interpret
 
     @property
     def kv_layout(self) -> KVPoolLayout:
@@ -85,35 +93,38 @@ def gdn_pallas_unsupported(config: Any, interpret: bool = False) -> str | None:
 
 
 def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str | None = None,
-                     config: Any = None) -> KernelBackends:
-    """Resolve the two flags for a JAX platform and, when given, a model config.
+                     config: Any = None, moe: str = "auto") -> KernelBackends:
+    """Resolve the three flags for a JAX platform and, when given, a model config.
 
     Args:
-        attention, gdn: ``auto``, ``pallas`` or ``reference``.
+        attention, gdn, moe: ``--attention-backend``, ``--gdn-backend``, ``--moe-runner-backend``: ``auto``,
+            ``pallas`` or ``reference``.
         platform: ``jax.default_backend()`` when None.
         config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support on ``platform``
             (:func:`gdn_pallas_unsupported`). ``auto`` falls back to the reference with a warning; an explicit
             ``pallas`` is refused.
 
     Returns:
-        The resolved :class:`KernelBackends`, each with its kernel's KV pool layout (head-major for the Pallas
-        attention kernel, token-major for the reference).
+        The resolved :class:`KernelBackends`, each with its kernel's layout (head-major KV pages for the Pallas
+        attention kernel, token-major for the reference; row-tiled token rows for the Pallas MoE kernels).
 
     Raises:
-        ValueError: for a value outside :data:`CHOICES`, or ``pallas`` chosen for a model config the kernel
-            cannot run on ``platform`` (the message names the config fields and values).
+        ValueError: for a value outside :data:`CHOICES` (the message names the flag), or ``pallas`` chosen for
+            a model config the kernel cannot run on ``platform`` (the message names the config fields and
+            values).
     """
     platform = platform or jax.default_backend()
     on_tpu = platform == "tpu"
 
-    def one(name: str, flag: str) -> str:
-        if flag not in CHOICES:
-            raise ValueError(f"--{name}-backend must be one of {', '.join(CHOICES)}; got {flag!r}")
-        if flag == "auto":
+    def one(flag: str, value: str) -> str:
+        if value not in CHOICES:
+            raise ValueError(f"{flag} must be one of {', '.join(CHOICES)}; got {value!r}")
+        if value == "auto":
             return "pallas" if on_tpu else "reference"
-        return flag
+        return value
 
-    attn_name, gdn_name = one("attention", attention), one("gdn", gdn)
+    attn_name, gdn_name = one("--attention-backend", attention), one("--gdn-backend", gdn)
+    moe_name = one("--moe-runner-backend", moe)
     checked = config is not None and gdn_name == "pallas"
     why = gdn_pallas_unsupported(config, interpret=not on_tpu) if checked else None
     if why is not None:
@@ -123,8 +134,8 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         logger.warning("fused GDN kernel cannot run this model (%s); using the reference GDN", why)
         gdn_name = "reference"
     # Interpret mode off a TPU, for every Pallas kernel alike (the flag was one for the whole step).
-    interpret = "pallas" in (attn_name, gdn_name) and not on_tpu
-    return KernelBackends.of(attn_name, gdn_name, interpret, platform)
+    interpret = "pallas" in (attn_name, gdn_name, moe_name) and not on_tpu
+    return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name)
 
 
 def page_multiple(attention: str, kv_dtype: Any) -> int:

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.attention_backend import AttentionBackend
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import page_slots, paged_attention, write_kv
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.model.norms import rms_norm
 from sglang_tpu_qwen.model.rope import apply_rope
-from sglang_tpu_qwen.quant.fp8 import linear
 
 
 def attention_layer(
@@ -31,6 +31,7 @@ def attention_layer(
     layer: jax.Array | int,
     config: Qwen35MoeConfig,
     backend: AttentionBackend | None = None,
+    matmul: MoeBackend | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One gated attention block (token mixer only; norms and residual are the caller's).
 
@@ -52,6 +53,8 @@ def attention_layer(
             page_table, *, k_scale, v_scale) -> (attn, k_cache, v_cache)``), replaces write_kv +
             paged_attention; without one (the reference backend, or None) the reference runs on its layout
             (None: the default, token-major).
+        matmul: runs the q/k/v/o projections (``MoeBackend.linear``: the Pallas block-FP8 kernel for FP8
+            weights under ``pallas``, kernels/moe_backend.py); None: the reference.
 
     Returns:
         ``(out [B, T, H], k_cache, v_cache)`` with the new K/V written.
@@ -59,6 +62,7 @@ def attention_layer(
     b, t, _ = x.shape
     nq, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     eps = config.rms_norm_eps
+    linear = (matmul or MoeBackend()).linear
     qg = linear(x, p["q_proj"]).reshape(b, t, nq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nq * hd)
     q = rms_norm(q, p["q_norm"], eps)

@@ -110,11 +110,13 @@ def forward_step(
             GDN layers' inputs, so that :func:`commit_gdn_states` can advance each slot over the tokens that
             were accepted (state rollback by recomputing the recurrence from the pre-verify state).
         config: static model config.
-        moe_fn: ``(moe_params, x [B, T, H], config) -> [B, T, H]``; default :func:`moe_block`. The
-            expert-parallel path (parallel/expert_parallel.py) passes its own inside ``shard_map``. Dense
-            MLP layers ignore it (their weights are whole on every device).
+        moe_fn: ``(moe_params, x [B, T, H], config, backend) -> [B, T, H]``, ``backend`` the MoE backend
+            (``backends.moe``, kernels/moe_backend.py); default :func:`moe_block`. The expert-parallel path
+            (parallel/expert_parallel.py) passes its own inside ``shard_map``. Dense MLP layers ignore it (their
+            weights are whole on every device).
         backends: static kernel choice per layer kind and target platform (``kernels.dispatch``); None = the
-            jnp reference in its accelerator forms.
+            jnp reference in its accelerator forms. ``backends.moe`` runs the experts' grouped matmuls and every
+            linear layer's matmul (dense or block-FP8).
 
     Returns:
         ``(hidden [B, T, H] after the final norm in the compute dtype, new cache)``, plus the
@@ -250,24 +252,26 @@ def decoder_layer(
     eps = config.rms_norm_eps
     x = rms_norm(h, lp["input_norm"], eps)
     inputs = None
+    matmul = backends.moe  # every linear layer's matmul, dense or block-FP8 (kernels/moe_backend.py)
     # The named scopes ("attention", "gdn", "moe", "mlp"; "lm_head" in compute_logits) reach the compiled HLO's
     # op_name metadata: a profile's ops are grouped by them (bench/decode_step.py).
     with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
         if kind == "full_attention":
             x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, index, config,
-                                                  backends.attention)
+                                                  backends.attention, matmul)
         elif batch.mode.is_verify:  # the jnp reference over the slot states, which stay as they are
-            x, inputs = gdn_layer_verify(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
+            x, inputs = gdn_layer_verify(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu, matmul)
         elif (gdn_fused := backends.gdn.kernel) is not None:
-            x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused)
+            x, conv, rec = gdn_layer_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused, matmul)
         else:
-            x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu)
+            x, conv, rec = gdn_layer_on_pools(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu,
+                                              matmul)
     h = h + x
     x = rms_norm(h, lp["post_attn_norm"], eps)
     # A layer holds "moe" or "mlp" (model/param_layout.py, per config.mlp_types).
     moe = moe_fn or functools.partial(moe_block, dense=backends.xla_cpu)
     with jax.named_scope("moe" if "moe" in lp else "mlp"):
-        h = h + (moe(lp["moe"], x, config) if "moe" in lp else dense_mlp(lp["mlp"], x))
+        h = h + (moe(lp["moe"], x, config, backends.moe) if "moe" in lp else dense_mlp(lp["mlp"], x, matmul))
     return h, (k_cache, v_cache, conv, rec), inputs
 
 

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm, gdn_mix
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
-from sglang_tpu_qwen.quant.fp8 import linear
 
 
 def gdn_projections(
-    p: dict[str, Any], x: jax.Array, valid: jax.Array, config: Qwen35MoeConfig
+    p: dict[str, Any], x: jax.Array, valid: jax.Array, config: Qwen35MoeConfig, matmul: MoeBackend | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Input projections of a Gated DeltaNet block, with padded tokens masked.
 
@@ -30,6 +30,8 @@ def gdn_projections(
         x: ``[B, T, H]`` normalised hidden states.
         valid: ``[B, T]`` bool.
         config: model config.
+        matmul: runs ``in_proj_qkv`` / ``in_proj_z`` (``MoeBackend.linear``, kernels/moe_backend.py); None: the
+            reference.
 
     Returns:
         ``(mixed [B, T, conv_dim] in x.dtype (pre-conv q|k|v channels; 0 at padded tokens), z [B, T, Hv, dv],
@@ -38,6 +40,7 @@ def gdn_projections(
     bsz, t, _ = x.shape
     hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
     x = jnp.where(valid[..., None], x, 0)
+    linear = (matmul or MoeBackend()).linear
     mixed = linear(x, p["in_proj_qkv"])
     z = linear(x, p["in_proj_z"]).reshape(bsz, t, hv, dv)
     beta = jax.nn.sigmoid((x @ p["in_proj_b"]).astype(jnp.float32))
@@ -49,11 +52,13 @@ def gdn_projections(
     return mixed, z, g, beta
 
 
-def gdn_output(p: dict[str, Any], o: jax.Array, z: jax.Array, dtype: Any, config: Qwen35MoeConfig) -> jax.Array:
-    """Gated RMSNorm per head and ``out_proj``: ``o [B, T, Hv, dv]`` (any float), ``z`` -> ``[B, T, H]`` dtype."""
+def gdn_output(p: dict[str, Any], o: jax.Array, z: jax.Array, dtype: Any, config: Qwen35MoeConfig,
+               matmul: MoeBackend | None = None) -> jax.Array:
+    """Gated RMSNorm per head and ``out_proj`` (through ``matmul.linear``; None: the reference):
+    ``o [B, T, Hv, dv]`` (any float), ``z`` -> ``[B, T, H]`` dtype."""
     bsz, t, hv, dv = o.shape
     o = gated_rms_norm(o.astype(dtype), z, p["norm"], config.rms_norm_eps)
-    return linear(o.reshape(bsz, t, hv * dv), p["out_proj"])
+    return (matmul or MoeBackend()).linear(o.reshape(bsz, t, hv * dv), p["out_proj"])
 
 
 def gdn_layer(
@@ -65,6 +70,7 @@ def gdn_layer(
     new_lens: jax.Array,
     config: Qwen35MoeConfig,
     recurrent: bool = False,
+    matmul: MoeBackend | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Gated DeltaNet block (token mixer only; norms and residual are the caller's).
 
@@ -78,14 +84,15 @@ def gdn_layer(
         new_lens: ``[B]`` int32.
         config: model config.
         recurrent: as :func:`gdn_mix`.
+        matmul: runs the projections (``MoeBackend.linear``, kernels/moe_backend.py); None: the reference.
 
     Returns:
         ``(out [B, T, H] in x.dtype, conv_state, rec_state)``; padded tokens leave both states untouched.
     """
-    mixed, z, g, beta = gdn_projections(p, x, valid, config)
+    mixed, z, g, beta = gdn_projections(p, x, valid, config, matmul)
     o, conv_state, rec_state = gdn_mix(mixed, p["conv1d"], g, beta, conv_state, rec_state, valid, new_lens, config,
                                        recurrent)
-    return gdn_output(p, o, z, x.dtype, config), conv_state, rec_state
+    return gdn_output(p, o, z, x.dtype, config, matmul), conv_state, rec_state
 
 
 def gdn_layer_pooled(
@@ -97,6 +104,7 @@ def gdn_layer_pooled(
     layer: jax.Array | int,
     config: Qwen35MoeConfig,
     pooled_mix: Callable,
+    matmul: MoeBackend | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`gdn_layer` with the conv1d + delta rule done by ``pooled_mix`` directly on the state pools.
 
@@ -108,19 +116,20 @@ def gdn_layer_pooled(
             (all GDN layers).
         layer: GDN-layer index.
         pooled_mix: ``kernels.gdn.kernel.fused_gdn`` (or its reference) with ``interpret`` bound.
+        matmul: as :func:`gdn_layer`.
 
     Returns:
         ``(out [B, T, H] in x.dtype, conv_pool, rec_pool)``.
     """
     bsz, t, _ = x.shape
-    mixed, z, g, beta = gdn_projections(p, x, batch.valid, config)
+    mixed, z, g, beta = gdn_projections(p, x, batch.valid, config, matmul)
     # The gated output norm runs inside pooled_mix (its epilogue), as gdn_output would run it.
     o, conv_pool, rec_pool = pooled_mix(
         mixed, p["conv1d"], g, beta, conv_pool, rec_pool, layer, batch.slot_ids, batch.extend_lens, batch.fresh,
         num_k_heads=config.linear_num_key_heads, head_k_dim=config.linear_key_head_dim,
         head_v_dim=config.linear_value_head_dim, gate=z.reshape(bsz, t, -1).astype(x.dtype), norm_weight=p["norm"],
         norm_eps=config.rms_norm_eps)
-    return linear(o.reshape(bsz, t, -1), p["out_proj"]), conv_pool, rec_pool
+    return (matmul or MoeBackend()).linear(o.reshape(bsz, t, -1), p["out_proj"]), conv_pool, rec_pool
 
 
 def gdn_layer_on_pools(
@@ -132,6 +141,7 @@ def gdn_layer_on_pools(
     layer: jax.Array | int,
     config: Qwen35MoeConfig,
     recurrent: bool = False,
+    matmul: MoeBackend | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`gdn_layer` reading and writing each row's state in the slot pools (jnp reference path).
 
@@ -147,7 +157,7 @@ def gdn_layer_on_pools(
         ``(out [B, T, H], conv, rec)`` with the rows' new states written to their slots.
     """
     conv_s, rec_s = slot_states(batch, conv, rec, layer, config)
-    out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
+    out, conv_s, rec_s = gdn_layer(p, x, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent, matmul)
     return out, *write_slot_states(batch, conv, rec, layer, conv_s, rec_s)
 
 
@@ -177,6 +187,7 @@ def gdn_layer_verify(
     layer: jax.Array | int,
     config: Qwen35MoeConfig,
     recurrent: bool = False,
+    matmul: MoeBackend | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """:func:`gdn_layer` over each row's slot state for a speculative verify step, writing nothing back.
 
@@ -188,6 +199,6 @@ def gdn_layer_verify(
         state after the accepted tokens.
     """
     conv_s, rec_s = slot_states(batch, conv, rec, layer, config)
-    mixed, z, g, beta = gdn_projections(p, x, batch.valid, config)
+    mixed, z, g, beta = gdn_projections(p, x, batch.valid, config, matmul)
     o, _, _ = gdn_mix(mixed, p["conv1d"], g, beta, conv_s, rec_s, batch.valid, batch.extend_lens, config, recurrent)
-    return gdn_output(p, o, z, x.dtype, config), (mixed, g, beta)
+    return gdn_output(p, o, z, x.dtype, config, matmul), (mixed, g, beta)

@@ -1,8 +1,9 @@
 """Sparse MoE block: softmax top-k router, routed SwiGLU experts, sigmoid-gated shared expert.
 
 Math follows HF ``Qwen3_5MoeSparseMoeBlock``. Routed experts run as a grouped matmul: the (token, slot)
-pairs are sorted by expert id and fed to ``jax.lax.ragged_dot`` with per-expert group sizes; programs for
-XLA:CPU compute them densely instead (:func:`all_experts`).
+pairs are sorted by expert id and fed to the MoE backend's grouped matmuls (kernels/moe_backend.py:
+``jax.lax.ragged_dot``, or the Pallas block-FP8 kernel) with per-expert group sizes; programs for XLA:CPU
+compute dense experts densely instead (:func:`all_experts`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.quant.fp8 import Fp8Weight, grouped, grouped_swiglu, linear
+from sglang_tpu_qwen.quant.fp8 import Fp8Weight
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -43,8 +45,9 @@ def routed_experts(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    backend: MoeBackend | None = None,
 ) -> jax.Array:
-    """Weighted sum of each token's top-k SwiGLU experts via sort-by-expert + ``ragged_dot``.
+    """Weighted sum of each token's top-k SwiGLU experts via sort-by-expert + grouped matmuls.
 
     Args:
         x: ``[N, H]``.
@@ -52,10 +55,12 @@ def routed_experts(
         expert_ids: ``[N, k]`` int32 in ``[0, E)``.
         w_gate, w_up: ``[E, H, I]``.
         w_down: ``[E, I, H]``. Each dense or a :class:`quant.fp8.Fp8Weight` stack.
+        backend: runs the grouped matmuls (kernels/moe_backend.py); None: the reference.
 
     Returns:
         ``[N, H]`` in ``x.dtype``.
     """
+    backend = backend or MoeBackend()
     n, k = expert_ids.shape
     num_experts = w_gate.shape[0]
     flat = expert_ids.reshape(-1)
@@ -63,8 +68,8 @@ def routed_experts(
     tokens = order // k
     xs = x[tokens]  # [N*k, H], grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    act = grouped_swiglu(xs, w_gate, w_up, group_sizes, expected_rows=n * k)
-    ys = grouped(act, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
+    act = backend.grouped_swiglu(xs, w_gate, w_up, group_sizes, expected_rows=n * k)
+    ys = backend.grouped(act, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
     ys = ys * weights.reshape(-1)[order][:, None]
     # Undo the sort (a permutation), then sum each token's k contributions.
     out = jnp.zeros_like(ys).at[order].set(ys)
@@ -98,13 +103,16 @@ def all_experts(
     return jnp.einsum("nei,eih->nh", act, w_down).astype(x.dtype)
 
 
-def shared_expert(p: dict[str, Any], x: jax.Array) -> jax.Array:
-    """``sigmoid(x @ shared_expert_gate) * SwiGLU(x)`` of the shared expert: ``x [N, H]`` -> ``[N, H]``."""
+def shared_expert(p: dict[str, Any], x: jax.Array, backend: MoeBackend | None = None) -> jax.Array:
+    """``sigmoid(x @ shared_expert_gate) * SwiGLU(x)`` of the shared expert: ``x [N, H]`` -> ``[N, H]``; its
+    projections through ``backend.linear`` (None: the reference)."""
+    linear = (backend or MoeBackend()).linear
     shared = linear(jax.nn.silu(linear(x, p["shared_gate"])) * linear(x, p["shared_up"]), p["shared_down"])
     return jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
 
 
-def moe_block(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig, *, dense: bool = False) -> jax.Array:
+def moe_block(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig, backend: MoeBackend | None = None, *,
+              dense: bool = False) -> jax.Array:
     """Routed experts plus ``sigmoid(x @ shared_expert_gate) * shared_expert(x)``.
 
     Args:
@@ -112,6 +120,8 @@ def moe_block(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig, *, dense
             "shared_expert_gate"}`` (see docs/internals.md).
         x: ``[..., H]`` normalised hidden states.
         config: model config (``num_experts_per_tok``, ``norm_topk_prob``).
+        backend: the MoE backend (kernels/moe_backend.py) that runs the expert and shared-expert matmuls;
+            None: the reference.
         dense: compute the routed experts with :func:`all_experts` (programs for XLA:CPU; ignored when
             the expert weights are FP8).
 
@@ -121,7 +131,9 @@ def moe_block(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig, *, dense
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     w, ids = route(x, p["router"], config.num_experts_per_tok, config.norm_topk_prob)
-    experts = all_experts if dense and not isinstance(p["w_gate"], Fp8Weight) else routed_experts
-    routed = experts(x, w, ids, p["w_gate"], p["w_up"], p["w_down"])
-    shared = shared_expert(p, x)
+    if dense and not isinstance(p["w_gate"], Fp8Weight):
+        routed = all_experts(x, w, ids, p["w_gate"], p["w_up"], p["w_down"])
+    else:
+        routed = routed_experts(x, w, ids, p["w_gate"], p["w_up"], p["w_down"], backend)
+    shared = shared_expert(p, x, backend)
     return (routed + shared).reshape(shape)

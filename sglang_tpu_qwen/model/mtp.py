@@ -27,7 +27,6 @@ from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import Cache, Params, decoder_layer, embed_tokens, rope_tables
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
 from sglang_tpu_qwen.model.norms import rms_norm
-from sglang_tpu_qwen.quant.fp8 import linear
 
 
 def mtp_forward(
@@ -59,6 +58,7 @@ def mtp_forward(
     """
     p = params["mtp"]
     eps = config.rms_norm_eps
+    linear = (backends or KernelBackends()).moe.linear
     e = rms_norm(embed_tokens(params["embed"], batch, config), p["pre_fc_norm_embedding"], eps)
     z = linear(jnp.concatenate([e, rms_norm(hidden.astype(e.dtype), p["pre_fc_norm_hidden"], eps)], axis=-1),
                p["fc"])

@@ -5,12 +5,13 @@ Per device, for its ``N`` tokens (one micro-batch at a time):
 1. route locally (router weights are replicated), pack each (weight, expert id) into one int32, and
    all-gather the tokens and the packed routing over the expert axis;
 2. sort the gathered (token, slot) pairs by local expert, other devices' pairs last, and run the pairs
-   that live here through the SwiGLU experts as grouped matmuls (``jax.lax.ragged_dot`` / the FP8 kernel,
-   which reads each pair's token row from the gathered tokens itself)
+   that live here through the SwiGLU experts as the MoE backend's grouped matmuls (kernels/moe_backend.py:
+   ``jax.lax.ragged_dot``, or the Pallas FP8 kernel, which reads each pair's token row from the gathered
+   tokens itself)
    in chunks sized for the pairs expected here (``CAPACITY_FACTOR`` times ``k * E_local / E`` per gathered
    token), not for all of them: one chunk in the usual step, more only when routing is skewed;
 3. scale the activations by the routing weight, add each pair's down projection into its token's row of
-   the ``[n * N, H]`` partial sums (inside the FP8 kernel on TPU: no ``[pairs, H]`` product is written),
+   the ``[n * N, H]`` partial sums (inside the Pallas FP8 kernel: no ``[pairs, H]`` product is written),
    and reduce-scatter them back to the token owners (flat or hierarchical, collectives.py);
 4. add the shared expert, computed locally.
 
@@ -26,10 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.moe import route, shared_expert
 from sglang_tpu_qwen.parallel.collectives import block_order, reduce_scatter
-from sglang_tpu_qwen.quant.fp8 import grouped_scatter_add, grouped_swiglu, kernel_rows
 
 
 def _id_bits(num_experts: int) -> int:
@@ -84,6 +85,7 @@ def local_experts(
     num_experts: int | None = None,
     capacity_factor: float = CAPACITY_FACTOR,
     out_rows: jax.Array | None = None,
+    backend: MoeBackend | None = None,
 ) -> jax.Array:
     """Contribution of this device's experts to every token (zero for pairs routed elsewhere).
 
@@ -94,8 +96,9 @@ def local_experts(
     is computed.
 
     Args:
-        x: ``[M, *kernel_rows(w_gate, H)]`` gathered tokens (quant/fp8.py: with FP8 experts, rows the
-            kernel reads one DMA each, so no gathered copy of the pairs' rows is written).
+        x: ``[M, *backend.kernel_rows(w_gate, H)]`` gathered tokens (kernels/moe_backend.py: with FP8 experts
+            under ``pallas``, rows the kernel reads one DMA each, so no gathered copy of the pairs' rows is
+            written).
         weights: ``[M, k]`` float32 routing weights.
         expert_ids: ``[M, k]`` int32 global expert ids.
         w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``; dense or FP8 (quant/fp8.py).
@@ -104,12 +107,14 @@ def local_experts(
         capacity_factor: chunk rows over the pairs expected here (uniform routing).
         out_rows: ``[M]`` int32, the result row each token's contributions are added into (a permutation;
             default the token's own row): the reduce-scatter's block order.
+        backend: runs the grouped matmuls (kernels/moe_backend.py); None: the reference.
 
     Returns:
-        ``[M, *kernel_rows(w_down, H)]`` in ``x.dtype`` (with FP8 experts ``[M, H / 128, 128]``, rows the
-        kernel adds into one by one; reshaping it to ``[M, H]`` is a relayout on TPU, so callers reduce it
-        first).
+        ``[M, *backend.kernel_rows(w_down, H)]`` in ``x.dtype`` (with FP8 experts under ``pallas``
+        ``[M, H / 128, 128]``, rows the kernel adds into one by one; reshaping it to ``[M, H]`` is a relayout
+        on TPU, so callers reduce it first).
     """
+    backend = backend or MoeBackend()
     m, k = expert_ids.shape
     e_local = w_gate.shape[0]
     num_experts = num_experts or e_local
@@ -150,12 +155,13 @@ def local_experts(
         dest = tok if out_rows is None else out_rows[tok]
         # The routing weight scales the activations (the down projection is linear), as in all_experts
         # (model/moe.py): no [rows, H] product after the down projection.
-        act = grouped_swiglu(x, w_gate, w_up, sizes, jax.lax.dynamic_slice_in_dim(scale, start, rows), row_ids=tok,
-                             expected_rows=expected, zero_tail=False)
+        act = backend.grouped_swiglu(x, w_gate, w_up, sizes, jax.lax.dynamic_slice_in_dim(scale, start, rows),
+                                     row_ids=tok, expected_rows=expected, zero_tail=False)
         # The down projection adds each pair's row into its token's row (rows past the groups are skipped).
-        return grouped_scatter_add(act, w_down, sizes, dest, acc, jax.lax.dynamic_slice_in_dim(overwrite, start, rows),
-                                   zero_rows if acc is None else None, num_rows=m, expected_rows=expected,
-                                   expected_overwrites=expected_first, expected_zero_rows=expected_zero)
+        return backend.grouped_scatter_add(act, w_down, sizes, dest, acc,
+                                           jax.lax.dynamic_slice_in_dim(overwrite, start, rows),
+                                           zero_rows if acc is None else None, num_rows=m, expected_rows=expected,
+                                           expected_overwrites=expected_first, expected_zero_rows=expected_zero)
 
     # Summed in x.dtype, as HF's index_add_ into a hidden-dtype buffer (and the reduce-scatter after it).
     acc = chunk(jnp.int32(0), None)
@@ -177,6 +183,7 @@ def ep_moe_tokens(
     axis_size: int,
     combine: str = "hierarchical",
     micro_batches: int = 1,
+    backend: MoeBackend | None = None,
 ) -> jax.Array:
     """The MoE block for this device's tokens; call inside ``shard_map`` with experts split over ``axis_name``.
 
@@ -190,10 +197,12 @@ def ep_moe_tokens(
         combine: ``"flat"`` or ``"hierarchical"`` reduce-scatter.
         micro_batches: split the tokens into this many independent dispatch/compute/combine rounds, so the
             combine of one can overlap the compute of the next.
+        backend: runs the expert and shared-expert matmuls (kernels/moe_backend.py); None: the reference.
 
     Returns:
         ``[N, H]`` in ``x.dtype``.
     """
+    backend = backend or MoeBackend()
     n_tok = x.shape[0]
     e = config.num_experts
     e_local = p["w_gate"].shape[0]
@@ -210,7 +219,7 @@ def ep_moe_tokens(
         # words (one collective) gave the gathered tokens a non-native bf16 tiling, and XLA relaid out
         # the [n * N_mb, H] array every layer (measured on the Ironwood prefill step: 2 GiB per layer).
         # In the rows the gate/up kernel reads by DMA (kernel_rows): only this device's N_mb rows are relaid out.
-        rows = chunk.reshape(chunk.shape[0], *kernel_rows(p["w_gate"], chunk.shape[1]))
+        rows = chunk.reshape(chunk.shape[0], *backend.kernel_rows(p["w_gate"], chunk.shape[1]))
         gx = jax.lax.all_gather(rows, axis_name, axis=0, tiled=True)  # [n * N_mb, *kernel_rows]
         packed = jax.lax.all_gather(pack_routing(w, ids, e), axis_name, axis=0, tiled=True)
         gw, gids = unpack_routing(packed, e)
@@ -218,11 +227,12 @@ def ep_moe_tokens(
         n_mb = chunk.shape[0]
         gathered = jnp.arange(axis_size * n_mb, dtype=jnp.int32)
         out_rows = jnp.asarray(block_order(combine, axis_size))[gathered // n_mb] * n_mb + gathered % n_mb
-        y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e, out_rows=out_rows)
+        y = local_experts(gx, gw, gids, p["w_gate"], p["w_up"], p["w_down"], first, e, out_rows=out_rows,
+                          backend=backend)
         # Reduced in the row-tiled shape; only this device's N_mb rows are relaid out to [N_mb, H].
         outs.append(reduce_scatter(y, axis_name, axis_size, combine).reshape(chunk.shape[0], -1))
     routed = jnp.concatenate(outs, axis=0)[:n_tok]
-    shared = shared_expert(p, x)
+    shared = shared_expert(p, x, backend)
     return (routed + shared).astype(x.dtype)
 
 
@@ -234,17 +244,21 @@ def make_ep_moe_fn(
     combine: str = "hierarchical",
     micro_batches: int = 1,
 ) -> Any:
-    """A ``moe_fn(p, x [..., H], config) -> [..., H]`` for ``forward_step`` running inside ``shard_map``.
+    """A ``moe_fn(p, x [..., H], config, backend=None) -> [..., H]`` for ``forward_step`` running inside
+    ``shard_map``; ``backend`` is the MoE backend ``forward_step`` passes (its ``backends.moe``; None: the
+    reference).
 
     ``tokens_replicated``: every device of the expert axis holds the same tokens (attention replicated over
     it, e.g. dp1-ep8): each device then takes a 1/n slice, runs :func:`ep_moe_tokens`, and the slices are
     all-gathered back. Otherwise each device's tokens are its own (DP attention over the expert axis).
     """
 
-    def moe_fn(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig) -> jax.Array:
+    def moe_fn(p: dict[str, Any], x: jax.Array, config: Qwen35MoeConfig,
+               backend: MoeBackend | None = None) -> jax.Array:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        kw = dict(axis_name=axis_name, axis_size=axis_size, combine=combine, micro_batches=micro_batches)
+        kw = dict(axis_name=axis_name, axis_size=axis_size, combine=combine, micro_batches=micro_batches,
+                  backend=backend)
         if not tokens_replicated:
             return ep_moe_tokens(p, flat, config, **kw).reshape(shape)
         n = flat.shape[0]

@@ -106,7 +106,7 @@ class ModelRunner:
         vision_bytes = vision_encoder.memory_bytes() if vision_encoder is not None else 0
         # The backends first: their pool layouts size a KV page and a GDN slot.
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
-                                         config=config)
+                                         config=config, moe=args.moe_runner_backend)
         sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes, device_limit=device_memory_bytes,
                                     vision_bytes=vision_bytes, backends=self.backends)
         self.spec_steps = args.speculative_steps  # speculative decoding: draft tokens per row (MTP layer)
@@ -133,8 +133,8 @@ class ModelRunner:
                     f" (each of {sizing.dp} DP ranks)" if sizing.dp > 1 else "",
                     sizing.state_dtype.name, sizing.units.gdn_per_slot / 2**20)
         (logger.warning if sizing.split.over_budget else logger.info)("%s", sizing.split.describe())
-        logger.info("kernels: attention %s (KV pool %s), gdn %s%s", self.backends.attention.name,
-                    self.backends.attention.layout.name, self.backends.gdn.name,
+        logger.info("kernels: attention %s (KV pool %s), gdn %s, moe %s%s", self.backends.attention.name,
+                    self.backends.attention.layout.name, self.backends.gdn.name, self.backends.moe.name,
                     " (Pallas interpret mode)" if self.backends.interpret else "")
         self.program_memory: ProgramMemory | None = None  # every compiled program's, read after precompile
         self.programs = ProgramTable(config, self.params, self.state, self.buckets, self.backends, args.moe_combine,

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.model.vision.config import VisionConfig
 from sglang_tpu_qwen.model.vision.grid import TowerInputs
-from sglang_tpu_qwen.quant.fp8 import linear
 
 LAYER_NORM_EPS = 1e-6  # HF builds every LayerNorm of the tower with eps 1e-6
 # Bytes of one attention tile's [heads, rows, N] float32 scores: query rows per tile are the largest power of two
@@ -39,9 +39,9 @@ def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return (y * p["w"].astype(jnp.float32) + p["b"].astype(jnp.float32)).astype(x.dtype)
 
 
-def _dense(x: jax.Array, p: dict[str, Any]) -> jax.Array:
-    """``x @ w + b`` (w dense ``[in, out]`` or an ``Fp8Weight``)."""
-    return linear(x, p["w"]) + p["b"].astype(x.dtype)
+def _dense(x: jax.Array, p: dict[str, Any], matmul: MoeBackend) -> jax.Array:
+    """``x @ w + b`` (w dense ``[in, out]`` or an ``Fp8Weight``, multiplied by ``matmul.linear``)."""
+    return matmul.linear(x, p["w"]) + p["b"].astype(x.dtype)
 
 
 def _activation(name: str, x: jax.Array) -> jax.Array:
@@ -108,19 +108,19 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> 
 
 
 def _block(x: jax.Array, p: dict[str, Any], rope: tuple[jax.Array, jax.Array], segment: jax.Array,
-           config: VisionConfig) -> jax.Array:
+           config: VisionConfig, matmul: MoeBackend) -> jax.Array:
     """One ``Qwen3_5VisionBlock``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
     n = x.shape[0]
-    qkv = _dense(_layer_norm(x, p["norm1"]), p["qkv"]).reshape(n, 3, config.num_heads, config.head_dim)
+    qkv = _dense(_layer_norm(x, p["norm1"]), p["qkv"], matmul).reshape(n, 3, config.num_heads, config.head_dim)
     q, k = _rotate(qkv[:, 0], *rope), _rotate(qkv[:, 1], *rope)
     attn = _attention(q, k, qkv[:, 2], segment).reshape(n, config.hidden_size)
-    x = x + _dense(attn, p["proj"])
-    h = _activation(config.hidden_act, _dense(_layer_norm(x, p["norm2"]), p["fc1"]))
-    return x + _dense(h, p["fc2"])
+    x = x + _dense(attn, p["proj"], matmul)
+    h = _activation(config.hidden_act, _dense(_layer_norm(x, p["norm2"]), p["fc1"], matmul))
+    return x + _dense(h, p["fc2"], matmul)
 
 
 def vision_tower(params: dict[str, Any], pixel_values: jax.Array, inputs: TowerInputs,
-                 config: VisionConfig) -> jax.Array:
+                 config: VisionConfig, matmul: MoeBackend | None = None) -> jax.Array:
     """Embeddings of the images whose patch rows are ``pixel_values``.
 
     Args:
@@ -130,26 +130,29 @@ def vision_tower(params: dict[str, Any], pixel_values: jax.Array, inputs: TowerI
             padding rows; ``N`` a multiple of ``merge_unit``.
         inputs: ``grid.tower_inputs(grids, config, N)`` (numpy or device arrays of it).
         config: the tower's config (static).
+        matmul: runs the linear layers (``MoeBackend.linear``, kernels/moe_backend.py: block-FP8 weights in the
+            Pallas kernel under ``pallas``), static; None: the reference (dense weights: ``x @ w`` either way).
 
     Returns:
         ``[N // merge_unit, out_hidden_size]`` in the compute dtype: image ``i``'s ``num_tokens`` rows follow
         image ``i - 1``'s (HF's ``pooler_output`` of the same images); rows of padding are garbage.
     """
     dtype = params["pos_embed"].dtype
-    x = _dense(pixel_values.astype(dtype), params["patch_embed"])
+    matmul = matmul or MoeBackend()
+    x = _dense(pixel_values.astype(dtype), params["patch_embed"], matmul)
     table = params["pos_embed"][inputs.pos_index].astype(jnp.float32)  # [N, 4, D]
     x = x + jnp.sum(table * inputs.pos_weight[..., None], axis=1).astype(dtype)
     rope = rotary(inputs.rope_hw, config)
     segment = jnp.asarray(inputs.segment)
 
     def step(x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, None]:
-        return _block(x, p, rope, segment, config), None
+        return _block(x, p, rope, segment, config, matmul), None
 
     x, _ = jax.lax.scan(step, x, params["blocks"])
     merger = params["merger"]
     x = _layer_norm(x, merger["norm"]).reshape(-1, config.merge_unit * config.hidden_size)
-    x = jax.nn.gelu(_dense(x, merger["fc1"]), approximate=False)  # the merger's nn.GELU() is exact
-    return _dense(x, merger["fc2"])
+    x = jax.nn.gelu(_dense(x, merger["fc1"], matmul), approximate=False)  # the merger's nn.GELU() is exact
+    return _dense(x, merger["fc2"], matmul)
 
 
 def activation_rows_bytes(num_rows: int, config: VisionConfig, dtype: Any) -> int:

@@ -7,7 +7,7 @@ tower"): matrices ``[in, out]``, the Conv3d kernel flattened to ``[C * T * P * P
 
 Block FP8: a float8 linear weight with its ``<name>_scale_inv`` (blocks from ``quantization_config.
 weight_block_size``) is dequantised to the compute dtype, or with ``keep_fp8`` kept as a ``quant.fp8.Fp8Weight``
-(the tower multiplies those through ``quant.fp8.linear``).
+(the tower multiplies those through ``MoeBackend.linear``, kernels/moe_backend.py).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def plan(
         "mamba_ssm_dtype": runner.sizing.state_dtype.name,
         "prefill_tokens_per_rank": args.chunked_prefill_per_rank,
         "kernels": {"attention": runner.backends.attention.name, "gdn": runner.backends.gdn.name,
-                    "fp8_matmul": "pallas" if fp8 else None},
+                    "fp8_matmul": runner.backends.moe.name if fp8 else None},
         "chip": dataclasses.asdict(chip),
         "routing": {d.name: {"label": d.label, "zipf_s": d.s, "placement_seed": routing.PLACEMENT_SEED}
                     for d in routing.DISTRIBUTIONS},
