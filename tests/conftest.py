@@ -220,24 +220,6 @@ def server(engine: Any) -> Iterator[LiveServer]:
 SUMMARY: dict[str, list[str]] = {}
 
 
-@contextmanager
-def no_persistent_cache() -> Iterator[None]:
-    """Compile past JAX's persistent cache, which an earlier test's Engine may have turned on in this process:
-    a deviceless executable written there cannot be loaded back (no client to load it into), so every later
-    run would warn "Error reading persistent compilation cache entry" and compile again anyway."""
-    import jax
-
-    from sglang_tpu_qwen.engine.runner.compilation import configure_persistent_cache
-
-    previous = jax.config.jax_compilation_cache_dir
-    configure_persistent_cache("none")
-    try:
-        yield
-    finally:
-        if previous:
-            configure_persistent_cache(previous)
-
-
 def record(section: str, line: str) -> None:
     """Print `line` and keep it for the end-of-run summary under `section`."""
     print(line)

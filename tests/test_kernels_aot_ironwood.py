@@ -18,10 +18,11 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
-from conftest import no_persistent_cache, record  # noqa: E402
+from conftest import record  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict  # noqa: E402
+from sglang_tpu_qwen.engine.runner.compilation import persistent_cache_off  # noqa: E402
 from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
     fp8_grouped_matmul_scatter_add,
     fp8_grouped_swiglu,
@@ -45,8 +46,8 @@ HK, HV, DK, DV, KCONV = 16, 64, 128, 128, 4
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_persistent_cache():
-    """Deviceless executables cannot be loaded back from the persistent cache (conftest.no_persistent_cache)."""
-    with no_persistent_cache():
+    """Deviceless executables cannot be loaded back from the persistent cache (engine/runner/compilation.py)."""
+    with persistent_cache_off():
         yield
 
 

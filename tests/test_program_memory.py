@@ -22,10 +22,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import copy  # noqa: E402
 
 import pytest  # noqa: E402
-from conftest import no_persistent_cache  # noqa: E402
 
 from sglang_tpu_qwen.args.server_args import ServerArgs  # noqa: E402
 from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict  # noqa: E402
+from sglang_tpu_qwen.engine.runner.compilation import persistent_cache_off  # noqa: E402
 from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner  # noqa: E402
 from sglang_tpu_qwen.engine.runner.program_memory import largest_keys, measure  # noqa: E402
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig  # noqa: E402
@@ -37,8 +37,8 @@ V5E_HBM = int(15.75 * 2**30)  # one v5e chip's HBM as JAX reports it (bytes_limi
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_persistent_cache():
-    """Deviceless executables cannot be loaded back from the persistent cache (conftest.no_persistent_cache)."""
-    with no_persistent_cache():
+    """Deviceless executables cannot be loaded back from the persistent cache (engine/runner/compilation.py)."""
+    with persistent_cache_off():
         yield
 
 

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.bench.kernels import PEAKS
+from sglang_tpu_qwen.quant.fp8 import quantize
 
 REFERENCE = "ragged_dot/model"
 TOLERANCE = 2.0**-6  # of the reference's max abs value (see the module docstring)
@@ -261,16 +262,12 @@ def ffn_fp8(interpret: bool = False) -> Callable[..., jax.Array]:
     return ffn
 
 
-@functools.partial(jax.jit, static_argnames=("block",))
-def quantize_blocks(w: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
-    """``[E, K, N]`` -> (float8_e4m3fn ``[E, K, N]``, float32 scales ``[E, K / b, N / b]``): absmax per
-    ``b x b`` block scaled to e4m3's 448 (the FP8 releases' format; K and N multiples of ``b``)."""
-    e, k, n = w.shape
-    blocks = w.astype(jnp.float32).reshape(e, k // block, block, n // block, block)
-    amax = jnp.max(jnp.abs(blocks), axis=(2, 4))
-    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-    q = (blocks / scale[:, :, None, :, None]).reshape(e, k, n).astype(jnp.float8_e4m3fn)
-    return q, scale
+@jax.jit
+def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``[E, K, N]`` -> (float8_e4m3fn ``[E, K, N]``, float32 scales ``[E, K / b, N / b]``) in ``FP8_BLOCK``
+    square blocks: the server's own quantisation (``quant.fp8.quantize``, the FP8 releases' format)."""
+    w8 = quantize(w, (FP8_BLOCK, FP8_BLOCK))
+    return w8.q, w8.scale
 
 
 @dataclasses.dataclass(frozen=True)

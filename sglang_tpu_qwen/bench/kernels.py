@@ -136,6 +136,12 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
     return args, dims, flops, nbytes
 
 
+def _gdn_fn(pallas: bool, dims: dict) -> Callable:
+    """The fused GDN kernel or its jitted jnp reference, pools donated, with the head ``dims`` bound."""
+    fn = fused_gdn if pallas else jax.jit(fused_gdn_reference, static_argnames=tuple(dims), donate_argnums=(4, 5))
+    return functools.partial(fn, **dims)
+
+
 def _row(kernel: str, mix: str, impl: str, secs: float, flops: float, nbytes: float,
          peaks: tuple[float, float] | None) -> str:
     line = (f"{kernel:<24}{mix:<15}{impl:<11}{secs * 1e6:>11.1f} us{flops / secs / 1e12:>10.2f} TFLOP/s"
@@ -170,9 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             pools = tuple(HEAD_MAJOR.stored(c) for c in att_args[3:5]) if pallas else att_args[3:5]
             secs = _time(att, (*att_args[:3], *pools, *att_args[5:]), (3, 4), args.iters)
             print(_row("ragged_paged_attention", mix.name, impl, secs, att_flops, att_bytes, peaks))
-            fn = fused_gdn if pallas else jax.jit(fused_gdn_reference, static_argnames=tuple(dims),
-                                                  donate_argnums=(4, 5))
-            secs = _time(functools.partial(fn, **dims), gdn_args, (4, 5), args.iters)
+            secs = _time(_gdn_fn(pallas, dims), gdn_args, (4, 5), args.iters)
             print(_row("fused_gdn", mix.name, impl, secs, gdn_flops, gdn_bytes, peaks))
     # GDN decode per released layout and --mamba-ssm-dtype: the state read and written once is the traffic.
     rows = 8 if small else 64
@@ -182,9 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         for state_dtype in (jnp.float32, jnp.bfloat16):
             gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, heads, state_dtype)
             for impl, pallas in impls:
-                fn = fused_gdn if pallas else jax.jit(fused_gdn_reference, static_argnames=tuple(dims),
-                                                      donate_argnums=(4, 5))
-                secs = _time(functools.partial(fn, **dims), gdn_args, (4, 5), args.iters)
+                secs = _time(_gdn_fn(pallas, dims), gdn_args, (4, 5), args.iters)
                 label = f"{name}/{jnp.dtype(state_dtype).name}"
                 print(_row("fused_gdn", label, impl, secs, gdn_flops, gdn_bytes, peaks))
 
