@@ -74,7 +74,7 @@ def _main() -> None:
         np.testing.assert_array_equal(got, want)  # NaNs compare equal here
         # Slot-indexed views: the conv pool holds K-1 rows per slot (kernels/gdn/conv_pool.py).
         if key == "conv":
-            want = want.reshape(want.shape[0], -1, taps, want.shape[-1])
+            want = want.reshape(want.shape[0], -1, taps, want.shape[2] * want.shape[3])
             host[key] = host[key].reshape(want.shape)
         expect = host[key].copy()
         for s, d in pairs:

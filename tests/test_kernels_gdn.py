@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import record
 
+from sglang_tpu_qwen.kernels.gdn import conv_pool
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 
@@ -27,7 +28,7 @@ TOL = 1e-4
 
 def _pools(rng, layers=2, slots=8, dtype=jnp.float32, heads=(HK, HV, DK, DV)):
     hk, hv, dk, dv = heads
-    conv = jnp.asarray(rng.standard_normal((layers, slots * (K - 1), 2 * hk * dk + hv * dv)), dtype)  # conv_pool.py
+    conv = jnp.asarray(rng.standard_normal(conv_pool.pool_shape(layers, slots, 2 * hk * dk + hv * dv, K - 1)), dtype)
     rec = jnp.asarray(rng.standard_normal((layers, slots, hv, dk, dv)) * 0.1, dtype)
     return conv, rec
 

@@ -250,8 +250,8 @@ def test_verify_then_commit_equals_feeding_the_accepted_tokens(ckpt: tuple[Any, 
     cache = _commit(params, cache, vb, saved, jnp.asarray([accepted], jnp.int32), jnp.asarray([2], jnp.int32),
                     config=config)
     np.testing.assert_array_equal(np.asarray(cache["rec"][:, 2]), np.asarray(cache["rec"][:, 1]))
-    conv = np.asarray(cache["conv"])  # [layers, slots * (K - 1), channels]
-    conv = conv.reshape(conv.shape[0], 3, -1, conv.shape[2])
+    conv = np.asarray(cache["conv"])  # [layers, slots * (K - 1), channels / lanes, lanes]
+    conv = conv.reshape(conv.shape[0], -1, 3, conv.shape[2] * conv.shape[3])
     np.testing.assert_array_equal(conv[:, 2], conv[:, 1])
     nxt = fed[accepted] if accepted < len(fed) else after
     got, _ = _target(params, cache, _batch([nxt], len(prompt) + accepted, pages), config=config)

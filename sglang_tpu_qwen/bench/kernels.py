@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.args.server_args import TPU_PAGE_SIZE
+from sglang_tpu_qwen.kernels.gdn import conv_pool
 from sglang_tpu_qwen.kernels.gdn.kernel import CHUNK_SIZE, fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
@@ -125,7 +126,8 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
             jnp.asarray(rng.standard_normal((conv_dim, 4)) * 0.5, dtype),
             jnp.asarray(-rng.uniform(0, 0.5, (b, t, hv)) * valid, jnp.float32),
             jnp.asarray(rng.uniform(0, 1, (b, t, hv)) * valid, jnp.float32),
-            jnp.zeros((1, (b + 1) * 3, conv_dim), jnp.float32), jnp.zeros((1, b + 1, hv, dk, dv), state_dtype),
+            jnp.zeros(conv_pool.pool_shape(1, b + 1, conv_dim, 3), jnp.float32),
+            jnp.zeros((1, b + 1, hv, dk, dv), state_dtype),
             jnp.int32(0), jnp.arange(1, b + 1, dtype=jnp.int32), jnp.asarray(lens),
             jnp.asarray(np.asarray(mix.prefix) == 0))
     dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)

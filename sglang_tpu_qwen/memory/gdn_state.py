@@ -1,9 +1,9 @@
 """Device-side operations on GDN state slots: copy (snapshot <-> running), NaN-fill, host transfer.
 
 The GDN state of one sequence is the conv window and the recurrent state of every GDN layer: the slot's
-K-1 rows of cache["conv"] ([n_gdn_layers, slots * (K-1), conv_dim]; a host copy is [n_gdn_layers, conv_dim,
-K-1]) and its slot of cache["rec"] ([n_gdn_layers, slots, Hv, dk, dv]; a host copy [n_gdn_layers, Hv, dk,
-dv]). Where a slot lives in the pools is the GDN backend's `GdnStateLayout`'s to say
+K-1 rows of cache["conv"] ([n_gdn_layers, slots * (K-1), conv_dim / 128, 128]; a host copy is
+[n_gdn_layers, conv_dim, K-1]) and its slot of cache["rec"] ([n_gdn_layers, slots, Hv, dk, dv]; a host copy
+[n_gdn_layers, Hv, dk, dv]). Where a slot lives in the pools is the GDN backend's `GdnStateLayout`'s to say
 (kernels/gdn/state_layout.py): every function here takes it (default: the one layout there is). Running requests
 and prefix-cache snapshots both live in these arrays; only the id pools that hand slots out tell them
 apart. Each function here touches all GDN layers in one jitted scatter, with the cache donated so it is

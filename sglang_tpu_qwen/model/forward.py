@@ -68,7 +68,7 @@ def init_cache(
     Returns:
         ``{"k", "v": kv_layout.pool_shape(n_attn_layers + mtp_layers, num_pages, page_size, nkv, hd, kv_dtype)
         kv_dtype (logically [L, num_pages, page_size, nkv, hd]; kernels/ragged_paged_attention/layout.py),
-        "conv": [n_gdn_layers, num_slots * (K-1), conv_dim] and "rec": [n_gdn_layers, num_slots, Hv, dk, dv]
+        "conv": [n_gdn_layers, num_slots * (K-1), conv_dim / 128, 128] and "rec": [n_gdn_layers, num_slots, Hv, dk, dv]
         state_dtype (kernels/gdn/state_layout.py)}``. Page 0 and slot 0 are trash targets.
 
     Raises:

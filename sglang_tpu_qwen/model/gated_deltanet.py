@@ -112,8 +112,8 @@ def gdn_layer_pooled(
         p, x, config: as :func:`gdn_layer`.
         batch: the step (model/forward_batch.py): each row's slot id, valid tokens, new-token count, and
             whether its state starts at zero (``fresh``).
-        conv_pool: ``[L_gdn, S * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec_pool: ``[L_gdn, S, Hv, dk, dv]``
-            (all GDN layers).
+        conv_pool: ``[L_gdn, S * (K-1), conv_dim / 128, 128]`` (kernels/gdn/conv_pool.py); rec_pool:
+            ``[L_gdn, S, Hv, dk, dv]`` (all GDN layers).
         layer: GDN-layer index.
         pooled_mix: ``kernels.gdn.kernel.fused_gdn`` (or its reference) with ``interpret`` bound.
         matmul: as :func:`gdn_layer`.
@@ -146,8 +146,8 @@ def gdn_layer_on_pools(
     """:func:`gdn_layer` reading and writing each row's state in the slot pools (jnp reference path).
 
     Args:
-        conv: ``[n_gdn_layers, num_slots * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec: ``[n_gdn_layers,
-            num_slots, Hv, dk, dv]``.
+        conv: ``[n_gdn_layers, num_slots * (K-1), conv_dim / 128, 128]`` (kernels/gdn/conv_pool.py); rec:
+            ``[n_gdn_layers, num_slots, Hv, dk, dv]``.
         layer: index of this layer among the GDN layers.
         batch: the step: each row's slot id, valid tokens and new-token count; ``batch.fresh`` rows start a
             sequence, so their slot is read as zeros (whatever it holds).

@@ -41,6 +41,7 @@ import pytest
 from conftest import record
 
 from sglang_tpu_qwen.embedded.checkpoint import embedded_config_dict
+from sglang_tpu_qwen.kernels.gdn import conv_pool
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
@@ -222,7 +223,7 @@ def _gdn_chain(layout: tuple[int, ...], slots: list[int], steps: list[tuple[list
     chip, cpu = _devices()
     conv_dim = 2 * hk * dk + hv * dv
     conv_w = (rng.standard_normal((conv_dim, k)) * 0.5).astype(np.float32)
-    conv0 = rng.standard_normal((LAYERS, SLOTS * (k - 1), conv_dim), np.float32)  # kernels/gdn/conv_pool.py
+    conv0 = rng.standard_normal(conv_pool.pool_shape(LAYERS, SLOTS, conv_dim, k - 1)).astype(np.float32)
     rec0 = (rng.standard_normal((LAYERS, SLOTS, hv, dk, dv)) * 0.1).astype(np.float32)
     ker = [jax.device_put(conv0, chip), jax.device_put(rec0, chip)]
     ref = [jax.device_put(conv0, cpu), jax.device_put(rec0, cpu)]

@@ -25,7 +25,7 @@ TPU, Mosaic needs dk and dv to be multiples of 128. Inputs are read straight fro
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
     conv_weight  [conv_dim, K]
     g, beta      [B, T, Hv] float32  log-decay and write strength (0 at padded tokens)
-    conv_pool    [L, S * (K-1), conv_dim]   all GDN layers' conv windows (kernels/gdn/conv_pool.py)
+    conv_pool    [L, S*(K-1), C/128, 128]  all GDN layers' conv windows (kernels/gdn/conv_pool.py)
     rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
     layer, slot_ids [B], new_lens [B], fresh [B]: scalar-prefetched (SMEM)
 
@@ -287,8 +287,8 @@ def fused_gdn(
         mixed: ``[B, T, conv_dim]`` pre-conv channels, ``conv_dim = 2 * Hk * dk + Hv * dv``; 0 at padding.
         conv_weight: ``[conv_dim, K]`` depthwise kernel.
         g, beta: ``[B, T, Hv]`` float32, 0 at padded tokens.
-        conv_pool: ``[L, S * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py), donated. rec_pool: ``[L, S, Hv, dk, dv]``,
-            donated.
+        conv_pool: ``[L, S * (K-1), conv_dim / 128, 128]`` (kernels/gdn/conv_pool.py), donated.
+        rec_pool: ``[L, S, Hv, dk, dv]``, donated.
         layer: GDN-layer index (int32 scalar, may be traced).
         slot_ids: ``[B]`` int32 state slot per row (padding rows use trash slot 0).
         new_lens: ``[B]`` int32 valid tokens per row.

@@ -39,7 +39,7 @@ def fused_gdn_reference(
 
     Args:
         mixed: ``[B, T, conv_dim]``; conv_weight: ``[conv_dim, K]``; g, beta: ``[B, T, Hv]`` float32.
-        conv_pool: ``[L, S * (K-1), conv_dim]`` (kernels/gdn/conv_pool.py); rec_pool: ``[L, S, Hv, dk, dv]``.
+        conv_pool: ``[L, S * (K-1), conv_dim / 128, 128]`` (kernels/gdn/conv_pool.py); rec_pool: ``[L, S, Hv, dk, dv]``.
         layer: GDN-layer index; slot_ids, new_lens: ``[B]`` int32; fresh: ``[B]`` bool.
         num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv.
         gate: ``[B, T, Hv * dv]`` or None; norm_weight: ``[dv]``; norm_eps: the output norm (as the kernel).

@@ -1,7 +1,7 @@
 """How the GDN state pools are stored: the one place that knows the axes of ``cache["conv"]`` / ``cache["rec"]``.
 
-``conv``: ``[n_gdn_layers, num_slots * (K-1), conv_dim]``, slot ``s`` owning ``K-1`` consecutive rows
-(conv_pool.py says why this 3-D form). ``rec``: ``[n_gdn_layers, num_slots, Hv, dk, dv]``. Both hold every
+``conv``: ``[n_gdn_layers, num_slots * (K-1), conv_dim / 128, 128]``, slot ``s`` owning ``K-1`` consecutive
+rows (conv_pool.py says why this form). ``rec``: ``[n_gdn_layers, num_slots, Hv, dk, dv]``. Both hold every
 GDN layer's state of every slot; slots are on axis 1 of both (the axis DP attention splits, each rank owning
 a block of slots). One slot's state travels (host tier, PD transfer) as ``conv [n_gdn_layers, conv_dim, K-1]``
 (HF's orientation) and ``rec [n_gdn_layers, Hv, dk, dv]``.
@@ -67,7 +67,7 @@ class GdnStateLayout:
 
     def slot_shapes(self, conv: Any, rec: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of one slot's state as it travels: ``((L, conv_dim, K-1), (L, Hv, dk, dv))``."""
-        return ((conv.shape[0], conv.shape[2], self.taps_of(conv, rec)),
+        return ((conv.shape[0], conv_pool.conv_dim_of(conv), self.taps_of(conv, rec)),
                 (rec.shape[0], *rec.shape[self.slot_axis + 1:]))
 
     def slot_bytes(self, conv: Any, rec: Any) -> int:
