@@ -114,13 +114,15 @@ def measure_rows(engine: Any, rows: int, context: int, chip_key: str, *, iters: 
         raise ValueError(f"--context {context} exceeds the decode bucket's page table ({bucket.pages} pages x "
                          f"{runner.sizing.page_size} = {limit} tokens): raise --context-length")
     compiles = compilation.jit_compilations()
-    device_s = time_decode_step(runner, bucket.batch, context, iters=iters, windows=windows)
+    replay = time_decode_step(runner, bucket.batch, context, iters=iters, windows=windows)
+    device_s = replay.step_s
     compiles = compilation.jit_compilations() - compiles
     chip = CHIPS[chip_key]
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip
     total = sum(parts.values())
     touched, local = experts_touched(runner, bucket.batch)
     return {"rows": rows, "bucket_rows": bucket.batch, "context": context, "device_s": device_s,
+            "dispatch_s": replay.dispatch_s,
             "compilations": compiles, "bytes": parts, "bytes_total": total, "roofline_s": total / bw,
             "roofline_over_measured": total / bw / device_s, "experts_touched": touched, "local_experts": local}
 
@@ -321,7 +323,7 @@ def aggregate_profile(profile: Any, table: dict[str, dict[str, OpInfo]], steps: 
                   for c, ns in sorted(cats.items(), key=lambda kv: -kv[1])]
     return {"source": source, "plane": plane_name, "steps": steps, "total_ms_per_step": total_ns / 1e6 / steps,
             "modules_ms_per_step": modules_ns / 1e6 / steps if modules_ns else None, "categories": categories,
-            "top_ops": ops[:TOP_OPS]}
+            "top_ops": ops[:TOP_OPS], "ops": ops}
 
 
 def capture_profile(runner: Any, rows: int, context: int, steps: int, out_dir: str | Path) -> Path:
@@ -374,12 +376,14 @@ def format_table(result: dict[str, Any]) -> str:
         f"Roofline: the step's least bytes (tools/plan/step_bytes.py) at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s "
         f"({chip['name']}{'' if result['on_chip'] else ', NOT this device: the ratios are no chip figures'}); "
         f"device time: the replayed step (forward + greedy sampling + keep-sampled), median of "
-        f"{result['windows']} x {result['iters']} steps, every row at {result['context']} tokens.",
+        f"{result['windows']} x {result['iters']} steps, every row at {result['context']} tokens; host dispatch: "
+        "the host's time to dispatch one step (near the device time: the host sets the pace).",
         "",
-        "| rows (bucket) | device ms / step | lm_head GB | experts GB (touched / E per layer) | other weights GB | "
+        "| rows (bucket) | device ms / step | host dispatch ms / step | lm_head GB | "
+        "experts GB (touched / E per layer) | other weights GB | "
         "GDN recurrent GB | GDN conv GB | KV read + write GB | embedding rows GB | total GB | roofline ms | "
         "roofline / measured | planned ms | planned / measured | compilations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         b = r["bytes"]
@@ -387,7 +391,8 @@ def format_table(result: dict[str, Any]) -> str:
         planned = (f"{p['planned_s'] * 1e3:.2f}", f"{p['planned_s'] / r['device_s']:.2f}") if "planned_s" in p \
             else ("n/a", "n/a")
         lines.append(
-            f"| {r['rows']} ({r['bucket_rows']}) | {r['device_s'] * 1e3:.2f} | {_gb(b['lm_head'])} | "
+            f"| {r['rows']} ({r['bucket_rows']}) | {r['device_s'] * 1e3:.2f} | {r['dispatch_s'] * 1e3:.2f} | "
+            f"{_gb(b['lm_head'])} | "
             f"{_gb(b['experts'])} ({r['experts_touched']:.1f} / {r['local_experts']}) | {_gb(b['dense'])} | "
             f"{_gb(b['gdn_recurrent'])} | {_gb(b['gdn_conv'])} | {_gb(b['kv_read'] + b['kv_write'])} | "
             f"{_gb(b['embedding_rows'])} | {_gb(r['bytes_total'])} | {r['roofline_s'] * 1e3:.2f} | "
@@ -411,8 +416,7 @@ def format_table(result: dict[str, Any]) -> str:
                          f"HLO bytes / least bytes {p['bytes_ratio']:.2f})")
     if result.get("plan_skipped"):
         lines += ["", f"Plan: skipped ({result['plan_skipped']})"]
-    prof = result.get("profile")
-    if prof:
+    for prof in result.get("profiles", []):
         lines += ["", format_profile(prof)]
     return "\n".join(lines)
 
@@ -420,7 +424,7 @@ def format_table(result: dict[str, Any]) -> str:
 def format_profile(prof: dict[str, Any]) -> str:
     """The profile as Markdown: where its ops came from, the categories and the top ops."""
     if "error" in prof:
-        return f"Profile: failed: {prof['error']}"
+        return f"Profile at {prof['rows']} rows: failed: {prof['error']}"
     head = f"Profile of {prof['steps']} decode steps at {prof['rows']} rows x {prof['context']} ({prof['trace']}): "
     if prof["source"] == "device":
         head += (f"device plane {prof['plane']}, XLA ops {prof['total_ms_per_step']:.2f} ms per step (self time)"
@@ -454,7 +458,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
     bench.add_argument("--windows", type=int, default=3, help="Timing windows (the median is reported).")
     bench.add_argument("--profile", default=None, metavar="DIR",
                        help="Capture a jax.profiler trace of replayed decode steps into DIR and break it down.")
-    bench.add_argument("--profile-rows", type=int, default=64, help="Rows of the profiled step.")
+    bench.add_argument("--profile-rows", default="64", help="Comma-separated row counts of the profiled steps.")
     bench.add_argument("--profile-steps", type=int, default=5, help="Decode steps inside the trace.")
     bench.add_argument("--no-plan", action="store_true", help="Skip the planner's step (a deviceless compile).")
     bench.add_argument("--output-json", default=None, help="Also write the result JSON to this path.")
@@ -464,12 +468,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
         ns.row_counts = sorted({int(x) for x in ns.rows.split(",") if x.strip()})
     except ValueError:
         p.error(f"--rows takes comma-separated integers, got {ns.rows!r}")
+    try:
+        ns.profile_row_counts = sorted({int(x) for x in ns.profile_rows.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--profile-rows takes comma-separated integers, got {ns.profile_rows!r}")
     if not ns.row_counts or ns.row_counts[0] <= 0 or ns.context <= 1 or ns.iters <= 0 or ns.windows <= 0 \
-            or ns.profile_rows <= 0 or ns.profile_steps <= 0:
+            or not ns.profile_row_counts or ns.profile_row_counts[0] <= 0 or ns.profile_steps <= 0:
         p.error("--rows, --iters, --windows, --profile-rows and --profile-steps must be positive, --context > 1")
     given = sys.argv[1:] if argv is None else argv
     if not any(a.startswith("--max-running-requests") for a in given):
-        ns.max_running_requests = max(ns.row_counts + ([ns.profile_rows] if ns.profile else []))
+        ns.max_running_requests = max(ns.row_counts + (ns.profile_row_counts if ns.profile else []))
     if ns.model_path is None:
         from sglang_tpu_qwen.bench.startup import SHAPED_35B
 
@@ -524,11 +532,14 @@ def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
                         r["roofline_s"] * 1e3)
             result["rows"].append(r)
         if ns.profile:
-            try:
-                result["profile"] = profile_step(runner, ns.profile_rows, ns.context, ns.profile_steps, ns.profile)
-            except Exception as e:  # the measurements above stand without it
-                logger.exception("profile failed")
-                result["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            result["profiles"] = []
+            for rows in ns.profile_row_counts:
+                try:
+                    prof = profile_step(runner, rows, ns.context, ns.profile_steps, Path(ns.profile) / f"rows{rows}")
+                except Exception as e:  # the measurements above stand without it
+                    logger.exception("profile failed")
+                    prof = {"error": f"{type(e).__name__}: {e}", "rows": rows}
+                result["profiles"].append(prof)
     finally:
         engine.shutdown()
     _plan_all(ns, result, engine_info, config, chip_key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -81,12 +82,21 @@ def replay_batch(runner: ModelRunner, rows: int, context: int) -> tuple[ForwardB
     return batch, SamplingBatch.greedy(b)
 
 
+class ReplayTime(NamedTuple):
+    """Seconds per replayed decode step: ``step_s`` from the first dispatch to the last step's tokens ready (the
+    device time when the host keeps ahead), ``dispatch_s`` the host's time to dispatch one step's programs. A
+    ``dispatch_s`` near ``step_s`` means the host, not the device, set the pace."""
+
+    step_s: float
+    dispatch_s: float
+
+
 def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 20, windows: int = 3,
-                     warmup: int = 2) -> float:
-    """Device seconds per greedy decode step (forward, sampling and keep_sampled programs) of
-    :func:`replay_batch`: the median over `windows` windows of `iters` steps dispatched back to back with one
-    wait at the end, so host dispatch overlaps the device, after `warmup` untimed steps. For benchmarks on an
-    IDLE engine only (the rows write the trash page and slot); observers do not see these steps."""
+                     warmup: int = 2) -> ReplayTime:
+    """Seconds per greedy decode step (forward, sampling and keep_sampled programs) of :func:`replay_batch`: the
+    medians over `windows` windows of `iters` steps dispatched back to back with one wait at the end, so host
+    dispatch overlaps the device, after `warmup` untimed steps. For benchmarks on an IDLE engine only (the rows
+    write the trash page and slot); observers do not see these steps."""
     batch, sampling = replay_batch(runner, rows, context)
 
     def step() -> SampleOutput:
@@ -94,7 +104,7 @@ def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 
         runner.keep_sampled(out)
         return out
 
-    times = []
+    times, dispatch = [], []
     with runner.side_steps():
         for _ in range(warmup):
             step().tokens.block_until_ready()
@@ -102,7 +112,7 @@ def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 
             start = time.perf_counter()
             for _ in range(iters):
                 out = step()
+            dispatch.append((time.perf_counter() - start) / iters)
             out.tokens.block_until_ready()
             times.append((time.perf_counter() - start) / iters)
-    return float(np.median(times))
-
+    return ReplayTime(float(np.median(times)), float(np.median(dispatch)))

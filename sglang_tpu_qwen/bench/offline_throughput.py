@@ -143,7 +143,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], warmup_prompt
         rows = min(len(prompts), args.max_running_requests)
         context = int(np.mean([len(p) for p in prompts])) + args.random_output_len // 2
         # A replayed plain decode step; under speculation the decode steps are verify steps, which it is not.
-        device_ms = 0.0 if runner.spec_steps else 1e3 * time_decode_step(runner, rows, context)
+        device_ms = 0.0 if runner.spec_steps else 1e3 * time_decode_step(runner, rows, context).step_s
         model_path = engine.model_path
         precompile = engine.precompile_stats
     finally:
