@@ -220,8 +220,11 @@ def plan(
         # The verify forward alone: without the draft program and the commit's second pass over the state.
         forward_min = min_bytes - parts["draft"] - (rows_rank * rb.state_per_slot * 2 if name == "verify" else 0)
         fwd_text, other_texts = fwd.as_text(), [p.as_text() for p in others]
-        tr_f = programs.traffic(fwd_text, bw, peak)
-        tr_o = [programs.traffic(t, bw, peak, 1) for t in other_texts]
+        # jax.lax.ragged_dot reads only the experts with rows: the uniform-routing mean, as the FP8 kernel declares.
+        touched = (routing.kernel_expected_experts(c.num_experts, c.num_experts_per_tok, ep, tokens_step)
+                   / (c.num_experts // ep)) if c.num_experts else 1.0
+        tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched)
+        tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched) for t in other_texts]
         tr_s = {k: sum(t[k] for t in tr_o) for k in ("bytes", "kernel_bytes", "serial_s", "declared_flops")}
         tr_s["top_excess"] = [e for t in tr_o for e in t["top_excess"]]
         bytes_accessed = tr_f["bytes"] + tr_s["bytes"]

@@ -50,7 +50,8 @@ def memory(compiled: Any) -> dict[str, int]:
     return out
 
 
-def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3) -> dict[str, Any]:
+def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
+            ragged_dot_fraction: float = 1.0) -> dict[str, Any]:
     """Per-instruction traffic of a compiled program (tools/hlo_traffic.py: loop bodies times their trip
     counts, Pallas kernels at their declared traffic). XLA's own total counts a custom call inside a loop
     once, so the planner sums per instruction.
@@ -59,8 +60,9 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3) -
     kernels: the weights, KV and GDN state go through the kernels, so what else moves many bytes is the
     excess to cut), ``declared_flops`` (kernels' declared flops but attention's) and ``serial_s``: each
     instruction at its own roofline, max(bytes / ``bytes_per_s``, declared flops / ``flops_per_s``), summed (a
-    TensorCore runs one instruction at a time; memory and compute overlap only within one)."""
-    ops = hlo_traffic.program_traffic(hlo_text)
+    TensorCore runs one instruction at a time; memory and compute overlap only within one).
+    ``ragged_dot_fraction``: the share of experts a ``jax.lax.ragged_dot`` reads (hlo_traffic.program_traffic)."""
+    ops = hlo_traffic.program_traffic(hlo_text, ragged_dot_fraction=ragged_dot_fraction)
     rest = sorted((o for o in ops if o.opcode != "custom-call"), key=lambda o: -o.total)
     declared = serial = 0.0
     for o in ops:

@@ -157,7 +157,8 @@ def monte_carlo(num_experts: int, top_k: int, ep: int, tokens: int, routing: Rou
 def kernel_expected_experts(num_experts: int, top_k: int, ep: int, tokens: int) -> float:
     """Local experts the FP8 MoE kernel's declared traffic assumes (kernels/fp8_matmul/kernel.py ``_cost``:
     ``g * (1 - (1 - 1/g) ** rows)`` for the device's expected ``rows = tokens * k * g / E`` pairs): the mean
-    device under uniform routing, which the compiled HLO bytes already hold."""
+    device under uniform routing, which the compiled HLO bytes already hold. The planner counts a
+    ``jax.lax.ragged_dot`` (which skips experts without rows) at the same experts (build.py)."""
     g = num_experts // ep
     rows = int(tokens * top_k * g / num_experts)
     return g * (1.0 - (1.0 - 1.0 / g) ** rows)
