@@ -27,6 +27,7 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
     fp8_grouped_matmul_scatter_add,
     fp8_grouped_swiglu,
 )
+from sglang_tpu_qwen.kernels.gdn import conv_pool  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
 from sglang_tpu_qwen.kernels.moe_backend import MoeBackend  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
@@ -127,7 +128,7 @@ def test_fused_gdn_compiles_for_ironwood(device, batch: int, tokens: int, state_
         _spec((conv_dim, KCONV), jnp.bfloat16, device),
         _spec((batch, tokens, HV), jnp.float32, device),
         _spec((batch, tokens, HV), jnp.float32, device),
-        _spec((layers, slots * (KCONV - 1), conv_dim), state_dtype, device),
+        _spec(conv_pool.pool_shape(layers, slots, conv_dim, KCONV - 1), state_dtype, device),
         _spec((layers, slots, HV, DK, DV), state_dtype, device),
         _spec((), jnp.int32, device),
         _spec((batch,), jnp.int32, device),
@@ -242,7 +243,7 @@ def test_gdn_layer_compiles_for_ironwood(device, layout) -> None:
         on_dev(params),
         _spec((8, 1, hidden), jnp.bfloat16, device), batch(ForwardMode.DECODE, 8, 1),
         _spec((1, 1024, hidden), jnp.bfloat16, device), batch(ForwardMode.EXTEND, 1, 1024),
-        _spec((n_gdn, slots * km1, config.gdn_conv_dim), jnp.float32, device),
+        _spec(conv_pool.pool_shape(n_gdn, slots, config.gdn_conv_dim, km1), jnp.float32, device),
         _spec((n_gdn, slots, hv, dk, dv), jnp.float32, device),
     ).compile()
     secs = time.perf_counter() - start
