@@ -71,8 +71,11 @@ def routed_experts(
     act = backend.grouped_swiglu(xs, w_gate, w_up, group_sizes, expected_rows=n * k)
     ys = backend.grouped(act, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
     ys = ys * weights.reshape(-1)[order][:, None]
-    # Undo the sort (a permutation), then sum each token's k contributions.
-    out = jnp.zeros_like(ys).at[order].set(ys)
+    # Undo the sort (a permutation) by a row gather, then sum each token's k contributions. A scatter of the
+    # rows (``.at[order].set``) wrote each [H] row as one sublane of every tile it crossed: 0.1 ms a layer at
+    # 256 decode rows of the 35B layout on the v5e, where the forward gather of the same rows took 0.03 ms.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    out = ys[inverse]
     return out.reshape(n, k, -1).sum(axis=1).astype(x.dtype)
 
 
