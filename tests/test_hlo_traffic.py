@@ -7,6 +7,8 @@ the operands are read all the same, and an async call is charged once."""
 
 from __future__ import annotations
 
+import pytest
+
 from sglang_tpu_qwen.tools.hlo_traffic import program_traffic
 
 # ruff: noqa: E501 (HLO instructions are one line each)
@@ -240,3 +242,23 @@ def test_collectives_of_a_hand_written_program():
     # iota groups: arange(8) as [4, 2], transposed -> [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert rs.kind == "reduce-scatter" and rs.count == 1 and not rs.is_async and rs.overlap_bytes == 0
     assert rs.groups == [[0, 2, 4, 6], [1, 3, 5, 7]] and rs.in_bytes == 256 and rs.out_bytes == 64
+
+
+def test_planner_charges_in_place_kernels_at_the_chips_stream_rate():
+    """The planner's serial time (tools/plan/programs.py) prices each instruction at its own roofline; a kernel
+    that updates a pool in place (op_name "fused_gdn") runs at the chip's measured in-place stream rate, any
+    other kernel at the HBM peak."""
+    from sglang_tpu_qwen.tools.plan.chips import CHIPS
+    from sglang_tpu_qwen.tools.plan.programs import traffic
+
+    gdn = HLO.replace('custom_call_target="tpu_custom_call"',
+                      'custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/gdn/jit(fused_gdn)/pallas_call"}')
+    bw, kernel_s = 1e9, 6 * 5000 / 1e9  # 6 trips of the kernel's 5,000 declared bytes
+    base = traffic(gdn, bw, 1e15)["serial_s"]
+    for text, charged in ((gdn, 1.0 / 0.5 - 1.0), (HLO, 0.0)):
+        assert traffic(text, bw, 1e15, inplace_stream_fraction=0.5)["serial_s"] - traffic(text, bw, 1e15)[
+            "serial_s"] == pytest.approx(charged * kernel_s)
+    assert base == traffic(HLO, bw, 1e15)["serial_s"]
+    v5e = CHIPS["v5e"]
+    assert 0.7 <= v5e.inplace_stream_fraction < 0.8 and "measured" in v5e.inplace_stream_source
+    assert CHIPS["tpu7x"].inplace_stream_fraction == 1.0  # not measured there: the peak

@@ -190,7 +190,10 @@ def test_rejects_bad_dims() -> None:
 def test_fused_output_norm_matches_reference(gate_dtype, weight_dtype, lens, t) -> None:
     """With ``gate`` the kernel returns the gated RMSNorm of its output (the model's ``gated_rms_norm``) in
     the gate's dtype: within one rounding of that dtype of the reference (the float32 outputs before the
-    norm differ by up to TOL, which can move a value across a bf16 rounding boundary)."""
+    norm differ by up to TOL, which can move a value across a bf16 rounding boundary). Prefill fuses the norm
+    into the kernel's epilogue, op for op; a decode step leaves it to XLA, which may keep the norm's bf16
+    intermediates in float32 where its fusions allow (xla_allow_excess_precision), so fewer values agree
+    bit for bit there."""
     rng = np.random.default_rng(16)
     conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
     conv, rec = _pools(rng)
@@ -208,7 +211,7 @@ def test_fused_output_norm_matches_reference(gate_dtype, weight_dtype, lens, t) 
     o_r, o_k = np.asarray(o_r, np.float32)[valid], np.asarray(o_k, np.float32)[valid]
     ulp = 2.0**-7 if gate_dtype == jnp.bfloat16 else 1e-5
     assert np.abs(o_k - o_r).max() <= ulp * np.abs(o_r).max()
-    # Most values agree exactly in bf16: the norm is the reference's, op for op.
-    assert np.mean(o_k == o_r) >= (0.99 if gate_dtype == jnp.bfloat16 else 0.0)
+    # Most values agree exactly in bf16 where the kernel's epilogue applies the norm, op for op.
+    assert np.mean(o_k == o_r) >= (0.99 if gate_dtype == jnp.bfloat16 and t > 1 else 0.0)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_gdn(mixed, conv_w, g, beta, conv, rec, 1, slots, lens, fresh, gate=gate, interpret=True, **DIMS)

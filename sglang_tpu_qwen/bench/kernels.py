@@ -13,7 +13,8 @@ implementation reads its own pool layout (the kernel head-major, the reference t
 TPU page size.
 GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the output read per token) plus the
 chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
-once plus inputs and outputs.
+once plus inputs and outputs. Each GDN decode layout also gets a ``state copy`` row: the same state blocks
+copied in place by a kernel that computes nothing, the rate such a stream reaches on the chip.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.args.server_args import TPU_PAGE_SIZE
 from sglang_tpu_qwen.kernels.gdn import conv_pool
-from sglang_tpu_qwen.kernels.gdn.kernel import CHUNK_SIZE, fused_gdn
+from sglang_tpu_qwen.kernels.gdn.kernel import CHUNK_SIZE, DECODE_STATE_BYTES, decode_heads, fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
@@ -187,10 +190,40 @@ def main(argv: list[str] | None = None) -> None:
     for name, heads in ({"small": GDN_LAYOUTS["397B"]} if small else GDN_LAYOUTS).items():
         for state_dtype in (jnp.float32, jnp.bfloat16):
             gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, heads, state_dtype)
+            label = f"{name}/{jnp.dtype(state_dtype).name}"
             for impl, pallas in impls:
                 secs = _time(_gdn_fn(pallas, dims), gdn_args, (4, 5), args.iters)
-                label = f"{name}/{jnp.dtype(state_dtype).name}"
                 print(_row("fused_gdn", label, impl, secs, gdn_flops, gdn_bytes, peaks))
+            if on_tpu:  # the ceiling: the same state blocks copied in place, nothing computed
+                pool, slots = gdn_args[5], gdn_args[7]
+                per_step = heads[1] // heads[0] * decode_heads(heads[0], heads[1] // heads[0], heads[2], heads[3],
+                                                               pool.dtype.itemsize, DECODE_STATE_BYTES)
+                copy_bytes = 2 * rows * pool[0, 0].nbytes
+                secs = _time(functools.partial(_state_copy_step, heads=per_step), (pool, slots), (0,), args.iters)
+                print(_row("state copy", label, "pallas", secs, 0.0, copy_bytes, peaks))
+
+
+def _state_copy_step(pool: jax.Array, slots: jax.Array, *, heads: int) -> tuple[None, jax.Array]:
+    return None, state_copy(pool, slots, heads=heads)  # _time feeds output 1 back as argument 0
+
+
+@functools.partial(jax.jit, static_argnames=("heads",), donate_argnums=(0,))
+def state_copy(pool: jax.Array, slots: jax.Array, *, heads: int) -> jax.Array:
+    """Copy the recurrent states of ``slots [B]`` (int32) in ``pool [1, S, Hv, dk, dv]`` onto themselves, in
+    blocks of ``heads`` value heads as the fused GDN kernel's decode moves them, and compute nothing: the
+    HBM rate an in-place state stream reaches on the chip (tools/plan/chips.py ``inplace_stream_fraction``).
+    Returns the pool (donated, aliased)."""
+    _, _, hv, dk, dv = pool.shape
+    spec = pl.BlockSpec((None, None, heads, dk, dv), lambda b, h, slot: (0, slot[b], h, 0, 0))
+
+    def kernel(_slot_ref, src, dst):
+        dst[...] = src[...]
+
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={1: 0},
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(slots.shape[0], hv // heads),
+                                               in_specs=[spec], out_specs=spec),
+    )(slots, pool)
 
 
 if __name__ == "__main__":

@@ -282,8 +282,10 @@ def test_fused_gdn_matches_reference(layout: tuple[int, ...], step: str) -> None
     _gdn_chain(layout, slots, steps, seed=list(GDN_STEPS).index(step) * 1000 + sum(layout), key=step)
 
 
+@pytest.mark.parametrize("step", ["mixed", "decode"])
 @pytest.mark.parametrize("layout", GDN_LAYOUTS, ids=GDN_IDS)
-def test_fused_gdn_output_norm_matches_reference(layout: tuple[int, ...]) -> None:
-    """The model's call: the gated RMSNorm fused into the kernel's epilogue (float32 gate and weight)."""
-    slots, steps = GDN_STEPS["mixed"]
-    _gdn_chain(layout, slots, steps, seed=7 + sum(layout), key="mixed, fused output norm", norm=True)
+def test_fused_gdn_output_norm_matches_reference(layout: tuple[int, ...], step: str) -> None:
+    """The model's call, with the gated RMSNorm (float32 gate and weight): fused into the kernel's epilogue for
+    a mixed step, applied by XLA after the kernel for a decode step."""
+    slots, steps = GDN_STEPS[step]
+    _gdn_chain(layout, slots, steps, seed=7 + sum(layout), key=f"{step}, output norm", norm=True)

@@ -59,6 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
+from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm
 
 CHUNK_SIZE = 64
 # Decode: recurrent-state bytes per grid step (key heads are grouped up to it). A step of one key head
@@ -297,7 +298,7 @@ def fused_gdn(
         gate: ``[B, T, Hv * dv]`` the ``z`` projection, or None. With it the kernel applies the gated RMSNorm
             per value head in its epilogue and returns it in ``gate.dtype``: the float32 core output never
             reaches HBM (at prefill XLA relaid it out and converted it around a separate norm, ~1 GiB per
-            layer at 4096 tokens).
+            layer at 4096 tokens). A decode step (T == 1) applies the same norm in XLA after the kernel.
         norm_weight: ``[dv]`` the norm's weight (required with ``gate``); norm_eps: its epsilon.
         block_t: tokens per grid step when T > 1 (rounded to a multiple of the 64-token chunk).
         decode_state_bytes: when T == 1, the most recurrent-state bytes one grid step holds: key heads are
@@ -350,7 +351,10 @@ def fused_gdn(
     norm = None
     norm_in_specs, norm_args = [], []
     out_dtype = jnp.float32
-    if gate is not None:
+    # A decode step leaves the norm to XLA (below): in the kernel its epilogue lengthened each grid step past
+    # what the state copies hide (v5e, 35B layout: 519 -> 578 us at 64 rows, 1,897 -> 2,100 us at 256), where
+    # XLA's norm of the step's [B, Hv * dv] output reads a few MiB.
+    if gate is not None and t > 1:
         out_dtype = gate.dtype
         # The reference multiplies weight and normed output in their promoted dtype, then the gate in f32.
         norm = (float(norm_eps), jnp.promote_types(norm_weight.dtype, out_dtype) != jnp.float32)
@@ -416,4 +420,7 @@ def fused_gdn(
         *norm_args,
     )
     conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1))
-    return o.reshape(bsz, tp, hv, dv)[:, :t], conv_pool, rec_pool
+    o = o.reshape(bsz, tp, hv, dv)[:, :t]
+    if gate is not None and norm is None:  # decode: the reference's own norm
+        o = gated_rms_norm(o.astype(gate.dtype), gate.reshape(o.shape), norm_weight, norm_eps)
+    return o, conv_pool, rec_pool

@@ -223,8 +223,10 @@ def plan(
         # jax.lax.ragged_dot reads only the experts with rows: the uniform-routing mean, as the FP8 kernel declares.
         touched = (routing.kernel_expected_experts(c.num_experts, c.num_experts_per_tok, ep, tokens_step)
                    / (c.num_experts // ep)) if c.num_experts else 1.0
-        tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched)
-        tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched) for t in other_texts]
+        inplace = chip.inplace_stream_fraction
+        tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched, inplace_stream_fraction=inplace)
+        tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched, inplace_stream_fraction=inplace)
+                for t in other_texts]
         tr_s = {k: sum(t[k] for t in tr_o) for k in ("bytes", "kernel_bytes", "serial_s", "declared_flops")}
         tr_s["top_excess"] = [e for t in tr_o for e in t["top_excess"]]
         bytes_accessed = tr_f["bytes"] + tr_s["bytes"]

@@ -14,6 +14,8 @@ from sglang_tpu_qwen.tools import hlo_traffic
 # The attention kernel declares flops for the whole page-table width (an upper bound); the serial time
 # charges attention from the analytic count at the step's real context instead.
 _ATTENTION_KERNEL = "ragged_paged_attention"
+# Kernels that stream a pool's blocks in and write them back in place (chips.ChipPeaks.inplace_stream_fraction).
+_INPLACE_KERNELS = ("fused_gdn",)
 
 
 def nbytes(tree: Any) -> int:
@@ -51,7 +53,7 @@ def memory(compiled: Any) -> dict[str, int]:
 
 
 def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
-            ragged_dot_fraction: float = 1.0) -> dict[str, Any]:
+            ragged_dot_fraction: float = 1.0, inplace_stream_fraction: float = 1.0) -> dict[str, Any]:
     """Per-instruction traffic of a compiled program (tools/hlo_traffic.py: loop bodies times their trip
     counts, Pallas kernels at their declared traffic). XLA's own total counts a custom call inside a loop
     once, so the planner sums per instruction.
@@ -61,14 +63,17 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
     excess to cut), ``declared_flops`` (kernels' declared flops but attention's) and ``serial_s``: each
     instruction at its own roofline, max(bytes / ``bytes_per_s``, declared flops / ``flops_per_s``), summed (a
     TensorCore runs one instruction at a time; memory and compute overlap only within one).
-    ``ragged_dot_fraction``: the share of experts a ``jax.lax.ragged_dot`` reads (hlo_traffic.program_traffic)."""
+    ``ragged_dot_fraction``: the share of experts a ``jax.lax.ragged_dot`` reads (hlo_traffic.program_traffic).
+    ``inplace_stream_fraction``: the share of ``bytes_per_s`` the kernels that update a pool in place reach
+    (the fused GDN kernel; chips.ChipPeaks.inplace_stream_fraction)."""
     ops = hlo_traffic.program_traffic(hlo_text, ragged_dot_fraction=ragged_dot_fraction)
     rest = sorted((o for o in ops if o.opcode != "custom-call"), key=lambda o: -o.total)
     declared = serial = 0.0
     for o in ops:
         f = 0.0 if _ATTENTION_KERNEL in o.op_name else o.flops
         declared += f * o.count
-        serial += o.count * max(o.bytes / bytes_per_s, f / flops_per_s)
+        bw = bytes_per_s * (inplace_stream_fraction if any(k in o.op_name for k in _INPLACE_KERNELS) else 1.0)
+        serial += o.count * max(o.bytes / bw, f / flops_per_s)
     return {
         "bytes": sum(o.total for o in ops), "kernel_bytes": sum(o.total for o in ops if o.opcode == "custom-call"),
         "top_excess": [{"op": o.name, "opcode": o.opcode, "source": o.op_name[-120:], "bytes": o.total,
