@@ -1,6 +1,9 @@
 """The decode-step benchmark's pure parts (bench/decode_step.py): its roofline bytes are the planner's account
 (tools/plan/step_bytes.py) and come out as the issue counted them for the 35B-shaped checkpoint; the planner's v5e
-decode step holds the same bytes; the profile's breakdown of a synthetic TPU trace and of a real CPU trace.
+decode step holds the same bytes; the profile's breakdown of a synthetic TPU trace and of a real CPU trace. The
+speculative draft + verify cycle (issue 43): its roofline is the planner's verify step, part by part, and the
+issue's ~11 GB on the 35B-shaped checkpoint; replayed on a CPU engine with an MTP layer it compiles nothing in its
+timed windows and dispatches exactly the programs a served verify step does.
 
 Nothing here builds the 35B-shaped checkpoint: its runner is abstract (shapes only)."""
 
@@ -13,10 +16,14 @@ import os
 # The deviceless v5e compile loads libtpu beside other processes (see test_kernels_aot_ironwood.py).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from conftest import record  # noqa: E402
+from conftest import ENGINE_KWARGS, record  # noqa: E402
+from mtp_checkpoint import build_mtp_checkpoint  # noqa: E402
 
 from sglang_tpu_qwen.args.server_args import ServerArgs  # noqa: E402
 from sglang_tpu_qwen.bench import decode_step  # noqa: E402
@@ -29,13 +36,17 @@ from sglang_tpu_qwen.parallel.sharding import EXPERT_LEAVES  # noqa: E402
 
 V5E_HBM = 16 * 2**30
 ROWS, CONTEXT, PAGE = 64, decode_step.DEFAULT_CONTEXT, 64
+# The issue's speculative flags: 3 drafts, 4 tokens verified per row.
+STEPS = 3
+SPEC_FLAGS: dict[str, Any] = dict(speculative_algorithm="NEXTN", speculative_num_steps=STEPS,
+                                  speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1)
 
 
-def _tpu_runner(config_dict: dict, rows: int = ROWS, devices: list | None = None) -> ModelRunner:
+def _tpu_runner(config_dict: dict, rows: int = ROWS, devices: list | None = None, **extra: Any) -> ModelRunner:
     """The server's runner for ``config_dict`` on abstract weights with the TPU's kernels and dtypes, flagged as
-    the planner flags it (tools/plan/build.py ``plan``)."""
+    the planner flags it (tools/plan/build.py ``plan``); ``extra``: more server flags (speculation)."""
     args = ServerArgs(max_running_requests=rows, context_length=CONTEXT, page_size=PAGE,
-                      max_total_tokens=rows * CONTEXT)
+                      max_total_tokens=rows * CONTEXT, **extra)
     args.resolve_chunked_prefill_size("tpu", V5E_HBM)
     return ModelRunner.abstract(Qwen35MoeConfig.from_hf_dict(config_dict), args, devices, platform="tpu",
                                 device_memory_bytes=V5E_HBM if devices is not None else None)
@@ -221,3 +232,145 @@ def test_replayed_rows_route_like_a_batch(engine) -> None:
         out = runner.sample(runner.forward(batch), sampling)
     tokens = np.asarray(out.tokens)[: batch.input_ids.shape[0]]
     assert len(set(tokens.tolist())) > len(tokens) // 2, tokens
+
+
+# ---- the speculative draft + verify cycle (issue 43) -----------------------------------------------------------
+def test_35b_shaped_cycle_roofline_bytes_by_part() -> None:
+    """64 rows x 576 on the 35B-shaped checkpoint, 3 drafts, 4 tokens verified: the cycle's roofline is the
+    verify forward over 4 tokens a row (the decode step's weights, the experts 256 tokens touch, 4 tokens' KV
+    and embedding rows, the GDN states read by the verify, read and written again by the commit, plus the decode
+    snapshot of 1/64 of the rows at accept length 1) and the draft: 3 MTP-layer passes, each reading the MTP
+    layer's weights (its experts as its tokens route: 256, then 64, then 64) and the 1.02 GB lm_head, and its one
+    attention layer's KV. The whole is the issue's "about 11 GB"."""
+    cd = shaped_35b_config_dict()
+    c = Qwen35MoeConfig.from_hf_dict(cd)
+    runner = _tpu_runner(cd, **SPEC_FLAGS)
+    _, plain = decode_step.roofline_parts(runner, ROWS, CONTEXT)
+    bucket, parts = decode_step.cycle_roofline_parts(runner, ROWS, CONTEXT)
+    assert bucket.batch == ROWS and runner.spec_steps == STEPS
+    n = STEPS + 1
+    e, k = c.num_experts, c.num_experts_per_tok
+    active = lambda tokens: 1 - (1 - k / e) ** tokens  # noqa: E731
+    kv_token = plain["kv_write"] / ROWS
+    per_pass = plain["gdn_recurrent"] / 2, plain["gdn_conv"] / 2
+    assert parts["lm_head"] == plain["lm_head"] and parts["dense"] == plain["dense"]
+    assert parts["embedding_rows"] == pytest.approx(n * plain["embedding_rows"], rel=1e-12)
+    assert parts["experts"] == pytest.approx(plain["experts"] / active(ROWS) * active(ROWS * n), rel=1e-12)
+    assert parts["kv_read"] == pytest.approx(ROWS * (CONTEXT - 1 + n) * kv_token, rel=1e-12)
+    assert parts["kv_write"] == pytest.approx(ROWS * n * kv_token, rel=1e-12)
+    assert parts["gdn_recurrent"] == pytest.approx(per_pass[0] * (3 + 1 / PAGE), rel=1e-12)
+    assert parts["gdn_conv"] == pytest.approx(per_pass[1] * (3 + 1 / PAGE), rel=1e-12)
+    mtp = param_specs(c, mtp=True)["mtp"]
+    leaves = jax.tree_util.tree_leaves_with_path(mtp)
+    nbytes = lambda x: math.prod(x.shape) * x.dtype.itemsize  # noqa: E731
+    mtp_experts = sum(nbytes(x) for path, x in leaves if {getattr(p, "key", None) for p in path} & EXPERT_LEAVES)
+    mtp_rest = sum(nbytes(x) for _, x in leaves) - mtp_experts
+    kv_layer = kv_token / c.num_attn_layers
+    draft = sum(mtp_rest + parts["lm_head"] + mtp_experts * active(ROWS * fed)
+                + ROWS * (CONTEXT - 1 + n + i + fed) * kv_layer for i, fed in enumerate((n, 1, 1)))
+    assert parts["draft"] == pytest.approx(draft, rel=1e-12)
+    assert 0.8e9 < mtp_rest + mtp_experts < 0.95e9  # the issue's "~0.88 GB" MTP layer
+    total = sum(parts.values())
+    assert 10.5e9 < total < 12e9
+    record("MTP cycle roofline: 35B-shaped, 64 x 576, 3 drafts", ", ".join(
+        f"{p} {v / 1e9:.3f} GB" for p, v in parts.items() if v) + f"; total {total / 1e9:.3f} GB, "
+        f"{total / 819e9 * 1e3:.2f} ms at 819 GB/s; plain step {sum(plain.values()) / 1e9:.3f} GB")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_planned_v5e_verify_step_holds_the_cycles_bytes() -> None:
+    """The planner's verify step on one v5e chip (the benchmark's deviceless plan with the speculative flags)
+    is held against exactly the cycle's roofline bytes, part by part (embedded model with an MTP layer, 8 rows)."""
+    from sglang_tpu_qwen.tools.plan.build import topology_devices
+
+    rows = 8
+    cd = embedded_config_dict()
+    try:
+        devices = topology_devices("v5e:1x1")
+    except Exception as e:  # a libtpu that does not know the chip
+        pytest.skip(f"no deviceless v5e topology: {e}")
+    runner = _tpu_runner(cd, rows, devices, **SPEC_FLAGS)
+    _, parts = decode_step.cycle_roofline_parts(runner, rows, CONTEXT)
+    info = {"page_size": PAGE, "kv_cache_dtype": "auto", "mamba_ssm_dtype": runner.sizing.state_dtype.name}
+    planned = decode_step.plan_rows(info, runner.config, "v5e", rows, CONTEXT, STEPS + 1, 1.0)
+    verify = planned["verify"]
+    assert verify["min_bytes_parts"] == pytest.approx(parts, rel=1e-12)
+    assert verify["min_bytes"] == pytest.approx(sum(parts.values()), rel=1e-12)
+    assert verify["planned_s"] > planned["planned_s"] > 0 and verify["bucket_rows"] == rows
+    record("MTP cycle roofline: the planner on v5e:1x1",
+           f"embedded model + MTP layer, {rows} x {CONTEXT}: least bytes {verify['min_bytes'] / 1e6:.1f} MB (= the "
+           f"benchmark's), planned {verify['planned_s'] * 1e3:.3f} ms ({verify['planned_s'] / planned['planned_s']:.2f}"
+           " plain steps)")
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The embedded checkpoint plus a random MTP layer, speculating with the issue's flags; the engine flags of
+    test_speculative.py (the persistent compilation cache then holds the same programs)."""
+    from sglang_tpu_qwen.engine.engine import Engine
+
+    path = build_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+    eng = Engine(model_path=str(path), speculative_draft_policy="always",
+                 **dict(ENGINE_KWARGS, chunked_prefill_size=64), **SPEC_FLAGS)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+CPU_ROWS, CPU_CONTEXT = 2, 40
+
+
+def test_cycle_replay_on_a_cpu_engine(spec_engine) -> None:
+    """The benchmark's measurement (``measure``, as the command runs it) on a CPU engine with an MTP layer: the
+    plain step and the cycle each compile nothing in their timed windows, take positive device and dispatch
+    time, and the cycle's bytes are its roofline parts; one cycle dispatches verify, the greedy sampling of its
+    B x 4 positions, commit, draft and carry; the replay's accept length is in [1, 4] and its rows feed distinct
+    ids; the tables render."""
+    ns, _ = decode_step.parse_args(["--model-path", "embedded", "--rows", str(CPU_ROWS), "--context",
+                                    str(CPU_CONTEXT), "--iters", "2", "--windows", "2", "--no-plan",
+                                    "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(STEPS),
+                                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
+                                    str(STEPS + 1)])
+    assert ns.speculative_draft_policy == "always"
+    result = decode_step.measure(spec_engine, ns)
+    (plain,), (cycle,) = result["rows"], result["cycles"]
+    b, n = cycle["bucket_rows"], STEPS + 1
+    pages = spec_engine.runner.buckets.decode_bucket(b).pages
+    assert plain["compilations"] == 0 and cycle["compilations"] == 0
+    assert plain["device_s"] > 0 and plain["dispatch_s"] > 0 and cycle["device_s"] > 0 and cycle["dispatch_s"] > 0
+    assert cycle["over_plain"] == pytest.approx(cycle["device_s"] / plain["device_s"])
+    _, parts = decode_step.cycle_roofline_parts(spec_engine.runner, CPU_ROWS, CPU_CONTEXT)
+    assert cycle["bytes"] == parts and cycle["bytes_total"] == pytest.approx(sum(parts.values()))
+    assert parts["draft"] > 0 and cycle["measured_over_roofline"] == pytest.approx(1 / cycle["roofline_over_measured"])
+    assert cycle["programs"] == [str(k) for k in [("verify", b), ("sample", "greedy", b * n), ("commit", b),
+                                                  ("draft", b, n, pages), ("spec_carry", b)]]
+    assert plain["programs"] == [str(k) for k in [("forward", spec_engine.runner.buckets.decode_bucket(b)),
+                                                  ("sample", "greedy", b), ("keep_sampled", b)]]
+    assert 1.0 <= cycle["accept_length_replay"] <= n
+    assert cycle["distinct_sampled"] > b * n // 2
+    text = decode_step.format_table(result)
+    assert "MTP cycle (3 drafts, 4 tokens verified per row" in text and f"| {CPU_ROWS} ({b}) |" in text
+    record("MTP cycle replay: CPU, embedded + MTP layer", f"{CPU_ROWS} rows x {CPU_CONTEXT}: cycle "
+           f"{cycle['device_s'] * 1e3:.1f} ms ({cycle['over_plain']:.2f} plain steps), dispatch "
+           f"{cycle['dispatch_s'] * 1e3:.2f} ms, {len(cycle['programs'])} programs, 0 compilations")
+
+
+def test_cycle_replays_the_served_programs(spec_engine) -> None:
+    """Served greedy requests that decode together dispatch, for each verify step, exactly the replayed cycle's
+    programs in the same order (verify and its sampling at launch, then commit, draft and carry once the step
+    before is read): the replay measures what serves."""
+    from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_verify_cycle
+
+    runner = spec_engine.runner
+    with recorded_programs(runner) as cycle:
+        time_verify_cycle(runner, CPU_ROWS, CPU_CONTEXT, iters=1, windows=1, warmup=0)
+    prompts = [np.random.default_rng(i).integers(1000, 200000, size=30).tolist() for i in range(CPU_ROWS)]
+    with recorded_programs(runner) as served:
+        outs = spec_engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12,
+                                                                        "ignore_eos": True})
+    assert all(len(o["output_ids"]) == 12 for o in outs)
+    starts = [i for i, key in enumerate(served) if key == cycle[0]]
+    assert len(starts) >= 3, served  # several verify steps of the replayed bucket
+    for i in starts:
+        assert served[i : i + len(cycle)] == cycle, served[i : i + len(cycle) + 2]

@@ -34,7 +34,23 @@ the model's named scopes, model/forward.py; ``--profile`` keys the persistent co
 the first such run compiles cold). Off a TPU the trace has no device plane: it says so and groups
 the host plane's XLA ops instead (summed over the threads that run them: shares, not a step time).
 
-Prints a Markdown table and one JSON line (``--output-json PATH`` writes it too).
+With ``--speculative-algorithm NEXTN`` (and SGLang's ``--speculative-num-steps K --speculative-eagle-topk 1
+--speculative-num-draft-tokens K+1``; the draft policy defaults to ``always``) on a checkpoint with an MTP layer,
+each row count also gets its speculative draft + verify cycle (issue 43), on the same idle engine:
+
+- ``cycle ms``: the programs one verify step dispatches (verify, greedy sampling of its ``B x (K + 1)``
+  positions, commit, draft, carry: the scheduler's own runner calls), replayed back to back
+  (bench/decode_timer.py ``time_verify_cycle``, the same timing loop as the plain step), every row feeding
+  ``K + 1`` distinct ids after ``--context - 1`` cached tokens; ``host dispatch ms``; compilations in the timed
+  replay (must be 0); the programs of one cycle, recorded;
+- its least HBM bytes by part: the planner's verify step (tools/plan/step_bytes.py ``step_min_bytes("verify")``:
+  the verify forward over ``K + 1`` tokens, the commit's second pass over the GDN states and the decode snapshots
+  at ``--accept-length``, and ``draft``: ``K`` MTP-layer passes, each reading the MTP layer, its touched experts
+  and the lm_head), ``roofline ms``, ``roofline / measured`` and ``measured / roofline``;
+- ``cycle / plain step``: its time over the plain decode step's of the same rows; ``planned ms``: the planner's
+  verify step beside it; the replay's accept length and distinct ids (what could make it unlike serving).
+
+Prints Markdown tables and one JSON line (``--output-json PATH`` writes it too).
 """
 
 from __future__ import annotations
@@ -73,13 +89,47 @@ def roofline_parts(runner: Any, rows: int, context: int) -> tuple[Any, dict[str,
     pads ``rows`` up to a compiled batch size; every padded row is a real row in the replayed step."""
     from sglang_tpu_qwen.tools.plan import step_bytes
 
+    bucket, rb, rows_rank = _bucket_bytes(runner, rows)
+    parts = step_bytes.step_min_bytes(rb, "decode", rows_rank=rows_rank, tokens=1, prefix=context - 1,
+                                      tokens_step=bucket.batch)
+    return bucket, parts
+
+
+def cycle_roofline_parts(runner: Any, rows: int, context: int,
+                         accept_length: float = 1.0) -> tuple[Any, dict[str, float]]:
+    """The decode bucket of ``rows`` rows and the least bytes one device moves in one speculative draft + verify
+    cycle of it (the planner's "verify" step, tools/plan/build.py ``plan``: the verify forward over ``N = k + 1``
+    tokens a row after ``context - 1`` cached ones, the commit's second pass over the GDN states plus the decode
+    snapshots of ``accept_length / page_size`` of the rows, and ``draft``: the draft program's ``k`` MTP-layer
+    passes, each reading the MTP layer, the experts its tokens touch, the lm_head and its KV), by part
+    (step_bytes.PARTS, bytes). ``accept_length``: tokens a row accepts per cycle, in ``[1, N]``.
+
+    Raises:
+        ValueError: the runner has no speculative decoding, or ``accept_length`` is outside ``[1, N]``."""
+    from sglang_tpu_qwen.tools.plan import step_bytes
+
+    if not runner.spec_steps:
+        raise ValueError("speculative decoding is off (--speculative-algorithm)")
+    n_spec = runner.spec_steps + 1
+    if not 1.0 <= accept_length <= n_spec:
+        raise ValueError(f"accept length {accept_length} outside [1, {n_spec}]")
+    bucket, rb, rows_rank = _bucket_bytes(runner, rows)
+    prefix = context - 1
+    parts = step_bytes.step_min_bytes(
+        rb, "verify", rows_rank=rows_rank, tokens=n_spec, prefix=prefix, tokens_step=bucket.batch * n_spec,
+        page_size=runner.sizing.page_size, accept_length=accept_length,
+        draft=lambda: step_bytes.draft_min_bytes(runner.config, rb, n_spec, bucket.batch, rows_rank, prefix))
+    return bucket, parts
+
+
+def _bucket_bytes(runner: Any, rows: int) -> tuple[Any, Any, int]:
+    """(the decode bucket of ``rows`` rows, the runner's step_bytes.RunnerBytes, the bucket's rows per rank)."""
+    from sglang_tpu_qwen.tools.plan import step_bytes
+
     dp = runner.sizing.dp
     bucket = runner.buckets.decode_bucket(-(-rows // dp))
     ep = runner.layout.ep if runner.layout is not None else 1
-    rb = step_bytes.runner_bytes(runner, ep)
-    parts = step_bytes.step_min_bytes(rb, "decode", rows_rank=bucket.batch // dp, tokens=1, prefix=context - 1,
-                                      tokens_step=bucket.batch)
-    return bucket, parts
+    return bucket, step_bytes.runner_bytes(runner, ep), bucket.batch // dp
 
 
 def experts_touched(runner: Any, tokens: int) -> tuple[float, int]:
@@ -102,8 +152,10 @@ def chip_for(device_kind: str) -> tuple[str, bool]:
 
 # ---- measuring ------------------------------------------------------------------------------------------------
 def measure_rows(engine: Any, rows: int, context: int, chip_key: str, *, iters: int, windows: int) -> dict[str, Any]:
-    """One row count on an idle ``engine``: the replayed step's device time, its compilations and its roofline."""
-    from sglang_tpu_qwen.bench.decode_timer import time_decode_step
+    """One row count on an idle ``engine``: the replayed step's device time, the compilations during its timed
+    replay, its roofline and ``programs``: the compiled programs one step dispatches, in order (one untimed step
+    recorded first, which compiles what the replay needs where precompile was skipped)."""
+    from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_decode_step
     from sglang_tpu_qwen.engine.runner import compilation
     from sglang_tpu_qwen.tools.plan.chips import CHIPS
 
@@ -113,6 +165,8 @@ def measure_rows(engine: Any, rows: int, context: int, chip_key: str, *, iters: 
     if context > limit:
         raise ValueError(f"--context {context} exceeds the decode bucket's page table ({bucket.pages} pages x "
                          f"{runner.sizing.page_size} = {limit} tokens): raise --context-length")
+    with recorded_programs(runner) as keys:
+        time_decode_step(runner, bucket.batch, context, iters=1, windows=1, warmup=0)
     compiles = compilation.jit_compilations()
     replay = time_decode_step(runner, bucket.batch, context, iters=iters, windows=windows)
     device_s = replay.step_s
@@ -124,25 +178,75 @@ def measure_rows(engine: Any, rows: int, context: int, chip_key: str, *, iters: 
     return {"rows": rows, "bucket_rows": bucket.batch, "context": context, "device_s": device_s,
             "dispatch_s": replay.dispatch_s,
             "compilations": compiles, "bytes": parts, "bytes_total": total, "roofline_s": total / bw,
-            "roofline_over_measured": total / bw / device_s, "experts_touched": touched, "local_experts": local}
+            "roofline_over_measured": total / bw / device_s, "experts_touched": touched, "local_experts": local,
+            "programs": [str(k) for k in keys]}
 
 
-def plan_rows(engine_info: dict[str, Any], config: Any, chip_key: str, rows: int, context: int) -> dict[str, Any]:
+def measure_cycle(engine: Any, rows: int, context: int, chip_key: str, *, iters: int, windows: int,
+                  accept_length: float = 1.0, plain_s: float | None = None) -> dict[str, Any]:
+    """One row count's speculative draft + verify cycle on an idle ``engine`` with speculative decoding on: the
+    replayed cycle's device and host dispatch seconds (bench/decode_timer.py ``time_verify_cycle``), the
+    compilations during the timed replay (must be 0), its roofline bytes by part (:func:`cycle_roofline_parts` at
+    ``accept_length``) and seconds at the chip ``chip_key``'s HBM peak, both ratios, the ratio to the plain decode
+    step ``plain_s`` (seconds, the same rows; None: not measured), the replay's accept length and distinct ids
+    (``CycleReplay``), and ``programs``: the compiled programs one cycle dispatches, in order (one untimed cycle
+    recorded before the timing).
+
+    Raises:
+        ValueError: as :func:`cycle_roofline_parts` and ``time_verify_cycle``."""
+    from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_verify_cycle
+    from sglang_tpu_qwen.engine.runner import compilation
+    from sglang_tpu_qwen.tools.plan.chips import CHIPS
+
+    runner = engine.runner
+    bucket, parts = cycle_roofline_parts(runner, rows, context, accept_length)
+    with recorded_programs(runner) as keys:  # one cycle, untimed (it compiles what the replay needs)
+        time_verify_cycle(runner, bucket.batch, context, iters=1, windows=1, warmup=0)
+    compiles = compilation.jit_compilations()
+    replay = time_verify_cycle(runner, bucket.batch, context, iters=iters, windows=windows)
+    compiles = compilation.jit_compilations() - compiles
+    chip = CHIPS[chip_key]
+    bw = chip.hbm_bytes_per_s / chip.devices_per_chip
+    total = sum(parts.values())
+    roofline_s = total / bw
+    return {"rows": rows, "bucket_rows": bucket.batch, "context": context, "tokens_per_row": runner.spec_steps + 1,
+            "device_s": replay.step_s, "dispatch_s": replay.dispatch_s, "compilations": compiles, "bytes": parts,
+            "bytes_total": total, "roofline_s": roofline_s, "roofline_over_measured": roofline_s / replay.step_s,
+            "measured_over_roofline": replay.step_s / roofline_s, "plain_s": plain_s,
+            "over_plain": replay.step_s / plain_s if plain_s else None, "accept_length_bytes": accept_length,
+            "accept_length_replay": replay.accept_length, "distinct_sampled": replay.distinct_sampled,
+            "distinct_drafts": replay.distinct_drafts,
+            "draft_lm_head_bytes": float(runner.spec_steps * _bucket_bytes(runner, rows)[1].lm_head),
+            "programs": [str(k) for k in keys]}
+
+
+def plan_rows(engine_info: dict[str, Any], config: Any, chip_key: str, rows: int, context: int,
+              speculative_num_draft_tokens: int = 0, accept_length: float | None = None) -> dict[str, Any]:
     """The planner's decode step of ``rows`` rows at ``context`` on one chip ``chip_key`` with the engine's page size
     and cache dtypes (``tools.plan.plan``; compiles for a deviceless topology: run it with no engine serving).
-    Returns ``planned_s`` (uniform routing), ``roofline_s``, ``min_bytes`` and its parts, ``bytes_ratio``."""
+    Returns ``planned_s`` (uniform routing), ``roofline_s``, ``min_bytes`` and its parts, ``bytes_ratio``; with
+    ``speculative_num_draft_tokens`` N > 0 (and ``accept_length`` in [1, N]) also ``verify``: the same fields of
+    the planner's verify step (the served verify, sampling, commit, draft and carry programs), or its error."""
     from sglang_tpu_qwen.tools.plan import plan
 
+    spec = dict(speculative_num_draft_tokens=speculative_num_draft_tokens,
+                speculative_accept_length=accept_length) if speculative_num_draft_tokens else {}
     report = plan(config, ONE_CHIP_TOPOLOGY[chip_key], 1, 1, rows, context, page_size=engine_info["page_size"],
                   steps=("decode",), kv_cache_dtype=engine_info["kv_cache_dtype"],
-                  mamba_ssm_dtype=engine_info["mamba_ssm_dtype"])
-    step = report["steps"]["decode"]
-    if "error" in step:
-        return {"error": step["error"]}
-    return {"planned_s": step["planned_s"]["uniform"], "roofline_s": step["roofline_s"],
-            "min_bytes": step["min_bytes"], "min_bytes_parts": step["min_bytes_parts"],
-            "bytes_ratio": step["bytes_ratio"], "serial_s": step["serial_s"], "bucket_rows": step["rows"],
-            "kernels": report["kernels"], "top_excess": step["top_excess"][:3]}
+                  mamba_ssm_dtype=engine_info["mamba_ssm_dtype"], **spec)
+
+    def fields(step: dict[str, Any]) -> dict[str, Any]:
+        if "error" in step:
+            return {"error": step["error"]}
+        return {"planned_s": step["planned_s"]["uniform"], "roofline_s": step["roofline_s"],
+                "min_bytes": step["min_bytes"], "min_bytes_parts": step["min_bytes_parts"],
+                "bytes_ratio": step["bytes_ratio"], "serial_s": step["serial_s"], "bucket_rows": step["rows"],
+                "kernels": report["kernels"], "top_excess": step["top_excess"][:3]}
+
+    out = fields(report["steps"]["decode"])
+    if speculative_num_draft_tokens:
+        out["verify"] = fields(report["steps"]["verify"])
+    return out
 
 
 # ---- the profile ----------------------------------------------------------------------------------------------
@@ -416,8 +520,67 @@ def format_table(result: dict[str, Any]) -> str:
                          f"HLO bytes / least bytes {p['bytes_ratio']:.2f})")
     if result.get("plan_skipped"):
         lines += ["", f"Plan: skipped ({result['plan_skipped']})"]
+    if result.get("cycles"):
+        lines += ["", format_cycles(result)]
     for prof in result.get("profiles", []):
         lines += ["", format_profile(prof)]
+    return "\n".join(lines)
+
+
+def format_cycles(result: dict[str, Any]) -> str:
+    """The speculative draft + verify cycles as Markdown: what was replayed, one row per row count, then per row
+    count the programs of one cycle, the draft's lm_head share and what could distort the replay."""
+    spec, chip = result["engine"]["speculative"], result["chip"]
+    k, n = spec["num_steps"], spec["num_draft_tokens"]
+    lines = [
+        f"MTP cycle ({k} drafts, {n} tokens verified per row; draft policy {spec['draft_policy']}): one verify step's "
+        "programs replayed back to back as the scheduler dispatches them (bench/decode_timer.py time_verify_cycle: "
+        f"verify, greedy sampling of the B x {n} positions, commit, draft, carry), median of {result['windows']} x "
+        f"{result['iters']} cycles, every row feeding {n} distinct host ids after {result['context'] - 1} cached "
+        "tokens; plain step: the decode step above, same rows. Roofline: the planner's verify step "
+        f"(tools/plan/step_bytes.py: forward + the commit's GDN state pass + draft) at "
+        f"{chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s"
+        f"{'' if result['on_chip'] else ' (NOT this device: the ratios are no chip figures)'}, decode snapshots "
+        f"at accept length {result['accept_length']:g}. Issue 43 asks measured / roofline <= 1.3 at 64 rows, "
+        "<= 1.5 at 1 and 8.",
+        "",
+        "| rows (bucket) | cycle ms | host dispatch ms / cycle | plain step ms | cycle / plain step | lm_head GB | "
+        "experts GB | other weights GB | GDN recurrent GB | GDN conv GB | KV read + write GB | embedding rows GB | "
+        "draft GB | total GB | roofline ms | roofline / measured | measured / roofline | planned ms | "
+        "planned / measured | accept length (replay) | compilations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cycles"]:
+        b, p = c["bytes"], c.get("plan") or {}
+        planned = (f"{p['planned_s'] * 1e3:.2f}", f"{p['planned_s'] / c['device_s']:.2f}") if "planned_s" in p \
+            else ("n/a", "n/a")
+        plain = (f"{c['plain_s'] * 1e3:.2f}", f"{c['over_plain']:.2f}") if c.get("plain_s") else ("n/a", "n/a")
+        lines.append(
+            f"| {c['rows']} ({c['bucket_rows']}) | {c['device_s'] * 1e3:.2f} | {c['dispatch_s'] * 1e3:.2f} | "
+            f"{plain[0]} | {plain[1]} | {_gb(b['lm_head'])} | {_gb(b['experts'])} | {_gb(b['dense'])} | "
+            f"{_gb(b['gdn_recurrent'])} | {_gb(b['gdn_conv'])} | {_gb(b['kv_read'] + b['kv_write'])} | "
+            f"{_gb(b['embedding_rows'])} | {_gb(b['draft'])} | {_gb(c['bytes_total'])} | "
+            f"{c['roofline_s'] * 1e3:.2f} | {c['roofline_over_measured']:.2f} | {c['measured_over_roofline']:.2f} | "
+            f"{planned[0]} | {planned[1]} | {c['accept_length_replay']:.2f} | {c['compilations']} |")
+    lines.append("")
+    for c in result["cycles"]:
+        progs = c["programs"]
+        p = c.get("plan") or {}
+        plan_note = f"planner failed: {p['error']}" if "error" in p else (
+            f"planned least bytes {_gb(p['min_bytes'])} GB ("
+            + ("the same as the table" if abs(p["min_bytes"] - c["bytes_total"]) <= 1e-6 * c["bytes_total"]
+               else "NOT the table") + f"), HLO bytes / least {p['bytes_ratio']:.2f}") if p else "not planned"
+        lines.append(
+            f"- {c['rows']} rows: {len(progs)} programs per cycle ({', '.join(progs)}; the plain step "
+            f"{len(c.get('plain_programs', []))}); draft "
+            f"{_gb(c['bytes']['draft'])} GB = {k} MTP-layer passes, of which the lm_head {k} x = "
+            f"{_gb(c['draft_lm_head_bytes'])} GB; replay inputs: {c['distinct_sampled']} distinct sampled ids of "
+            f"{c['bucket_rows'] * n}, {c['distinct_drafts']} distinct drafts of {c['bucket_rows'] * k} (few would "
+            "route the MoE layers like one row: a cycle "
+            f"faster than serving); {plan_note}.")
+    lines.append("- Not in the replay: the scheduler's host work and reads between cycles (it reads each cycle's "
+                 "accepted counts, drafts and tokens while the next verify step runs), a carried row's ids read "
+                 "from the carry (same program, other data), decode snapshot writes (the roofline counts them).")
     return "\n".join(lines)
 
 
@@ -461,6 +624,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
     bench.add_argument("--profile-rows", default="64", help="Comma-separated row counts of the profiled steps.")
     bench.add_argument("--profile-steps", type=int, default=5, help="Decode steps inside the trace.")
     bench.add_argument("--no-plan", action="store_true", help="Skip the planner's step (a deviceless compile).")
+    bench.add_argument("--accept-length", type=float, default=1.0,
+                       help="With --speculative-algorithm: the accept length (tokens per row per cycle) the "
+                            "cycle's roofline and plan assume for the decode snapshots the commit writes (default "
+                            "1.0: a random MTP layer's).")
     bench.add_argument("--output-json", default=None, help="Also write the result JSON to this path.")
     ServerArgs.add_cli_args(p)
     ns = p.parse_args(argv)
@@ -478,6 +645,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
     given = sys.argv[1:] if argv is None else argv
     if not any(a.startswith("--max-running-requests") for a in given):
         ns.max_running_requests = max(ns.row_counts + (ns.profile_row_counts if ns.profile else []))
+    if ns.speculative_algorithm is not None and not any(a.startswith("--speculative-draft-policy") for a in given):
+        ns.speculative_draft_policy = "always"  # the issue's setting (the replay itself verifies every cycle)
     if ns.model_path is None:
         from sglang_tpu_qwen.bench.startup import SHAPED_35B
 
@@ -492,12 +661,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
 
 
 def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
-    """Start the engine, measure every row count (and the profile), shut it down, then plan; returns the result
-    dict (its keys: the table's, see :func:`format_table`)."""
+    """Start the engine, measure every row count (and the profile, :func:`measure`), shut it down, then plan;
+    returns the result dict (its keys: the tables', see :func:`format_table`)."""
     import jax
 
     from sglang_tpu_qwen.engine.engine import Engine
-    from sglang_tpu_qwen.tools.plan.chips import CHIPS
 
     if ns.profile:
         # The profile names ops by their op_name metadata (the model's named scopes): key the persistent cache by it,
@@ -506,6 +674,24 @@ def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
     start = time.perf_counter()
     engine = Engine(server_args)
     ready_s = time.perf_counter() - start
+    config = engine.runner.config
+    try:
+        result = measure(engine, ns, ready_s)
+    finally:
+        engine.shutdown()
+    _plan_all(ns, result, result["engine"], config, result["chip_key"])
+    return result
+
+
+def measure(engine: Any, ns: argparse.Namespace, ready_s: float = 0.0) -> dict[str, Any]:
+    """Every row count of ``ns`` (:func:`parse_args`) on the idle, started ``engine``: the plain decode step
+    (:func:`measure_rows`), the draft + verify cycle where the engine decodes speculatively
+    (:func:`measure_cycle`), and the profile with ``--profile``. ``ready_s``: the engine's start, seconds (shown
+    only). Returns the result dict without the plan (``run`` adds it after the engine is shut down)."""
+    import jax
+
+    from sglang_tpu_qwen.tools.plan.chips import CHIPS
+
     device = jax.devices()[0]
     chip_key, on_chip = chip_for(device.device_kind)
     runner = engine.runner
@@ -524,25 +710,31 @@ def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
         "device_kind": device.device_kind, "jax": jax.__version__, "chip": dataclasses.asdict(CHIPS[chip_key]),
         "chip_key": chip_key, "on_chip": on_chip, "context": ns.context, "iters": ns.iters,
         "windows": ns.windows, "engine": engine_info, "rows": []}
-    config = runner.config
-    try:
-        for rows in ns.row_counts:
-            r = measure_rows(engine, rows, ns.context, chip_key, iters=ns.iters, windows=ns.windows)
-            logger.info("%d rows: %.3f ms per step, roofline %.3f ms", rows, r["device_s"] * 1e3,
-                        r["roofline_s"] * 1e3)
-            result["rows"].append(r)
-        if ns.profile:
-            result["profiles"] = []
-            for rows in ns.profile_row_counts:
-                try:
-                    prof = profile_step(runner, rows, ns.context, ns.profile_steps, Path(ns.profile) / f"rows{rows}")
-                except Exception as e:  # the measurements above stand without it
-                    logger.exception("profile failed")
-                    prof = {"error": f"{type(e).__name__}: {e}", "rows": rows}
-                result["profiles"].append(prof)
-    finally:
-        engine.shutdown()
-    _plan_all(ns, result, engine_info, config, chip_key)
+    if runner.spec_steps:
+        engine_info["speculative"] = {"num_steps": runner.spec_steps, "num_draft_tokens": runner.spec_steps + 1,
+                                      "draft_policy": args.speculative_draft_policy}
+        result["cycles"] = []
+        result["accept_length"] = ns.accept_length
+    for rows in ns.row_counts:
+        r = measure_rows(engine, rows, ns.context, chip_key, iters=ns.iters, windows=ns.windows)
+        logger.info("%d rows: %.3f ms per step, roofline %.3f ms", rows, r["device_s"] * 1e3, r["roofline_s"] * 1e3)
+        result["rows"].append(r)
+        if runner.spec_steps:
+            c = measure_cycle(engine, rows, ns.context, chip_key, iters=ns.iters, windows=ns.windows,
+                              accept_length=ns.accept_length, plain_s=r["device_s"])
+            logger.info("%d rows: %.3f ms per draft + verify cycle (%.2f plain steps), roofline %.3f ms", rows,
+                        c["device_s"] * 1e3, c["over_plain"], c["roofline_s"] * 1e3)
+            c["plain_programs"] = r["programs"]
+            result["cycles"].append(c)
+    if ns.profile:
+        result["profiles"] = []
+        for rows in ns.profile_row_counts:
+            try:
+                prof = profile_step(runner, rows, ns.context, ns.profile_steps, Path(ns.profile) / f"rows{rows}")
+            except Exception as e:  # the measurements above stand without it
+                logger.exception("profile failed")
+                prof = {"error": f"{type(e).__name__}: {e}", "rows": rows}
+            result["profiles"].append(prof)
     return result
 
 
@@ -556,6 +748,8 @@ def _plan_all(ns: argparse.Namespace, result: dict[str, Any], engine_info: dict[
         result["plan_skipped"] = f"no one-chip topology for {chip_key} with dp {engine_info['dp']}"
         return
     result["plan_topology"] = ONE_CHIP_TOPOLOGY[chip_key]
+    spec = engine_info.get("speculative")
+    n_spec = spec["num_draft_tokens"] if spec else 0
     if result["platform"] != "tpu":
         # Off a TPU the deviceless compile loads libtpu beside other processes that may hold its lockfile (the
         # tests and tools do the same); on a TPU this process loaded it already.
@@ -567,7 +761,8 @@ def _plan_all(ns: argparse.Namespace, result: dict[str, Any], engine_info: dict[
     def one(r: dict[str, Any]) -> None:
         start = time.perf_counter()
         try:
-            r["plan"] = plan_rows(engine_info, config, chip_key, r["bucket_rows"], r["context"])
+            r["plan"] = plan_rows(engine_info, config, chip_key, r["bucket_rows"], r["context"], n_spec,
+                                  ns.accept_length if n_spec else None)
         except Exception as e:  # no libtpu, or a topology it does not know: the measurements stand
             logger.exception("the planner failed")
             r["plan"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
@@ -578,6 +773,8 @@ def _plan_all(ns: argparse.Namespace, result: dict[str, Any], engine_info: dict[
     # another compiles).
     with compilation.persistent_cache_off(), ThreadPoolExecutor(max_workers=len(result["rows"]) or 1) as pool:
         list(pool.map(one, result["rows"]))
+    for r, c in zip(result["rows"], result.get("cycles", []), strict=False):  # the verify step beside the cycle
+        c["plan"] = r["plan"].pop("verify", None) or {"error": r["plan"].get("error", "not planned")}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -3,19 +3,24 @@ the device time of one step replayed on an idle engine.
 
 `DecodeTimer` is a step observer (engine/runner/step_executor.py `StepObserver`): attach it to a runner with
 ``runner.observers.attach(timer)`` and its `stats` accumulate over the decode steps of the block.
-`time_decode_step` replays the decode programs back to back without the scheduler.
+`time_decode_step` replays the decode programs back to back without the scheduler; `time_verify_cycle` replays a
+speculative verify step's programs (verify, sampling, commit, draft, carry) the same way. Both go through one
+timing loop (`_replay`); `recorded_programs` lists the compiled programs a block dispatches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner, SampleOutput, SamplingBatch
+from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner, SamplingBatch
+from sglang_tpu_qwen.engine.scheduler.speculative import NO_SNAPSHOTS
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -65,21 +70,62 @@ def replay_batch(runner: ModelRunner, rows: int, context: int) -> tuple[ForwardB
     would read k experts' weights instead of the ~all a real batch touches (seen on the v5e: 0.155 ms per
     268 MB expert stack, faster than HBM allows). ``token_src`` is data in the step program, so this is the
     overlapped step's program (-1 rows read the host's ids)."""
+    b, ids, page_table, slots = _replay_rows(runner, rows, context, tokens=1, last_position=context - 1)
+    batch = ForwardBatch(ForwardMode.DECODE, ids, np.full(b, context - 1, np.int32), np.ones(b, np.int32),
+                         page_table, slots, None)
+    return batch, SamplingBatch.greedy(b)
+
+
+def verify_replay_batch(runner: ModelRunner, rows: int,
+                        context: int) -> tuple[ForwardBatch, SamplingBatch, np.ndarray]:
+    """The verify step, its greedy sampling and its commit's snapshot array that :func:`time_verify_cycle`
+    replays (speculative decoding on, ``k = runner.spec_steps``, ``T = k + 1``): ``rows`` rows padded to their
+    decode bucket (B rows), each feeding ``T`` distinct seeded token ids (``[B, T]`` int32: its last token and k
+    drafts, so the MoE layers route the rows as a real batch, see :func:`replay_batch`) at positions
+    ``context - 1 .. context + k - 1`` after ``context - 1`` cached tokens; the pages of every position the step
+    and its drafts write (up to ``context + 2k - 2``: the drafts' recursive MTP positions) are the trash page, the
+    GDN slot is the trash slot, ``token_src`` None (host ids). Sampling: ``B * T`` greedy rows. Snapshots:
+    ``[B, 2]`` int32 (slot 0: none written; position NO_SNAPSHOTS: never lags), as the scheduler passes for a
+    server without decode snapshots (engine/scheduler/speculative.py ``commit``).
+
+    Raises:
+        ValueError: speculative decoding is off, or the positions do not fit the decode bucket's page table."""
+    k = runner.spec_steps
+    if not k:
+        raise ValueError("speculative decoding is off (--speculative-algorithm)")
+    t = k + 1
+    b, ids, page_table, slots = _replay_rows(runner, rows, context, tokens=t, last_position=context + 2 * k - 2)
+    batch = ForwardBatch(ForwardMode.TARGET_VERIFY, ids, np.full(b, context - 1, np.int32), np.full(b, t, np.int32),
+                         page_table, slots, None)
+    snaps = np.zeros((b, 2), np.int32)
+    snaps[:, 1] = NO_SNAPSHOTS
+    return batch, SamplingBatch.greedy(b * t), snaps
+
+
+def _replay_rows(runner: ModelRunner, rows: int, context: int, *, tokens: int,
+                 last_position: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(B, ids [B, tokens] distinct seeded int32, page table [B, P] over arbitrary pages with the trash page at
+    the columns of positions ``context - 1 .. last_position``, slot ids [B] (each DP rank's trash slot)) of the
+    decode bucket of ``rows`` rows. ValueError when ``last_position`` is past the bucket's page table."""
     sizing = runner.sizing
     dp, ps, num_pages = sizing.dp, sizing.page_size, sizing.num_pages
     bucket = runner.buckets.decode_bucket(-(-rows // dp))
     b, pages = bucket.batch, bucket.pages
+    if last_position >= pages * ps:
+        raise ValueError(f"position {last_position} (context {context}) is past the decode bucket's page table "
+                         f"({pages} pages x {ps} = {pages * ps} tokens): raise --context-length")
     usable = num_pages - 1
     page_table = (1 + (np.arange(b * pages).reshape(b, pages) % usable)).astype(np.int32)
-    page_table[:, (context - 1) // ps] = 0
+    written = np.arange((context - 1) // ps, last_position // ps + 1)
+    page_table[:, written] = 0
     if dp > 1:
-        page_table += (np.arange(b) // (b // dp))[:, None] * num_pages
-        page_table[:, (context - 1) // ps] = (np.arange(b) // (b // dp)) * num_pages
+        rank = (np.arange(b) // (b // dp))[:, None]
+        page_table += rank * num_pages
+        page_table[:, written] = rank * num_pages
     slots = ((np.arange(b) // (b // dp)) * sizing.num_slots).astype(np.int32)
-    ids = np.random.default_rng(0).choice(runner.config.vocab_size, size=(b, 1), replace=False).astype(np.int32)
-    batch = ForwardBatch(ForwardMode.DECODE, ids, np.full(b, context - 1, np.int32), np.ones(b, np.int32),
-                         page_table, slots, None)
-    return batch, SamplingBatch.greedy(b)
+    ids = np.random.default_rng(0).choice(runner.config.vocab_size, size=(b, tokens),
+                                          replace=False).astype(np.int32)
+    return b, ids, page_table, slots
 
 
 class ReplayTime(NamedTuple):
@@ -99,20 +145,96 @@ def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 
     write the trash page and slot); observers do not see these steps."""
     batch, sampling = replay_batch(runner, rows, context)
 
-    def step() -> SampleOutput:
+    def step() -> jax.Array:
         out = runner.sample(runner.forward(batch), sampling)
         runner.keep_sampled(out)
-        return out
+        return out.tokens
 
+    timed, _ = _replay(runner, step, iters, windows, warmup)
+    return timed
+
+
+class CycleReplay(NamedTuple):
+    """A replayed verify cycle (:func:`time_verify_cycle`): ``step_s`` / ``dispatch_s`` as in ReplayTime, per
+    cycle; from the last cycle (device values read after the timing): ``accept_length`` the mean tokens a row
+    accepted (1.0: no draft), ``distinct_sampled`` how many distinct ids its ``B * T`` positions sampled and
+    ``distinct_drafts`` how many distinct ids its ``B * k`` drafts hold (few of either would route the MoE
+    layers of the next programs like one row)."""
+
+    step_s: float
+    dispatch_s: float
+    accept_length: float
+    distinct_sampled: int
+    distinct_drafts: int
+
+
+def time_verify_cycle(runner: ModelRunner, rows: int, context: int, iters: int = 20, windows: int = 3,
+                      warmup: int = 2) -> CycleReplay:
+    """Seconds per speculative draft + verify cycle of :func:`verify_replay_batch`, timed as
+    :func:`time_decode_step` times a step (same loop, medians of `windows` x `iters`, `warmup` untimed).
+
+    One cycle is what the scheduler dispatches for one verify step (engine/scheduler/scheduler.py ``launch`` and
+    speculative.py ``commit``), through the same runner calls: ``runner.verify`` (the verify program),
+    ``runner.sample`` (greedy sampling of the ``B * (k + 1)`` positions) and ``runner.commit`` (the commit
+    program, the draft program of the step's shape, the carry program). Each cycle's programs follow the last
+    one's on the device through the donated cache, as in serving; unlike serving, the host reads nothing
+    between cycles (no round trip: the scheduler reads each step's accepted counts, drafts and tokens while the
+    next verify step runs) and every cycle feeds the same host ids (a carried row's ids come from the carry: the
+    same verify program, another input). The commit writes the trash slot, no decode snapshot. For IDLE engines
+    only; observers do not see these steps, and the kept ids and carry are put back afterwards.
+
+    Raises:
+        ValueError: as :func:`verify_replay_batch`."""
+    batch, sampling, snaps = verify_replay_batch(runner, rows, context)
+
+    def cycle() -> tuple[jax.Array, ...]:
+        step = runner.verify(batch)
+        sampled = runner.sample(step, sampling)
+        got, drafts = runner.commit(step, batch, sampled, snaps)
+        return got, drafts, sampled.tokens, runner.state.spec_carry
+
+    timed, (got, drafts, tokens, _) = _replay(runner, cycle, iters, windows, warmup)
+    got, drafts, tokens = (np.asarray(a) for a in jax.device_get((got, drafts, tokens)))
+    return CycleReplay(timed.step_s, timed.dispatch_s, float(got.mean()), len(set(tokens.tolist())),
+                       len(set(drafts.ravel().tolist())))
+
+
+def _replay(runner: ModelRunner, step: Callable[[], Any], iters: int, windows: int,
+            warmup: int) -> tuple[ReplayTime, Any]:
+    """The timing loop of the replays: `warmup` untimed calls of `step` (each waited for), then `windows` windows
+    of `iters` calls dispatched back to back, each window waited for once at its end (on what the last call
+    returned: device arrays). Returns the medians (ReplayTime, per call) and the last call's result. Runs inside
+    ``runner.side_steps()``."""
     times, dispatch = [], []
+    out: Any = None
     with runner.side_steps():
         for _ in range(warmup):
-            step().tokens.block_until_ready()
+            jax.block_until_ready(step())
         for _ in range(windows):
             start = time.perf_counter()
             for _ in range(iters):
                 out = step()
             dispatch.append((time.perf_counter() - start) / iters)
-            out.tokens.block_until_ready()
+            jax.block_until_ready(out)
             times.append((time.perf_counter() - start) / iters)
-    return ReplayTime(float(np.median(times)), float(np.median(dispatch)))
+    return ReplayTime(float(np.median(times)), float(np.median(dispatch))), out
+
+
+@contextlib.contextmanager
+def recorded_programs(runner: ModelRunner) -> Iterator[list[tuple]]:
+    """The keys of the compiled programs the runner dispatches inside the block (engine/runner/programs.py
+    ``ProgramTable.get``: every step, sampling and speculative program goes through it), in call order, repeats
+    included. For benchmarks and tests; the table's lookup is restored when the block ends."""
+    table = runner.programs
+    keys: list[tuple] = []
+    get = table.get
+
+    def spy(key: tuple) -> Any:
+        keys.append(key)
+        return get(key)
+
+    table.get = spy  # type: ignore[method-assign]
+    try:
+        yield keys
+    finally:
+        del table.get

@@ -301,13 +301,14 @@ class ModelRunner:
     @contextlib.contextmanager
     def side_steps(self) -> Iterator[None]:
         """Steps run outside serving on an idle runner (a benchmark's replay): no observer sees them, and the
-        sampled ids kept on the device for the next serving step are put back afterwards."""
-        kept = self.state.prev_tokens
+        sampled ids kept on the device for the next serving step (and speculative decoding's carry) are put
+        back afterwards."""
+        kept, carry = self.state.prev_tokens, self.state.spec_carry
         try:
             with self.observers.paused():
                 yield
         finally:
-            self.state.prev_tokens = kept
+            self.state.prev_tokens, self.state.spec_carry = kept, carry
 
 
 def _with_greedy_screen(params: dict[str, Any], config: Qwen35MoeConfig, abstract_only: bool) -> dict[str, Any]:
