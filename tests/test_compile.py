@@ -332,20 +332,16 @@ def test_screened_greedy_equals_float32_argmax() -> None:
     screen = greedy_screen.greedy_screen(weight)
     blocks = -(-v // greedy_screen.SCREEN_BLOCK)
     assert screen.weight.dtype == jnp.bfloat16 and screen.norm.shape == screen.residual_norm.shape == (blocks,)
-    ban_ids = np.full((b, sampler.BAN_WIDTH), -1, np.int32)
     full = hidden @ weight.T
-    ban_ids[:8, 0] = np.argmax(np.asarray(full[:8]), axis=-1)  # rows 0-7: the argmax is banned
-    rows = _rows(b, v, ban_ids=ban_ids)
-    want = np.asarray(sampler.greedy_tokens(full, rows))
-    got = np.asarray(greedy_screen.screened_greedy(hidden, weight, screen, rows, _features()))
+    want = np.asarray(sampler.greedy_ids(full))
+    got = np.asarray(greedy_screen.screened_greedy(hidden, weight, screen))
     assert np.array_equal(got, want)
-    assert not np.any(got[:8] == ban_ids[:8, 0])
     # An exact tie between ids 5 and 900 (different blocks): the lowest id wins.
     e = hidden[:1]
     top = jnp.sign(e[0]) * 10
     tied = weight.at[5].set(top).at[900].set(top)
     screen = greedy_screen.greedy_screen(tied)
-    assert int(greedy_screen.screened_greedy(e, tied, screen, _rows(1, v), _features())[0]) == 5
+    assert int(greedy_screen.screened_greedy(e, tied, screen)[0]) == 5
 
 
 def test_inverse_cdf_matches_the_cumulative_definition() -> None:
@@ -379,7 +375,6 @@ def test_logit_bias_bans_and_penalty_table() -> None:
     assert float(processed[2, 7]) == pytest.approx(5.0 - 6.0)
     same = sampler.process_logits(logits, _rows(b, v), _features())
     assert np.array_equal(np.asarray(same), np.asarray(logits))  # nothing to apply: untouched
-    assert np.asarray(sampler.greedy_tokens(logits, rows)).tolist()[:2] == [42, tokens[1]]
 
 
 def test_logit_bias_forces_the_token_and_is_validated(engine: Any, server: Any) -> None:

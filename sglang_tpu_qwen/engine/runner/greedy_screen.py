@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.engine.runner.sampler import NEG_INF, Features, RowParams, greedy_tokens, vocab_blocks
+from sglang_tpu_qwen.engine.runner.sampler import NEG_INF, greedy_ids, vocab_blocks
 from sglang_tpu_qwen.utils.host_allocator import host_memory_kept
 
 # Vocabulary ids per screened block. Smaller blocks mean fewer float32 candidates to gather per row
@@ -49,19 +49,18 @@ def greedy_screen(weight: jax.Array) -> GreedyScreen:
     return GreedyScreen(rounded, block_max(residual), block_max(jnp.linalg.norm(rounded.astype(jnp.float32), axis=-1)))
 
 
-def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, p: RowParams,
-                    f: Features) -> jax.Array:
-    """`greedy_tokens(hidden @ weight.T, p)` for a float32 lm_head, reading it mostly in bfloat16.
+def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen) -> jax.Array:
+    """`greedy_ids(hidden @ weight.T)` for a float32 lm_head, reading it mostly in bfloat16.
 
-    The argmax of the float32 logits is found without computing all of them: (1) approximate logits A
-    from the bfloat16 screen (hidden rounded too, float32 accumulation); (2) the float32 logits of every
-    id in the SCREEN_BLOCKS blocks of SCREEN_BLOCK ids with the largest A, and their maximum m over the
-    ids not banned; (3) a certificate: every other block b must satisfy max(A over b) + err_b < m, with
-    err_b bounding |A - logits| over the block by Cauchy-Schwarz on the two rounding residuals,
-    ||h|| * residual_norm[b] + ||h - bf16(h)|| * norm[b], plus the float32 accumulation error of both
-    products (H * 2^-24 relative each), times 1.05. Rows without a certificate (near ties across blocks),
-    or a step with logit_bias, take the float32 logits of the whole vocabulary (one `lax.cond` for the
-    step). So the result is the float32 argmax, lowest id on ties: the tokens of the unscreened program.
+    The argmax of the float32 logits is found without computing all of them: (1) approximate logits A from the
+    bfloat16 screen (hidden rounded too, float32 accumulation); (2) the float32 logits of every id in the
+    SCREEN_BLOCKS blocks of SCREEN_BLOCK ids with the largest A, and their maximum m; (3) a certificate: every other
+    block b must satisfy max(A over b) + err_b < m, with err_b bounding |A - logits| over the block by
+    Cauchy-Schwarz on the two rounding residuals, ||h|| * residual_norm[b] + ||h - bf16(h)|| * norm[b], plus the
+    float32 accumulation error of both products (H * 2^-24 relative each), times 1.05. Rows without a certificate
+    (near ties across blocks) take the float32 logits of the whole vocabulary (one `lax.cond` for the step). So the
+    result is the float32 argmax, lowest id on ties: the tokens of the unscreened program. Steps with a logit bias
+    or banned ids run the sample program (engine/runner/step_executor.py), so none reach this one.
 
     Why: greedy decode at a small batch reads the whole lm_head every step; on XLA:CPU (where the model
     computes in float32) that read is the largest cost of a decode step, and bfloat16 halves it.
@@ -79,8 +78,7 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
                             preferred_element_type=jnp.float32)[:n]
         return jnp.max(vocab_blocks(approx, NEG_INF, SCREEN_BLOCK), axis=-1)
 
-    # Banned ids stay in the block maxima (a bound that can only be too high, so still a bound); they
-    # are masked among the candidates below (masking them in A costs a [B, V] scatter). Rows per product
+    # Rows per product
     # (2-core CPU): with glibc's defaults a [64, V] float32 result (64 MB, above its 32 MiB mmap
     # threshold) is page-faulted in on every call, 4.7x the time of 32 rows; with the host allocator's
     # settings the 128-row sampling program took 24.9 ms with one product, 27.4 ms with two of 64 (YNNPACK's
@@ -92,13 +90,7 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
     ids = (chosen[:, :, None] * SCREEN_BLOCK + jnp.arange(SCREEN_BLOCK)).reshape(b, k * SCREEN_BLOCK)
     exact = jnp.einsum("nh,nch->nc", hidden, weight[jnp.minimum(ids, v - 1)],
                        preferred_element_type=jnp.float32)
-    # Bans among the candidates: a banned id's block is found among the k chosen ones ([B, BAN_WIDTH, k]
-    # compares instead of [B, k * SCREEN_BLOCK, BAN_WIDTH]) and its candidate position set to NEG_INF.
-    ban_block = jnp.where(p.ban_ids >= 0, p.ban_ids // SCREEN_BLOCK, -1)
-    match = ban_block[:, :, None] == chosen[:, None, :]  # [B, W, k]
-    ban_pos = jnp.where(jnp.any(match, axis=-1),
-                        jnp.argmax(match, axis=-1) * SCREEN_BLOCK + p.ban_ids % SCREEN_BLOCK, k * SCREEN_BLOCK)
-    exact = jnp.where(ids < v, exact, NEG_INF).at[rows, ban_pos].set(NEG_INF, mode="drop")
+    exact = jnp.where(ids < v, exact, NEG_INF)
     best, pos = jax.lax.top_k(exact, 1)
     winner = jnp.take_along_axis(ids, pos, axis=1)[:, 0].astype(jnp.int32)
     h_norm = jnp.linalg.norm(hidden, axis=-1, keepdims=True)
@@ -110,6 +102,6 @@ def screened_greedy(hidden: jax.Array, weight: jax.Array, screen: GreedyScreen, 
     certified = jnp.all(bound < best, axis=-1) & (best[:, 0] > NEG_INF)
 
     def full() -> jax.Array:
-        return greedy_tokens(jnp.einsum("nh,vh->nv", hidden, weight, preferred_element_type=jnp.float32), p)
+        return greedy_ids(jnp.einsum("nh,vh->nv", hidden, weight, preferred_element_type=jnp.float32))
 
-    return jax.lax.cond(f.bias | ~jnp.all(certified), full, lambda: winner)
+    return jax.lax.cond(~jnp.all(certified), full, lambda: winner)

@@ -345,7 +345,7 @@ def _sample_program(params, last, rp, f, *, config, kind):
         screen = params.get("lm_head_screen")
         if screen is None:
             return (sampler.greedy_ids(compute_logits(params, last, config=config)), *none)
-        return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen, rp, f), *none)
+        return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen), *none)
     weight = lm_head_weight(params, config)
     k = sampler.TOP_LOGPROBS_MAX
     # Only process_logits reads the [B, V] logits, so XLA updates them in place. The logprobs' statistics

@@ -201,16 +201,6 @@ def process_logits(logits: jax.Array, p: RowParams, f: Features) -> jax.Array:
     return jax.lax.cond(f.grammar, lambda x: apply_token_bitmask(x, p.bitmask)[0], lambda x: x, x)
 
 
-def greedy_tokens(logits: jax.Array, p: RowParams) -> jax.Array:
-    """Argmax after logit bias and bans, for steps without penalties or a grammar (the greedy program).
-
-    No conditional: on XLA:CPU a conditional copies its [B, V] operand and runs its body slower than
-    top-level code, so steps that need penalties or a grammar mask take the sample program instead (its
-    temperature-0 rows are greedy). logits [B, V] float32 -> [B] int32, lowest id on ties.
-    """
-    return greedy_ids(_bias_and_bans(logits, p))
-
-
 def _top_p_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     """Smallest probability kept by nucleus sampling (Holtzman et al. 2020), per row.
 
