@@ -94,19 +94,24 @@ def test_35b_shaped_roofline_bytes_by_part() -> None:
            f"{total / 819e9 * 1e3:.2f} ms at 819 GB/s")
 
 
+def _v5e_devices() -> list:
+    """The deviceless v5e:1x1 topology's devices; skips the test where libtpu does not know the chip."""
+    from sglang_tpu_qwen.tools.plan.build import topology_devices
+
+    try:
+        return topology_devices("v5e:1x1")
+    except Exception as e:  # a libtpu that does not know the chip
+        pytest.skip(f"no deviceless v5e topology: {e}")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 def test_planned_v5e_step_holds_the_benchmarks_bytes() -> None:
     """The planner's decode step on one v5e chip (the deviceless compile the benchmark runs after its engine) is
     held against exactly the benchmark's roofline bytes, part by part, and plans a positive step with no
     collectives; shown for the embedded model (a quick compile), the 35B-shaped checkpoint goes the same way."""
-    from sglang_tpu_qwen.tools.plan.build import topology_devices
-
     rows = 8
     cd = embedded_config_dict()
-    try:
-        devices = topology_devices("v5e:1x1")
-    except Exception as e:  # a libtpu that does not know the chip
-        pytest.skip(f"no deviceless v5e topology: {e}")
+    devices = _v5e_devices()
     runner = _tpu_runner(cd, rows, devices)
     _, parts = decode_step.roofline_parts(runner, rows, CONTEXT)
     info = {"page_size": PAGE, "kv_cache_dtype": "auto", "mamba_ssm_dtype": runner.sizing.state_dtype.name}
@@ -281,14 +286,9 @@ def test_35b_shaped_cycle_roofline_bytes_by_part() -> None:
 def test_planned_v5e_verify_step_holds_the_cycles_bytes() -> None:
     """The planner's verify step on one v5e chip (the benchmark's deviceless plan with the speculative flags)
     is held against exactly the cycle's roofline bytes, part by part (embedded model with an MTP layer, 8 rows)."""
-    from sglang_tpu_qwen.tools.plan.build import topology_devices
-
     rows = 8
     cd = embedded_config_dict()
-    try:
-        devices = topology_devices("v5e:1x1")
-    except Exception as e:  # a libtpu that does not know the chip
-        pytest.skip(f"no deviceless v5e topology: {e}")
+    devices = _v5e_devices()
     runner = _tpu_runner(cd, rows, devices, **SPEC_FLAGS)
     _, parts = decode_step.cycle_roofline_parts(runner, rows, CONTEXT)
     info = {"page_size": PAGE, "kv_cache_dtype": "auto", "mamba_ssm_dtype": runner.sizing.state_dtype.name}
