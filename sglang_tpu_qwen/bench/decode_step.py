@@ -436,32 +436,57 @@ def capture_profile(runner: Any, rows: int, context: int, steps: int, out_dir: s
 
     Raises:
         FileNotFoundError: the profiler wrote no trace."""
-    import jax
+    return trace_replay(_decode_replay(runner, rows, context), steps, out_dir)
 
+
+def _decode_replay(runner: Any, rows: int, context: int) -> Any:
+    """``replay(iters, warmup)``: ``iters`` decode steps of ``rows`` rows at ``context`` after ``warmup`` (one
+    window, bench/decode_timer.py ``time_decode_step``)."""
     from sglang_tpu_qwen.bench.decode_timer import time_decode_step
+
+    return lambda iters, warmup: time_decode_step(runner, rows, context, iters=iters, windows=1, warmup=warmup)
+
+
+def trace_replay(replay: Any, steps: int, out_dir: str | Path) -> Path:
+    """``jax.profiler.trace`` into ``out_dir`` over ``replay(steps, 0)``, after an untimed ``replay(1, 2)`` (so the
+    traced calls compile nothing); returns the trace's ``.xplane.pb``. ``replay(iters, warmup)``: runs ``warmup``
+    untimed then ``iters`` replayed steps on an idle runner (a decode step here, a prefill in
+    bench/prefill_step.py).
+
+    Raises:
+        FileNotFoundError: the profiler wrote no trace."""
+    import jax
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    time_decode_step(runner, rows, context, iters=1, windows=1)  # warm: the traced steps compile nothing
+    replay(1, 2)  # warm: the traced steps compile nothing
     start = time.time()
     with jax.profiler.trace(str(out)):
-        time_decode_step(runner, rows, context, iters=steps, windows=1, warmup=0)
+        replay(steps, 0)
     found = [p for p in out.rglob("*.xplane.pb") if p.stat().st_mtime >= start - 1]
     if not found:
         raise FileNotFoundError(f"no .xplane.pb under {out} after the trace")
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
+def profile_replay(replay: Any, programs: Any, steps: int, out_dir: str | Path) -> dict[str, Any]:
+    """Capture (:func:`trace_replay`) ``steps`` calls of ``replay`` and aggregate them (:func:`aggregate_profile`)
+    with the op table of ``programs()`` (called after the capture: ``(label, compiled HLO text)`` pairs of the
+    programs the replay runs, :func:`op_table`); adds ``trace`` (the file)."""
+    from jax.profiler import ProfileData
+
+    path = trace_replay(replay, steps, out_dir)
+    table = op_table(programs())
+    return {**aggregate_profile(ProfileData.from_file(str(path)), table, steps), "trace": str(path)}
+
+
 def profile_step(runner: Any, rows: int, context: int, steps: int, out_dir: str | Path) -> dict[str, Any]:
     """Capture (:func:`capture_profile`) and aggregate (:func:`aggregate_profile`) ``steps`` decode steps; adds
     ``trace`` (the file) and ``rows`` / ``context``."""
-    from jax.profiler import ProfileData
-
     bucket = runner.buckets.decode_bucket(-(-rows // runner.sizing.dp))
-    path = capture_profile(runner, bucket.batch, context, steps, out_dir)
-    table = op_table(profiled_programs(runner, bucket.batch))
-    result = aggregate_profile(ProfileData.from_file(str(path)), table, steps)
-    return {**result, "trace": str(path), "rows": bucket.batch, "context": context}
+    result = profile_replay(_decode_replay(runner, bucket.batch, context),
+                            lambda: profiled_programs(runner, bucket.batch), steps, out_dir)
+    return {**result, "rows": bucket.batch, "context": context}
 
 
 # ---- output ---------------------------------------------------------------------------------------------------
@@ -587,20 +612,22 @@ def format_cycles(result: dict[str, Any]) -> str:
 def format_profile(prof: dict[str, Any]) -> str:
     """The profile as Markdown: where its ops came from, the categories and the top ops."""
     if "error" in prof:
-        return f"Profile at {prof['rows']} rows: failed: {prof['error']}"
-    head = f"Profile of {prof['steps']} decode steps at {prof['rows']} rows x {prof['context']} ({prof['trace']}): "
+        return f"Profile at {prof.get('what') or str(prof['rows']) + ' rows'}: failed: {prof['error']}"
+    what = prof.get("what") or f"{prof['steps']} decode steps at {prof['rows']} rows x {prof['context']}"
+    unit = prof.get("unit", "step")
+    head = f"Profile of {what} ({prof['trace']}): "
     if prof["source"] == "device":
-        head += (f"device plane {prof['plane']}, XLA ops {prof['total_ms_per_step']:.2f} ms per step (self time)"
+        head += (f"device plane {prof['plane']}, XLA ops {prof['total_ms_per_step']:.2f} ms per {unit} (self time)"
                  + (f", XLA modules {prof['modules_ms_per_step']:.2f} ms" if prof.get("modules_ms_per_step") else ""))
     elif prof["source"] == "host":
         head += (f"no device plane in the trace (not a TPU): the host plane's XLA ops ({prof['plane']}), "
-                 f"{prof['total_ms_per_step']:.2f} ms per step summed over the threads that ran them (they run in "
-                 "parallel: shares, not a step time)")
+                 f"{prof['total_ms_per_step']:.2f} ms per {unit} summed over the threads that ran them (they run "
+                 f"in parallel: shares, not a {unit} time)")
     else:
         return head + "no device plane and no XLA ops on the host plane: nothing to break down"
-    lines = [head, "", "| category | ms / step | share |", "|---|---|---|"]
+    lines = [head, "", f"| category | ms / {unit} | share |", "|---|---|---|"]
     lines += [f"| {c['category']} | {c['ms_per_step']:.3f} | {100 * c['share']:.1f}% |" for c in prof["categories"]]
-    lines += ["", f"| top {TOP_OPS} ops | program | category | ms / step | share | runs / step | op_name |",
+    lines += ["", f"| top {TOP_OPS} ops | program | category | ms / {unit} | share | runs / {unit} | op_name |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {o['op']} | {o['module']} | {o['category']} | {o['ms_per_step']:.3f} | {100 * o['share']:.1f}% | "
               f"{o['count']:g} | {o['op_name'] or o['opcode']} |" for o in prof["top_ops"]]
@@ -647,17 +674,23 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
         ns.max_running_requests = max(ns.row_counts + (ns.profile_row_counts if ns.profile else []))
     if ns.speculative_algorithm is not None and not any(a.startswith("--speculative-draft-policy") for a in given):
         ns.speculative_draft_policy = "always"  # the issue's setting (the replay itself verifies every cycle)
+    resolve_model_flag(ns)
+    try:
+        server_args = ServerArgs.from_cli_args(ns)
+    except ValueError as e:
+        p.error(str(e))
+    return ns, server_args
+
+
+def resolve_model_flag(ns: argparse.Namespace) -> None:
+    """``--model-path`` of the benchmarks: unset -> the 35B-shaped checkpoint (``shaped-35b``, built on first use),
+    ``embedded`` -> None (the embedded model), else unchanged (a directory)."""
     if ns.model_path is None:
         from sglang_tpu_qwen.bench.startup import SHAPED_35B
 
         ns.model_path = SHAPED_35B
     elif ns.model_path == EMBEDDED:
         ns.model_path = None
-    try:
-        server_args = ServerArgs.from_cli_args(ns)
-    except ValueError as e:
-        p.error(str(e))
-    return ns, server_args
 
 
 def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
@@ -696,15 +729,7 @@ def measure(engine: Any, ns: argparse.Namespace, ready_s: float = 0.0) -> dict[s
     chip_key, on_chip = chip_for(device.device_kind)
     runner = engine.runner
     args = engine.server_args
-    if engine.grammar is not None:  # its background load (seconds of CPU) must not overlap the timed steps
-        with contextlib.suppress(Exception):  # a failed load only matters to constrained requests
-            engine.grammar.backend()
-    engine_info = {"max_running_requests": args.max_running_requests, "context_length": engine.context_length,
-                   "page_size": runner.sizing.page_size, "kv_dtype": runner.kv_dtype.name,
-                   "kv_cache_dtype": args.kv_cache_dtype, "mamba_ssm_dtype": runner.sizing.state_dtype.name,
-                   "dtype": runner.dtype.name, "dp": runner.sizing.dp, "ready_s": ready_s,
-                   "kernels": {"attention": runner.backends.attention.name, "gdn": runner.backends.gdn.name},
-                   "precompile": engine.precompile_stats}
+    engine_info = settle_engine(engine, ready_s)
     result: dict[str, Any] = {
         "model": Path(engine.model_path).name, "model_path": engine.model_path, "platform": device.platform,
         "device_kind": device.device_kind, "jax": jax.__version__, "chip": dataclasses.asdict(CHIPS[chip_key]),
@@ -736,6 +761,23 @@ def measure(engine: Any, ns: argparse.Namespace, ready_s: float = 0.0) -> dict[s
                 prof = {"error": f"{type(e).__name__}: {e}", "rows": rows}
             result["profiles"].append(prof)
     return result
+
+
+def settle_engine(engine: Any, ready_s: float = 0.0) -> dict[str, Any]:
+    """Let a started ``engine``'s background grammar load finish (seconds of CPU that must not overlap timed
+    steps; a failed load only matters to constrained requests) and describe it: running requests, context length,
+    page size, KV / GDN-state / compute dtypes, dp, the kernels, its start (``ready_s``, seconds) and precompile
+    stats."""
+    runner, args = engine.runner, engine.server_args
+    if engine.grammar is not None:
+        with contextlib.suppress(Exception):
+            engine.grammar.backend()
+    return {"max_running_requests": args.max_running_requests, "context_length": engine.context_length,
+            "page_size": runner.sizing.page_size, "kv_dtype": runner.kv_dtype.name,
+            "kv_cache_dtype": args.kv_cache_dtype, "mamba_ssm_dtype": runner.sizing.state_dtype.name,
+            "dtype": runner.dtype.name, "dp": runner.sizing.dp, "ready_s": ready_s,
+            "kernels": {"attention": runner.backends.attention.name, "gdn": runner.backends.gdn.name},
+            "precompile": engine.precompile_stats}
 
 
 def _plan_all(ns: argparse.Namespace, result: dict[str, Any], engine_info: dict[str, Any], config: Any,

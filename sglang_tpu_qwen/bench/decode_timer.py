@@ -5,7 +5,9 @@ the device time of one step replayed on an idle engine.
 ``runner.observers.attach(timer)`` and its `stats` accumulate over the decode steps of the block.
 `time_decode_step` replays the decode programs back to back without the scheduler; `time_verify_cycle` replays a
 speculative verify step's programs (verify, sampling, commit, draft, carry) the same way. Both go through one
-timing loop (`_replay`); `recorded_programs` lists the compiled programs a block dispatches.
+timing loop (`_replay`); `recorded_programs` lists the compiled programs a block dispatches. `trash_rows` and
+`replay_ids` lay out replayed rows (trash page and slot, distinct ids) for these replays and the prefill
+benchmark's (bench/prefill_step.py), which times its steps with `_replay` too.
 """
 
 from __future__ import annotations
@@ -108,24 +110,44 @@ def _replay_rows(runner: ModelRunner, rows: int, context: int, *, tokens: int,
     the columns of positions ``context - 1 .. last_position``, slot ids [B] (each DP rank's trash slot)) of the
     decode bucket of ``rows`` rows. ValueError when ``last_position`` is past the bucket's page table."""
     sizing = runner.sizing
-    dp, ps, num_pages = sizing.dp, sizing.page_size, sizing.num_pages
-    bucket = runner.buckets.decode_bucket(-(-rows // dp))
+    ps = sizing.page_size
+    bucket = runner.buckets.decode_bucket(-(-rows // sizing.dp))
     b, pages = bucket.batch, bucket.pages
     if last_position >= pages * ps:
         raise ValueError(f"position {last_position} (context {context}) is past the decode bucket's page table "
                          f"({pages} pages x {ps} = {pages * ps} tokens): raise --context-length")
+    page_table, slots = trash_rows(runner, b, pages, np.full(b, context - 1), np.full(b, last_position))
+    return b, replay_ids(runner.config.vocab_size, (b, tokens)), page_table, slots
+
+
+def trash_rows(runner: ModelRunner, batch: int, pages: int, first: np.ndarray,
+               last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The page table and GDN slots of ``batch`` replayed rows on an IDLE runner: ``[batch, pages]`` int32 global page
+    ids, row b's columns of positions ``first[b] .. last[b]`` (the positions a replayed step writes) on its DP
+    rank's trash page, every other column an arbitrary page of its rank (read only: attention reads whatever KV is
+    there); and ``[batch]`` int32 slot ids, each rank's trash slot. Rows are laid out by rank as the scheduler lays
+    them out (rank r: rows ``[r * batch / dp, (r + 1) * batch / dp)``). ``first`` / ``last``: ``[batch]`` int
+    token positions (``last < pages * page_size``)."""
+    sizing = runner.sizing
+    dp, ps, num_pages = sizing.dp, sizing.page_size, sizing.num_pages
     usable = num_pages - 1
-    page_table = (1 + (np.arange(b * pages).reshape(b, pages) % usable)).astype(np.int32)
-    written = np.arange((context - 1) // ps, last_position // ps + 1)
-    page_table[:, written] = 0
+    page_table = (1 + (np.arange(batch * pages).reshape(batch, pages) % usable)).astype(np.int32)
+    cols = np.arange(pages)[None, :]
+    written = (cols >= (np.asarray(first)[:, None] // ps)) & (cols <= (np.asarray(last)[:, None] // ps))
+    page_table[written] = 0
+    rank = np.arange(batch) // (batch // dp)
     if dp > 1:
-        rank = (np.arange(b) // (b // dp))[:, None]
-        page_table += rank * num_pages
-        page_table[:, written] = rank * num_pages
-    slots = ((np.arange(b) // (b // dp)) * sizing.num_slots).astype(np.int32)
-    ids = np.random.default_rng(0).choice(runner.config.vocab_size, size=(b, tokens),
-                                          replace=False).astype(np.int32)
-    return b, ids, page_table, slots
+        page_table += (rank * num_pages)[:, None].astype(np.int32)
+    slots = (rank * sizing.num_slots).astype(np.int32)
+    return page_table, slots
+
+
+def replay_ids(vocab_size: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Seeded token ids of ``shape`` (int32 in ``[0, vocab_size)``), all distinct where the vocabulary has as many
+    (so the MoE layers route the replayed tokens as a real batch's, see :func:`replay_batch`), else drawn with
+    repeats."""
+    size = int(np.prod(shape))
+    return np.random.default_rng(0).choice(vocab_size, size=shape, replace=size > vocab_size).astype(np.int32)
 
 
 class ReplayTime(NamedTuple):

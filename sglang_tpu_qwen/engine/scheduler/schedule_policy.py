@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.io.errors import InvalidRequestError
 from sglang_tpu_qwen.engine.io.request import Request
+from sglang_tpu_qwen.engine.runner.buckets import BucketSet
 from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner
 from sglang_tpu_qwen.engine.scheduler.rank_memory import RankMemory
 from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch
@@ -164,50 +165,13 @@ class SchedulePolicy:
         return any(r.pending > 1 for r in self.running)
 
     def _pick_extend(self) -> PickedBatch:
-        """Prefill chunks for this step, shaped to fit a compiled bucket (engine/runner/buckets.py).
-
-        For each extend token size t, the requests in admission order take min(their chunk, t) tokens each,
-        at most the bucket's rows for t and the step's token budget per rank; the size whose step feeds the
-        most prompt tokens wins (ties: fewer rows). Every full extend bucket holds the same number of token
-        slots (rows x t), and its forward costs about the same (measured on the 2-core CPU: 22-24 ms for
-        (32, 16) ... (4, 128) on the held-out model; 20-24 ms for (32, 16) ... (1, 512) on the embedded
-        one), so the fullest step is the cheapest per token. Taking rows first and capping chunks
-        afterwards left a third of the slots empty when chunks end at snapshot pages (many chunks just
-        under a bucket's width)."""
-        buckets = self.runner.buckets
-        # Prompt tokens per rank per step: the rank's share of --chunked-prefill-size and --max-prefill-tokens both
-        # bound the step's total, as SGLang's PrefillAdder (rem_chunk_tokens, rem_input_tokens).
-        step_budget = min(self.args.chunked_prefill_per_rank, self.args.max_prefill_tokens)
-        # Each prompt's whole next chunk, before the bucket and budget caps.
-        wanted: list[Request] = []
-        wanted_lens: list[int] = []
-        for r in sorted((r for r in self.running if r.pending > 1), key=lambda r: r.admit_order):
-            n = r.pending
+        """Prefill chunks for this step (:func:`extend_chunks`), each request's pages allocated (retracting
+        newer requests where a rank runs out)."""
+        def target(r: Request) -> int | None:
             cache = self.ranks[r.rank].prefix_cache
-            target = cache.next_target(r) if cache is not None else None
-            if target is not None:  # end the chunk where a snapshot is wanted
-                n = min(n, target - r.cached_len)
-            wanted.append(r)
-            wanted_lens.append(n)
-        best = PickedBatch(ForwardMode.EXTEND, [], [])
-        best_key = (0, 0)
-        for t in buckets.token_sizes:
-            limit = buckets.extend_batches(t)[-1]
-            budget = [step_budget] * len(self.ranks)
-            rows = [0] * len(self.ranks)
-            reqs: list[Request] = []
-            lens: list[int] = []
-            for r, n in zip(wanted, wanted_lens, strict=True):
-                if budget[r.rank] <= 0 or rows[r.rank] >= limit:
-                    continue
-                k = min(n, t, budget[r.rank])
-                reqs.append(r)
-                lens.append(k)
-                budget[r.rank] -= k
-                rows[r.rank] += 1
-            key = (sum(lens), -len(reqs))
-            if key > best_key:
-                best, best_key = PickedBatch(ForwardMode.EXTEND, reqs, lens), key
+            return cache.next_target(r) if cache is not None else None
+
+        best = extend_chunks(self.running, self.runner.buckets, self.args, len(self.ranks), target)
         reqs, lens = [], []
         for r, n in zip(best.reqs, best.extend_lens, strict=True):
             if r.slot is None:  # retracted by an earlier candidate's page allocation
@@ -329,3 +293,60 @@ class SchedulePolicy:
         assert len(free) + len(owned) + len(tree_pages) == m.kv_pool.num_usable, "pages leaked"
         slots = [r.slot for r in running]
         assert len(slots) == len(set(slots)) and None not in slots, f"slots {slots}"
+
+
+def extend_chunks(running: Iterable[Request], buckets: BucketSet, args: ServerArgs, num_ranks: int,
+                  next_target: Callable[[Request], int | None]) -> PickedBatch:
+    """The prefill chunks of the next extend step, shaped to fit a compiled bucket (engine/runner/buckets.py),
+    before any page is allocated: ``SchedulePolicy._pick_extend``'s choice, and the prefill benchmark's
+    (bench/prefill_step.py), which lays out the steps of prompts without running the scheduler.
+
+    Args:
+        running: the running requests; those with more than one pending token (``Request.pending``) prefill,
+            in admission order (``admit_order``).
+        buckets: the runner's BucketSet; args: the server flags (``chunked_prefill_per_rank`` and
+            ``max_prefill_tokens`` bound a rank's prompt tokens per step, as SGLang's PrefillAdder).
+        num_ranks: DP ranks (``Request.rank`` < num_ranks).
+        next_target: the position past a request's ``cached_len`` where its chunk must end for a GDN snapshot
+            (the prefix cache's ``next_target``), None for none.
+    Returns:
+        An EXTEND PickedBatch (no requests when none prefills): for each extend token size t, the requests in
+        admission order take min(their chunk, t) tokens each, at most the bucket's rows for t and the step's
+        token budget per rank; the size whose step feeds the most prompt tokens wins (ties: fewer rows). Every
+        full extend bucket holds the same number of token slots (rows x t), and its forward costs about the same
+        (measured on the 2-core CPU: 22-24 ms for (32, 16) ... (4, 128) on the held-out model; 20-24 ms for (32,
+        16) ... (1, 512) on the embedded one), so the fullest step is the cheapest per token. Taking rows first
+        and capping chunks afterwards left a third of the slots empty when chunks end at snapshot pages (many
+        chunks just under a bucket's width).
+    """
+    step_budget = min(args.chunked_prefill_per_rank, args.max_prefill_tokens)
+    # Each prompt's whole next chunk, before the bucket and budget caps.
+    wanted: list[Request] = []
+    wanted_lens: list[int] = []
+    for r in sorted((r for r in running if r.pending > 1), key=lambda r: r.admit_order):
+        n = r.pending
+        target = next_target(r)
+        if target is not None:  # end the chunk where a snapshot is wanted
+            n = min(n, target - r.cached_len)
+        wanted.append(r)
+        wanted_lens.append(n)
+    best = PickedBatch(ForwardMode.EXTEND, [], [])
+    best_key = (0, 0)
+    for t in buckets.token_sizes:
+        limit = buckets.extend_batches(t)[-1]
+        budget = [step_budget] * num_ranks
+        rows = [0] * num_ranks
+        reqs: list[Request] = []
+        lens: list[int] = []
+        for r, n in zip(wanted, wanted_lens, strict=True):
+            if budget[r.rank] <= 0 or rows[r.rank] >= limit:
+                continue
+            k = min(n, t, budget[r.rank])
+            reqs.append(r)
+            lens.append(k)
+            budget[r.rank] -= k
+            rows[r.rank] += 1
+        key = (sum(lens), -len(reqs))
+        if key > best_key:
+            best, best_key = PickedBatch(ForwardMode.EXTEND, reqs, lens), key
+    return best
