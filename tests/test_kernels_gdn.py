@@ -318,3 +318,21 @@ def test_verify_then_commit_accepted_prefix() -> None:
                                            jnp.array(rec, copy=True), 1, slots, commit_lens, fresh, **DIMS)
     assert np.abs(np.asarray(rec_c)[:, 1:] - np.asarray(rec_r)[:, 1:]).max() <= TOL
     assert np.abs(np.asarray(conv_c)[:, K - 1 :] - np.asarray(conv_r)[:, K - 1 :]).max() <= TOL
+
+
+def test_copy_slots_copies_only_snapshot_rows() -> None:
+    """kernels/gdn/slot_copy.py: slot dst[b] of every layer becomes slot src[b] where dst[b] != 0; every other
+    byte of both pools stays (the trash slot 0 included: rows without a snapshot copy nothing)."""
+    from sglang_tpu_qwen.kernels.gdn.slot_copy import copy_slots
+
+    rng = np.random.default_rng(34)
+    conv, rec = _pools(rng, layers=3, slots=8)
+    src, dst = jnp.asarray([3, 6, 1, 0], jnp.int32), jnp.asarray([5, 0, 7, 0], jnp.int32)
+    conv_c, rec_c = copy_slots(jnp.array(conv, copy=True), jnp.array(rec, copy=True), src, dst, taps=K - 1,
+                               interpret=True)
+    want_rec, want_conv = np.array(rec), np.array(conv)
+    for s, d in ((3, 5), (1, 7)):
+        want_rec[:, d] = want_rec[:, s]
+        want_conv[:, d * (K - 1) : (d + 1) * (K - 1)] = want_conv[:, s * (K - 1) : (s + 1) * (K - 1)]
+    np.testing.assert_array_equal(np.asarray(rec_c), want_rec)
+    np.testing.assert_array_equal(np.asarray(conv_c), want_conv)
