@@ -15,7 +15,20 @@ Prefill (T > 1) runs chunks of C = 64 tokens: with ``cum`` the in-chunk cumulati
 triangular matrix is the product ``(I - L)(I + L^2)(I + L^4)...(I + L^32)`` (L is nilpotent): five
 squarings and five products on the MXU instead of a 64-step sequential substitution. Then ``V' = U - W S``,
 ``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and ``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
-Decode (T == 1) runs the recurrence directly.
+
+Decode and short steps (``T <= RECURRENT_MAX_T`` = 8: a decode step, a speculative verify step's k + 1 tokens
+and its commit) run the recurrence directly, token by token on the VPU (``_decode_head``: multiplies and
+sublane sums in float32, no MXU pass). Each token's arithmetic is a decode step's, and the state is carried
+between tokens in the state block in the pool's dtype, so T tokens in one call compute what T decode calls
+compute (a bf16 state rounded after each token as each decode step rounds it on store): a verify step's
+outputs are a plain decode's, token for token. The chunked form would pad such a step to a 64-token chunk
+and solve 64 x 64 systems for it.
+
+``commit=False`` (a speculative verify step) reads the pools and writes nothing: the recurrent state enters
+through its input block and lives in a VMEM scratch (no state output, no aliasing), and the conv windows are
+not scattered back. The commit program then calls the kernel again over the same inputs with ``new_lens`` the
+accepted counts (tokens past them are padding), and ``kernels/gdn/slot_copy.py`` copies the rows that take a
+decode snapshot slot to slot by DMA.
 
 Layout and grid. One grid step is (sequence b, key head kh, block of ``block_t`` tokens); the
 ``r = Hv / Hk`` value heads that share key head ``kh`` are handled together, so q/k are convolved and
@@ -41,8 +54,10 @@ scatters it back into the pool (B x 3 x conv_dim values per layer, <0.3% of a ro
 
 ``block_t`` (default 256, a multiple of C) bounds VMEM: at Qwen3.5-397B shapes (dk = dv = 128, r = 4) a
 step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving room
-for double buffering; 256 tokens amortise the per-step overhead over four chunks. Decode rows take one
-grid step per (sequence, key head); the state block (256 KiB fp32) dominates that step's traffic.
+for double buffering; 256 tokens amortise the per-step overhead over four chunks. The recurrent form takes
+one grid step per (sequence, group of key heads), one token block of all T tokens (a block dim equal to the
+array's, so any T tiles); key heads are grouped up to ``DECODE_STATE_BYTES`` of state per step
+(:func:`decode_heads`), and the state block dominates the step's traffic.
 
 Padded tokens (``t >= new_lens[b]``) have ``k = g = beta = 0`` and so change nothing; their outputs are
 finite but meaningless. ``fresh[b]`` makes the kernel read both states of the row as zeros.
