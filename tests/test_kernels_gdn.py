@@ -215,3 +215,124 @@ def test_fused_output_norm_matches_reference(gate_dtype, weight_dtype, lens, t) 
     assert np.mean(o_k == o_r) >= (0.99 if gate_dtype == jnp.bfloat16 and t > 1 else 0.0)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_gdn(mixed, conv_w, g, beta, conv, rec, 1, slots, lens, fresh, gate=gate, interpret=True, **DIMS)
+
+
+# ---- the recurrent form of short steps (a speculative verify's k + 1 tokens) and the no-commit mode ----------
+
+
+@pytest.mark.parametrize(("lens", "t", "budget"), [([4, 2, 0, 4], 4, 1), ([3, 1, 0], 3, 1 << 20), ([8, 5], 8, 1)],
+                         ids=["T4", "T3-grouped-heads", "T8"])
+def test_short_steps_recurrent_form(lens, t, budget) -> None:
+    """T <= RECURRENT_MAX_T runs token by token (one token block of all T): against the reference, with a
+    fresh row, a padding row on the trash slot, ragged lengths and key heads grouped per step or not."""
+    rng = np.random.default_rng(30 + t)
+    slots = [5, 2, 0, 7][: len(lens)] if 0 in lens else [5, 2]
+    fresh = [False, True, False, False][: len(lens)]
+    ref, ker, valid, before = _run_both(rng, lens, t, slots, fresh, decode_state_bytes=budget)
+    _assert_close(ref, ker, valid, before)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_short_step_equals_decode_steps(state_dtype) -> None:
+    """A 4-token call gives each token what four decode calls give (outputs, both pools), a bf16 state included
+    (rounded after every token, as each decode step rounds it on store): a verify step runs a plain decode step's
+    arithmetic per token. Interpreted on XLA:CPU the two programs are fused differently (a multiply-add may be
+    contracted in one and not the other), so values may differ in the last bit (1e-6 here; the conv windows,
+    copies of inputs, exactly); tests/tpu/test_kernels_on_chip.py asks for bit equality of Mosaic's programs."""
+    rng = np.random.default_rng(31)
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    pools = tuple(p.astype(state_dtype) for p in _pools(rng))
+    mixed, g, beta, lens = _step(rng, [4, 4, 4], 4)
+    slots, fresh = jnp.asarray([3, 6, 1], jnp.int32), jnp.asarray([False, True, False])
+    o4, *p4 = fused_gdn(mixed, conv_w, g, beta, *(jnp.array(p, copy=True) for p in pools), 1, slots, lens, fresh,
+                        interpret=True, **DIMS)
+    p1 = [jnp.array(p, copy=True) for p in pools]
+    bf16 = state_dtype == jnp.bfloat16
+    for i in range(4):
+        o1, *p1 = fused_gdn(mixed[:, i : i + 1], conv_w, g[:, i : i + 1], beta[:, i : i + 1], *p1, 1, slots,
+                            jnp.ones(3, jnp.int32), fresh & (i == 0), interpret=True, **DIMS)
+        # bf16: where a last-bit difference moved a state entry across a rounding boundary, the outputs
+        # after it differ by about one bf16 rounding of that entry times q.
+        assert np.abs(np.asarray(o4[:, i]) - np.asarray(o1[:, 0])).max() <= (1e-3 if bf16 else 1e-6)
+    np.testing.assert_array_equal(np.asarray(p4[0]), np.asarray(p1[0]))
+    want = np.asarray(p1[1], np.float32)
+    diff = np.abs(np.asarray(p4[1], np.float32) - want)
+    # bf16: a rounding step of the largest entries (a flipped rounding also moves later tokens' updates).
+    assert diff.max() <= (2.0**-7 * np.abs(want).max() if bf16 else 1e-6)
+    np.testing.assert_array_equal(diff[0], 0)  # the other layer untouched
+    # float32: most of the rows' state entries agree bit for bit. (bf16: a last-bit difference that crosses a
+    # rounding boundary spreads through the later tokens' updates, so the interpreted programs cannot tell a
+    # state rounded between tokens from one carried in float32 this way; the chip test compares bits.)
+    if not bf16:
+        assert np.mean(diff[1, np.asarray(slots)] == 0) >= 0.5
+
+
+@pytest.mark.parametrize(("lens", "t"), [([4, 2, 0], 4), ([70, 9, 0], 70)], ids=["recurrent", "chunked"])
+def test_no_commit_reads_the_pools_only(lens, t) -> None:
+    """``commit=False`` (a verify step): the outputs of the committing call bit for bit, and both pools exactly
+    as they were, the trash slot included; the reference's option likewise."""
+    rng = np.random.default_rng(32)
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    conv, rec = _pools(rng)
+    mixed, g, beta, lens = _step(rng, lens, t)
+    slots, fresh = jnp.asarray([4, 2, 0], jnp.int32), jnp.asarray([False, True, False])
+    args = (mixed, conv_w, g, beta)
+    o_c, *_ = fused_gdn(*args, jnp.array(conv, copy=True), jnp.array(rec, copy=True), 1, slots, lens, fresh,
+                        block_t=64, interpret=True, **DIMS)
+    o_v, conv_v, rec_v = fused_gdn(*args, jnp.array(conv, copy=True), jnp.array(rec, copy=True), 1, slots, lens,
+                                   fresh, block_t=64, commit=False, interpret=True, **DIMS)
+    np.testing.assert_array_equal(np.asarray(o_v), np.asarray(o_c))
+    np.testing.assert_array_equal(np.asarray(conv_v), np.asarray(conv))
+    np.testing.assert_array_equal(np.asarray(rec_v), np.asarray(rec))
+    o_r, conv_r, rec_r = fused_gdn_reference(*args, conv, rec, 1, slots, lens, fresh, commit=False, **DIMS)
+    assert conv_r is conv and rec_r is rec
+    valid = np.arange(t)[None, :] < np.asarray(lens)[:, None]
+    assert np.abs(np.asarray(o_v) - np.asarray(o_r))[valid].max() <= TOL
+
+
+def test_verify_then_commit_accepted_prefix() -> None:
+    """The speculative cycle through the kernel: a 4-token verify call without commit, then the commit call
+    over the same inputs with ``new_lens = commit_lens`` (4, 2, 1 and 0 accepted; tokens past them zeroed in g
+    and beta): each slot holds exactly the state after its accepted tokens (bit for bit what a call over only
+    those tokens leaves, within TOL of the reference's), and the commit call's outputs at the accepted tokens
+    are the verify call's."""
+    rng = np.random.default_rng(33)
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    conv, rec = _pools(rng)
+    mixed, g, beta, lens = _step(rng, [4, 4, 4, 4, 0], 4)
+    slots, fresh = jnp.asarray([3, 6, 1, 5, 0], jnp.int32), jnp.zeros(5, bool)
+    kw = dict(interpret=True, **DIMS)
+    o_v, conv_v, rec_v = fused_gdn(mixed, conv_w, g, beta, jnp.array(conv, copy=True), jnp.array(rec, copy=True), 1,
+                                   slots, lens, fresh, commit=False, **kw)
+    commit_lens = jnp.asarray([4, 2, 1, 0, 0], jnp.int32)
+    keep = (np.arange(4)[None, :] < np.asarray(commit_lens)[:, None])[..., None]
+    gk, bk = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
+    o_c, conv_c, rec_c = fused_gdn(mixed, conv_w, gk, bk, conv_v, rec_v, 1, slots, commit_lens, fresh, **kw)
+    np.testing.assert_array_equal(np.asarray(o_c)[keep[..., 0]], np.asarray(o_v)[keep[..., 0]])
+    # The same rows fed only their accepted tokens (zeros past them).
+    o_a, conv_a, rec_a = fused_gdn(jnp.where(keep, mixed, 0.0), conv_w, gk, bk, jnp.array(conv, copy=True),
+                                   jnp.array(rec, copy=True), 1, slots, commit_lens, fresh, **kw)
+    np.testing.assert_array_equal(np.asarray(conv_c)[:, K - 1 :], np.asarray(conv_a)[:, K - 1 :])
+    np.testing.assert_array_equal(np.asarray(rec_c)[:, 1:], np.asarray(rec_a)[:, 1:])
+    _, conv_r, rec_r = fused_gdn_reference(mixed, conv_w, gk, bk, jnp.array(conv, copy=True),
+                                           jnp.array(rec, copy=True), 1, slots, commit_lens, fresh, **DIMS)
+    assert np.abs(np.asarray(rec_c)[:, 1:] - np.asarray(rec_r)[:, 1:]).max() <= TOL
+    assert np.abs(np.asarray(conv_c)[:, K - 1 :] - np.asarray(conv_r)[:, K - 1 :]).max() <= TOL
+
+
+def test_copy_slots_copies_only_snapshot_rows() -> None:
+    """kernels/gdn/slot_copy.py: slot dst[b] of every layer becomes slot src[b] where dst[b] != 0; every other
+    byte of both pools stays (the trash slot 0 included: rows without a snapshot copy nothing)."""
+    from sglang_tpu_qwen.kernels.gdn.slot_copy import copy_slots
+
+    rng = np.random.default_rng(34)
+    conv, rec = _pools(rng, layers=3, slots=8)
+    src, dst = jnp.asarray([3, 6, 1, 0], jnp.int32), jnp.asarray([5, 0, 7, 0], jnp.int32)
+    conv_c, rec_c = copy_slots(jnp.array(conv, copy=True), jnp.array(rec, copy=True), src, dst, taps=K - 1,
+                               interpret=True)
+    want_rec, want_conv = np.array(rec), np.array(conv)
+    for s, d in ((3, 5), (1, 7)):
+        want_rec[:, d] = want_rec[:, s]
+        want_conv[:, d * (K - 1) : (d + 1) * (K - 1)] = want_conv[:, s * (K - 1) : (s + 1) * (K - 1)]
+    np.testing.assert_array_equal(np.asarray(rec_c), want_rec)
+    np.testing.assert_array_equal(np.asarray(conv_c), want_conv)

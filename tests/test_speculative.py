@@ -36,9 +36,15 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+def mtp_path(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The embedded checkpoint plus a random MTP layer (tests/mtp_checkpoint.py)."""
+    return build_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+
+
+@pytest.fixture(scope="module")
+def engines(mtp_path: Any) -> Iterator[tuple[Engine, Engine]]:
     """(spec engine, reference engine)."""
-    path = build_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+    path = mtp_path
     spec = Engine(model_path=str(path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS,
                   speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1, **SPEC_KWARGS, **KWARGS)
     ref = Engine(**KWARGS)
@@ -175,6 +181,28 @@ def test_no_mtp_layer_is_a_startup_error() -> None:
 
     with pytest.raises(CheckpointError, match=r"mtp\.\* tensors"):
         Engine(speculative_algorithm="NEXTN", **KWARGS)
+
+
+def test_pallas_gdn_verify_and_commit_give_plain_tokens(engines: tuple[Engine, Engine], mtp_path: Any) -> None:
+    """--gdn-backend pallas (the fused kernel interpreted on CPU): the verify step runs the kernel without commit
+    (its recurrent form over the 4 tokens), the commit program runs it over the accepted tokens and copies the
+    decode snapshots by DMA (kernels/gdn/slot_copy.py); greedy tokens equal the plain reference engine's with
+    drafts accepted whole, in part and not at all, across page boundaries."""
+    _, ref = engines
+    spec = Engine(model_path=str(mtp_path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1, gdn_backend="pallas",
+                  **SPEC_KWARGS, **KWARGS)
+    try:
+        backends = spec.runner.backends
+        assert backends.gdn.name == "pallas" and backends.gdn.interpret
+        page = spec.runner.state.sizing.page_size
+        prompts = [_ids(5, page - 2), _ids(7, 2 * page + 1)]  # runs end on page boundaries early on
+        want, got, delta = _both((spec, ref), prompts, dict(GREEDY, max_new_tokens=page + 4), oracle=True)
+        _same(want, got)
+        assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"] > 0  # some drafts accepted
+        _assert_memory_back(spec)
+    finally:
+        spec.shutdown()
 
 
 def test_mtp_drafts_greedy_batch_one_and_mixed(engines: tuple[Engine, Engine]) -> None:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gdn_mix
+from sglang_tpu_qwen.kernels.gdn.slot_copy import copy_slots
 from sglang_tpu_qwen.kernels.gdn.state_layout import GDN_STATE_LAYOUT, GdnStateLayout
 from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
 from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
@@ -33,6 +34,7 @@ from sglang_tpu_qwen.model.gated_deltanet import (
     gdn_layer_on_pools,
     gdn_layer_pooled,
     gdn_layer_verify,
+    gdn_layer_verify_pooled,
     slot_states,
     write_slot_states,
 )
@@ -165,7 +167,8 @@ GdnInputs = tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
 
 
 def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: GdnInputs, commit_lens: jax.Array,
-                      snap_ids: jax.Array, *, config: Qwen35MoeConfig) -> Cache:
+                      snap_ids: jax.Array, *, config: Qwen35MoeConfig,
+                      backends: KernelBackends | None = None) -> Cache:
     """Advance each row's GDN state over the first ``commit_lens[b]`` tokens of a ``TARGET_VERIFY`` step.
 
     The verify step left the slots at the state before its tokens and returned its GDN layers' inputs
@@ -175,6 +178,12 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
     state is also written to slot ``snap_ids[b]`` (the prefix cache's decode snapshot, taken where the accepted
     run ends on a page boundary; 0, the trash slot, elsewhere).
 
+    With the Pallas GDN backend each layer is one ``fused_gdn`` call over the saved inputs with ``new_lens =
+    commit_lens`` (its recurrent form for a verify step's few tokens, the verify step's arithmetic token for
+    token), updating each row's slot in place; then one ``copy_slots`` call (kernels/gdn/slot_copy.py) copies
+    the rows that take a snapshot, all layers, slot to slot by DMA. Otherwise the jnp recurrence over gathered
+    states (``gdn_mix``, recurrent) and scatters.
+
     Args:
         params, config: as :func:`forward_step` (reads each GDN layer's ``conv1d``).
         cache: after the verify step; ``conv`` / ``rec`` updated.
@@ -182,6 +191,7 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
         saved: the verify step's :data:`GdnInputs`.
         commit_lens: ``[B]`` int32 in ``[0, extend_lens[b]]``: tokens of row b to keep (0: the state stays).
         snap_ids: ``[B]`` int32 slot ids (rank-local, as ``slot_ids``).
+        backends: as :func:`forward_step` (its ``gdn`` backend picks the path above).
 
     Returns:
         The cache with the rows' GDN slots advanced and the snapshots written.
@@ -194,6 +204,18 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < commit_lens[:, None]
     keep = dataclasses.replace(batch, extend_lens=commit_lens)
     snap = dataclasses.replace(batch, slot_ids=snap_ids)
+    kernel = None if backends is None else backends.gdn.kernel
+
+    def fused_group(carry: tuple[jax.Array, jax.Array], xs: Any) -> tuple[tuple[jax.Array, jax.Array], None]:
+        conv, rec = carry
+        g, weights, inputs = xs
+        for j, (w, (mixed, gg, beta)) in enumerate(zip(weights, inputs, strict=True)):
+            # Tokens past the commit are padding now (the kernel zeroes their k): zero decay and write strength.
+            gg, beta = (jnp.where(valid[..., None], a, 0.0) for a in (gg, beta))
+            _, conv, rec = kernel(mixed, w, gg, beta, conv, rec, g * n_gdn + j, batch.slot_ids, commit_lens,
+                                  batch.fresh, num_k_heads=config.linear_num_key_heads,
+                                  head_k_dim=config.linear_key_head_dim, head_v_dim=config.linear_value_head_dim)
+        return (conv, rec), None
 
     def group(carry: tuple[jax.Array, jax.Array], xs: Any) -> tuple[tuple[jax.Array, jax.Array], None]:
         conv, rec = carry
@@ -210,8 +232,11 @@ def commit_gdn_states(params: Params, cache: Cache, batch: ForwardBatch, saved: 
 
     weights = tuple(params["layers"][j]["gdn"]["conv1d"] for j in gdn_pos)
     n_groups = config.num_hidden_layers // period
-    (conv, rec), _ = jax.lax.scan(group, (cache["conv"], cache["rec"]),
+    (conv, rec), _ = jax.lax.scan(group if kernel is None else fused_group, (cache["conv"], cache["rec"]),
                                   (jnp.arange(n_groups, dtype=jnp.int32), weights, saved))
+    if kernel is not None:
+        conv, rec = copy_slots(conv, rec, batch.slot_ids, snap_ids, taps=config.linear_conv_kernel_dim - 1,
+                               interpret=backends.gdn.interpret)
     return {**cache, "conv": conv, "rec": rec}
 
 
@@ -259,6 +284,9 @@ def decoder_layer(
         if kind == "full_attention":
             x, k_cache, v_cache = attention_layer(lp["attn"], x, batch, rope, k_cache, v_cache, index, config,
                                                   backends.attention, matmul)
+        elif batch.mode.is_verify and (gdn_fused := backends.gdn.kernel) is not None:
+            # The fused kernel without commit: each slot read once, nothing written (commit_gdn_states writes).
+            x, inputs = gdn_layer_verify_pooled(lp["gdn"], x, batch, conv, rec, index, config, gdn_fused, matmul)
         elif batch.mode.is_verify:  # the jnp reference over the slot states, which stay as they are
             x, inputs = gdn_layer_verify(lp["gdn"], x, batch, conv, rec, index, config, backends.xla_cpu, matmul)
         elif (gdn_fused := backends.gdn.kernel) is not None:

@@ -121,6 +121,36 @@ def gdn_layer_pooled(
     Returns:
         ``(out [B, T, H] in x.dtype, conv_pool, rec_pool)``.
     """
+    out, conv_pool, rec_pool, _ = _pooled(p, x, batch, conv_pool, rec_pool, layer, config, pooled_mix, matmul)
+    return out, conv_pool, rec_pool
+
+
+def gdn_layer_verify_pooled(
+    p: dict[str, Any],
+    x: jax.Array,
+    batch: ForwardBatch,
+    conv_pool: jax.Array,
+    rec_pool: jax.Array,
+    layer: jax.Array | int,
+    config: Qwen35MoeConfig,
+    pooled_mix: Callable,
+    matmul: MoeBackend | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """:func:`gdn_layer_verify` through the fused kernel: ``pooled_mix`` (``fused_gdn``) with ``commit=False``
+    reads each row's state from the pools once and writes nothing (the verify step's k + 1 tokens run its
+    recurrent form, each token a decode step's arithmetic).
+
+    Args: as :func:`gdn_layer_pooled`.
+
+    Returns:
+        ``(out [B, T, H] in x.dtype, (mixed [B, T, conv_dim], g [B, T, Hv] float32, beta [B, T, Hv] float32))``
+        as :func:`gdn_layer_verify`; the pools are unchanged.
+    """
+    out, _, _, inputs = _pooled(p, x, batch, conv_pool, rec_pool, layer, config, pooled_mix, matmul, commit=False)
+    return out, inputs
+
+
+def _pooled(p, x, batch, conv_pool, rec_pool, layer, config, pooled_mix, matmul, commit: bool = True):
     bsz, t, _ = x.shape
     mixed, z, g, beta = gdn_projections(p, x, batch.valid, config, matmul)
     # The gated output norm runs inside pooled_mix (its epilogue), as gdn_output would run it.
@@ -128,8 +158,9 @@ def gdn_layer_pooled(
         mixed, p["conv1d"], g, beta, conv_pool, rec_pool, layer, batch.slot_ids, batch.extend_lens, batch.fresh,
         num_k_heads=config.linear_num_key_heads, head_k_dim=config.linear_key_head_dim,
         head_v_dim=config.linear_value_head_dim, gate=z.reshape(bsz, t, -1).astype(x.dtype), norm_weight=p["norm"],
-        norm_eps=config.rms_norm_eps)
-    return (matmul or MoeBackend()).linear(o.reshape(bsz, t, -1), p["out_proj"]), conv_pool, rec_pool
+        norm_eps=config.rms_norm_eps, **({} if commit else {"commit": False}))
+    out = (matmul or MoeBackend()).linear(o.reshape(bsz, t, -1), p["out_proj"])
+    return out, conv_pool, rec_pool, (mixed, g, beta)
 
 
 def gdn_layer_on_pools(

@@ -272,6 +272,9 @@ GDN_STEPS: dict[str, tuple[list[int], list[tuple[list[int], int, bool]]]] = {
     # then a decode step.
     "continuing": ([3, 5, 1], [([128, 70, 128], 128, True), ([128, 1, 44], 128, False), ([44, 1, 1], 64, False),
                                ([1, 1, 1], 1, False)]),
+    # The recurrent form of short steps (a speculative verify's k + 1 = 4 tokens; T <= kernel.RECURRENT_MAX_T):
+    # ragged rows and a padding row, a commit-like step (fewer valid tokens than T), then 8 tokens.
+    "short": ([5, 2, 7, 3, 0], [([4, 4, 2, 1, 0], 4, False), ([3, 4, 1, 0, 0], 4, False), ([8, 5, 8, 8, 0], 8, False)]),
 }
 
 
@@ -289,3 +292,57 @@ def test_fused_gdn_output_norm_matches_reference(layout: tuple[int, ...], step: 
     a mixed step, applied by XLA after the kernel for a decode step."""
     slots, steps = GDN_STEPS[step]
     _gdn_chain(layout, slots, steps, seed=7 + sum(layout), key=f"{step}, output norm", norm=True)
+
+
+@pytest.mark.parametrize("layout", GDN_LAYOUTS, ids=GDN_IDS)
+def test_fused_gdn_short_step_is_decode_steps(layout: tuple[int, ...]) -> None:
+    """A speculative verify's 4 tokens through the recurrent form equal 4 decode calls bit for bit on the chip
+    (outputs with the model's output norm, both pools): the kernel runs _decode_head per token, so speculative
+    == plain greedy can hold exactly. ``commit=False`` gives the same outputs and leaves both pools as they
+    were, and copy_slots copies exactly the snapshot rows' slots. Off the chip (interpret mode) XLA:CPU fuses
+    the two programs differently and the outputs may differ in the last bits, so there the check is ATOL."""
+    from sglang_tpu_qwen.kernels.gdn.slot_copy import copy_slots
+
+    hk, hv, dk, dv, k = _gdn_heads(layout)
+    rng = np.random.default_rng(4242 + sum(layout))
+    chip, _ = _devices()
+    conv_dim = 2 * hk * dk + hv * dv
+    b, t = 4, 4
+    put = functools.partial(jax.device_put, device=chip)
+    conv_w = put((rng.standard_normal((conv_dim, k)) * 0.5).astype(np.float32))
+    conv0 = rng.standard_normal(conv_pool.pool_shape(LAYERS, SLOTS, conv_dim, k - 1)).astype(np.float32)
+    rec0 = (rng.standard_normal((LAYERS, SLOTS, hv, dk, dv)) * 0.1).astype(np.float32)
+    mixed = put(rng.standard_normal((b, t, conv_dim)).astype(np.float32))
+    g = put((-rng.uniform(0.0, 0.5, (b, t, hv))).astype(np.float32))
+    beta = put(rng.uniform(0.0, 1.0, (b, t, hv)).astype(np.float32))
+    gate = put((rng.standard_normal((b, t, hv * dv)) * 2).astype(np.float32))
+    weight = put((1 + rng.standard_normal(dv) * 0.3).astype(np.float32))
+    slots, fresh = put(np.asarray([5, 2, 7, 3], np.int32)), put(np.zeros(b, bool))
+    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, norm_weight=weight, interpret=interpret())
+    lens = put(np.full(b, t, np.int32))
+    o_v, conv_v, rec_v = fused_gdn(mixed, conv_w, g, beta, put(conv0), put(rec0), LAYER, slots, lens, fresh,
+                                   gate=gate, commit=False, **kw)
+    np.testing.assert_array_equal(np.asarray(conv_v), conv0)
+    np.testing.assert_array_equal(np.asarray(rec_v), rec0)
+    o_4, *pools_4 = fused_gdn(mixed, conv_w, g, beta, put(conv0), put(rec0), LAYER, slots, lens, fresh, gate=gate,
+                              **kw)
+    np.testing.assert_array_equal(np.asarray(o_v), np.asarray(o_4))
+    pools_1 = [put(conv0), put(rec0)]
+    one = put(np.ones(b, np.int32))
+    check = np.testing.assert_array_equal if not interpret() else functools.partial(
+        np.testing.assert_allclose, rtol=0, atol=ATOL)
+    for i in range(t):
+        o_1, *pools_1 = fused_gdn(mixed[:, i : i + 1], conv_w, g[:, i : i + 1], beta[:, i : i + 1], *pools_1, LAYER,
+                                  slots, one, fresh, gate=gate[:, i : i + 1], **kw)
+        check(np.asarray(o_4[:, i]), np.asarray(o_1[:, 0]))
+    for x4, x1 in zip(pools_4, pools_1, strict=True):
+        check(np.asarray(x4), np.asarray(x1))
+    # The decode snapshot: rows 0 and 2 copy their slots to 6 and 1; rows 1 and 3 (dst 0) copy nothing.
+    want_conv, want_rec = (np.array(x) for x in pools_4)
+    conv_s, rec_s = copy_slots(*pools_4, slots, put(np.asarray([6, 0, 1, 0], np.int32)), taps=k - 1,
+                               interpret=interpret())  # donates pools_4
+    for src, dst in ((5, 6), (7, 1)):
+        want_rec[:, dst] = want_rec[:, src]
+        want_conv[:, dst * (k - 1) : (dst + 1) * (k - 1)] = want_conv[:, src * (k - 1) : (src + 1) * (k - 1)]
+    np.testing.assert_array_equal(np.asarray(rec_s), want_rec)
+    np.testing.assert_array_equal(np.asarray(conv_s), want_conv)

@@ -60,7 +60,7 @@ class SpecPrograms:
         # The commit program reads only the GDN layers' conv kernels (stacked [G, conv_dim, K]).
         self.conv_weights = [params["layers"][j]["gdn"]["conv1d"] for j in gdn_positions]
         draft_body = partial(_draft_tokens, backends=backends, steps=steps, page_size=state.sizing.page_size)
-        commit_body = partial(_commit_rows, gdn_positions=tuple(gdn_positions), period=period)
+        commit_body = partial(_commit_rows, gdn_positions=tuple(gdn_positions), period=period, backends=backends)
         layout = self.placement.layout
         if layout is None:
             target = partial(forward_step, config=config, backends=backends)
@@ -161,12 +161,15 @@ class SpecPrograms:
 
 def _commit_rows(conv_weights: list[jax.Array], cache: dict[str, jax.Array], batch: ForwardBatch, saved: Any,
                  lens: jax.Array, snap_ids: jax.Array, *, config: Qwen35MoeConfig,
-                 gdn_positions: tuple[int, ...], period: int, moe_fn: Any = None) -> dict[str, jax.Array]:
-    """model/forward.py ``commit_gdn_states`` with the GDN layers' conv kernels as its only parameters."""
+                 gdn_positions: tuple[int, ...], period: int, backends: KernelBackends | None = None,
+                 moe_fn: Any = None) -> dict[str, jax.Array]:
+    """model/forward.py ``commit_gdn_states`` with the GDN layers' conv kernels as its only parameters (through
+    the fused GDN kernel when ``backends.gdn`` is Pallas)."""
     layers: list[dict[str, Any]] = [{} for _ in range(period)]
     for j, w in zip(gdn_positions, conv_weights, strict=True):
         layers[j] = {"gdn": {"conv1d": w}}
-    return commit_gdn_states({"layers": layers}, cache, batch, saved, lens, snap_ids, config=config)
+    return commit_gdn_states({"layers": layers}, cache, batch, saved, lens, snap_ids, config=config,
+                             backends=backends)
 
 
 def accepted_lengths(sampled: jax.Array, fed: jax.Array, fed_lens: jax.Array) -> jax.Array:

@@ -15,7 +15,20 @@ Prefill (T > 1) runs chunks of C = 64 tokens: with ``cum`` the in-chunk cumulati
 triangular matrix is the product ``(I - L)(I + L^2)(I + L^4)...(I + L^32)`` (L is nilpotent): five
 squarings and five products on the MXU instead of a 64-step sequential substitution. Then ``V' = U - W S``,
 ``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and ``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
-Decode (T == 1) runs the recurrence directly.
+
+Decode and short steps (``T <= RECURRENT_MAX_T`` = 8: a decode step, a speculative verify step's k + 1 tokens
+and its commit) run the recurrence directly, token by token on the VPU (``_decode_head``: multiplies and
+sublane sums in float32, no MXU pass). Each token's arithmetic is a decode step's, and the state is carried
+between tokens in the state block in the pool's dtype, so T tokens in one call compute what T decode calls
+compute (a bf16 state rounded after each token as each decode step rounds it on store): a verify step's
+outputs are a plain decode's, token for token. The chunked form would pad such a step to a 64-token chunk
+and solve 64 x 64 systems for it.
+
+``commit=False`` (a speculative verify step) reads the pools and writes nothing: the recurrent state enters
+through its input block and lives in a VMEM scratch (no state output, no aliasing), and the conv windows are
+not scattered back. The commit program then calls the kernel again over the same inputs with ``new_lens`` the
+accepted counts (tokens past them are padding), and ``kernels/gdn/slot_copy.py`` copies the rows that take a
+decode snapshot slot to slot by DMA.
 
 Layout and grid. One grid step is (sequence b, key head kh, block of ``block_t`` tokens); the
 ``r = Hv / Hk`` value heads that share key head ``kh`` are handled together, so q/k are convolved and
@@ -41,8 +54,10 @@ scatters it back into the pool (B x 3 x conv_dim values per layer, <0.3% of a ro
 
 ``block_t`` (default 256, a multiple of C) bounds VMEM: at Qwen3.5-397B shapes (dk = dv = 128, r = 4) a
 step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving room
-for double buffering; 256 tokens amortise the per-step overhead over four chunks. Decode rows take one
-grid step per (sequence, key head); the state block (256 KiB fp32) dominates that step's traffic.
+for double buffering; 256 tokens amortise the per-step overhead over four chunks. The recurrent form takes
+one grid step per (sequence, group of key heads), one token block of all T tokens (a block dim equal to the
+array's, so any T tiles); key heads are grouped up to ``DECODE_STATE_BYTES`` of state per step
+(:func:`decode_heads`), and the state block dominates the step's traffic.
 
 Padded tokens (``t >= new_lens[b]``) have ``k = g = beta = 0`` and so change nothing; their outputs are
 finite but meaningless. ``fresh[b]`` makes the kernel read both states of the row as zeros.
@@ -65,6 +80,9 @@ CHUNK_SIZE = 64
 # Decode: recurrent-state bytes per grid step (key heads are grouped up to it). A step of one key head
 # (256 KiB at the 397B's layout) spent more time in per-step overhead than in its copies.
 DECODE_STATE_BYTES = 1 << 20
+# Steps of at most this many tokens per row run the recurrent form (a speculative verify's k + 1 tokens): the
+# chunked form would pad them to a 64-token chunk and solve 64 x 64 systems for 4 tokens.
+RECURRENT_MAX_T = 8
 _HI = jax.lax.Precision.HIGHEST
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
@@ -92,16 +110,22 @@ def _gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float
 
 def _kernel(
     _layer_ref, _slot_ref, len_ref, fresh_ref,  # scalar prefetch (layer and slots feed the index map)
-    *refs, dk: int, dv: int, r: int, heads: int, chunk: int, norm: tuple[float, bool] | None,
+    *refs, dk: int, dv: int, r: int, heads: int, chunk: int, norm: tuple[float, bool] | None, recurrent: bool,
+    commit: bool,
 ):
-    # One step holds ``heads`` key heads and their ``heads * r`` value heads (heads > 1 only at decode).
-    # Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the
-    # recurrent pool), scratch (acc: the block's float32 output before the norm).
+    # One step holds ``heads`` key heads and their ``heads * r`` value heads (heads > 1 only in the recurrent
+    # form). Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the
+    # recurrent pool; without ``commit`` there is no state output and rec_ref is the last scratch buffer),
+    # scratch (acc: the block's float32 output before the norm).
     n_in = 14 if norm else 12
     xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, g_ref, beta_ref, cq_in, ck_in, cv_in, rec_in = refs[:12]
     gate_ref, nw_ref = refs[12:n_in] if norm else (None, None)
-    o_out, cq, ck, cv, rec_ref = refs[n_in : n_in + 5]
-    sq, sk, sv, qn, kn, vn, o_ref = refs[n_in + 5 :]
+    o_out, cq, ck, cv = refs[n_in : n_in + 4]
+    if commit:
+        rec_ref, scratch = refs[n_in + 4], refs[n_in + 5 :]
+    else:
+        rec_ref, scratch = refs[-1], refs[n_in + 4 : -1]
+    sq, sk, sv, qn, kn, vn, o_ref = scratch
     b, tb = pl.program_id(0), pl.program_id(2)
     block_t = xq_ref.shape[0]
     fresh = fresh_ref[b] != 0
@@ -110,8 +134,8 @@ def _kernel(
 
     @pl.when(tb == 0)
     def _load_states():
-        # A decode step reads its recurrent state straight from rec_in (one pass over it, below).
-        for src, dst in ((cq_in, cq), (ck_in, ck), (cv_in, cv)) + (() if block_t == 1 else ((rec_in, rec_ref),)):
+        # The recurrent form reads its state straight from rec_in (one pass over it, below).
+        for src, dst in ((cq_in, cq), (ck_in, ck), (cv_in, cv)) + (() if recurrent else ((rec_in, rec_ref),)):
             dst[...] = jnp.where(fresh, 0, src[...])
 
     def conv(x_ref, w_ref, win_ref, xs_ref):
@@ -135,23 +159,33 @@ def _kernel(
         kn[:, keys] = jnp.where(valid, _l2norm(k_all[:, keys]), 0.0)
     vn[...] = conv(xv_ref, wv_ref, cv, sv)
 
-    columns = {}
+    if recurrent:
+        # Decode and short steps (a speculative verify's k + 1 tokens): token by token, each exactly a decode
+        # step's arithmetic (_decode_head), the state carried in rec_ref in the pool's dtype between tokens (so
+        # a bf16 state is rounded after each token, as T decode steps round it on store).
+        for j in range(heads):
+            keys = slice(j * dk, (j + 1) * dk)
+            for i in range(block_t):
+                k_col, q_col = (_lane_replicated(ref[i : i + 1, keys], dv) for ref in (kn, qn))
+                for h in range(j * r, (j + 1) * r):
+                    lanes = slice(h * dv, (h + 1) * dv)
+                    s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32)) if i == 0 else \
+                        rec_ref[h].astype(jnp.float32)
+                    s, o_ref[i : i + 1, lanes] = _decode_head(s0, k_col, q_col, vn[i : i + 1, lanes],
+                                                              g_ref[i : i + 1, h : h + 1],
+                                                              beta_ref[i : i + 1, h : h + 1])
+                    rec_ref[h] = s.astype(rec_ref.dtype)
+        o_out[...] = o_ref[...]
+        return
+
     for h in range(heads * r):
         lanes = slice(h * dv, (h + 1) * dv)
-        if block_t == 1:  # decode: the recurrent form, on the VPU (see _decode_head)
-            j = h // r
-            if j not in columns:
-                columns[j] = tuple(_lane_replicated(ref[:, j * dk : (j + 1) * dk], dv) for ref in (kn, qn))
-            s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32))
-            s, o_ref[:, lanes] = _decode_head(s0, *columns[j], vn[:, lanes], g_ref[:, h : h + 1],
-                                              beta_ref[:, h : h + 1])
-        else:
-            s0 = rec_ref[h].astype(jnp.float32)
-            o_ref[:, lanes] = jnp.zeros((block_t, dv), jnp.float32)
-            s = jax.lax.fori_loop(
-                0, jax.lax.div(n + chunk - 1, chunk), functools.partial(_chunk_step, h=h, dv=dv, chunk=chunk,
-                                                                        refs=(qn, kn, vn, g_ref, beta_ref, o_ref)),
-                s0)
+        s0 = rec_ref[h].astype(jnp.float32)
+        o_ref[:, lanes] = jnp.zeros((block_t, dv), jnp.float32)
+        s = jax.lax.fori_loop(
+            0, jax.lax.div(n + chunk - 1, chunk), functools.partial(_chunk_step, h=h, dv=dv, chunk=chunk,
+                                                                    refs=(qn, kn, vn, g_ref, beta_ref, o_ref)),
+            s0)
         rec_ref[h] = s.astype(rec_ref.dtype)
         if norm:
             gate = gate_ref[:, lanes].astype(jnp.float32)
@@ -257,7 +291,7 @@ def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: i
 
 @functools.partial(
     jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t",
-                              "decode_state_bytes", "interpret"),
+                              "decode_state_bytes", "recurrent_max_t", "commit", "interpret"),
     donate_argnums=(4, 5))
 def fused_gdn(
     mixed: jax.Array,
@@ -279,6 +313,8 @@ def fused_gdn(
     norm_eps: float = 1e-6,
     block_t: int = 256,
     decode_state_bytes: int = DECODE_STATE_BYTES,
+    recurrent_max_t: int = RECURRENT_MAX_T,
+    commit: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Conv1d + L2 norm + gated delta rule of a batch, updating the state pools in place (module docstring);
@@ -300,14 +336,19 @@ def fused_gdn(
             reaches HBM (at prefill XLA relaid it out and converted it around a separate norm, ~1 GiB per
             layer at 4096 tokens). A decode step (T == 1) applies the same norm in XLA after the kernel.
         norm_weight: ``[dv]`` the norm's weight (required with ``gate``); norm_eps: its epsilon.
-        block_t: tokens per grid step when T > 1 (rounded to a multiple of the 64-token chunk).
-        decode_state_bytes: when T == 1, the most recurrent-state bytes one grid step holds: key heads are
-            grouped per step up to it (:func:`decode_heads`).
+        block_t: tokens per grid step in the chunked form (rounded to a multiple of the 64-token chunk).
+        decode_state_bytes: in the recurrent form, the most recurrent-state bytes one grid step holds: key heads
+            are grouped per step up to it (:func:`decode_heads`).
+        recurrent_max_t: ``T <= recurrent_max_t`` runs the recurrent form (token by token, each token a decode
+            step's arithmetic; one grid step per row and key-head group), a longer T the chunked form.
+        commit: False: the pools are read, not written (a speculative verify step): the kernel has no state
+            output (the recurrent state lives in a VMEM scratch), the conv windows are not scattered back, and
+            both pools come back as they came in.
         interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
 
     Returns:
-        ``(o [B, T, Hv, dv], conv_pool, rec_pool)``: ``o`` float32, or normed in ``gate.dtype`` with ``gate``.
-        ``T == 1`` uses the recurrent form.
+        ``(o [B, T, Hv, dv], conv_pool, rec_pool)``: ``o`` float32, or normed in ``gate.dtype`` with ``gate``
+        (in the kernel's epilogue in the chunked form, by XLA after the kernel in the recurrent form).
 
     Raises:
         ValueError: when Hv is not a multiple of Hk, ``conv_dim`` does not match the head layout, or ``gate``
@@ -323,8 +364,9 @@ def fused_gdn(
         raise ValueError("a fused output norm needs norm_weight")
     km1 = conv_weight.shape[1] - 1
     heads = 1
-    if t == 1:
-        bt, tp = 1, 1
+    recurrent = t <= recurrent_max_t
+    if recurrent:  # one token block of all T tokens (a block dim equal to the array's: any T tiles)
+        bt, tp = t, t
         heads = decode_heads(hk, r, dk, dv, rec_pool.dtype.itemsize, decode_state_bytes)
     else:
         bt = min(-(-block_t // CHUNK_SIZE), -(-t // CHUNK_SIZE)) * CHUNK_SIZE
@@ -353,8 +395,9 @@ def fused_gdn(
     out_dtype = jnp.float32
     # A decode step leaves the norm to XLA (below): in the kernel its epilogue lengthened each grid step past
     # what the state copies hide (v5e, 35B layout: 519 -> 578 us at 64 rows, 1,897 -> 2,100 us at 256), where
-    # XLA's norm of the step's [B, Hv * dv] output reads a few MiB.
-    if gate is not None and t > 1:
+    # XLA's norm of the step's [B, Hv * dv] output reads a few MiB. The recurrent form's short steps do the same,
+    # so that a verify token's output is normed exactly as a decode step's.
+    if gate is not None and not recurrent:
         out_dtype = gate.dtype
         # The reference multiplies weight and normed output in their promoted dtype, then the gate in f32.
         norm = (float(norm_eps), jnp.promote_types(norm_weight.dtype, out_dtype) != jnp.float32)
@@ -362,7 +405,7 @@ def fused_gdn(
                          pl.BlockSpec((1, dv), lambda b, h, t, *_: (0, 0))]
         norm_args = [gate, norm_weight.reshape(1, dv)]
     kernel = functools.partial(_kernel, dk=dk // heads, dv=dv, r=r // heads, heads=heads, chunk=CHUNK_SIZE,
-                               norm=norm)
+                               norm=norm, recurrent=recurrent, commit=commit)
     state_spec = pl.BlockSpec((None, None, r, head_k_dim, dv),
                               lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
@@ -372,7 +415,11 @@ def fused_gdn(
     win_out_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
-    o, cq, ck, cv, rec_pool = pl.pallas_call(
+    # Without commit the state is read through its input block only; the kernel carries it in a scratch buffer
+    # of the pool's dtype (the same roundings as the in-place output block).
+    state_out = ([state_spec], [jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]) if commit else ([], [])
+    state_scratch = [] if commit else [pltpu.VMEM((r, head_k_dim, dv), rec_pool.dtype)]
+    o, cq, ck, cv, *rec_out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
@@ -386,7 +433,8 @@ def fused_gdn(
                 v_weight_spec,
                 gb_spec, gb_spec, *win_in_specs, state_spec, *norm_in_specs,
             ],
-            out_specs=[pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)), *win_out_specs, state_spec],
+            out_specs=[pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)), *win_out_specs,
+                       *state_out[0]],
             scratch_shapes=[
                 pltpu.VMEM((km1 + bt, dk), jnp.float32),
                 pltpu.VMEM((km1 + bt, dk), jnp.float32),
@@ -395,32 +443,34 @@ def fused_gdn(
                 pltpu.VMEM((bt, dk), jnp.float32),
                 pltpu.VMEM((bt, r * dv), jnp.float32),
                 pltpu.VMEM((bt, r * dv), jnp.float32),
+                *state_scratch,
             ],
         ),
         out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv * dv), out_dtype),
                    jax.ShapeDtypeStruct((bsz, km1, hk * dk), conv_pool.dtype),
                    jax.ShapeDtypeStruct((bsz, km1, hk * dk), conv_pool.dtype),
-                   jax.ShapeDtypeStruct((bsz, km1, hv * dv), conv_pool.dtype),
-                   jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)],
+                   jax.ShapeDtypeStruct((bsz, km1, hv * dv), conv_pool.dtype), *state_out[1]],
         # Operand indices count the 4 scalar-prefetch operands: rec_pool is operand 15.
-        input_output_aliases={15: 4},
+        input_output_aliases={15: 4} if commit else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         # XLA cannot see in: the traffic is the rows' inputs and outputs and each row's recurrent state
-        # read and written once (not the whole pool operand).
+        # read once and (with commit) written once (not the whole pool operand).
         cost_estimate=pl.CostEstimate(
             flops=int(bsz * tp * hv * head_k_dim * dv * 6), transcendentals=int(bsz * tp * hv * 2),
             bytes_accessed=int(bsz * tp * (conv_dim * mixed.dtype.itemsize + 8 * hv
                                            + hv * dv * jnp.dtype(out_dtype).itemsize * (2 if norm else 1))
                                + 3 * bsz * km1 * conv_dim * conv_pool.dtype.itemsize
-                               + 2 * bsz * hv * head_k_dim * dv * rec_pool.dtype.itemsize)),
+                               + (2 if commit else 1) * bsz * hv * head_k_dim * dv * rec_pool.dtype.itemsize)),
     )(
         layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
         conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
         *norm_args,
     )
-    conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1))
+    if commit:
+        conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1))
+        (rec_pool,) = rec_out
     o = o.reshape(bsz, tp, hv, dv)[:, :t]
-    if gate is not None and norm is None:  # decode: the reference's own norm
+    if gate is not None and norm is None:  # the recurrent form: the reference's own norm
         o = gated_rms_norm(o.astype(gate.dtype), gate.reshape(o.shape), norm_weight, norm_eps)
     return o, conv_pool, rec_pool

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm, gdn_mix
+from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_MAX_T
 
 
 def fused_gdn_reference(
@@ -34,6 +35,8 @@ def fused_gdn_reference(
     gate: jax.Array | None = None,
     norm_weight: jax.Array | None = None,
     norm_eps: float = 1e-6,
+    recurrent_max_t: int = RECURRENT_MAX_T,
+    commit: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of ``fused_gdn`` (shapes as the kernel).
 
@@ -43,6 +46,10 @@ def fused_gdn_reference(
         layer: GDN-layer index; slot_ids, new_lens: ``[B]`` int32; fresh: ``[B]`` bool.
         num_k_heads, head_k_dim, head_v_dim: Hk, dk, dv.
         gate: ``[B, T, Hv * dv]`` or None; norm_weight: ``[dv]``; norm_eps: the output norm (as the kernel).
+        recurrent_max_t: ``T <= recurrent_max_t`` runs ``delta_rule.recurrent_gated_delta_rule``, a longer T
+            the chunked form (the kernel's split). The kernel rounds a bf16 state after every token of the
+            recurrent form (as decode steps would); this reference carries it in float32 within the call.
+        commit: False: the pools come back unchanged (a speculative verify step).
 
     Returns:
         ``(o [B, T, Hv, dv], conv_pool, rec_pool)``: ``o`` float32, or normed in ``gate.dtype`` with ``gate``.
@@ -58,8 +65,11 @@ def fused_gdn_reference(
     taps = conv_weight.shape[1] - 1
     conv_s = jnp.where(fresh, 0, jnp.swapaxes(gather_windows(conv_pool, layer, slot_ids, taps), 1, 2))
     rec_s = jnp.where(fresh[..., None], 0, rec_pool[layer, slot_ids])
-    o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims)
+    o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims,
+                               recurrent=t <= recurrent_max_t)
     if gate is not None:
         o = gated_rms_norm(o.astype(gate.dtype), gate.reshape(o.shape), norm_weight, norm_eps)
+    if not commit:
+        return o, conv_pool, rec_pool
     conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.swapaxes(conv_s, 1, 2))
     return o, conv_pool, rec_pool.at[layer, slot_ids].set(rec_s)
