@@ -196,7 +196,9 @@ def test_pallas_gdn_verify_and_commit_give_plain_tokens(engines: tuple[Engine, E
         backends = spec.runner.backends
         assert backends.gdn.name == "pallas" and backends.gdn.interpret
         page = spec.runner.state.sizing.page_size
-        prompts = [_ids(5, page - 2), _ids(7, 2 * page + 1)]  # runs end on page boundaries early on
+        # One row (the interpreted kernel is slow): its prompt ends 2 tokens short of a page, so verify runs
+        # cross page boundaries from the first cycles on.
+        prompts = [_ids(5, 2 * page - 2)]
         want, got, delta = _both((spec, ref), prompts, dict(GREEDY, max_new_tokens=page + 4), oracle=True)
         _same(want, got)
         assert delta["spec_accepted_tokens"] > delta["spec_verify_rows"] > 0  # some drafts accepted

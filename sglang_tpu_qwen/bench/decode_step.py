@@ -260,8 +260,8 @@ class OpInfo:
 
 def op_table(programs: list[tuple[str, str]]) -> dict[str, dict[str, OpInfo]]:
     """``{module name: {instruction name: OpInfo}}`` of compiled HLO texts (``(label, hlo_text)`` pairs; the module
-    name is the text's ``HloModule`` line's, e.g. ``jit_forward_program``), top-level instructions only
-    (tools/hlo_traffic.py: what a profile's op events are)."""
+    name is the text's ``HloModule`` line's, e.g. ``jit_forward_program``), every instruction the program runs
+    (tools/hlo_traffic.py ``instruction_table``: a profile's op events name them, loop and control ops too)."""
     from sglang_tpu_qwen.tools import hlo_traffic
 
     out: dict[str, dict[str, OpInfo]] = {}
@@ -269,8 +269,8 @@ def op_table(programs: list[tuple[str, str]]) -> dict[str, dict[str, OpInfo]]:
         m = re.match(r"\s*HloModule\s+([\w.\-]+)", text)
         module = m.group(1) if m else ""
         table = out.setdefault(module, {})
-        for op in hlo_traffic.program_traffic(text):
-            table[op.name] = OpInfo(op.opcode, op.op_name)
+        for name, (opcode, op_name) in hlo_traffic.instruction_table(text).items():
+            table[name] = OpInfo(opcode, op_name)
     return out
 
 

@@ -374,6 +374,20 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
     return out
 
 
+def instruction_table(text: str) -> dict[str, tuple[str, str]]:
+    """Every instruction of the computations the compiled HLO ``text`` runs (the entry and what it reaches, as
+    :func:`program_traffic` walks them), free ones too (``while``, ``tuple``, ``copy-done``: a profile's host
+    plane gives them self time): ``{name: (opcode, op_name metadata)}``."""
+    comps, entry = _parse(text)
+    _, order = _walk(comps, entry)
+    out: dict[str, tuple[str, str]] = {}
+    for c in order:
+        for ins in comps.get(c, []):
+            m = re.search(r'op_name="([^"]*)"', ins.attrs)
+            out[ins.name] = (ins.opcode, m.group(1) if m else "")
+    return out
+
+
 def _declared_flops(ins: _Instr) -> float:
     m = re.search(r'"flops":"?(\d+)', ins.attrs) if ins.opcode == "custom-call" else None
     return float(m.group(1)) if m else 0.0
