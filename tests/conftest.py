@@ -8,6 +8,7 @@ engine.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import socket
 import threading
@@ -101,6 +102,22 @@ def _collect_shut_down_engines() -> Iterator[None]:
     if maps.exists():
         _PEAK_MAPS = max(_PEAK_MAPS, len(maps.read_bytes().splitlines()))
     gc.collect()
+    # Hand the heap's free pages back to the kernel: glibc keeps them after a file's engines and arrays are
+    # freed, so a test process's resident size only ever grew, to ~10 GiB by the suite's end (each of the two
+    # pytest-xdist workers: past the machine's memory together). After test_engine.py 2.3 GiB -> 1.3 GiB.
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl)
+        return None
+
+
+_LIBC = _glibc()
 
 
 _PEAK_MAPS = 0
