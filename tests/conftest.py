@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import socket
 import threading
 import time
@@ -76,6 +77,24 @@ def serve_app(app: Any, timeout_s: float = 60.0) -> Iterator[str]:
 # suite may (root: CI), else a run that needs it says so up front.
 MAX_MAP_COUNT = 262_144
 _MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+
+
+# pytest-xdist (the README's command: two workers, whole files each, in collection order) hands out the longest
+# files first, so the two workers end together instead of one running a long file alone at the end. Longest
+# first, from a full run's per-file times on the 2-core CI machine; only the order depends on it.
+LONGEST_FILES = ("test_speculative.py", "test_plan.py", "test_kernels_gdn.py", "test_kernels_aot_ironwood.py",
+                 "test_model_family.py", "test_prefix_cache.py", "test_compile.py", "test_pd_tcp.py",
+                 "test_replicas.py", "test_model_reference.py", "test_parallel_moe.py", "test_engine.py",
+                 "test_pd_inprocess.py", "test_engine_pallas_backend.py", "test_grammar_strings.py",
+                 "test_program_memory.py", "test_fp8_matmul.py", "test_fp8_serving.py", "test_stream_chunks.py",
+                 "test_pd_speculative.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config, "workerinput", None) is None:  # one process: the files in their usual order
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -245,10 +264,28 @@ def record(section: str, line: str) -> None:
     SUMMARY.setdefault(section, []).append(line)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker (the README's command runs two) hands its summary and map count to the controller,
+    which prints the run's summary (pytest_testnodedown below)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["summary"] = json.dumps(SUMMARY)
+        workeroutput["peak_maps"] = _PEAK_MAPS
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    global _PEAK_MAPS
+    out = getattr(node, "workeroutput", {})
+    for section, lines in json.loads(out.get("summary", "{}")).items():
+        SUMMARY.setdefault(section, []).extend(lines)
+    _PEAK_MAPS = max(_PEAK_MAPS, out.get("peak_maps", 0))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if _PEAK_MAPS:
         limit = _MAP_COUNT.read_text().strip()
-        line = f"memory maps at a test file's end, at most: {_PEAK_MAPS} (vm.max_map_count: {limit})"
+        line = f"memory maps of a test process at a file's end, at most: {_PEAK_MAPS} (vm.max_map_count: {limit})"
         SUMMARY.setdefault("process", []).append(line)
     for section, lines in SUMMARY.items():
         terminalreporter.section(section)
