@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_hybrid_config
+from conftest import ENGINE_KWARGS, tiny_hybrid_config
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.engine.runner import memory_accounting
@@ -169,17 +169,19 @@ def test_server_info_shows_memory_usage(server) -> None:
     assert {"weight", "kvcache", "token_capacity"} <= usage.keys() and usage["weight"] > 0
     assert usage == memory_accounting.memory_usage(server.engine.runner.params, server.engine.runner.cache,
                                                    usage["token_capacity"])[0]
-    # The split: no device limit on CPU, so the state slots get r times the default KV pool's bytes.
+    # The split: no device limit on CPU, so the KV pool is the default one; the session engine's
+    # --max-gdn-snapshots (conftest.ENGINE_KWARGS) sizes the state pool: the trash slot, the running slots and
+    # its snapshot slots. (Without it r times the KV pool's bytes: test_overrides_and_limits_of_the_split.)
     split, sizing = info["memory_split"], server.engine.runner.sizing
     cache = server.engine.runner.cache
-    assert split["rule"] == "ratio of the KV pool" and split["mamba_full_memory_ratio"] == 0.9
+    assert split["rule"] == "--max-gdn-snapshots" and split["mamba_full_memory_ratio"] == 0.9
     assert split["kv_pool_tokens"] == usage["token_capacity"] == sizing.kv_tokens
     assert split["kv_pool_bytes"] == cache["k"].nbytes + cache["v"].nbytes
     assert split["state_pool_bytes"] == cache["conv"].nbytes + cache["rec"].nbytes
     assert split["running_slots"] == sizing.max_running_per_rank
-    assert split["snapshot_slots"] == sizing.num_snapshot_slots
+    assert split["snapshot_slots"] == sizing.num_snapshot_slots == ENGINE_KWARGS["max_gdn_snapshots"]
     assert split["snapshot_slots_bytes"] == sizing.num_snapshot_slots * sizing.units.gdn_per_slot
-    assert split["state_pool_bytes"] <= 0.9 * split["kv_pool_bytes"] < split["state_pool_bytes"] + split[
+    assert split["state_pool_bytes"] == (1 + split["running_slots"] + split["snapshot_slots"]) * split[
         "state_slot_bytes"]
 
 

@@ -443,19 +443,19 @@ def test_aborts_leave_nothing_behind(engines: tuple[Engine, Engine]) -> None:
     assert mem["cached_pages"] == mem["cached_snapshots"] == 0
 
 
+MESH_PROMPTS = [_ids(30 + i, 9 + 23 * i) for i in range(4)]
+MESH_PARAMS = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+# The child's reference tokens come from this process's reference engine (the same flags, one device): a
+# reference engine of its own compiled the whole plain program set again for the child's device count.
 _MESH_CHILD = """
 import json, tempfile
 from pathlib import Path
 from mtp_checkpoint import build_mtp_checkpoint
-from test_speculative import KWARGS, SPEC_KWARGS, STEPS, _ids, oracle_drafts
+from test_speculative import KWARGS, MESH_PARAMS as sp, MESH_PROMPTS as prompts, SPEC_KWARGS, STEPS, oracle_drafts
 from sglang_tpu_qwen.engine.engine import Engine
 
 path = build_mtp_checkpoint(Path(tempfile.mkdtemp()))
-prompts = [_ids(30 + i, 9 + 23 * i) for i in range(4)]
-sp = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-ref = Engine(**KWARGS)
-want = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=sp)]
-ref.shutdown()
+want = json.loads(%r)
 table = {(tuple(p), i): w for i, (p, w) in enumerate(zip(prompts, want))}
 out = {}
 for name, mesh in (("dp2_ep2", dict(dp_size=2, ep_size=2)), ("ep2", dict(ep_size=2))):
@@ -477,11 +477,14 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_dp2_ep2_and_ep2_on_emulated_devices() -> None:
-    """The same tokens on a 2-device mesh (DP attention + EP MoE, and EP alone), MTP experts split over EP."""
+def test_dp2_ep2_and_ep2_on_emulated_devices(engines: tuple[Engine, Engine]) -> None:
+    """The same tokens on a 2-device mesh (DP attention + EP MoE, and EP alone), MTP experts split over EP, as
+    plain decoding's on one device."""
     from emulated_devices import run_on_devices
 
-    out = run_on_devices(_MESH_CHILD, 2)
+    _, ref = engines
+    want = [o["output_ids"] for o in ref.generate(input_ids=MESH_PROMPTS, sampling_params=MESH_PARAMS)]
+    out = run_on_devices(_MESH_CHILD % json.dumps(want), 2)
     for name, r in out.items():
         assert r["mtp"] and r["oracle"], (name, r)
         assert r["accept"] > 1.0 and r["free"], (name, r)
