@@ -696,6 +696,14 @@ def resolve_model_flag(ns: argparse.Namespace) -> None:
 def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
     """Start the engine, measure every row count (and the profile, :func:`measure`), shut it down, then plan;
     returns the result dict (its keys: the tables', see :func:`format_table`)."""
+    return run_engine(ns, server_args, measure,
+                      lambda ns, result, config: _plan_all(ns, result, result["engine"], config, result["chip_key"]))
+
+
+def run_engine(ns: argparse.Namespace, server_args: ServerArgs, measure_fn: Any, plan_fn: Any) -> dict[str, Any]:
+    """A step benchmark's run (this one's and bench/prefill_step.py's): start the in-process Engine, take
+    ``measure_fn(engine, ns, ready_s)``, shut the engine down, then ``plan_fn(ns, result, config)`` (the planner's
+    deviceless compiles need the chip free); returns the result dict."""
     import jax
 
     from sglang_tpu_qwen.engine.engine import Engine
@@ -709,10 +717,10 @@ def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
     ready_s = time.perf_counter() - start
     config = engine.runner.config
     try:
-        result = measure(engine, ns, ready_s)
+        result = measure_fn(engine, ns, ready_s)
     finally:
         engine.shutdown()
-    _plan_all(ns, result, result["engine"], config, result["chip_key"])
+    plan_fn(ns, result, config)
     return result
 
 
@@ -819,22 +827,29 @@ def _plan_all(ns: argparse.Namespace, result: dict[str, Any], engine_info: dict[
         c["plan"] = r["plan"].pop("verify", None) or {"error": r["plan"].get("error", "not planned")}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; prints the Markdown table and one JSON line, returns the result."""
-    ns, server_args = parse_args(argv)
+def bench_main(ns: argparse.Namespace, server_args: ServerArgs, run_fn: Any, format_fn: Any) -> dict[str, Any]:
+    """A step benchmark's entry (this one's and bench/prefill_step.py's): JAX on the CPU where no accelerator is
+    found, logging, the model resolved before this process takes the chip, ``run_fn(ns, server_args)``; prints
+    ``format_fn(result)`` and the result as one JSON line (also to ``--output-json``) and returns it."""
     run_jax_on_cpu_without_accelerator()  # before JAX is imported
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     if server_args.model_path is not None:
         from sglang_tpu_qwen.bench.startup import resolve_model_path
 
         server_args.model_path = resolve_model_path(server_args.model_path)  # before this process takes the chip
-    result = run(ns, server_args)
+    result = run_fn(ns, server_args)
     line = json.dumps(result, default=str)
-    print(format_table(result))
+    print(format_fn(result))
     print(line, flush=True)
     if ns.output_json:
         Path(ns.output_json).write_text(line + "\n", encoding="utf-8")
     return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; prints the Markdown table and one JSON line, returns the result."""
+    ns, server_args = parse_args(argv)
+    return bench_main(ns, server_args, run, format_table)
 
 
 if __name__ == "__main__":

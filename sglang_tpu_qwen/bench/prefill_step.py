@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -70,7 +69,6 @@ import numpy as np
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
 from sglang_tpu_qwen.bench import decode_step
-from sglang_tpu_qwen.utils.host_allocator import run_jax_on_cpu_without_accelerator
 
 logger = logging.getLogger("sglang_tpu_qwen.bench.prefill_step")
 
@@ -489,22 +487,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
 
 def run(ns: argparse.Namespace, server_args: ServerArgs) -> dict[str, Any]:
     """Start the engine, measure every shape (:func:`measure`), shut it down, then plan; returns the result dict."""
-    import jax
-
-    from sglang_tpu_qwen.engine.engine import Engine
-
-    if ns.profile:  # ops named by their op_name metadata: see bench/decode_step.py ``run``
-        jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
-    start = time.perf_counter()
-    engine = Engine(server_args)
-    ready_s = time.perf_counter() - start
-    config = engine.runner.config
-    try:
-        result = measure(engine, ns, ready_s)
-    finally:
-        engine.shutdown()
-    plan_all(ns, result, config)
-    return result
+    return decode_step.run_engine(ns, server_args, measure, plan_all)
 
 
 def plan_all(ns: argparse.Namespace, result: dict[str, Any], config: Any) -> None:
@@ -531,19 +514,7 @@ def plan_all(ns: argparse.Namespace, result: dict[str, Any], config: Any) -> Non
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; prints the Markdown tables and one JSON line, returns the result."""
     ns, server_args = parse_args(argv)
-    run_jax_on_cpu_without_accelerator()  # before JAX is imported
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    if server_args.model_path is not None:
-        from sglang_tpu_qwen.bench.startup import resolve_model_path
-
-        server_args.model_path = resolve_model_path(server_args.model_path)  # before this process takes the chip
-    result = run(ns, server_args)
-    print(format_table(result))
-    line = json.dumps(result, default=str)
-    print(line, flush=True)
-    if ns.output_json:
-        Path(ns.output_json).write_text(line + "\n", encoding="utf-8")
-    return result
+    return decode_step.bench_main(ns, server_args, run, format_table)
 
 
 if __name__ == "__main__":
