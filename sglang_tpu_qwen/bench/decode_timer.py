@@ -5,9 +5,9 @@ the device time of one step replayed on an idle engine.
 ``runner.observers.attach(timer)`` and its `stats` accumulate over the decode steps of the block.
 `time_decode_step` replays the decode programs back to back without the scheduler; `time_verify_cycle` replays a
 speculative verify step's programs (verify, sampling, commit, draft, carry) the same way. Both go through one
-timing loop (`_replay`); `recorded_programs` lists the compiled programs a block dispatches. `trash_rows` and
+timing loop (`replay`); `recorded_programs` lists the compiled programs a block dispatches. `trash_rows` and
 `replay_ids` lay out replayed rows (trash page and slot, distinct ids) for these replays and the prefill
-benchmark's (bench/prefill_step.py), which times its steps with `_replay` too.
+benchmark's (bench/prefill_step.py), which times its steps with `replay` too.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def time_decode_step(runner: ModelRunner, rows: int, context: int, iters: int = 
         runner.keep_sampled(out)
         return out.tokens
 
-    timed, _ = _replay(runner, step, iters, windows, warmup)
+    timed, _ = replay(runner, step, iters, windows, warmup)
     return timed
 
 
@@ -215,13 +215,13 @@ def time_verify_cycle(runner: ModelRunner, rows: int, context: int, iters: int =
         got, drafts = runner.commit(step, batch, sampled, snaps)
         return got, drafts, sampled.tokens, runner.state.spec_carry
 
-    timed, (got, drafts, tokens, _) = _replay(runner, cycle, iters, windows, warmup)
+    timed, (got, drafts, tokens, _) = replay(runner, cycle, iters, windows, warmup)
     got, drafts, tokens = (np.asarray(a) for a in jax.device_get((got, drafts, tokens)))
     return CycleReplay(timed.step_s, timed.dispatch_s, float(got.mean()), len(set(tokens.tolist())),
                        len(set(drafts.ravel().tolist())))
 
 
-def _replay(runner: ModelRunner, step: Callable[[], Any], iters: int, windows: int,
+def replay(runner: ModelRunner, step: Callable[[], Any], iters: int, windows: int,
             warmup: int) -> tuple[ReplayTime, Any]:
     """The timing loop of the replays: `warmup` untimed calls of `step` (each waited for), then `windows` windows
     of `iters` calls dispatched back to back, each window waited for once at its end (on what the last call

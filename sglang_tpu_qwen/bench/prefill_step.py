@@ -26,7 +26,7 @@ What is replayed, for each shape ``R x L`` (R prompts of L tokens):
   slot (bench/decode_timer.py ``trash_rows``, as the decode replay does); the prefix a later chunk attends over is
   read from arbitrary pages; the prompt ids are distinct seeded ids (``replay_ids``), so the MoE layers route as
   a real batch does;
-- **timed** with the decode replay's loop (decode_timer.py ``_replay``): all steps of the shape back to back, the
+- **timed** with the decode replay's loop (decode_timer.py ``replay``): all steps of the shape back to back, the
   median of ``--windows`` windows of ``--iters`` prefills, each window waited for once at its end; with
   ``--step-iters`` > 0 each step is also timed alone the same way.
 
@@ -130,12 +130,9 @@ def scheduled_steps(engine: Any, rows: int, length: int) -> PrefillSteps:
     for r in reqs:
         r.snapshot_targets = [target] if cache is not None and target > 0 else []
 
-    def next_target(r: Request) -> int | None:
-        return next((t for t in r.snapshot_targets if t > r.cached_len), None)
-
     batches: list[Any] = []
     while any(r.pending for r in reqs):
-        picked = extend_chunks(reqs, buckets, args, 1, next_target)
+        picked = extend_chunks(reqs, buckets, args, 1, cache.next_target if cache is not None else lambda r: None)
         if not picked.reqs:  # prompts with one token left: the scheduler feeds it in a decode step
             left = [r for r in reqs if r.pending == 1]
             picked = PickedBatch(ForwardMode.DECODE, left, [1] * len(left))
@@ -173,34 +170,30 @@ def time_prefill(runner: Any, steps: PrefillSteps, iters: int = 3, windows: int 
     """Seconds per replayed prefill of ``steps`` (all its steps back to back; step ``only`` alone where given):
     bench/decode_timer.py's ``ReplayTime`` from its timing loop (medians of ``windows`` windows of ``iters``,
     after ``warmup`` untimed). For IDLE engines only; observers do not see these steps."""
-    from sglang_tpu_qwen.bench.decode_timer import _replay
+    from sglang_tpu_qwen.bench.decode_timer import replay
 
-    timed, _ = _replay(runner, lambda: run_steps(runner, steps, only), iters, windows, warmup)
+    timed, _ = replay(runner, lambda: run_steps(runner, steps, only), iters, windows, warmup)
     return timed
 
 
 # ---- what a step counts -----------------------------------------------------------------------------------------
 def prompt_flops(config: Any, length: int) -> float:
     """Matmul flops (2 per multiply-add) of prefilling one prompt of ``length`` tokens from position 0 and
-    sampling its next token, as tools/plan/build.py counts its "prefill" step for one row: ``length`` tokens at
-    the analytic per-token flops (tools/plan/flops.py) of their mean visible context ``int((length + 1) / 2)``,
-    plus one lm_head row (``2 * hidden * vocab``)."""
-    from sglang_tpu_qwen.tools.plan.flops import analytic_flops_per_token
+    sampling its next token, as tools/plan/build.py counts its "prefill" step for one row: tools/plan/flops.py
+    ``chunk_flops`` from position 0 plus one lm_head row."""
+    from sglang_tpu_qwen.tools.plan.flops import chunk_flops, lm_head_flops
 
-    return length * analytic_flops_per_token(config, int((length + 1) / 2)) + 2 * config.hidden_size * \
-        config.vocab_size
+    return chunk_flops(config, length, 0) + lm_head_flops(config)
 
 
 def step_flops(config: Any, batch: Any) -> float:
-    """Matmul flops of the real rows of one step (a ``ScheduleBatch``; padding excluded): each row's new tokens at
-    the analytic per-token flops of their mean visible context (its prefix plus ``(n + 1) / 2``), and one lm_head
-    row per sampled row."""
-    from sglang_tpu_qwen.tools.plan.flops import analytic_flops_per_token
+    """Matmul flops of the real rows of one step (a ``ScheduleBatch``; padding excluded): each row's new tokens
+    (tools/plan/flops.py ``chunk_flops`` after its prefix), and one lm_head row per sampled row."""
+    from sglang_tpu_qwen.tools.plan.flops import chunk_flops, lm_head_flops
 
     f = batch.forward
-    total = sum(float(n) * analytic_flops_per_token(config, int(p + (n + 1) / 2))
-                for p, n in zip(f.prefix_lens, f.extend_lens, strict=True) if n)
-    return total + len(batch.sampling_reqs) * 2 * config.hidden_size * config.vocab_size
+    total = sum(chunk_flops(config, int(n), int(p)) for p, n in zip(f.prefix_lens, f.extend_lens, strict=True) if n)
+    return total + len(batch.sampling_reqs) * lm_head_flops(config)
 
 
 def step_bytes(runner: Any, batch: Any) -> dict[str, float]:

@@ -150,7 +150,11 @@ def gdn_layer_verify_pooled(
     return out, inputs
 
 
-def _pooled(p, x, batch, conv_pool, rec_pool, layer, config, pooled_mix, matmul, commit: bool = True):
+def _pooled(p: dict[str, Any], x: jax.Array, batch: ForwardBatch, conv_pool: jax.Array, rec_pool: jax.Array,
+            layer: jax.Array | int, config: Qwen35MoeConfig, pooled_mix: Callable, matmul: MoeBackend | None,
+            commit: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """:func:`gdn_layer_pooled`'s body, also returning the kernel's inputs ``(mixed, g, beta)``; ``commit``: as
+    ``fused_gdn``'s."""
     bsz, t, _ = x.shape
     mixed, z, g, beta = gdn_projections(p, x, batch.valid, config, matmul)
     # The gated output norm runs inside pooled_mix (its epilogue), as gdn_output would run it.
@@ -158,7 +162,7 @@ def _pooled(p, x, batch, conv_pool, rec_pool, layer, config, pooled_mix, matmul,
         mixed, p["conv1d"], g, beta, conv_pool, rec_pool, layer, batch.slot_ids, batch.extend_lens, batch.fresh,
         num_k_heads=config.linear_num_key_heads, head_k_dim=config.linear_key_head_dim,
         head_v_dim=config.linear_value_head_dim, gate=z.reshape(bsz, t, -1).astype(x.dtype), norm_weight=p["norm"],
-        norm_eps=config.rms_norm_eps, **({} if commit else {"commit": False}))
+        norm_eps=config.rms_norm_eps, commit=commit)
     out = (matmul or MoeBackend()).linear(o.reshape(bsz, t, -1), p["out_proj"])
     return out, conv_pool, rec_pool, (mixed, g, beta)
 

@@ -16,7 +16,7 @@ from sglang_tpu_qwen.tools.plan import collectives, programs, routing, step_byte
 from sglang_tpu_qwen.tools.plan.calibration import calibrate
 from sglang_tpu_qwen.tools.plan.chips import CHIPS
 from sglang_tpu_qwen.tools.plan.compose import compose_workloads
-from sglang_tpu_qwen.tools.plan.flops import analytic_flops_per_token, expert_pair_flops
+from sglang_tpu_qwen.tools.plan.flops import chunk_flops, expert_pair_flops, lm_head_flops
 
 _TOPOLOGY_LOCK = threading.Lock()
 MC_TRIALS = {"decode": 400, "verify": 100, "prefill": 4}  # Monte-Carlo layer steps per distribution (fixed seed)
@@ -230,9 +230,8 @@ def plan(
         tr_s = {k: sum(t[k] for t in tr_o) for k in ("bytes", "kernel_bytes", "serial_s", "declared_flops")}
         tr_s["top_excess"] = [e for t in tr_o for e in t["top_excess"]]
         bytes_accessed = tr_f["bytes"] + tr_s["bytes"]
-        # Average visible context over the new tokens of a row; lm_head for each row's last token.
-        ctx = prefix + (tokens + 1) / 2
-        flops_model = rows_rank * (tokens * analytic_flops_per_token(c, int(ctx)) + 2 * c.hidden_size * c.vocab_size)
+        # Each row's new tokens at their mean visible context; lm_head for each row's last token.
+        flops_model = rows_rank * (chunk_flops(c, tokens, prefix) + lm_head_flops(c))
         flops = max(cost["flops"] + cost_s["flops"], flops_model)
         t_mem, t_flops = min_bytes / bw, flops / peak
         t_roof = max(t_mem, t_flops)

@@ -30,6 +30,18 @@ def analytic_flops_per_token(config: Qwen35MoeConfig, context: int) -> float:
         attention_flops_per_token(c, context))
 
 
+def chunk_flops(config: Qwen35MoeConfig, tokens: int, prefix: int) -> float:
+    """Matmul flops (2 per multiply-add) of one row feeding ``tokens`` new tokens after ``prefix`` cached ones:
+    each at :func:`analytic_flops_per_token` of their mean visible context ``int(prefix + (tokens + 1) / 2)``;
+    not the lm_head (:func:`lm_head_flops`, per sampled row)."""
+    return tokens * analytic_flops_per_token(config, int(prefix + (tokens + 1) / 2))
+
+
+def lm_head_flops(config: Qwen35MoeConfig) -> float:
+    """Matmul flops of one row's logits: ``2 * hidden * vocab``."""
+    return 2.0 * config.hidden_size * config.vocab_size
+
+
 def expert_pair_flops(config: Qwen35MoeConfig) -> float:
     """One (token, routed expert) pair in one layer: gate, up and down projections."""
     return 6.0 * config.hidden_size * config.moe_intermediate_size
