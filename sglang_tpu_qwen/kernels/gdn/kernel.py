@@ -16,6 +16,14 @@ triangular matrix is the product ``(I - L)(I + L^2)(I + L^4)...(I + L^32)`` (L i
 squarings and five products on the MXU instead of a 64-step sequential substitution. Then ``V' = U - W S``,
 ``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and ``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
 
+Precision of the chunked form follows the model's compute dtype (``mixed.dtype``). A float32 model runs the
+chunk's products at ``HIGHEST`` (six bfloat16 MXU passes). A bfloat16 model runs them in one pass over
+bfloat16-rounded operands with float32 accumulation, as FLA's chunked kernels do for bf16 models; only the
+cumulative log-decay stays float32-exact (:func:`_cumsum_rows`). The products form a chain of dependent 64 x 64
+MXU ops, so passes are latency: the deviceless v5e schedule of one chunk of one value head (35B layout) is
+~615 bundles against ~2,700 at ``HIGHEST``. Outputs and states then differ from the float32 reference by
+~3e-3 relative rms (bf16 rounding level; tests/test_kernels_gdn.py). State accumulation stays float32.
+
 Decode and short steps (``T <= RECURRENT_MAX_T`` = 8: a decode step, a speculative verify step's k + 1 tokens
 and its commit) run the recurrence directly, token by token on the VPU (``_decode_head``: multiplies and
 sublane sums in float32, no MXU pass). Each token's arithmetic is a decode step's, and the state is carried
@@ -89,8 +97,29 @@ _NT = (((1,), (1,)), ((), ()))
 _TN = (((0,), (0,)), ((), ()))
 
 
-def _dot(a: jax.Array, b: jax.Array, dims=_NN) -> jax.Array:
+def _dot(a: jax.Array, b: jax.Array, dims=_NN, bf16: bool = False) -> jax.Array:
+    """float32 product of two float32 tiles: one MXU pass over bfloat16-rounded operands with ``bf16``, else
+    ``HIGHEST`` (six passes)."""
+    if bf16:
+        return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims,
+                                   preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=jnp.float32)
+
+
+def _cumsum_rows(causal: jax.Array, g: jax.Array, bf16: bool) -> jax.Array:
+    """In-chunk cumulative sum of ``g [C, 1]`` float32 as ``[C, 128]`` equal lanes: a triangular matmul (Mosaic
+    has no cumsum). The 0/1 mask is exact in bfloat16, so with ``bf16`` three passes over ``g`` split into
+    three bfloat16 parts (24 mantissa bits) keep the log-decays float32-exact where ``HIGHEST`` takes six."""
+    g = jnp.broadcast_to(g, (g.shape[0], 128))
+    if not bf16:
+        return _dot(causal.astype(jnp.float32), g)
+    mask, total = causal.astype(jnp.bfloat16), None
+    for _ in range(3):
+        part = g.astype(jnp.bfloat16)
+        g = g - part.astype(jnp.float32)
+        term = jax.lax.dot_general(mask, part, _NN, preferred_element_type=jnp.float32)
+        total = term if total is None else total + term
+    return total
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
@@ -111,7 +140,7 @@ def _gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float
 def _kernel(
     _layer_ref, _slot_ref, len_ref, fresh_ref,  # scalar prefetch (layer and slots feed the index map)
     *refs, dk: int, dv: int, r: int, heads: int, chunk: int, norm: tuple[float, bool] | None, recurrent: bool,
-    commit: bool,
+    commit: bool, bf16: bool,
 ):
     # One step holds ``heads`` key heads and their ``heads * r`` value heads (heads > 1 only in the recurrent
     # form). Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the
@@ -183,7 +212,7 @@ def _kernel(
         s0 = rec_ref[h].astype(jnp.float32)
         o_ref[:, lanes] = jnp.zeros((block_t, dv), jnp.float32)
         s = jax.lax.fori_loop(
-            0, jax.lax.div(n + chunk - 1, chunk), functools.partial(_chunk_step, h=h, dv=dv, chunk=chunk,
+            0, jax.lax.div(n + chunk - 1, chunk), functools.partial(_chunk_step, h=h, dv=dv, chunk=chunk, bf16=bf16,
                                                                     refs=(qn, kn, vn, g_ref, beta_ref, o_ref)),
             s0)
         rec_ref[h] = s.astype(rec_ref.dtype)
@@ -216,7 +245,7 @@ def _decode_head(s0: jax.Array, k: jax.Array, q: jax.Array, v: jax.Array, g: jax
     return s, jnp.sum(s * q, axis=0, keepdims=True)
 
 
-def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
+def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs, bf16: bool = False):
     """One chunk of the WY/UT form for value head h (see module docstring); returns the new state."""
     qn, kn, vn, g_ref, beta_ref, o_ref = refs
     t0 = pl.multiple_of(c * chunk, chunk)
@@ -229,23 +258,23 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs):
     causal, strict = row >= col, row > col
     # In-chunk cumulative sum as a triangular matmul (Mosaic has no cumsum); 128 equal lanes, then transposed
     # to get the same values along a row.
-    cum_b = _dot(causal.astype(jnp.float32), jnp.broadcast_to(g, (chunk, 128)))
+    cum_b = _cumsum_rows(causal, g, bf16)
     cum, cum_row, last = cum_b[:, :1], cum_b.T[:1, :], cum_b[chunk - 1 :, :1]
     # Mask before exp: the upper triangle holds positive exponents that could overflow.
     decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum - cum_row, 0.0)), 0.0)
     k_beta = k * beta
-    lower = jnp.where(strict, _dot(k_beta, k, _NT) * decay, 0.0)
+    lower = jnp.where(strict, _dot(k_beta, k, _NT, bf16) * decay, 0.0)
     eye = (row == col).astype(jnp.float32)
     inv, power = eye - lower, lower
     for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
-        power = _dot(power, power)
-        inv = _dot(inv, eye + power)
-    u = _dot(inv, v * beta)
-    w = _dot(inv, k_beta * jnp.exp(cum))
-    v_new = u - _dot(w, s)
-    intra = jnp.where(causal, _dot(q, k, _NT) * decay, 0.0)
-    o_ref[tok, lanes] = _dot(q * jnp.exp(cum), s) + _dot(intra, v_new)
-    return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN)
+        power = _dot(power, power, _NN, bf16)
+        inv = _dot(inv, eye + power, _NN, bf16)
+    u = _dot(inv, v * beta, _NN, bf16)
+    w = _dot(inv, k_beta * jnp.exp(cum), _NN, bf16)
+    v_new = u - _dot(w, s, _NN, bf16)
+    intra = jnp.where(causal, _dot(q, k, _NT, bf16) * decay, 0.0)
+    o_ref[tok, lanes] = _dot(q * jnp.exp(cum), s, _NN, bf16) + _dot(intra, v_new, _NN, bf16)
+    return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN, bf16)
 
 
 def decode_heads(hk: int, r: int, dk: int, dv: int, itemsize: int, budget: int) -> int:
@@ -405,7 +434,8 @@ def fused_gdn(
                          pl.BlockSpec((1, dv), lambda b, h, t, *_: (0, 0))]
         norm_args = [gate, norm_weight.reshape(1, dv)]
     kernel = functools.partial(_kernel, dk=dk // heads, dv=dv, r=r // heads, heads=heads, chunk=CHUNK_SIZE,
-                               norm=norm, recurrent=recurrent, commit=commit)
+                               norm=norm, recurrent=recurrent, commit=commit,
+                               bf16=jnp.dtype(mixed.dtype).itemsize < 4)
     state_spec = pl.BlockSpec((None, None, r, head_k_dim, dv),
                               lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
