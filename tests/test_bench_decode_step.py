@@ -194,8 +194,16 @@ def test_profile_of_a_synthetic_tpu_trace() -> None:
     assert [o["op"] for o in top[:2]] == ["ragged_paged_attention.7", "fusion.40"]
     assert {o["module"] for o in top} == {"jit_forward_program", "jit_sample_program"}
     assert all(o["count"] == 1 for o in top)
+    # Per program: its ops' self time and its XLA Modules events' span, per step.
+    programs = {p["module"]: p for p in prof["programs"]}
+    assert set(programs) == {"jit_forward_program", "jit_sample_program"}
+    assert programs["jit_forward_program"]["ms_per_step"] == pytest.approx(0.8)
+    assert programs["jit_sample_program"]["ms_per_step"] == pytest.approx(0.2)
+    assert programs["jit_sample_program"]["span_ms_per_step"] == pytest.approx(0.2)
+    assert programs["jit_forward_program"]["runs_per_step"] == 1
     text = decode_step.format_profile({**prof, "rows": 64, "context": 576, "trace": "t.xplane.pb"})
     assert "device plane /device:TPU:0" in text and "| lm_head | 0.150 | 15.0% |" in text
+    assert "| jit_forward_program | 0.800 | 80.0% | 0.800 | 1 |" in text
 
 
 def test_profile_of_a_cpu_engine_uses_the_host_plane(engine, tmp_path) -> None:
@@ -220,8 +228,11 @@ def test_flags() -> None:
     assert args.model_path == "shaped-35b"
     ns, args = decode_step.parse_args(["--model-path", "embedded", "--rows", "4,2", "--max-running-requests", "8"])
     assert args.model_path is None and ns.row_counts == [2, 4] and args.max_running_requests == 8
+    assert ns.cycle_program_iters == 5
     with pytest.raises(SystemExit):
         decode_step.parse_args(["--rows", "0"])
+    with pytest.raises(SystemExit):
+        decode_step.parse_args(["--cycle-program-iters", "-1"])
 
 
 def test_replayed_rows_route_like_a_batch(engine) -> None:
@@ -277,6 +288,17 @@ def test_35b_shaped_cycle_roofline_bytes_by_part() -> None:
     assert 0.8e9 < mtp_rest + mtp_experts < 0.95e9  # the issue's "~0.88 GB" MTP layer
     total = sum(parts.values())
     assert 10.5e9 < total < 12e9
+    # By program: the verify forward reads the GDN states once, the commit reads and writes them again plus the
+    # decode snapshots (1/64 of the rows at accept length 1), the sampling program the lm_head, the draft its part.
+    by_program = decode_step.cycle_program_bytes(runner, ROWS, parts)
+    assert list(by_program) == ["verify", "sample", "commit", "draft", "spec_carry"]
+    assert sum(by_program.values()) == pytest.approx(total, rel=1e-12)
+    assert by_program["sample"] == parts["lm_head"] and by_program["draft"] == parts["draft"]
+    assert by_program["commit"] == pytest.approx(sum(per_pass) * (2 + 1 / PAGE), rel=1e-12)
+    assert by_program["verify"] == pytest.approx(
+        parts["dense"] + parts["experts"] + parts["kv_read"] + parts["kv_write"] + parts["embedding_rows"]
+        + sum(per_pass), rel=1e-12)
+    assert by_program["spec_carry"] == 0
     record("MTP cycle roofline: 35B-shaped, 64 x 576, 3 drafts", ", ".join(
         f"{p} {v / 1e9:.3f} GB" for p, v in parts.items() if v) + f"; total {total / 1e9:.3f} GB, "
         f"{total / 819e9 * 1e3:.2f} ms at 819 GB/s; plain step {sum(plain.values()) / 1e9:.3f} GB")
@@ -291,12 +313,24 @@ def test_planned_v5e_verify_step_holds_the_cycles_bytes() -> None:
     devices = _v5e_devices()
     runner = _tpu_runner(cd, rows, devices, **SPEC_FLAGS)
     _, parts = decode_step.cycle_roofline_parts(runner, rows, CONTEXT)
-    info = {"page_size": PAGE, "kv_cache_dtype": "auto", "mamba_ssm_dtype": runner.sizing.state_dtype.name}
+    # The engine's KV pool (settle_engine's kv_tokens), larger than rows x context: the plan compiles it.
+    info = {"page_size": PAGE, "kv_cache_dtype": "auto", "mamba_ssm_dtype": runner.sizing.state_dtype.name,
+            "kv_tokens": 8 * rows * CONTEXT}
     planned = decode_step.plan_rows(info, runner.config, "v5e", rows, CONTEXT, STEPS + 1, 1.0)
     verify = planned["verify"]
     assert verify["min_bytes_parts"] == pytest.approx(parts, rel=1e-12)
     assert verify["min_bytes"] == pytest.approx(sum(parts.values()), rel=1e-12)
     assert verify["planned_s"] > planned["planned_s"] > 0 and verify["bucket_rows"] == rows
+    # Each program planned alone, against its share of the roofline; they add up to the step.
+    programs = {p["program"]: p for p in verify["programs"]}
+    assert list(programs) == ["verify", "commit", "draft", "spec_carry", "sample"]
+    by_program = decode_step.cycle_program_bytes(runner, rows, parts)
+    assert {k: p["min_bytes"] for k, p in programs.items()} == pytest.approx(by_program, rel=1e-12)
+    assert sum(p["serial_s"] for p in programs.values()) == pytest.approx(verify["serial_s"], rel=1e-6)
+    # The commit's snapshot copy (kernels/gdn/slot_copy.py) declares every row's state; it is charged the rows
+    # that take a snapshot (1/64 at accept length 1): the commit moves about its least bytes, not 2x.
+    assert programs["commit"]["hlo_bytes"] < 1.3 * programs["commit"]["min_bytes"]
+    assert [p["program"] for p in planned["programs"]] == ["forward", "sample"]
     record("MTP cycle roofline: the planner on v5e:1x1",
            f"embedded model + MTP layer, {rows} x {CONTEXT}: least bytes {verify['min_bytes'] / 1e6:.1f} MB (= the "
            f"benchmark's), planned {verify['planned_s'] * 1e3:.3f} ms ({verify['planned_s'] / planned['planned_s']:.2f}"
@@ -331,7 +365,7 @@ def test_cycle_replay_on_a_cpu_engine(spec_engine) -> None:
                                     str(CPU_CONTEXT), "--iters", "2", "--windows", "2", "--no-plan",
                                     "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(STEPS),
                                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
-                                    str(STEPS + 1)])
+                                    str(STEPS + 1), "--cycle-program-iters", "1"])
     assert ns.speculative_draft_policy == "always"
     result = decode_step.measure(spec_engine, ns)
     (plain,), (cycle,) = result["rows"], result["cycles"]
@@ -349,11 +383,47 @@ def test_cycle_replay_on_a_cpu_engine(spec_engine) -> None:
                                                   ("sample", "greedy", b), ("keep_sampled", b)]]
     assert 1.0 <= cycle["accept_length_replay"] <= n
     assert cycle["distinct_sampled"] > b * n // 2
+    # Each program alone, in dispatch order, against its share of the roofline.
+    alone = cycle["alone"]
+    assert [a["program"] for a in alone] == ["verify", "sample", "commit", "draft", "spec_carry"]
+    assert all(a["device_s"] > 0 for a in alone) and cycle["alone_s"] == pytest.approx(sum(a["device_s"]
+                                                                                             for a in alone))
+    assert sum(a["min_bytes"] for a in alone) == pytest.approx(cycle["bytes_total"])
     text = decode_step.format_table(result)
     assert "MTP cycle (3 drafts, 4 tokens verified per row" in text and f"| {CPU_ROWS} ({b}) |" in text
+    assert f"| {CPU_ROWS} ({b}) | commit |" in text and "sum alone" in text
     record("MTP cycle replay: CPU, embedded + MTP layer", f"{CPU_ROWS} rows x {CPU_CONTEXT}: cycle "
            f"{cycle['device_s'] * 1e3:.1f} ms ({cycle['over_plain']:.2f} plain steps), dispatch "
            f"{cycle['dispatch_s'] * 1e3:.2f} ms, {len(cycle['programs'])} programs, 0 compilations")
+
+
+def test_profile_of_a_cpu_cycle(spec_engine, tmp_path) -> None:
+    """``--profile`` of a speculative engine also profiles the draft + verify cycle: on the CPU the host plane's
+    XLA ops, each in one of the cycle's programs (per program too), per cycle."""
+    prof = decode_step.profile_cycle(spec_engine.runner, rows=CPU_ROWS, context=CPU_CONTEXT, cycles=2,
+                                     out_dir=tmp_path)
+    assert prof["source"] == "host" and prof["unit"] == "cycle" and prof["total_ms_per_step"] > 0
+    modules = {p["module"] for p in prof["programs"]}
+    assert {"jit_verify", "jit_commit", "jit_draft"} <= modules, modules
+    assert modules <= {"jit_verify", "jit_sample_program", "jit_commit", "jit_draft", "jit_carry"}, modules
+    assert sum(p["share"] for p in prof["programs"]) == pytest.approx(1.0)
+    text = decode_step.format_profile(prof)
+    assert "replayed draft + verify cycles" in text and "| program | ops ms / cycle |" in text
+
+
+def test_cycle_programs_alone_are_the_served_calls(spec_engine) -> None:
+    """Each program timed alone (decode_timer.time_cycle_programs) is one of the cycle's programs, through the
+    runner calls the served commit makes (StepExecutor.commit = commit_states, draft_committed, keep_carry)."""
+    from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_cycle_programs, time_verify_cycle
+
+    runner = spec_engine.runner
+    with recorded_programs(runner) as cycle:
+        time_verify_cycle(runner, CPU_ROWS, CPU_CONTEXT, iters=1, windows=1, warmup=0)
+    with recorded_programs(runner) as alone:
+        times = time_cycle_programs(runner, CPU_ROWS, CPU_CONTEXT, iters=1, windows=1, warmup=0)
+    assert list(times) == ["verify", "sample", "commit", "draft", "spec_carry"]
+    assert all(t.step_s > 0 for t in times.values())
+    assert set(alone) == set(cycle) and alone[: len(cycle) - 1] == cycle[:-1]  # one cycle first (no carry)
 
 
 def test_cycle_replays_the_served_programs(spec_engine) -> None:

@@ -20,7 +20,7 @@ model) or a checkpoint directory. For each row count it prints:
   dtype, the KV read at the context (and the new token's written), the embedding rows;
 - ``roofline ms``: those bytes at the chip's HBM peak (tools/plan/chips.py, the chip JAX reports; a v5e off a
   TPU, where the ratios say nothing about a chip), and ``roofline / measured``;
-- ``planned ms``: the planner's decode step for the same chip, rows, context, page size and cache dtypes
+- ``planned ms``: the planner's decode step for the same chip, rows, context, page size, cache dtypes and KV pool
   (``tools.plan.plan`` on a deviceless one-chip topology after the engine is shut down: the server's decode and
   greedy sampling programs compiled for the chip, each instruction at its own roofline, HLO bytes at the HBM peak
   and declared kernel flops at the bf16 peak, summed one after another, the MoE layers' slowest device under
@@ -29,7 +29,9 @@ model) or a checkpoint directory. For each row count it prints:
 ``--profile DIR`` captures ``jax.profiler.trace`` over ``--profile-steps`` replayed decode steps at
 ``--profile-rows`` rows and prints the device time per step by category (the Pallas attention, GDN and FP8
 kernels, the MoE grouped matmuls and routing, the lm_head, sampling, copies, the XLA parts of attention and GDN,
-the rest) and the 15 largest ops. Ops are named by the step's compiled programs (their op_name metadata carries
+the rest), the time per program (its ops' self time, and on a device plane its span) and the 15 largest ops;
+with speculative decoding on, the same for ``--profile-steps`` replayed draft + verify cycles at each of those
+row counts, per cycle. Ops are named by the step's compiled programs (their op_name metadata carries
 the model's named scopes, model/forward.py; ``--profile`` keys the persistent compilation cache by that metadata, so
 the first such run compiles cold). Off a TPU the trace has no device plane: it says so and groups
 the host plane's XLA ops instead (summed over the threads that run them: shares, not a step time).
@@ -48,7 +50,11 @@ each row count also gets its speculative draft + verify cycle (issue 43), on the
   at ``--accept-length``, and ``draft``: ``K`` MTP-layer passes, each reading the MTP layer, its touched experts
   and the lm_head), ``roofline ms``, ``roofline / measured`` and ``measured / roofline``;
 - ``cycle / plain step``: its time over the plain decode step's of the same rows; ``planned ms``: the planner's
-  verify step beside it; the replay's accept length and distinct ids (what could make it unlike serving).
+  verify step beside it; the replay's accept length and distinct ids (what could make it unlike serving);
+- per program (verify, sample, commit, draft, spec_carry): its time ALONE (``--cycle-program-iters`` calls a window,
+  default 5, 0: off; decode_timer.py ``time_cycle_programs``: the same runner calls, one at a time), its share of
+  the roofline bytes (step_bytes.py ``program_min_bytes``) and measured / roofline, and the planner's program
+  alone (its HLO bytes and planned ms): where a cycle's time over its roofline goes.
 
 Prints Markdown tables and one JSON line (``--output-json PATH`` writes it too).
 """
@@ -122,6 +128,17 @@ def cycle_roofline_parts(runner: Any, rows: int, context: int,
     return bucket, parts
 
 
+def cycle_program_bytes(runner: Any, rows: int, parts: dict[str, float],
+                        accept_length: float = 1.0) -> dict[str, float]:
+    """The cycle's least bytes ``parts`` (:func:`cycle_roofline_parts` of the same rows) split by the program that
+    moves them (tools/plan/step_bytes.py ``program_min_bytes``: verify, sample, commit, draft, spec_carry)."""
+    from sglang_tpu_qwen.tools.plan import step_bytes
+
+    _, rb, rows_rank = _bucket_bytes(runner, rows)
+    return step_bytes.program_min_bytes(rb, "verify", parts, rows_rank=rows_rank, page_size=runner.sizing.page_size,
+                                        accept_length=accept_length)
+
+
 def _bucket_bytes(runner: Any, rows: int) -> tuple[Any, Any, int]:
     """(the decode bucket of ``rows`` rows, the runner's step_bytes.RunnerBytes, the bucket's rows per rank)."""
     from sglang_tpu_qwen.tools.plan import step_bytes
@@ -183,18 +200,27 @@ def measure_rows(engine: Any, rows: int, context: int, chip_key: str, *, iters: 
 
 
 def measure_cycle(engine: Any, rows: int, context: int, chip_key: str, *, iters: int, windows: int,
-                  accept_length: float = 1.0, plain_s: float | None = None) -> dict[str, Any]:
+                  accept_length: float = 1.0, plain_s: float | None = None,
+                  program_iters: int = 0) -> dict[str, Any]:
     """One row count's speculative draft + verify cycle on an idle ``engine`` with speculative decoding on: the
     replayed cycle's device and host dispatch seconds (bench/decode_timer.py ``time_verify_cycle``), the
     compilations during the timed replay (must be 0), its roofline bytes by part (:func:`cycle_roofline_parts` at
     ``accept_length``) and seconds at the chip ``chip_key``'s HBM peak, both ratios, the ratio to the plain decode
     step ``plain_s`` (seconds, the same rows; None: not measured), the replay's accept length and distinct ids
     (``CycleReplay``), and ``programs``: the compiled programs one cycle dispatches, in order (one untimed cycle
-    recorded before the timing).
+    recorded before the timing). ``program_iters`` > 0 adds ``alone``: each program of the cycle timed alone
+    (decode_timer.py ``time_cycle_programs``, ``program_iters`` calls a window), one entry per program in dispatch
+    order with its seconds, its least bytes (:func:`cycle_program_bytes`), their seconds at the HBM peak and
+    measured / roofline; ``alone_s`` their sum.
 
     Raises:
         ValueError: as :func:`cycle_roofline_parts` and ``time_verify_cycle``."""
-    from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_verify_cycle
+    from sglang_tpu_qwen.bench.decode_timer import (
+        CYCLE_PROGRAMS,
+        recorded_programs,
+        time_cycle_programs,
+        time_verify_cycle,
+    )
     from sglang_tpu_qwen.engine.runner import compilation
     from sglang_tpu_qwen.tools.plan.chips import CHIPS
 
@@ -209,6 +235,14 @@ def measure_cycle(engine: Any, rows: int, context: int, chip_key: str, *, iters:
     bw = chip.hbm_bytes_per_s / chip.devices_per_chip
     total = sum(parts.values())
     roofline_s = total / bw
+    program_bytes = cycle_program_bytes(runner, rows, parts, accept_length)
+    alone: list[dict[str, Any]] = []
+    if program_iters > 0:
+        times = time_cycle_programs(runner, bucket.batch, context, iters=program_iters, windows=windows)
+        for name in CYCLE_PROGRAMS:
+            t, b = times[name].step_s, program_bytes[name]
+            alone.append({"program": name, "device_s": t, "dispatch_s": times[name].dispatch_s, "min_bytes": b,
+                          "roofline_s": b / bw, "measured_over_roofline": t * bw / b if b else None})
     return {"rows": rows, "bucket_rows": bucket.batch, "context": context, "tokens_per_row": runner.spec_steps + 1,
             "device_s": replay.step_s, "dispatch_s": replay.dispatch_s, "compilations": compiles, "bytes": parts,
             "bytes_total": total, "roofline_s": roofline_s, "roofline_over_measured": roofline_s / replay.step_s,
@@ -217,23 +251,28 @@ def measure_cycle(engine: Any, rows: int, context: int, chip_key: str, *, iters:
             "accept_length_replay": replay.accept_length, "distinct_sampled": replay.distinct_sampled,
             "distinct_drafts": replay.distinct_drafts,
             "draft_lm_head_bytes": float(runner.spec_steps * _bucket_bytes(runner, rows)[1].lm_head),
-            "programs": [str(k) for k in keys]}
+            "program_bytes": program_bytes, "alone": alone,
+            "alone_s": sum(a["device_s"] for a in alone) if alone else None, "programs": [str(k) for k in keys]}
 
 
 def plan_rows(engine_info: dict[str, Any], config: Any, chip_key: str, rows: int, context: int,
               speculative_num_draft_tokens: int = 0, accept_length: float | None = None) -> dict[str, Any]:
-    """The planner's decode step of ``rows`` rows at ``context`` on one chip ``chip_key`` with the engine's page size
-    and cache dtypes (``tools.plan.plan``; compiles for a deviceless topology: run it with no engine serving).
+    """The planner's decode step of ``rows`` rows at ``context`` on one chip ``chip_key`` with the engine's page size,
+    cache dtypes and KV pool (``engine_info["kv_tokens"]`` where given, :func:`settle_engine`; else every row at
+    ``context``) (``tools.plan.plan``; compiles for a deviceless topology: run it with no engine serving).
     Returns ``planned_s`` (uniform routing), ``roofline_s``, ``min_bytes`` and its parts, ``bytes_ratio``; with
     ``speculative_num_draft_tokens`` N > 0 (and ``accept_length`` in [1, N]) also ``verify``: the same fields of
-    the planner's verify step (the served verify, sampling, commit, draft and carry programs), or its error."""
+    the planner's verify step (the served verify, sampling, commit, draft and carry programs), or its error.
+    ``programs``: each program of the step planned alone (``program``, ``hlo_bytes``, ``min_bytes``,
+    ``serial_s``: its instructions one after another plus its undeclared XLA flops at the peak)."""
     from sglang_tpu_qwen.tools.plan import plan
 
     spec = dict(speculative_num_draft_tokens=speculative_num_draft_tokens,
                 speculative_accept_length=accept_length) if speculative_num_draft_tokens else {}
     report = plan(config, ONE_CHIP_TOPOLOGY[chip_key], 1, 1, rows, context, page_size=engine_info["page_size"],
                   steps=("decode",), kv_cache_dtype=engine_info["kv_cache_dtype"],
-                  mamba_ssm_dtype=engine_info["mamba_ssm_dtype"], **spec)
+                  mamba_ssm_dtype=engine_info["mamba_ssm_dtype"], max_total_tokens=engine_info.get("kv_tokens"),
+                  **spec)
 
     def fields(step: dict[str, Any]) -> dict[str, Any]:
         if "error" in step:
@@ -241,7 +280,9 @@ def plan_rows(engine_info: dict[str, Any], config: Any, chip_key: str, rows: int
         return {"planned_s": step["planned_s"]["uniform"], "roofline_s": step["roofline_s"],
                 "min_bytes": step["min_bytes"], "min_bytes_parts": step["min_bytes_parts"],
                 "bytes_ratio": step["bytes_ratio"], "serial_s": step["serial_s"], "bucket_rows": step["rows"],
-                "kernels": report["kernels"], "top_excess": step["top_excess"][:3]}
+                "kernels": report["kernels"], "top_excess": step["top_excess"][:3],
+                "programs": [{k: p[k] for k in ("program", "hlo_bytes", "min_bytes", "serial_s")}
+                             for p in step["programs"]]}
 
     out = fields(report["steps"]["decode"])
     if speculative_num_draft_tokens:
@@ -298,6 +339,7 @@ def _kernel(t: str, op: str) -> bool:
 CATEGORIES: tuple[tuple[str, Any], ...] = (
     ("attention kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "ragged_paged_attention" in t),
     ("GDN kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "fused_gdn" in t),
+    ("GDN snapshot copy (Pallas)", lambda t, op, module: _kernel(t, op) and "copy_slots" in t),
     ("MoE grouped matmul (ragged_dot / FP8 kernel)",
      lambda t, op, module: any(k in t for k in ("ragged-dot", "ragged_dot", "fp8_matmul", "grouped_matmul"))),
     ("copies", lambda t, op, module: op in ("copy", "copy-start", "copy-done") or t.startswith("copy")),
@@ -361,8 +403,10 @@ def aggregate_profile(profile: Any, table: dict[str, dict[str, OpInfo]], steps: 
     host plane's events that carry an ``hlo_op`` stat (XLA:CPU's ops, on several threads at once).
 
     Returns ``{"source": "device" | "host" | "none", "plane", "steps", "total_ms_per_step", "modules_ms_per_step",
-    "categories": [{"category", "ms_per_step", "share"}], "top_ops": [{"op", "module", "category", "opcode",
-    "op_name", "ms_per_step", "share", "count"}]}`` (shares of the total; time in ms per step).
+    "categories": [{"category", "ms_per_step", "share"}], "programs": [{"module", "ms_per_step", "share",
+    "span_ms_per_step", "runs_per_step"}], "top_ops": [{"op", "module", "category", "opcode", "op_name",
+    "ms_per_step", "share", "count"}]}`` (shares of the total; time in ms per step; a program's ``ms_per_step``
+    sums its ops' self times, ``span_ms_per_step`` its XLA Modules events on a device plane, else None).
     """
     steps = max(1, steps)
     planes = list(profile.planes)
@@ -402,10 +446,18 @@ def aggregate_profile(profile: Any, table: dict[str, dict[str, OpInfo]], steps: 
             if len(rows) > found:
                 source, plane_name = "host", plane.name
     per_op: dict[tuple[str, str], list[float]] = {}
+    per_module: dict[str, float] = {}
     for name, module, ns in rows:
         acc = per_op.setdefault((name, module), [0.0, 0])
         acc[0] += ns
         acc[1] += 1
+        per_module[module] = per_module.get(module, 0.0) + ns
+    spans: dict[str, list[float]] = {}  # device: each program's XLA Modules events (its span, gaps included)
+    if source == "device":
+        for e in mod_events:
+            acc = spans.setdefault(_module_name(e.name), [0.0, 0])
+            acc[0] += e.duration_ns
+            acc[1] += 1
     total_ns = sum(v[0] for v in per_op.values())
     cats: dict[str, float] = {}
     ops = []
@@ -425,9 +477,13 @@ def aggregate_profile(profile: Any, table: dict[str, dict[str, OpInfo]], steps: 
     ops.sort(key=lambda o: -o["ms_per_step"])
     categories = [{"category": c, "ms_per_step": ns / 1e6 / steps, "share": ns / total_ns if total_ns else 0.0}
                   for c, ns in sorted(cats.items(), key=lambda kv: -kv[1])]
+    programs = [{"module": m, "ms_per_step": ns / 1e6 / steps, "share": ns / total_ns if total_ns else 0.0,
+                 "span_ms_per_step": spans[m][0] / 1e6 / steps if m in spans else None,
+                 "runs_per_step": spans[m][1] / steps if m in spans else None}
+                for m, ns in sorted(per_module.items(), key=lambda kv: -kv[1])]
     return {"source": source, "plane": plane_name, "steps": steps, "total_ms_per_step": total_ns / 1e6 / steps,
             "modules_ms_per_step": modules_ns / 1e6 / steps if modules_ns else None, "categories": categories,
-            "top_ops": ops[:TOP_OPS], "ops": ops}
+            "programs": programs, "top_ops": ops[:TOP_OPS], "ops": ops}
 
 
 def capture_profile(runner: Any, rows: int, context: int, steps: int, out_dir: str | Path) -> Path:
@@ -487,6 +543,27 @@ def profile_step(runner: Any, rows: int, context: int, steps: int, out_dir: str 
     result = profile_replay(_decode_replay(runner, bucket.batch, context),
                             lambda: profiled_programs(runner, bucket.batch), steps, out_dir)
     return {**result, "rows": bucket.batch, "context": context}
+
+
+def profile_cycle(runner: Any, rows: int, context: int, cycles: int, out_dir: str | Path) -> dict[str, Any]:
+    """Capture and aggregate (:func:`profile_replay`) ``cycles`` replayed speculative draft + verify cycles of
+    ``rows`` rows at ``context`` (bench/decode_timer.py ``time_verify_cycle``), named by the programs one cycle
+    dispatches (recorded from one untimed cycle); per cycle, with the per-program times (``programs``)."""
+    from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_verify_cycle
+
+    bucket = runner.buckets.decode_bucket(-(-rows // runner.sizing.dp))
+    with recorded_programs(runner) as keys:
+        time_verify_cycle(runner, bucket.batch, context, iters=1, windows=1, warmup=0)
+    unique = list(dict.fromkeys(keys))
+
+    def programs() -> list[tuple[str, str]]:
+        return [(str(k), runner.programs.get(k).as_text()) for k in unique]
+
+    prof = profile_replay(lambda iters, warmup: time_verify_cycle(runner, bucket.batch, context, iters=iters,
+                                                                  windows=1, warmup=warmup),
+                          programs, cycles, out_dir)
+    return {**prof, "rows": bucket.batch, "context": context, "unit": "cycle",
+            "what": f"{cycles} replayed draft + verify cycles at {bucket.batch} rows x {context}"}
 
 
 # ---- output ---------------------------------------------------------------------------------------------------
@@ -603,6 +680,30 @@ def format_cycles(result: dict[str, Any]) -> str:
             f"{c['bucket_rows'] * n}, {c['distinct_drafts']} distinct drafts of {c['bucket_rows'] * k} (few would "
             "route the MoE layers like one row: a cycle "
             f"faster than serving); {plan_note}.")
+    per_program = [c for c in result["cycles"] if c.get("alone") or (c.get("plan") or {}).get("programs")]
+    if per_program:
+        lines += ["", "Per program (each alone: decode_timer.py time_cycle_programs, the same timing loop; roofline: "
+                  "the cycle's least bytes split by the program that moves them, step_bytes.program_min_bytes; "
+                  "planned: the planner's program alone, its instructions one after another plus its undeclared "
+                  "XLA flops at the peak):", "",
+                  "| rows (bucket) | program | alone ms | roofline GB | roofline ms | measured / roofline | "
+                  "planned ms | planned HLO GB |", "|---|---|---|---|---|---|---|---|"]
+        bw = chip["hbm_bytes_per_s"] / chip["devices_per_chip"]
+        for c in per_program:
+            alone = {a["program"]: a for a in c.get("alone") or []}
+            planned = {p["program"]: p for p in (c.get("plan") or {}).get("programs") or []}
+            for name, b in c["program_bytes"].items():
+                a, pl = alone.get(name), planned.get(name)
+                ratio = f"{a['measured_over_roofline']:.2f}" if a and a["measured_over_roofline"] else "n/a"
+                alone_ms = f"{a['device_s'] * 1e3:.2f}" if a else "n/a"
+                plan_ms, plan_gb = (f"{pl['serial_s'] * 1e3:.2f}", _gb(pl["hlo_bytes"])) if pl else ("n/a", "n/a")
+                lines.append(f"| {c['rows']} ({c['bucket_rows']}) | {name} | {alone_ms} | {_gb(b)} | "
+                             f"{b / bw * 1e3:.2f} | {ratio} | {plan_ms} | {plan_gb} |")
+            if c.get("alone_s"):
+                lines.append(f"| {c['rows']} ({c['bucket_rows']}) | sum alone (the cycle: "
+                             f"{c['device_s'] * 1e3:.2f}) | {c['alone_s'] * 1e3:.2f} | {_gb(c['bytes_total'])} | "
+                             f"{c['roofline_s'] * 1e3:.2f} | {c['alone_s'] / c['roofline_s']:.2f} | | |")
+        lines.append("")
     lines.append("- Not in the replay: the scheduler's host work and reads between cycles (it reads each cycle's "
                  "accepted counts, drafts and tokens while the next verify step runs), a carried row's ids read "
                  "from the carry (same program, other data), decode snapshot writes (the roofline counts them).")
@@ -627,6 +728,12 @@ def format_profile(prof: dict[str, Any]) -> str:
         return head + "no device plane and no XLA ops on the host plane: nothing to break down"
     lines = [head, "", f"| category | ms / {unit} | share |", "|---|---|---|"]
     lines += [f"| {c['category']} | {c['ms_per_step']:.3f} | {100 * c['share']:.1f}% |" for c in prof["categories"]]
+    if prof.get("programs"):
+        lines += ["", f"| program | ops ms / {unit} | share | program span ms / {unit} | runs / {unit} |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {p['module'] or '(unknown)'} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% | "
+                  + (f"{p['span_ms_per_step']:.3f} | {p['runs_per_step']:g} |" if p.get("span_ms_per_step")
+                     is not None else "n/a | n/a |") for p in prof["programs"]]
     lines += ["", f"| top {TOP_OPS} ops | program | category | ms / {unit} | share | runs / {unit} | op_name |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {o['op']} | {o['module']} | {o['category']} | {o['ms_per_step']:.3f} | {100 * o['share']:.1f}% | "
@@ -651,6 +758,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
     bench.add_argument("--profile-rows", default="64", help="Comma-separated row counts of the profiled steps.")
     bench.add_argument("--profile-steps", type=int, default=5, help="Decode steps inside the trace.")
     bench.add_argument("--no-plan", action="store_true", help="Skip the planner's step (a deviceless compile).")
+    bench.add_argument("--cycle-program-iters", type=int, default=5,
+                       help="With --speculative-algorithm: also time each program of the cycle alone, this many "
+                            "calls a window (0: off).")
     bench.add_argument("--accept-length", type=float, default=1.0,
                        help="With --speculative-algorithm: the accept length (tokens per row per cycle) the "
                             "cycle's roofline and plan assume for the decode snapshots the commit writes (default "
@@ -667,8 +777,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
     except ValueError:
         p.error(f"--profile-rows takes comma-separated integers, got {ns.profile_rows!r}")
     if not ns.row_counts or ns.row_counts[0] <= 0 or ns.context <= 1 or ns.iters <= 0 or ns.windows <= 0 \
-            or not ns.profile_row_counts or ns.profile_row_counts[0] <= 0 or ns.profile_steps <= 0:
-        p.error("--rows, --iters, --windows, --profile-rows and --profile-steps must be positive, --context > 1")
+            or not ns.profile_row_counts or ns.profile_row_counts[0] <= 0 or ns.profile_steps <= 0 \
+            or ns.cycle_program_iters < 0:
+        p.error("--rows, --iters, --windows, --profile-rows and --profile-steps must be positive, --context > 1, "
+                "--cycle-program-iters >= 0")
     given = sys.argv[1:] if argv is None else argv
     if not any(a.startswith("--max-running-requests") for a in given):
         ns.max_running_requests = max(ns.row_counts + (ns.profile_row_counts if ns.profile else []))
@@ -727,8 +839,9 @@ def run_engine(ns: argparse.Namespace, server_args: ServerArgs, measure_fn: Any,
 def measure(engine: Any, ns: argparse.Namespace, ready_s: float = 0.0) -> dict[str, Any]:
     """Every row count of ``ns`` (:func:`parse_args`) on the idle, started ``engine``: the plain decode step
     (:func:`measure_rows`), the draft + verify cycle where the engine decodes speculatively
-    (:func:`measure_cycle`), and the profile with ``--profile``. ``ready_s``: the engine's start, seconds (shown
-    only). Returns the result dict without the plan (``run`` adds it after the engine is shut down)."""
+    (:func:`measure_cycle`), and the profile with ``--profile`` (of the plain step, and of the cycle where the
+    engine decodes speculatively). ``ready_s``: the engine's start, seconds (shown only). Returns the result dict
+    without the plan (``run`` adds it after the engine is shut down)."""
     import jax
 
     from sglang_tpu_qwen.tools.plan.chips import CHIPS
@@ -754,7 +867,8 @@ def measure(engine: Any, ns: argparse.Namespace, ready_s: float = 0.0) -> dict[s
         result["rows"].append(r)
         if runner.spec_steps:
             c = measure_cycle(engine, rows, ns.context, chip_key, iters=ns.iters, windows=ns.windows,
-                              accept_length=ns.accept_length, plain_s=r["device_s"])
+                              accept_length=ns.accept_length, plain_s=r["device_s"],
+                              program_iters=ns.cycle_program_iters)
             logger.info("%d rows: %.3f ms per draft + verify cycle (%.2f plain steps), roofline %.3f ms", rows,
                         c["device_s"] * 1e3, c["over_plain"], c["roofline_s"] * 1e3)
             c["plain_programs"] = r["programs"]
@@ -762,12 +876,15 @@ def measure(engine: Any, ns: argparse.Namespace, ready_s: float = 0.0) -> dict[s
     if ns.profile:
         result["profiles"] = []
         for rows in ns.profile_row_counts:
-            try:
-                prof = profile_step(runner, rows, ns.context, ns.profile_steps, Path(ns.profile) / f"rows{rows}")
-            except Exception as e:  # the measurements above stand without it
-                logger.exception("profile failed")
-                prof = {"error": f"{type(e).__name__}: {e}", "rows": rows}
-            result["profiles"].append(prof)
+            kinds = [("step", profile_step)] + ([("cycle", profile_cycle)] if runner.spec_steps else [])
+            for kind, fn in kinds:
+                try:
+                    prof = fn(runner, rows, ns.context, ns.profile_steps, Path(ns.profile) / f"{kind}{rows}")
+                except Exception as e:  # the measurements above stand without it
+                    logger.exception("profile failed")
+                    prof = {"error": f"{type(e).__name__}: {e}", "rows": rows,
+                            "what": f"{kind} at {rows} rows"}
+                result["profiles"].append(prof)
     return result
 
 
@@ -775,7 +892,8 @@ def settle_engine(engine: Any, ready_s: float = 0.0) -> dict[str, Any]:
     """Let a started ``engine``'s background grammar load finish (seconds of CPU that must not overlap timed
     steps; a failed load only matters to constrained requests) and describe it: running requests, context length,
     page size, KV / GDN-state / compute dtypes, dp, the kernels, its start (``ready_s``, seconds) and precompile
-    stats."""
+    stats, and ``kv_tokens``: each rank's KV pool in tokens (its pages but the trash page; the planner compiles the
+    same pool)."""
     runner, args = engine.runner, engine.server_args
     if engine.grammar is not None:
         with contextlib.suppress(Exception):
@@ -784,6 +902,7 @@ def settle_engine(engine: Any, ready_s: float = 0.0) -> dict[str, Any]:
             "page_size": runner.sizing.page_size, "kv_dtype": runner.kv_dtype.name,
             "kv_cache_dtype": args.kv_cache_dtype, "mamba_ssm_dtype": runner.sizing.state_dtype.name,
             "dtype": runner.dtype.name, "dp": runner.sizing.dp, "ready_s": ready_s,
+            "kv_tokens": (runner.sizing.num_pages - 1) * runner.sizing.page_size,
             "kernels": {"attention": runner.backends.attention.name, "gdn": runner.backends.gdn.name},
             "precompile": engine.precompile_stats}
 

@@ -4,8 +4,9 @@ the device time of one step replayed on an idle engine.
 `DecodeTimer` is a step observer (engine/runner/step_executor.py `StepObserver`): attach it to a runner with
 ``runner.observers.attach(timer)`` and its `stats` accumulate over the decode steps of the block.
 `time_decode_step` replays the decode programs back to back without the scheduler; `time_verify_cycle` replays a
-speculative verify step's programs (verify, sampling, commit, draft, carry) the same way. Both go through one
-timing loop (`replay`); `recorded_programs` lists the compiled programs a block dispatches. `trash_rows` and
+speculative verify step's programs (verify, sampling, commit, draft, carry) the same way, and
+`time_cycle_programs` each of those programs alone. All go through one timing loop (`replay`);
+`recorded_programs` lists the compiled programs a block dispatches. `trash_rows` and
 `replay_ids` lay out replayed rows (trash page and slot, distinct ids) for these replays and the prefill
 benchmark's (bench/prefill_step.py), which times its steps with `replay` too.
 """
@@ -219,6 +220,45 @@ def time_verify_cycle(runner: ModelRunner, rows: int, context: int, iters: int =
     got, drafts, tokens = (np.asarray(a) for a in jax.device_get((got, drafts, tokens)))
     return CycleReplay(timed.step_s, timed.dispatch_s, float(got.mean()), len(set(tokens.tolist())),
                        len(set(drafts.ravel().tolist())))
+
+
+CYCLE_PROGRAMS = ("verify", "sample", "commit", "draft", "spec_carry")  # one verify step's, in dispatch order
+
+
+def time_cycle_programs(runner: ModelRunner, rows: int, context: int, iters: int = 5, windows: int = 3,
+                        warmup: int = 1) -> dict[str, ReplayTime]:
+    """Seconds per call of each program of :func:`time_verify_cycle`'s cycle replayed ALONE (CYCLE_PROGRAMS:
+    the verify program, the greedy sampling of its positions, then the commit, draft and carry programs of
+    ``StepExecutor.commit``, each through its own runner call), with the same timing loop (medians of `windows` x
+    `iters` calls dispatched back to back, after `warmup` untimed). The programs after the verify read the
+    outputs of one untimed cycle run first (the same arrays every call: the commit re-commits the trash slot,
+    the draft re-drafts from the same accepted counts). A program alone pays its own launch and whatever the
+    one before it left unfinished in a cycle, so the sum may differ from the cycle's time a little. For IDLE
+    engines only; observers do not see these calls, and the kept ids and carry are put back afterwards.
+
+    Raises:
+        ValueError: as :func:`verify_replay_batch`."""
+    batch, sampling, snaps = verify_replay_batch(runner, rows, context)
+    ex = runner.executor
+    with runner.side_steps():
+        step = runner.verify(batch)
+        sampled = runner.sample(step, sampling)
+        committed = ex.commit_states(step, batch, sampled, snaps)
+        drafts = ex.draft_committed(step, committed)
+        jax.block_until_ready(drafts)
+
+        def carry() -> jax.Array:
+            ex.keep_carry(committed, drafts)
+            return runner.state.spec_carry
+
+        calls: dict[str, Callable[[], Any]] = {
+            "verify": lambda: runner.verify(batch).last,
+            "sample": lambda: runner.sample(step, sampling).tokens,
+            "commit": lambda: ex.commit_states(step, batch, sampled, snaps).got,
+            "draft": lambda: ex.draft_committed(step, committed),
+            "spec_carry": carry,
+        }
+        return {name: replay(runner, calls[name], iters, windows, warmup)[0] for name in CYCLE_PROGRAMS}
 
 
 def replay(runner: ModelRunner, step: Callable[[], Any], iters: int, windows: int,

@@ -119,6 +119,18 @@ class StepOutput:
 
 
 @dataclass
+class CommitOutput:
+    """Device outputs of a verify step's commit program (StepExecutor.commit_states): got [B] int32 accepted
+    counts, drafting the draft program's packed step, behind [B] int32 (the row's decode snapshot lags), and
+    pages the step's page-table width (the draft program's key)."""
+
+    got: jax.Array
+    drafting: jax.Array
+    behind: jax.Array
+    pages: int
+
+
+@dataclass
 class SampleOutput:
     """Device arrays of one sampling step, returned without waiting for the device (overlap scheduling
     keeps `tokens` on the device as the next step's input); `get()` blocks and copies to the host.
@@ -229,7 +241,19 @@ class StepExecutor:
         the state also goes to slot snapshots[b, 0], a global id, 0: none; snapshots[b, 1] is the position of the
         row's decode snapshot so far), run the draft program over the accepted positions and keep the carry for
         the next verify step. `batch`: the step's rows with their exact prefix (extend_lens 0 and slot 0 for a
-        row to skip). Returns the accepted counts [B] and the drafts [B, k] (device int32), without waiting."""
+        row to skip). Returns the accepted counts [B] and the drafts [B, k] (device int32), without waiting.
+
+        Three programs, one call each: :meth:`commit_states`, :meth:`draft_committed`, :meth:`keep_carry` (the
+        benchmark times each alone through the same calls)."""
+        committed = self.commit_states(step, batch, sampled, snapshots)
+        drafts = self.draft_committed(step, committed)
+        self.keep_carry(committed, drafts)
+        return committed.got, drafts
+
+    def commit_states(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput,
+                      snapshots: np.ndarray) -> CommitOutput:
+        """The commit program of :meth:`commit` alone: accepted counts, GDN states and snapshots; returns its
+        device outputs (the draft program's packed step among them) without waiting."""
         spec = self._spec()
         b = batch.batch_size
         packed = self._packed(batch)
@@ -239,10 +263,21 @@ class StepExecutor:
         self.state.cache, got, drafting, behind = self.programs.get(("commit", b))(
             spec.conv_weights, self.state.cache, on_device[0], step.gdn_inputs, sampled.tokens, step.fed,
             step.fed_lens, on_device[1])
-        drafts, self.state.cache = self.programs.get(("draft", b, spec.tokens, batch.page_table.shape[1]))(
-            self.programs.param_leaves, self.state.cache, drafting, step.hidden)
-        self.state.spec_carry = self.programs.get(("spec_carry", b))(drafting, drafts, behind)
-        return got, drafts
+        return CommitOutput(got, drafting, behind, batch.page_table.shape[1])
+
+    def draft_committed(self, step: StepOutput, committed: CommitOutput) -> jax.Array:
+        """The draft program of :meth:`commit` alone: drafts [B, k] int32 (device) from the MTP layer over the
+        verify step's accepted positions (`step.hidden`, `committed.drafting`); writes the MTP layer's KV."""
+        spec = self._spec()
+        b = committed.got.shape[0]
+        drafts, self.state.cache = self.programs.get(("draft", b, spec.tokens, committed.pages))(
+            self.programs.param_leaves, self.state.cache, committed.drafting, step.hidden)
+        return drafts
+
+    def keep_carry(self, committed: CommitOutput, drafts: jax.Array) -> None:
+        """The carry program of :meth:`commit` alone: keeps on the device what the next verify step reads."""
+        self.state.spec_carry = self.programs.get(("spec_carry", committed.got.shape[0]))(
+            committed.drafting, drafts, committed.behind)
 
     def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
         """Draft tokens [B, k] int32 (device) from the MTP layer over `batch`'s positions: input_ids[b, t] the

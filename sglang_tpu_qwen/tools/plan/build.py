@@ -98,6 +98,7 @@ def plan(
     mamba_ssm_dtype: str | None = None,
     speculative_num_draft_tokens: int = 0,
     speculative_accept_length: float | None = None,
+    max_total_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Compile the server's decode and prefill programs and return the report (JSON-able dict; see
     docs/parallelism.md#the-planner for its fields). ``kv_cache_dtype``: the server's --kv-cache-dtype (the KV
@@ -108,6 +109,10 @@ def plan(
     (and the sampling program of its B * N positions) are compiled as one "verify" step, and the workloads are
     composed with it at ``speculative_accept_length`` tokens per request per verify step (SGLang's accept
     length), beside ``workloads_without_speculation``.
+
+    ``max_total_tokens``: the server's --max-total-tokens, each DP rank's KV pool in tokens (default: every row at
+    ``context_length``). A benchmark that plans beside a running engine passes the engine's pool: XLA lays out a
+    small pool differently (one that fits the chip's VMEM is staged through it between the attention calls).
 
     Raises:
         ValueError: unknown chip family, or sizes that do not divide (requests or experts vs dp / ep), or
@@ -131,7 +136,7 @@ def plan(
                                       speculative_eagle_topk=1, speculative_num_draft_tokens=n_spec) if n_spec else {}
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
                       context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
-                      max_total_tokens=rows_per_rank * context_length, moe_combine=combine,
+                      max_total_tokens=max_total_tokens or rows_per_rank * context_length, moe_combine=combine,
                       max_gdn_snapshots=max_gdn_snapshots, kv_cache_dtype=kv_cache_dtype,
                       mamba_ssm_dtype=mamba_ssm_dtype, **spec_flags)
     hbm_dev = chip.hbm_bytes / chip.devices_per_chip
@@ -224,9 +229,13 @@ def plan(
         touched = (routing.kernel_expected_experts(c.num_experts, c.num_experts_per_tok, ep, tokens_step)
                    / (c.num_experts // ep)) if c.num_experts else 1.0
         inplace = chip.inplace_stream_fraction
+        # The commit's snapshot copy declares every row's state; it moves the rows that take a snapshot, as many
+        # as the roofline counts (accept length / page size of them).
+        charged = ({programs.SNAPSHOT_COPY: 2 * rows_rank * rb.state_per_slot
+                    * min(1.0, speculative_accept_length / page_size)} if name == "verify" else None)
         tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched, inplace_stream_fraction=inplace)
-        tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched, inplace_stream_fraction=inplace)
-                for t in other_texts]
+        tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
+                                 custom_call_bytes=charged) for t in other_texts]
         tr_s = {k: sum(t[k] for t in tr_o) for k in ("bytes", "kernel_bytes", "serial_s", "declared_flops")}
         tr_s["top_excess"] = [e for t in tr_o for e in t["top_excess"]]
         bytes_accessed = tr_f["bytes"] + tr_s["bytes"]
@@ -239,6 +248,17 @@ def plan(
         # Flops no kernel declares (XLA's dots, attention at its real context) run after the kernels.
         serial = tr_f["serial_s"] + tr_s["serial_s"] + max(0.0, flops - tr_f["declared_flops"]
                                                            - tr_s["declared_flops"]) / peak
+        # Each program alone: its least bytes, its instructions one after another and the flops XLA counts in
+        # it beyond what its kernels declare, at the peak (the step's serial time sums these, with the step's
+        # analytic flops where they exceed XLA's).
+        p_min = step_bytes.program_min_bytes(rb, name, parts, rows_rank=rows_rank, page_size=page_size,
+                                             accept_length=speculative_accept_length)
+        per_program = []
+        for label, tr, pc in zip(_program_names(name), [tr_f, *tr_o], [cost, *other_costs], strict=True):
+            flops_s = max(0.0, pc["flops"] - tr["declared_flops"]) / peak
+            per_program.append({"program": label, "hlo_bytes": tr["bytes"], "min_bytes": p_min[label],
+                                "bytes_s": tr["serial_s"], "flops_s": flops_s, "serial_s": tr["serial_s"] + flops_s,
+                                "top_excess": tr["top_excess"][:3]})
         moe = moe_extra(c, ep, tokens_step, per_expert, name)
         coll = collectives.charge([fwd_text, *other_texts], chip_of, chip)
         step: dict[str, Any] = {
@@ -262,7 +282,7 @@ def plan(
             "compiled_tokens_per_s_per_chip": tokens_step / report["chips"] / t_compiled,
             "serial_s": serial, "serial_extra_s": max(0.0, serial - t_compiled),
             "moe_extra": moe, "collective_s": coll,
-            "top_excess": tr_f["top_excess"] + tr_s["top_excess"],
+            "top_excess": tr_f["top_excess"] + tr_s["top_excess"], "programs": per_program,
         }  # fmt: skip
         # Before collectives: the instructions one after another; the mean device at the distribution's mean
         # experts, the slowest at its expected maximum experts and pairs.
@@ -284,6 +304,11 @@ def plan(
     # The published measurements ran without speculation: calibrate against the plan without it.
     report["calibration"] = calibrate(plain, report)
     return report
+
+
+def _program_names(name: str) -> list[str]:
+    """The programs of step ``name`` in :func:`_compile_step`'s order (step_bytes.program_min_bytes's keys)."""
+    return ["verify", "commit", "draft", "spec_carry", "sample"] if name == "verify" else ["forward", "sample"]
 
 
 def _compile_step(runner: Any, name: str, bucket: Any, n_spec: int) -> list[Any]:

@@ -16,6 +16,9 @@ from sglang_tpu_qwen.tools import hlo_traffic
 _ATTENTION_KERNEL = "ragged_paged_attention"
 # Kernels that stream a pool's blocks in and write them back in place (chips.ChipPeaks.inplace_stream_fraction).
 _INPLACE_KERNELS = ("fused_gdn",)
+# The verify commit's snapshot copy (kernels/gdn/slot_copy.py): it declares every row's state, moves the few rows
+# that take a snapshot; the planner charges it what the roofline counts.
+SNAPSHOT_COPY = "copy_slots"
 
 
 def nbytes(tree: Any) -> int:
@@ -53,7 +56,8 @@ def memory(compiled: Any) -> dict[str, int]:
 
 
 def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
-            ragged_dot_fraction: float = 1.0, inplace_stream_fraction: float = 1.0) -> dict[str, Any]:
+            ragged_dot_fraction: float = 1.0, inplace_stream_fraction: float = 1.0,
+            custom_call_bytes: dict[str, float] | None = None) -> dict[str, Any]:
     """Per-instruction traffic of a compiled program (tools/hlo_traffic.py: loop bodies times their trip
     counts, Pallas kernels at their declared traffic). XLA's own total counts a custom call inside a loop
     once, so the planner sums per instruction.
@@ -65,8 +69,10 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
     TensorCore runs one instruction at a time; memory and compute overlap only within one).
     ``ragged_dot_fraction``: the share of experts a ``jax.lax.ragged_dot`` reads (hlo_traffic.program_traffic).
     ``inplace_stream_fraction``: the share of ``bytes_per_s`` the kernels that update a pool in place reach
-    (the fused GDN kernel; chips.ChipPeaks.inplace_stream_fraction)."""
-    ops = hlo_traffic.program_traffic(hlo_text, ragged_dot_fraction=ragged_dot_fraction)
+    (the fused GDN kernel; chips.ChipPeaks.inplace_stream_fraction). ``custom_call_bytes``: bytes per execution
+    of the custom calls whose op_name contains the key, instead of what they declare
+    (hlo_traffic.program_traffic)."""
+    ops = hlo_traffic.program_traffic(hlo_text, custom_call_bytes, ragged_dot_fraction=ragged_dot_fraction)
     rest = sorted((o for o in ops if o.opcode != "custom-call"), key=lambda o: -o.total)
     declared = serial = 0.0
     for o in ops:

@@ -145,6 +145,31 @@ def step_min_bytes(rb: RunnerBytes, step: str, *, rows_rank: int, tokens: int, p
     }
 
 
+def program_min_bytes(rb: RunnerBytes, step: str, parts: dict[str, float], *, rows_rank: int, page_size: int = 1,
+                      accept_length: float | None = None) -> dict[str, float]:
+    """A step's least bytes (``parts``, :func:`step_min_bytes` of the same step and rows) split by the program
+    that moves them, in dispatch order; the values sum to the parts' sum.
+
+    "decode" / "prefill": ``forward`` (everything but the lm_head) and ``sample`` (the lm_head: the sampling
+    program's product). "verify": ``verify`` (the target forward: its weights, experts, KV, embedding rows and
+    one read of the GDN states), ``sample`` (the lm_head over its positions), ``commit`` (the GDN states read and
+    written again and the decode snapshots at ``accept_length / page_size`` of the rows), ``draft`` (the draft
+    program, :func:`draft_min_bytes`) and ``spec_carry`` (nothing of note).
+
+    Raises:
+        ValueError: an unknown ``step``, or a verify step without ``accept_length``."""
+    if step not in STEP_STATE_PASSES:
+        raise ValueError(f"unknown step {step!r}; known: {', '.join(STEP_STATE_PASSES)}")
+    total = sum(parts.values())
+    if step != "verify":
+        return {"forward": total - parts["lm_head"], "sample": parts["lm_head"]}
+    if accept_length is None:
+        raise ValueError("a verify step's bytes need its accept length")
+    commit = rows_rank * rb.state_per_slot * (2.0 + min(1.0, accept_length / page_size))
+    return {"verify": total - parts["lm_head"] - parts["draft"] - commit, "sample": parts["lm_head"],
+            "commit": commit, "draft": parts["draft"], "spec_carry": 0.0}
+
+
 def draft_min_bytes(c: Qwen35MoeConfig, rb: RunnerBytes, n_spec: int, rows: int, rows_rank: int,
                     prefix: int) -> float:
     """Bytes the draft program must move per device: the MTP layer runs N - 1 times in a row (first over the N
