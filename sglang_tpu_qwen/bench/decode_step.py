@@ -297,6 +297,8 @@ def _kernel(t: str, op: str) -> bool:
 
 CATEGORIES: tuple[tuple[str, Any], ...] = (
     ("attention kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "ragged_paged_attention" in t),
+    # The conv windows' DMAs (kernels/gdn/window_copy.py) run inside fused_gdn's scope: named before the kernel.
+    ("GDN conv windows (DMA)", lambda t, op, module: _kernel(t, op) and "windows_dma" in t),
     ("GDN kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "fused_gdn" in t),
     ("MoE grouped matmul (ragged_dot / FP8 kernel)",
      lambda t, op, module: any(k in t for k in ("ragged-dot", "ragged_dot", "fp8_matmul", "grouped_matmul"))),
