@@ -127,9 +127,10 @@ def test_planned_v5e_step_holds_the_benchmarks_bytes() -> None:
         text = runner.lower_forward(runner.buckets.decode_bucket(rows)).compile().as_text()
     (table,) = decode_step.op_table([("forward", text)]).values()
     cats = {decode_step.categorize(name, op.opcode, op.op_name, "jit_forward_program") for name, op in table.items()}
-    assert {"attention kernel (Pallas)", "GDN kernel (Pallas)", "MoE grouped matmul (ragged_dot / FP8 kernel)",
-            "MoE routing (top-k, sort, gather / scatter)", "attention (XLA: projections, RoPE, norms, KV write)",
-            "GDN (XLA: projections, gates, state layout)", "copies"} <= cats, cats
+    assert {"attention kernel (Pallas)", "GDN kernel (Pallas)", "GDN conv windows (DMA)",
+            "MoE grouped matmul (ragged_dot / FP8 kernel)", "MoE routing (top-k, sort, gather / scatter)",
+            "attention (XLA: projections, RoPE, norms, KV write)", "GDN (XLA: projections, gates, state layout)",
+            "copies"} <= cats, cats
     record("Decode step roofline: the planner on v5e:1x1",
            f"embedded model, {rows} x {CONTEXT}: least bytes {planned['min_bytes'] / 1e6:.1f} MB (= the benchmark's), "
            f"planned {planned['planned_s'] * 1e3:.3f} ms, HLO bytes / least {planned['bytes_ratio']:.2f}")

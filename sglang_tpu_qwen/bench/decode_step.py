@@ -338,6 +338,8 @@ def _kernel(t: str, op: str) -> bool:
 
 CATEGORIES: tuple[tuple[str, Any], ...] = (
     ("attention kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "ragged_paged_attention" in t),
+    # The conv windows' DMAs (kernels/gdn/window_copy.py) run inside fused_gdn's scope: named before the kernel.
+    ("GDN conv windows (DMA)", lambda t, op, module: _kernel(t, op) and "windows_dma" in t),
     ("GDN kernel (Pallas)", lambda t, op, module: _kernel(t, op) and "fused_gdn" in t),
     ("GDN snapshot copy (Pallas)", lambda t, op, module: _kernel(t, op) and "copy_slots" in t),
     ("MoE grouped matmul (ragged_dot / FP8 kernel)",

@@ -346,3 +346,32 @@ def test_fused_gdn_short_step_is_decode_steps(layout: tuple[int, ...]) -> None:
         want_conv[:, dst * (k - 1) : (dst + 1) * (k - 1)] = want_conv[:, src * (k - 1) : (src + 1) * (k - 1)]
     np.testing.assert_array_equal(np.asarray(rec_s), want_rec)
     np.testing.assert_array_equal(np.asarray(conv_s), want_conv)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", GDN_LAYOUTS, ids=GDN_IDS)
+def test_conv_window_dma_equals_xla(layout: tuple[int, ...], dtype: Any) -> None:
+    """The conv windows fused_gdn moves by DMA (kernels/gdn/window_copy.py) equal XLA's gather and scatter on the
+    same device bit for bit, at a decode step's 256 rows (a quarter of them padding rows on the trash slot 0):
+    the gathered windows, and the pool after the scatter past slot 0, which holds one padding row's window."""
+    from sglang_tpu_qwen.kernels.gdn.window_copy import gather_windows_dma, scatter_windows_dma
+
+    hk, hv, dk, dv, k = _gdn_heads(layout)
+    conv_dim, taps = 2 * hk * dk + hv * dv, k - 1
+    rows, slots_n = (256, 300) if not interpret() else (12, 16)
+    rng = np.random.default_rng(77 + sum(layout))
+    chip, _ = _devices()
+    put = functools.partial(jax.device_put, device=chip)
+    pool0 = rng.standard_normal(conv_pool.pool_shape(LAYERS, slots_n, conv_dim, taps)).astype(dtype)
+    real = rng.permutation(np.arange(1, slots_n))[: rows - rows // 4]
+    slots = rng.permutation(np.concatenate([real, np.zeros(rows // 4, np.int64)])).astype(np.int32)
+    windows = rng.standard_normal((rows, taps, conv_dim)).astype(np.float32)  # cast to the pool's dtype
+    got = gather_windows_dma(put(pool0), LAYER, put(slots), taps, interpret=interpret())
+    want = jax.jit(conv_pool.gather_windows, static_argnums=3)(put(pool0), LAYER, put(slots), taps)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    want = np.asarray(jax.jit(conv_pool.scatter_windows)(put(pool0), LAYER, put(slots), put(windows)))
+    got = np.asarray(scatter_windows_dma(put(pool0), LAYER, put(slots), put(windows), interpret=interpret()))
+    np.testing.assert_array_equal(got[:, taps:], want[:, taps:])
+    np.testing.assert_array_equal(got[1 - LAYER], pool0[1 - LAYER])
+    trash = got[LAYER, :taps].reshape(taps, conv_dim)
+    assert any(np.array_equal(trash, w) for w in windows[slots == 0].astype(dtype))

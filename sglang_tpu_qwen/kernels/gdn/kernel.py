@@ -56,9 +56,11 @@ The recurrent state block of (layer, slot_ids[b], kh) is selected by the BlockSp
 prefetched slot ids and stays resident in VMEM across the token blocks (its index does not depend on the
 token axis), so each state is read once and written once per call, in place. The conv window (K-1
 inputs per channel) enters as the batch's ``[B, K-1, conv_dim]`` rows of the pool (taps-major,
-lane-dense), gathered by XLA (handing the pool itself to Mosaic made XLA copy all of it around the call:
-8.9 GiB at 45 layers x 33 slots). The window lives in a resident output block across token blocks and XLA
-scatters it back into the pool (B x 3 x conv_dim values per layer, <0.3% of a row's state bytes).
+lane-dense), gathered by one DMA per row (``kernels/gdn/window_copy.py``; XLA's gather and scatter of them
+ran at ~170 GB/s on the v5e) and relaid out by XLA into the kernel's blocks (handing the pool itself to Mosaic
+made XLA copy all of it around the call: 8.9 GiB at 45 layers x 33 slots). The window
+lives in a resident output block across token blocks and is scattered back into the pool by one DMA per row
+after the kernel (B x 3 x conv_dim values per layer, <0.3% of a row's state bytes).
 
 ``block_t`` (default 256, a multiple of C) bounds VMEM: at Qwen3.5-397B shapes (dk = dv = 128, r = 4) a
 step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving room
@@ -81,8 +83,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sglang_tpu_qwen.kernels.gdn.conv_pool import gather_windows, scatter_windows
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm
+from sglang_tpu_qwen.kernels.gdn.window_copy import gather_windows_dma, scatter_windows_dma
 
 CHUNK_SIZE = 64
 # Decode: recurrent-state bytes per grid step (key heads are grouped up to it). A step of one key head
@@ -415,9 +417,10 @@ def fused_gdn(
     def by_group(a: jax.Array) -> jax.Array:  # [B, Tp, Hv] -> [B, Hk, Tp, r]
         return a.astype(jnp.float32).reshape(bsz, tp, hk, r).transpose(0, 2, 1, 3)
 
-    # The conv windows go through XLA as [B, K-1, conv_dim], the rows of the batch's slots: a Mosaic operand
-    # of the whole pool would make XLA copy it around the call. The gather/scatter moves B x K-1 x conv_dim.
-    conv_rows = gather_windows(conv_pool, layer, slot_ids, km1)
+    # The conv windows enter as [B, K-1, conv_dim], the rows of the batch's slots, gathered by one DMA per row
+    # (kernels/gdn/window_copy.py; XLA's gather ran at ~170 GB/s on the v5e): a Mosaic operand of the whole
+    # pool here would make XLA copy it around the call. The gather/scatter moves B x K-1 x conv_dim.
+    conv_rows = gather_windows_dma(conv_pool, layer, slot_ids, km1, interpret=interpret)
 
     norm = None
     norm_in_specs, norm_args = [], []
@@ -498,7 +501,8 @@ def fused_gdn(
         *norm_args,
     )
     if commit:
-        conv_pool = scatter_windows(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1))
+        conv_pool = scatter_windows_dma(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1),
+                                        interpret=interpret)
         (rec_pool,) = rec_out
     o = o.reshape(bsz, tp, hv, dv)[:, :t]
     if gate is not None and norm is None:  # the recurrent form: the reference's own norm
