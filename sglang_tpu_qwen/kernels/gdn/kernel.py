@@ -194,18 +194,28 @@ def _kernel(
         # Decode and short steps (a speculative verify's k + 1 tokens): token by token, each exactly a decode
         # step's arithmetic (_decode_head), the state carried in rec_ref in the pool's dtype between tokens (so
         # a bf16 state is rounded after each token, as T decode steps round it on store).
-        for j in range(heads):
+        def token(i: int, j: int) -> None:
             keys = slice(j * dk, (j + 1) * dk)
-            for i in range(block_t):
-                k_col, q_col = (_lane_replicated(ref[i : i + 1, keys], dv) for ref in (kn, qn))
-                for h in range(j * r, (j + 1) * r):
-                    lanes = slice(h * dv, (h + 1) * dv)
-                    s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32)) if i == 0 else \
-                        rec_ref[h].astype(jnp.float32)
-                    s, o_ref[i : i + 1, lanes] = _decode_head(s0, k_col, q_col, vn[i : i + 1, lanes],
-                                                              g_ref[i : i + 1, h : h + 1],
-                                                              beta_ref[i : i + 1, h : h + 1])
-                    rec_ref[h] = s.astype(rec_ref.dtype)
+            k_col, q_col = (_lane_replicated(ref[i : i + 1, keys], dv) for ref in (kn, qn))
+            for h in range(j * r, (j + 1) * r):
+                lanes = slice(h * dv, (h + 1) * dv)
+                s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32)) if i == 0 else \
+                    rec_ref[h].astype(jnp.float32)
+                s, o_ref[i : i + 1, lanes] = _decode_head(s0, k_col, q_col, vn[i : i + 1, lanes],
+                                                          g_ref[i : i + 1, h : h + 1], beta_ref[i : i + 1, h : h + 1])
+                rec_ref[h] = s.astype(rec_ref.dtype)
+
+        def skip(i: int, j: int) -> None:
+            o_ref[i : i + 1, j * r * dv : (j + 1) * r * dv] = jnp.zeros((1, r * dv), jnp.float32)
+
+        for j in range(heads):
+            token(0, j)  # always: it moves the state from rec_in into rec_ref (a padded token changes nothing)
+            for i in range(1, block_t):
+                # Tokens past new_lens (a commit's rejected drafts, a short row) are skipped, not computed: their
+                # zero k, g and beta would leave the state as it is. The per-token arithmetic is VPU-bound at
+                # T > 1, so a commit costs its accepted tokens. Their outputs are zeros.
+                pl.when(i < n)(functools.partial(token, i, j))
+                pl.when(i >= n)(functools.partial(skip, i, j))
         o_out[...] = o_ref[...]
         return
 
