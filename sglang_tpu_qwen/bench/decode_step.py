@@ -585,7 +585,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"({chip['name']}{'' if result['on_chip'] else ', NOT this device: the ratios are no chip figures'}); "
         f"device time: the replayed step (forward + greedy sampling + keep-sampled), median of "
         f"{result['windows']} x {result['iters']} steps, every row at {result['context']} tokens; host dispatch: "
-        "the host's time to dispatch one step (near the device time: the host sets the pace).",
+        "the dispatching thread's CPU time per step (near the device time: the host sets the pace).",
         "",
         "| rows (bucket) | device ms / step | host dispatch ms / step | lm_head GB | "
         "experts GB (touched / E per layer) | other weights GB | "
