@@ -281,18 +281,20 @@ def measure_shape(engine: Any, rows: int, length: int, chip_key: str, *, iters: 
 
 def plan_prefill(engine_info: dict[str, Any], config: Any, chip_key: str, max_length: int) -> dict[str, Any]:
     """The planner's prefill step on one chip ``chip_key`` with the engine's running requests, page size, chunked
-    prefill size and cache dtypes (``tools.plan.plan(steps=("prefill",))``; compiles for a deviceless topology:
-    run it with no engine serving). ``max_length``: the longest prompt measured (the plan's context length is at
-    least that and the chunk). Returns the step's ``planned_s`` (uniform routing), ``tokens`` (its rows x new
-    tokens), ``planned_per_token_s``, ``analytic_flops`` / ``flops`` (its count / the larger of it and XLA's),
-    ``roofline_s`` and its bound, ``min_bytes``, ``bytes_ratio``, ``serial_s``, ``bucket`` and the kernels."""
+    prefill size, cache dtypes and KV pool (``kv_tokens``: a smaller planned pool can fit on-chip memory, where
+    XLA would stage it around each attention call); ``tools.plan.plan(steps=("prefill",))``, compiled for a
+    deviceless topology: run it with no engine serving. ``max_length``: the longest prompt measured (the plan's
+    context length is at least that and the chunk). Returns the step's ``planned_s`` (uniform routing),
+    ``tokens`` (its rows x new tokens), ``planned_per_token_s``, ``analytic_flops`` / ``flops`` (its count / the
+    larger of it and XLA's), ``roofline_s`` and its bound, ``min_bytes``, ``bytes_ratio``, ``serial_s``,
+    ``bucket`` and the kernels."""
     from sglang_tpu_qwen.tools.plan import plan
 
     chunk = engine_info["chunked_prefill_size"]
     report = plan(config, decode_step.ONE_CHIP_TOPOLOGY[chip_key], 1, 1, engine_info["max_running_requests"],
                   max(max_length, chunk), page_size=engine_info["page_size"], chunked_prefill_size=chunk,
                   steps=("prefill",), kv_cache_dtype=engine_info["kv_cache_dtype"],
-                  mamba_ssm_dtype=engine_info["mamba_ssm_dtype"])
+                  mamba_ssm_dtype=engine_info["mamba_ssm_dtype"], max_total_tokens=engine_info.get("kv_tokens"))
     step = report["steps"]["prefill"]
     if "error" in step:
         return {"error": step["error"]}
