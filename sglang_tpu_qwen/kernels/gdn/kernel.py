@@ -212,7 +212,7 @@ def _kernel(
             token(0, j)  # always: it moves the state from rec_in into rec_ref (a padded token changes nothing)
             for i in range(1, block_t):
                 # Tokens past new_lens (a commit's rejected drafts, a short row) are skipped, not computed: their
-                # zero k, g and beta would leave the state as it is. The per-token arithmetic is VPU-bound at
+                # zero k, g and beta would leave the state as it is. The per-token arithmetic bounds a grid step at
                 # T > 1, so a commit costs its accepted tokens. Their outputs are zeros.
                 pl.when(i < n)(functools.partial(token, i, j))
                 pl.when(i >= n)(functools.partial(skip, i, j))

@@ -232,7 +232,8 @@ def plan(
         # The commit's snapshot copy declares every row's state; it moves the rows that take a snapshot, as many
         # as the roofline counts (accept length / page size of them).
         charged = ({programs.SNAPSHOT_COPY: 2 * rows_rank * rb.state_per_slot
-                    * min(1.0, speculative_accept_length / page_size)} if name == "verify" else None)
+                    * step_bytes.snapshot_fraction(speculative_accept_length, page_size)}
+                   if name == "verify" else None)
         tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched, inplace_stream_fraction=inplace)
         tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
                                  custom_call_bytes=charged) for t in other_texts]

@@ -111,6 +111,12 @@ def runner_bytes(runner: Any, ep: int = 1) -> RunnerBytes:
         top_k=c.num_experts_per_tok if c.num_experts else 0)
 
 
+def snapshot_fraction(accept_length: float, page_size: int) -> float:
+    """The share of a verify step's rows that take a decode snapshot: those whose accepted run reaches a page
+    boundary, ``accept_length / page_size`` of them (at most all)."""
+    return min(1.0, accept_length / page_size)
+
+
 def step_min_bytes(rb: RunnerBytes, step: str, *, rows_rank: int, tokens: int, prefix: int, tokens_step: int,
                    page_size: int = 1, accept_length: float | None = None,
                    draft: Callable[[], float] | None = None) -> dict[str, float]:
@@ -131,7 +137,7 @@ def step_min_bytes(rb: RunnerBytes, step: str, *, rows_rank: int, tokens: int, p
     if step == "verify":
         if accept_length is None:
             raise ValueError("a verify step's bytes need its accept length")
-        passes += min(1.0, accept_length / page_size)
+        passes += snapshot_fraction(accept_length, page_size)
     return {
         "lm_head": float(rb.lm_head),
         "dense": float(rb.dense),
@@ -165,7 +171,7 @@ def program_min_bytes(rb: RunnerBytes, step: str, parts: dict[str, float], *, ro
         return {"forward": total - parts["lm_head"], "sample": parts["lm_head"]}
     if accept_length is None:
         raise ValueError("a verify step's bytes need its accept length")
-    commit = rows_rank * rb.state_per_slot * (2.0 + min(1.0, accept_length / page_size))
+    commit = rows_rank * rb.state_per_slot * (2.0 + snapshot_fraction(accept_length, page_size))
     return {"verify": total - parts["lm_head"] - parts["draft"] - commit, "sample": parts["lm_head"],
             "commit": commit, "draft": parts["draft"], "spec_carry": 0.0}
 
