@@ -24,10 +24,10 @@ def call():
     y = f(x)
     y.block_until_ready()
     y.delete()  # freed now, not whenever the runtime gets to it
-for _ in range(3):
+for _ in range(10):
     call()
 faults = []
-for _ in range(10):
+for _ in range(40):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     call()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -36,7 +36,7 @@ print(host_allocator.configure_host_allocator(), min(faults))
 
 
 def _probe(**env: str) -> tuple[bool, float]:
-    """(settings applied, fewest minor page faults of one call over 10 calls)."""
+    """(settings applied, fewest minor page faults of one call over 40 calls)."""
     full = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
     out = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -52,8 +52,10 @@ def test_large_step_buffers_stop_faulting() -> None:
     assert not default_configured
     pages = 64 * 1024 * 1024 // 4096
     # Default glibc: the 16,384 pages of each fresh result are faulted in again on every call. With the
-    # settings calls reuse freed memory (measured: 4 to 9 of 10 calls fault nothing; the others, where
-    # the heap grew, fault the whole result once).
+    # settings calls reuse freed memory; a call faults the whole result only where the heap grew, because
+    # XLA's threads carved small blocks out of the freed one between two calls. How often that happens
+    # depends on the load: on a loaded 2-core machine up to 10 calls in a row grew the heap, after 3
+    # warm-up calls; with 10 warm-up calls, 0 to 3 of 40 calls did (six runs, three busy loops beside).
     assert default_faults > pages / 2, default_faults
     assert faults < pages / 20, faults
 
