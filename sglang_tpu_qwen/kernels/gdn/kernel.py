@@ -30,7 +30,12 @@ sublane sums in float32, no MXU pass). Each token's arithmetic is a decode step'
 between tokens in the state block in the pool's dtype, so T tokens in one call compute what T decode calls
 compute (a bf16 state rounded after each token as each decode step rounds it on store): a verify step's
 outputs are a plain decode's, token for token. The chunked form would pad such a step to a 64-token chunk
-and solve 64 x 64 systems for it.
+and solve 64 x 64 systems for it. A short step is latency-bound, not bandwidth-bound (4 tokens: ~4x a decode
+step's arithmetic for one read of the state), so its schedule is laid out for overlap: tokens outer and every
+key head of the step inner (one branch per token; the heads' chains interleave), and the lane-replicated k and
+q of every token come from one transpose of the step's normalised k|q rows and a lane broadcast each.
+Deviceless v5e schedule of one 1 MiB grid step (35B layout, float32 state): 4 tokens without commit 7,201 ->
+4,718 bundles, a decode step 1,935 -> 1,532 (dev/gdn_llo_short.py), with the conv taps below.
 
 ``commit=False`` (a speculative verify step) reads the pools and writes nothing: the recurrent state enters
 through its input block and lives in a VMEM scratch (no state output, no aliasing), and the conv windows are
@@ -44,7 +49,7 @@ normalised once for all of them. Any r and any dk, dv run (released: r = 1, 2, 3
 TPU, Mosaic needs dk and dv to be multiples of 128. Inputs are read straight from the model's arrays:
 
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
-    conv_weight  [conv_dim, K]
+    conv_weight  [conv_dim, K]       (the recurrent form's enters as [K, conv_dim] float32, by XLA)
     g, beta      [B, T, Hv] float32  log-decay and write strength (0 at padded tokens)
     conv_pool    [L, S*(K-1), C/128, 128]  all GDN layers' conv windows (kernels/gdn/conv_pool.py)
     rec_pool     [L, S, Hv, dk, dv]      recurrent states, fp32 (default) or bf16, aliased in -> out
@@ -174,7 +179,9 @@ def _kernel(
         km1 = win_ref.shape[0]
         xs_ref[0:km1, :] = win_ref[...].astype(jnp.float32)
         xs_ref[km1:, :] = x_ref[...].astype(jnp.float32)
-        wt = w_ref[...].astype(jnp.float32).T  # [K, channels]
+        wt = w_ref[...].astype(jnp.float32)
+        if not recurrent:
+            wt = wt.T  # [K, channels]; the recurrent form's taps enter so
         y = xs_ref[0:block_t, :] * wt[0:1, :]
         for i in range(1, km1 + 1):
             y = y + xs_ref[i : i + block_t, :] * wt[i : i + 1, :]
@@ -194,9 +201,14 @@ def _kernel(
         # Decode and short steps (a speculative verify's k + 1 tokens): token by token, each exactly a decode
         # step's arithmetic (_decode_head), the state carried in rec_ref in the pool's dtype between tokens (so
         # a bf16 state is rounded after each token, as T decode steps round it on store).
+        # k and q lane-replicated ([dk, dv], row i all k_i) for _decode_head: one transpose of all k|q rows,
+        # then a lane broadcast per use (the XLU's transpose of a sublane broadcast per token and key head
+        # took twice the pops and serialised each head's start).
+        kq_t = jnp.concatenate([kn[...], qn[...]], axis=0).T  # [heads * dk, 2T]: k then q, a token a lane
+
         def token(i: int, j: int) -> None:
             keys = slice(j * dk, (j + 1) * dk)
-            k_col, q_col = (_lane_replicated(ref[i : i + 1, keys], dv) for ref in (kn, qn))
+            k_col, q_col = (jnp.broadcast_to(kq_t[keys, c : c + 1], (dk, dv)) for c in (i, block_t + i))
             for h in range(j * r, (j + 1) * r):
                 lanes = slice(h * dv, (h + 1) * dv)
                 s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32)) if i == 0 else \
@@ -205,17 +217,20 @@ def _kernel(
                                                           g_ref[i : i + 1, h : h + 1], beta_ref[i : i + 1, h : h + 1])
                 rec_ref[h] = s.astype(rec_ref.dtype)
 
-        def skip(i: int, j: int) -> None:
-            o_ref[i : i + 1, j * r * dv : (j + 1) * r * dv] = jnp.zeros((1, r * dv), jnp.float32)
+        def all_heads(i: int) -> None:
+            for j in range(heads):
+                token(i, j)
 
-        for j in range(heads):
-            token(0, j)  # always: it moves the state from rec_in into rec_ref (a padded token changes nothing)
-            for i in range(1, block_t):
-                # Tokens past new_lens (a commit's rejected drafts, a short row) are skipped, not computed: their
-                # zero k, g and beta would leave the state as it is. The per-token arithmetic bounds a grid step at
-                # T > 1, so a commit costs its accepted tokens. Their outputs are zeros.
-                pl.when(i < n)(functools.partial(token, i, j))
-                pl.when(i >= n)(functools.partial(skip, i, j))
+        def skip(i: int) -> None:
+            o_ref[i : i + 1, :] = jnp.zeros((1, heads * r * dv), jnp.float32)
+
+        all_heads(0)  # always: it moves the state from rec_in into rec_ref (a padded token changes nothing)
+        for i in range(1, block_t):
+            # Tokens past new_lens (a commit's rejected drafts, a short row) are skipped, not computed: their
+            # zero k, g and beta would leave the state as it is. The per-token arithmetic bounds a grid step at
+            # T > 1, so a commit costs its accepted tokens. Their outputs are zeros.
+            pl.when(i < n)(functools.partial(all_heads, i))
+            pl.when(i >= n)(functools.partial(skip, i))
         o_out[...] = o_ref[...]
         return
 
@@ -236,16 +251,10 @@ def _kernel(
         o_out[...] = o_ref[...]
 
 
-def _lane_replicated(row: jax.Array, width: int) -> jax.Array:
-    """``[1, d]`` -> ``[d, width]`` with ``out[i, :] = row[0, i]``: broadcast over sublanes and transpose
-    (Mosaic transposes whole tiles), so the decode products below need no per-use lane broadcast."""
-    return jnp.broadcast_to(row, (width, row.shape[-1])).T
-
-
 def _decode_head(s0: jax.Array, k: jax.Array, q: jax.Array, v: jax.Array, g: jax.Array,
                  beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One value head's decode step on the VPU: ``s0 [dk, dv]`` float32, ``k``/``q`` lane-replicated
-    ``[dk, dv]`` (:func:`_lane_replicated`), ``v [1, dv]``, ``g``/``beta [1, 1]``; returns
+    ``[dk, dv]`` (``k[i, :]`` all ``k_i``), ``v [1, dv]``, ``g``/``beta [1, 1]``; returns
     ``(S_t, o_t [1, dv])``: the module docstring's recurrence, with ``k^T (e^g S) = e^g (k^T S)``.
 
     The products with one token are multiplies and sublane sums in float32: a one-row MXU matmul at HIGHEST
@@ -296,11 +305,19 @@ def decode_heads(hk: int, r: int, dk: int, dv: int, itemsize: int, budget: int) 
     return max(h for h in range(1, hk + 1) if hk % h == 0 and (h == 1 or h * per_head <= budget))
 
 
+def _weight_spec(k: int, width, index, taps_major: bool) -> pl.BlockSpec:
+    """BlockSpec of ``width`` channels of the conv weight from channel block (or element) ``index(h)``:
+    ``[k, width]`` of the taps-major ``[K, conv_dim]`` or ``[width, k]`` of ``[conv_dim, K]``."""
+    if taps_major:
+        return pl.BlockSpec((k, width), lambda b, h, t, *_: (0, index(h)))
+    return pl.BlockSpec((width, k), lambda b, h, t, *_: (index(h), 0))
+
+
 def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: int,
-                   dv: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
+                   dv: int, taps_major: bool) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
     """BlockSpecs of key-head group h's v channels ``[2 * Hk * dk + h * r * dv, + r * dv)`` in ``mixed
-    [B, Tp, conv_dim]`` (``[bt, r * dv]``), ``conv_weight [conv_dim, K]`` and the gathered windows
-    ``[B, K-1, conv_dim]``. ``single_block``: the grid has one token block.
+    [B, Tp, conv_dim]`` (``[bt, r * dv]``), the conv weight (taps-major ``[K, conv_dim]`` or ``[conv_dim, K]``)
+    and the gathered windows ``[B, K-1, conv_dim]``. ``single_block``: the grid has one token block.
 
     When the q|k width is a multiple of the group width (r = 1, 2, 4 at dims 128) that is block
     ``2 * Hk * dk / (r * dv) + h`` of a blocked spec. Otherwise (Qwen3.5-27B: 16 key heads, 48 value heads,
@@ -314,7 +331,7 @@ def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: i
     if qk % width == 0:
         base = qk // width
         return (pl.BlockSpec((None, bt, width), lambda b, h, t, *_: (b, t, base + h)),
-                pl.BlockSpec((width, k), lambda b, h, t, *_: (base + h, 0)),
+                _weight_spec(k, width, lambda h: base + h, taps_major),
                 pl.BlockSpec((None, km1, width), lambda b, h, t, *_: (b, 0, base + h)))
     align = math.gcd(qk, width) & -math.gcd(qk, width)  # largest power of two dividing every offset
 
@@ -326,7 +343,7 @@ def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: i
 
     el = pl.Element
     return (pl.BlockSpec((None, el(bt), el(width)), lambda b, h, t, *_: (b, tok(t), chan(h))),
-            pl.BlockSpec((el(width), el(k)), lambda b, h, t, *_: (chan(h), 0)),
+            _weight_spec(el(k), el(width), chan, taps_major),
             pl.BlockSpec((None, el(km1), el(width)), lambda b, h, t, *_: (b, 0, chan(h))))
 
 
@@ -431,6 +448,12 @@ def fused_gdn(
     # (kernels/gdn/window_copy.py; XLA's gather ran at ~170 GB/s on the v5e): a Mosaic operand of the whole
     # pool here would make XLA copy it around the call. The gather/scatter moves B x K-1 x conv_dim.
     conv_rows = gather_windows_dma(conv_pool, layer, slot_ids, km1, interpret=interpret)
+    # In the recurrent form the taps enter as [K, conv_dim] float32, channels on lanes like the inputs: XLA
+    # transposes the small weight once a call, where in the kernel every grid step unpacked and transposed its
+    # block on the XLU (~480 of a 4-token step's ~5,000 bundles at the 35B layout; the same values, so the
+    # same products). The chunked form keeps the transpose in the kernel: its 256-token conv scheduled ~430
+    # bundles longer with the taps-major block (more spills), deviceless v5e, 397B layout.
+    conv_taps = conv_weight.astype(jnp.float32).T if recurrent else conv_weight
 
     norm = None
     norm_in_specs, norm_args = [], []
@@ -452,7 +475,7 @@ def fused_gdn(
     state_spec = pl.BlockSpec((None, None, r, head_k_dim, dv),
                               lambda b, h, t, lay, slot, *_: (lay[0], slot[b], h, 0, 0))
     gb_spec = pl.BlockSpec((None, None, bt, r), lambda b, h, t, *_: (b, h, t, 0))
-    v_mixed_spec, v_weight_spec, v_window_spec = _v_group_specs(bt, tp == bt, km1, hk, dk, r, dv)
+    v_mixed_spec, v_weight_spec, v_window_spec = _v_group_specs(bt, tp == bt, km1, hk, dk, r, dv, recurrent)
     win_in_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                     pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, hk + h)), v_window_spec]
     win_out_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
@@ -471,8 +494,8 @@ def fused_gdn(
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, h)),
                 pl.BlockSpec((None, bt, dk), lambda b, h, t, *_: (b, t, hk + h)),
                 v_mixed_spec,
-                pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (h, 0)),
-                pl.BlockSpec((dk, km1 + 1), lambda b, h, t, *_: (hk + h, 0)),
+                _weight_spec(km1 + 1, dk, lambda h: h, recurrent),
+                _weight_spec(km1 + 1, dk, lambda h: hk + h, recurrent),
                 v_weight_spec,
                 gb_spec, gb_spec, *win_in_specs, state_spec, *norm_in_specs,
             ],
@@ -507,7 +530,7 @@ def fused_gdn(
                                + (2 if commit else 1) * bsz * hv * head_k_dim * dv * rec_pool.dtype.itemsize)),
     )(
         layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
-        conv_weight, conv_weight, conv_weight, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
+        conv_taps, conv_taps, conv_taps, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
         *norm_args,
     )
     if commit:
