@@ -262,3 +262,30 @@ def test_planner_charges_in_place_kernels_at_the_chips_stream_rate():
     v5e = CHIPS["v5e"]
     assert 0.7 <= v5e.inplace_stream_fraction < 0.8 and "measured" in v5e.inplace_stream_source
     assert CHIPS["tpu7x"].inplace_stream_fraction == 1.0  # not measured there: the peak
+
+
+def test_planner_charges_the_recurrent_gdn_form_at_the_chips_vpu_rate():
+    """The fused GDN kernel's recurrent form (its pallas_call under the RECURRENT_SCOPE name scope) runs its
+    declared flops on the VPU: the planner charges them at the chip's gdn_recurrent_flops_per_s, where they can
+    outlast the kernel's bytes (a verify's 4 tokens); the chunked form and other kernels at the MXU peak."""
+    from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_SCOPE
+    from sglang_tpu_qwen.tools.plan.chips import CHIPS
+    from sglang_tpu_qwen.tools.plan.programs import traffic
+
+    def kernel(scope: str) -> str:
+        return HLO.replace(
+            'custom_call_target="tpu_custom_call", backend_config={"cost_estimate":{"bytes_accessed":"5000"}}',
+            'custom_call_target="tpu_custom_call", backend_config={"cost_estimate":{"flops":"6000000",'
+            f'"bytes_accessed":"5000"}}}}, metadata={{op_name="jit(step)/jit(fused_gdn)/{scope}/pallas_call"}}')
+
+    recurrent, chunked = kernel(RECURRENT_SCOPE), kernel("chunked")
+    assert recurrent != HLO and chunked != HLO
+    bw, mxu, vpu = 1e9, 1e15, 1e9  # 6 trips of 5,000 bytes (30 us) against 6 x 6 MFLOP (36 ms at the VPU rate)
+    base = traffic(recurrent, bw, mxu)["serial_s"]
+    assert traffic(chunked, bw, mxu, gdn_recurrent_flops_per_s=vpu)["serial_s"] == pytest.approx(base)
+    assert traffic(recurrent, bw, mxu, gdn_recurrent_flops_per_s=vpu)["serial_s"] - base == pytest.approx(
+        6 * (6e6 / vpu - 5000 / bw))
+    v5e = CHIPS["v5e"]
+    assert v5e.gdn_recurrent_flops_per_s and 1e12 < v5e.gdn_recurrent_flops_per_s < 1e13
+    assert "schedule" in v5e.gdn_recurrent_source
+    assert CHIPS["tpu7x"].gdn_recurrent_flops_per_s is None  # not measured there: the MXU peak

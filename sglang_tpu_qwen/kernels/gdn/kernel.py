@@ -98,6 +98,8 @@ DECODE_STATE_BYTES = 1 << 20
 # Steps of at most this many tokens per row run the recurrent form (a speculative verify's k + 1 tokens): the
 # chunked form would pad them to a 64-token chunk and solve 64 x 64 systems for 4 tokens.
 RECURRENT_MAX_T = 8
+# Name scope of the recurrent form's pallas_call (the op_name the planner charges at the chip's VPU rate).
+RECURRENT_SCOPE = "gdn_recurrent"
 _HI = jax.lax.Precision.HIGHEST
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
@@ -485,7 +487,7 @@ def fused_gdn(
     # of the pool's dtype (the same roundings as the in-place output block).
     state_out = ([state_spec], [jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]) if commit else ([], [])
     state_scratch = [] if commit else [pltpu.VMEM((r, head_k_dim, dv), rec_pool.dtype)]
-    o, cq, ck, cv, *rec_out = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
@@ -528,11 +530,14 @@ def fused_gdn(
                                            + hv * dv * jnp.dtype(out_dtype).itemsize * (2 if norm else 1))
                                + 3 * bsz * km1 * conv_dim * conv_pool.dtype.itemsize
                                + (2 if commit else 1) * bsz * hv * head_k_dim * dv * rec_pool.dtype.itemsize)),
-    )(
-        layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
-        conv_taps, conv_taps, conv_taps, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
-        *norm_args,
     )
+    # The planner finds the recurrent form by this scope (tools/plan/programs.py): its flops run on the VPU.
+    with jax.named_scope(RECURRENT_SCOPE if recurrent else "chunked"):
+        o, cq, ck, cv, *rec_out = call(
+            layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
+            conv_taps, conv_taps, conv_taps, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,
+            *norm_args,
+        )
     if commit:
         conv_pool = scatter_windows_dma(conv_pool, layer, slot_ids, jnp.concatenate([cq, ck, cv], axis=-1),
                                         interpret=interpret)

@@ -71,6 +71,10 @@ class ChipPeaks:
     # such a stream stays well under peak however the copies are sized or queued. 1.0 where not measured.
     inplace_stream_fraction: float = 1.0
     inplace_stream_source: str = "not measured on this chip: peak assumed"
+    # The rate at which the fused GDN kernel's recurrent form (decode, a speculative verify's k + 1 tokens) runs
+    # the flops it declares: token by token on the VPU, in float32, not on the MXU. None: charged at the MXU peak.
+    gdn_recurrent_flops_per_s: float | None = None
+    gdn_recurrent_source: str = "not measured on this chip: the MXU peak"
 
 
 TPU7X_ICI = IciModel(
@@ -117,6 +121,12 @@ CHIPS = {
                               "kernel that only copies 64 rows' float32 GDN states in place, 1 MiB blocks, runs at "
                               "74-77% of 819 GB/s; dev sweeps of 0.25-16 MiB blocks and 2-8 copies in flight gave "
                               "the same, reads alone 76-81%, writes alone 62-72%",
+        gdn_recurrent_flops_per_s=2.0e12,
+        gdn_recurrent_source="the kernel's deviceless v5e schedule (dev: LLO bundles of one grid step, one bundle a "
+                             "cycle at 1.503 GHz, the clock of 197 TFLOP/s over 4 MXUs of 128 x 128): a verify's 4 "
+                             "tokens over 1 MiB of float32 state (16 value heads, 6.29 MFLOP declared) schedule in "
+                             "4,718 bundles, 3.14 us, at the 35B layout (3,730 at the 397B's); about 1,000 bundles "
+                             "a token plus 750. Not yet set beside a chip measurement",
     ),
 }  # fmt: skip
 # JAX's ``device_kind`` of each chip's devices -> its key in CHIPS (benchmarks take the peaks of the chip they run

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_SCOPE
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.tools import hlo_traffic
 
@@ -57,7 +58,8 @@ def memory(compiled: Any) -> dict[str, int]:
 
 def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
             ragged_dot_fraction: float = 1.0, inplace_stream_fraction: float = 1.0,
-            custom_call_bytes: dict[str, float] | None = None) -> dict[str, Any]:
+            custom_call_bytes: dict[str, float] | None = None,
+            gdn_recurrent_flops_per_s: float | None = None) -> dict[str, Any]:
     """Per-instruction traffic of a compiled program (tools/hlo_traffic.py: loop bodies times their trip
     counts, Pallas kernels at their declared traffic). XLA's own total counts a custom call inside a loop
     once, so the planner sums per instruction.
@@ -71,7 +73,9 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
     ``inplace_stream_fraction``: the share of ``bytes_per_s`` the kernels that update a pool in place reach
     (the fused GDN kernel; chips.ChipPeaks.inplace_stream_fraction). ``custom_call_bytes``: bytes per execution
     of the custom calls whose op_name contains the key, instead of what they declare
-    (hlo_traffic.program_traffic)."""
+    (hlo_traffic.program_traffic). ``gdn_recurrent_flops_per_s``: the rate of the fused GDN kernel's recurrent
+    form (op_name scope ``RECURRENT_SCOPE``), whose declared flops run on the VPU
+    (chips.ChipPeaks.gdn_recurrent_flops_per_s); None: ``flops_per_s``."""
     ops = hlo_traffic.program_traffic(hlo_text, custom_call_bytes, ragged_dot_fraction=ragged_dot_fraction)
     rest = sorted((o for o in ops if o.opcode != "custom-call"), key=lambda o: -o.total)
     declared = serial = 0.0
@@ -79,7 +83,8 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
         f = 0.0 if _ATTENTION_KERNEL in o.op_name else o.flops
         declared += f * o.count
         bw = bytes_per_s * (inplace_stream_fraction if any(k in o.op_name for k in _INPLACE_KERNELS) else 1.0)
-        serial += o.count * max(o.bytes / bw, f / flops_per_s)
+        rate = gdn_recurrent_flops_per_s if gdn_recurrent_flops_per_s and RECURRENT_SCOPE in o.op_name else flops_per_s
+        serial += o.count * max(o.bytes / bw, f / rate)
     return {
         "bytes": sum(o.total for o in ops), "kernel_bytes": sum(o.total for o in ops if o.opcode == "custom-call"),
         "top_excess": [{"op": o.name, "opcode": o.opcode, "source": o.op_name[-120:], "bytes": o.total,
