@@ -30,12 +30,14 @@ sublane sums in float32, no MXU pass). Each token's arithmetic is a decode step'
 between tokens in the state block in the pool's dtype, so T tokens in one call compute what T decode calls
 compute (a bf16 state rounded after each token as each decode step rounds it on store): a verify step's
 outputs are a plain decode's, token for token. The chunked form would pad such a step to a 64-token chunk
-and solve 64 x 64 systems for it. A short step is latency-bound, not bandwidth-bound (4 tokens: ~4x a decode
-step's arithmetic for one read of the state), so its schedule is laid out for overlap: tokens outer and every
-key head of the step inner (one branch per token; the heads' chains interleave), and the lane-replicated k and
-q of every token come from one transpose of the step's normalised k|q rows and a lane broadcast each.
+and solve 64 x 64 systems for it. A short step is bound by its on-chip work, not bandwidth (4 tokens: ~4x a
+decode step's arithmetic for one read of the state), so its schedule is laid out for overlap: tokens outer and
+every key head of the step inner (one branch per token; the heads' chains interleave), and the lane-replicated
+k and q of every token come from one transpose of the step's normalised k|q rows and a lane broadcast each.
 Deviceless v5e schedule of one 1 MiB grid step (35B layout, float32 state): 4 tokens without commit 7,201 ->
-4,718 bundles, a decode step 1,935 -> 1,532 (dev/gdn_llo_short.py), with the conv taps below.
+4,718 bundles, a decode step 1,935 -> 1,532 (dev/gdn_llo_short.py), with the conv taps below. What bounds the
+4 tokens now is the XLU: the lane broadcasts (32 per token and key head, one every ~8 cycles on each of 3
+units), with the VPU slots half full.
 
 ``commit=False`` (a speculative verify step) reads the pools and writes nothing: the recurrent state enters
 through its input block and lives in a VMEM scratch (no state output, no aliasing), and the conv windows are
