@@ -289,3 +289,40 @@ def test_planner_charges_the_recurrent_gdn_form_at_the_chips_vpu_rate():
     assert v5e.gdn_recurrent_flops_per_s and 1e12 < v5e.gdn_recurrent_flops_per_s < 1e13
     assert "schedule" in v5e.gdn_recurrent_source
     assert CHIPS["tpu7x"].gdn_recurrent_flops_per_s is None  # not measured there: the MXU peak
+
+
+# A jax.lax.ragged_dot as the TPU compiles it (a Mosaic custom call that declares no flops): 4,096 rows over 16
+# groups of [2048, 512] weights, operands named bare as in compiled HLO.
+RAGGED = """HloModule r
+
+ENTRY %main (x: bf16[4096,2048], w: bf16[16,2048,512], g: s32[17]) -> bf16[4096,512] {
+  %x = bf16[4096,2048]{1,0} parameter(0)
+  %w = bf16[16,2048,512]{2,1,0} parameter(1)
+  %g = s32[17]{0} parameter(2)
+  ROOT %rd = bf16[4096,512]{1,0} custom-call(%g, %x, %w), custom_call_target="tpu_custom_call", operand_layout_constraints={s32[17]{0}, bf16[4096,2048]{1,0}, bf16[16,2048,512]{2,1,0}}, metadata={op_name="jit(f)/moe/ragged_dot_general/ragged-dot-none"}
+}
+"""
+
+
+def test_planner_charges_ragged_dot_at_the_chips_measured_mxu_share() -> None:
+    """A ragged dot's flops (2 M K N, which it does not declare) are charged at the chip's measured share of the
+    MXU peak for its rows per group (chips.ChipPeaks.ragged_dot_mxu_fraction: log-linear between measured points,
+    the nearest point outside them) and count as declared; without the curve they stay undeclared."""
+    from sglang_tpu_qwen.tools.plan.chips import CHIPS
+    from sglang_tpu_qwen.tools.plan.programs import traffic
+
+    (op,) = [o for o in program_traffic(RAGGED) if o.opcode == "custom-call"]
+    assert op.dot_flops == 2 * 4096 * 2048 * 512 and op.rows_per_group == 4096 / 16
+    bw, peak = 1e15, 1e12  # bytes free: the flops bound
+    plain = traffic(RAGGED, bw, peak)
+    assert plain["declared_flops"] == 0  # left to the caller's undeclared flops at the peak
+    charged = traffic(RAGGED, bw, peak, ragged_dot_mxu_fraction=lambda rows: 0.25 if rows == 256 else 1.0)
+    assert charged["declared_flops"] == op.dot_flops
+    assert charged["serial_s"] == pytest.approx(op.dot_flops / (0.25 * peak))
+    v5e, tpu7x = CHIPS["v5e"], CHIPS["tpu7x"]
+    pts = v5e.ragged_dot_mxu_points
+    assert pts and all(0 < f <= 1 for _, f in pts) and "measured" in v5e.ragged_dot_source
+    assert v5e.ragged_dot_mxu_fraction(1) == pts[0][1] and v5e.ragged_dot_mxu_fraction(1e6) == pts[-1][1]
+    (r0, f0), (r1, f1) = pts[0], pts[1]
+    assert v5e.ragged_dot_mxu_fraction((r0 * r1) ** 0.5) == pytest.approx((f0 + f1) / 2)  # log-linear midpoint
+    assert not tpu7x.ragged_dot_mxu_points and tpu7x.ragged_dot_mxu_fraction(256) == 1.0

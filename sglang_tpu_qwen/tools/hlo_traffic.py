@@ -73,6 +73,10 @@ class OpTraffic:
     bytes: float
     count: int
     flops: float = 0.0  # declared by a custom call (``pl.CostEstimate``); 0 for XLA's own instructions
+    # A ``jax.lax.ragged_dot`` (which declares no flops): its ``2 M K N`` of lhs [M, K] x groups [G, K, N], and
+    # its rows per group ``M / G``.
+    dot_flops: float = 0.0
+    rows_per_group: float = 0.0
 
     @property
     def total(self) -> float:
@@ -367,10 +371,14 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
                 b = next(v for k, v in custom_call_bytes.items() if k in op_name)
             else:
                 b = _instr_bytes(ins, comps)
-            if ins.opcode == "custom-call" and RAGGED_DOT in op_name and ragged_dot_fraction < 1.0:
-                weights = max((shape_bytes(op.split("%")[0]) for op in ins.operands), default=0.0)
-                b -= (1.0 - ragged_dot_fraction) * weights
-            out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c], _declared_flops(ins)))
+            dot_flops = rows_per_group = 0.0
+            if ins.opcode == "custom-call" and RAGGED_DOT in op_name:
+                if ragged_dot_fraction < 1.0:
+                    weights = max((shape_bytes(op.split("%")[0]) for op in ins.operands), default=0.0)
+                    b -= (1.0 - ragged_dot_fraction) * weights
+                dot_flops, rows_per_group = _ragged_dot_shape(ins)
+            out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c], _declared_flops(ins), dot_flops,
+                                 rows_per_group))
     return out
 
 
@@ -386,6 +394,18 @@ def instruction_table(text: str) -> dict[str, tuple[str, str]]:
             m = re.search(r'op_name="([^"]*)"', ins.attrs)
             out[ins.name] = (ins.opcode, m.group(1) if m else "")
     return out
+
+
+def _ragged_dot_shape(ins: _Instr) -> tuple[float, float]:
+    """``(2 M K N, M / G)`` of a ragged dot custom call: result ``[M, N]``, its only 3-D operand the groups'
+    ``[G, K, N]`` weights; ``(0, 0)`` where the shapes are not that."""
+    result = _SHAPE.findall(ins.result)
+    stacks = [dims for op in ins.operands for _, dims, _ in _SHAPE.findall(op.split("%")[0]) if dims.count(",") == 2]
+    if len(result) != 1 or len(stacks) != 1 or result[0][1].count(",") != 1:
+        return 0.0, 0.0
+    m, n = (int(x) for x in result[0][1].split(","))
+    g, k, n_w = (int(x) for x in stacks[0].split(","))
+    return (2.0 * m * k * n, m / g) if n_w == n and g else (0.0, 0.0)
 
 
 def _declared_flops(ins: _Instr) -> float:

@@ -234,11 +234,12 @@ def plan(
         charged = ({programs.SNAPSHOT_COPY: 2 * rows_rank * rb.state_per_slot
                     * step_bytes.snapshot_fraction(speculative_accept_length, page_size)}
                    if name == "verify" else None)
-        vpu = chip.gdn_recurrent_flops_per_s
+        rates = {"gdn_recurrent_flops_per_s": chip.gdn_recurrent_flops_per_s,
+                 "ragged_dot_mxu_fraction": chip.ragged_dot_mxu_fraction if chip.ragged_dot_mxu_points else None}
         tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
-                                gdn_recurrent_flops_per_s=vpu)
+                                **rates)
         tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
-                                 custom_call_bytes=charged, gdn_recurrent_flops_per_s=vpu) for t in other_texts]
+                                 custom_call_bytes=charged, **rates) for t in other_texts]
         tr_s = {k: sum(t[k] for t in tr_o) for k in ("bytes", "kernel_bytes", "serial_s", "declared_flops")}
         tr_s["top_excess"] = [e for t in tr_o for e in t["top_excess"]]
         bytes_accessed = tr_f["bytes"] + tr_s["bytes"]
