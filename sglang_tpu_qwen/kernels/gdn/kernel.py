@@ -309,7 +309,7 @@ def decode_heads(hk: int, r: int, dk: int, dv: int, itemsize: int, budget: int) 
     return max(h for h in range(1, hk + 1) if hk % h == 0 and (h == 1 or h * per_head <= budget))
 
 
-def _weight_spec(k: int, width, index, taps_major: bool) -> pl.BlockSpec:
+def _weight_spec(k: int | pl.Element, width: int | pl.Element, index, taps_major: bool) -> pl.BlockSpec:
     """BlockSpec of ``width`` channels of the conv weight from channel block (or element) ``index(h)``:
     ``[k, width]`` of the taps-major ``[K, conv_dim]`` or ``[width, k]`` of ``[conv_dim, K]``."""
     if taps_major:

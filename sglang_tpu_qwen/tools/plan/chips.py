@@ -73,7 +73,8 @@ class ChipPeaks:
     inplace_stream_fraction: float = 1.0
     inplace_stream_source: str = "not measured on this chip: peak assumed"
     # The rate at which the fused GDN kernel's recurrent form (decode, a speculative verify's k + 1 tokens) runs
-    # the flops it declares: token by token on the VPU, in float32, not on the MXU. None: charged at the MXU peak.
+    # the flops it declares, per device (one TensorCore runs a kernel): token by token on the VPU, in float32, not
+    # on the MXU. None: charged at the device's MXU peak.
     gdn_recurrent_flops_per_s: float | None = None
     gdn_recurrent_source: str = "not measured on this chip: the MXU peak"
     # ``jax.lax.ragged_dot`` (the bf16 MoE grouped matmul) as a share of ``bf16_flops_per_s`` against the rows per
