@@ -20,33 +20,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sglang_tpu_qwen.kernels.gdn.row_dmas import start_then_wait
+
 
 def _copy_kernel(src_ref, dst_ref, _conv_in, _rec_in, conv_hbm, rec_hbm, sem, *, taps: int):
     rows, layers = src_ref.shape[0], rec_hbm.shape[0]
 
-    def copies(b, layer):
+    def copies(i):  # i: row b = i // layers, layer i % layers (row-major, as the rows' loop over layers)
+        b, layer = jax.lax.div(i, layers), jax.lax.rem(i, layers)
         s, d = src_ref[b], dst_ref[b]
         return (pltpu.make_async_copy(rec_hbm.at[layer, s], rec_hbm.at[layer, d], sem.at[0]),
                 pltpu.make_async_copy(conv_hbm.at[layer, pl.ds(s * taps, taps)],
                                       conv_hbm.at[layer, pl.ds(d * taps, taps)], sem.at[1]))
 
-    def each(action):
-        def row(b, c):
-            @pl.when(dst_ref[b] != 0)
-            def _():
-                def layer(i, c):
-                    for cp in copies(b, i):
-                        getattr(cp, action)()
-                    return c
-
-                jax.lax.fori_loop(0, layers, layer, 0)
-
-            return c
-
-        jax.lax.fori_loop(0, rows, row, 0)
-
-    each("start")
-    each("wait")
+    start_then_wait(rows * layers, copies, when=lambda i: dst_ref[jax.lax.div(i, layers)] != 0)
 
 
 @functools.partial(jax.jit, static_argnames=("taps", "interpret"), donate_argnums=(0, 1))

@@ -5,8 +5,8 @@ it back after. As XLA's gather and scatter (``conv_pool.gather_windows`` / ``sca
 at ~170 GB/s on the v5e, where the chip streams 819 GB/s: at 256 rows of the 35B-shaped model (conv_dim 8192,
 K-1 = 3, float32) 25 MB per layer each way, ~0.45 ms a decode step in the scatter alone. In the pool's layout
 ``[L, S * (K-1), conv_dim / 128, 128]`` one slot's K-1 rows are one contiguous block (96 KiB there), so each
-row's window is ONE contiguous DMA: these kernels start one per row, all at once, then wait for them all (as
-``slot_copy.copy_slots`` does), and move no other byte of the pool.
+row's window is ONE contiguous DMA: these kernels start one per row, all at once, then wait for them all
+(kernels/gdn/row_dmas.py, as ``slot_copy.copy_slots``), and move no other byte of the pool.
 
 The windows travel as ``[B * (K-1), conv_dim / 128, 128]``, each row's block as it lies in the pool (the shape
 of XLA's own gather). XLA turns them into (and from) the ``[B, K-1, conv_dim]`` the fused kernel's blocks read
@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sglang_tpu_qwen.kernels.gdn.row_dmas import start_then_wait
+
 
 def _in_range(slot: jax.Array, num_slots: int) -> jax.Array:
     return (slot >= 0) & (slot < num_slots)
@@ -40,36 +42,18 @@ def _gather_kernel(layer_ref, slot_ref, pool_hbm, out_hbm, sem, *, taps: int, nu
     def copy(b):
         s = slot_ref[b]
         s = jnp.where(_in_range(s, num_slots), s, 0)
-        return pltpu.make_async_copy(pool_hbm.at[layer_ref[0], pl.ds(s * taps, taps)],
-                                     out_hbm.at[pl.ds(b * taps, taps)], sem.at[0])
+        return [pltpu.make_async_copy(pool_hbm.at[layer_ref[0], pl.ds(s * taps, taps)],
+                                      out_hbm.at[pl.ds(b * taps, taps)], sem.at[0])]
 
-    def each(action):
-        def row(b, c):
-            getattr(copy(b), action)()
-            return c
-
-        jax.lax.fori_loop(0, slot_ref.shape[0], row, 0)
-
-    each("start")
-    each("wait")
+    start_then_wait(slot_ref.shape[0], copy)
 
 
 def _scatter_kernel(layer_ref, slot_ref, win_hbm, _pool_in, pool_hbm, sem, *, taps: int, num_slots: int):
-    def each(action):
-        def row(b, c):
-            s = slot_ref[b]
+    def copy(b):
+        dst = pool_hbm.at[layer_ref[0], pl.ds(slot_ref[b] * taps, taps)]
+        return [pltpu.make_async_copy(win_hbm.at[pl.ds(b * taps, taps)], dst, sem.at[0])]
 
-            @pl.when(_in_range(s, num_slots))
-            def _():
-                dst = pool_hbm.at[layer_ref[0], pl.ds(s * taps, taps)]
-                getattr(pltpu.make_async_copy(win_hbm.at[pl.ds(b * taps, taps)], dst, sem.at[0]), action)()
-
-            return c
-
-        jax.lax.fori_loop(0, slot_ref.shape[0], row, 0)
-
-    each("start")
-    each("wait")
+    start_then_wait(slot_ref.shape[0], copy, when=lambda b: _in_range(slot_ref[b], num_slots))
 
 
 def _scalars(layer: jax.Array | int, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
