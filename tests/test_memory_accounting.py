@@ -14,10 +14,10 @@ import pytest
 from conftest import ENGINE_KWARGS, tiny_hybrid_config
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
-from sglang_tpu_qwen.engine.runner import memory_accounting
+from sglang_tpu_qwen.engine.runner import memory_accounting, sampler
 from sglang_tpu_qwen.engine.runner.memory_accounting import GB, cache_units
 from sglang_tpu_qwen.engine.runner.memory_split import split_memory
-from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing, resolve_state_dtype
+from sglang_tpu_qwen.engine.runner.sizing import RunnerSizing, resolve_state_dtype, sampling_input_bytes
 
 _config = tiny_hybrid_config
 
@@ -77,6 +77,12 @@ def test_ratio_splits_the_budget() -> None:
     vl = split_memory(**ON_DEVICE, vision_bytes=19 * MIB)
     assert (vl.budget, vl.num_slots, vl.num_pages) == (41 * MIB, 6, 23)
     assert vl.as_dict()["vision_encoder_bytes"] == 19 * MIB and "vision encoder 0.019 GiB" in vl.describe()
+    # The sampling programs' resident inputs come out of the budget the same way.
+    sl = split_memory(**ON_DEVICE, sampling_bytes=19 * MIB)
+    assert (sl.budget, sl.num_slots, sl.num_pages) == (41 * MIB, 6, 23)
+    assert sl.as_dict()["sampling_input_bytes"] == 19 * MIB and "sampling inputs 0.019 GiB" in sl.describe()
+    assert sl.device_bytes == split.device_bytes - split.state_bytes - split.kv_bytes + sl.state_bytes \
+        + sl.kv_bytes + 19 * MIB
     # Without a device limit the budget is nominal: the encoder changes nothing but the report.
     nominal = {**ON_DEVICE, "device_limit": None}
     assert split_memory(**nominal, vision_bytes=19 * MIB).num_pages == split_memory(**nominal).num_pages
@@ -132,13 +138,29 @@ def test_runner_sizing_uses_the_split() -> None:
     args = ServerArgs(max_running_requests=8, dp_size=2, page_size=16, chunked_prefill_size=64)
     units = cache_units(c, 16, jnp.float32, jnp.float32)
     sizing = RunnerSizing.build(c, args, jnp.float32, {_Device(4 * MIB): MIB})
-    budget = int(4 * MIB * 0.8) - MIB
+    # Sampling batches 1 and 4 per rank (8 requests over 2 ranks): their resident inputs leave the budget.
+    sampling = 5 * sampler.unused_row_bytes(c.vocab_size)
+    assert sizing.split.sampling_bytes == sampling_input_bytes(c.vocab_size, args) == sampling
+    budget = int(4 * MIB * 0.8) - MIB - sampling
     slots = int(budget * 0.9 / 1.9) // units.gdn_per_slot
     assert sizing.num_slots == slots and sizing.num_snapshot_slots == slots - 5
     assert sizing.num_pages == (budget - slots * units.gdn_per_slot) // units.kv_per_page
     args.mamba_ssm_dtype = "bfloat16"
     bf16 = RunnerSizing.build(c, args, jnp.float32, {_Device(4 * MIB): MIB})
     assert bf16.units.gdn_per_slot * 2 == units.gdn_per_slot and bf16.num_slots in (2 * slots, 2 * slots + 1)
+
+
+def test_sampling_inputs_of_mtp_verify_rows() -> None:
+    """256 running requests with MTP (3 drafts): sampling batches 1, 4 ... 256 and the verify steps' 4 x (1, 4 ...
+    256) rows, 10 distinct sizes (2,045 rows): 1.96 GiB at the release's vocabulary. A v5e run of this setup
+    failed to load its 1,024-row sampling program when these tables were not counted."""
+    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=4)
+    vocab = 248320
+    row = sampler.unused_row_bytes(vocab)
+    assert sampling_input_bytes(vocab, ServerArgs(max_running_requests=256, **spec)) == 2045 * row
+    assert sampling_input_bytes(vocab, ServerArgs(max_running_requests=256)) == 509 * row
+    assert 1.9 * GB < 2045 * row < 2.0 * GB
 
 
 def test_engine_memory_usage(engine) -> None:
@@ -161,6 +183,10 @@ def test_engine_memory_usage(engine) -> None:
     # The embedded checkpoint is text-only: no vision encoder, nothing of the budget taken for one.
     assert runner.vision_encoder is None and info["vision_encoder"] is None
     assert usage["vision_encoder"] == 0 and info["memory_split"]["vision_encoder_bytes"] == 0
+    # unused_row_bytes counts what the executor keeps resident for a sampling batch size.
+    b = runner.programs.sample_batches()[-1]
+    resident = sum(x.nbytes for x in runner.executor.unused_inputs(b))
+    assert resident == b * sampler.unused_row_bytes(runner.config.vocab_size)
 
 
 def test_server_info_shows_memory_usage(server) -> None:

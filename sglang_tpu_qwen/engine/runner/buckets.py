@@ -101,17 +101,7 @@ class BucketSet:
           ValueError: an override has a non-positive entry, or its largest batch size is below the running
             requests of one rank (a decode step of all of them must fit one bucket).
         """
-        per_rank = -(-max_running_requests // dp)
-        if bs_paddings:
-            batch = tuple(sorted(set(bs_paddings)))
-            if batch[0] <= 0:
-                raise ValueError(f"--precompile-bs-paddings must be positive, got {list(bs_paddings)}")
-            if batch[-1] < per_rank:
-                raise ValueError(f"--precompile-bs-paddings: the largest size ({batch[-1]}) must be at least the "
-                                 f"running requests per DP rank ({per_rank})")
-        else:
-            top = next_pow2(per_rank)
-            batch = tuple(sorted({1, top} | {1 << i for i in range(2, top.bit_length())}))
+        batch = decode_batch_sizes(max_running_requests, dp, bs_paddings)
         budget = next_pow2(chunked_prefill_size)
         if token_paddings:
             tokens = tuple(sorted(set(token_paddings)))
@@ -222,3 +212,23 @@ def step_buckets(
         max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
         context_length=context_length, kv_tokens=kv_tokens, page_size=page_size, dp=dp,
         bs_paddings=bs_paddings, token_paddings=token_paddings).step_buckets()
+
+
+def decode_batch_sizes(max_running_requests: int, dp: int, bs_paddings: list[int] | None = None) -> tuple[int, ...]:
+    """Rows per DP rank of the decode buckets (and the sampling programs): 1 and the powers of two from 4 up to
+    next_pow2(ceil(max_running_requests / dp)), or --precompile-bs-paddings.
+
+    Raises:
+        ValueError: an override has a non-positive entry, or its largest size is below the running requests
+            of one rank."""
+    per_rank = -(-max_running_requests // dp)
+    if bs_paddings:
+        batch = tuple(sorted(set(bs_paddings)))
+        if batch[0] <= 0:
+            raise ValueError(f"--precompile-bs-paddings must be positive, got {list(bs_paddings)}")
+        if batch[-1] < per_rank:
+            raise ValueError(f"--precompile-bs-paddings: the largest size ({batch[-1]}) must be at least the "
+                             f"running requests per DP rank ({per_rank})")
+        return batch
+    top = next_pow2(per_rank)
+    return tuple(sorted({1, top} | {1 << i for i in range(2, top.bit_length())}))

@@ -6,9 +6,11 @@ KV bytes, default 0.9), unless ``--max-mamba-cache-size`` fixes the pool's slot 
 rest. Its state pool holds the running requests' states and the prefix cache's, as ours does: running slots
 first, snapshot slots after them. The rule here, per DP rank (each device holds one rank's pools):
 
-* Budget ``B``. On a device with a memory limit ``M``: ``S - weights - vision`` (``vision``: the vision
-  encoder's ``memory_bytes()``, its weights, encoder cache cap and largest bucket's activations, 0 for a
-  text-only checkpoint; SGLang's profile measures what is free after loading the whole model, ViT included).
+* Budget ``B``. On a device with a memory limit ``M``: ``S - weights - vision - sampling`` (``vision``: the
+  vision encoder's ``memory_bytes()``, its weights, encoder cache cap and largest bucket's activations, 0 for a
+  text-only checkpoint; SGLang's profile measures what is free after loading the whole model, ViT included;
+  ``sampling``: the sampling programs' resident inputs, a [B, V] int32 penalty table per sampling batch size
+  among them: 2.5 GB at 256 running requests with MTP, whose verify steps sample 4 positions a row).
   ``S`` is ``M * --mem-fraction-static`` (SGLang's static memory: weights and pools), unless the ``(1 - f) * M``
   that leaves is less than the step programs' temporaries ``T`` (the largest, read from XLA's analysis of the
   compiled programs: engine/runner/program_memory.py) plus a runtime headroom ``RUNTIME_HEADROOM * M`` (step
@@ -63,6 +65,9 @@ class MemorySplit:
         page_bytes: bytes of one KV page (every attention layer's K and V).
         page_size: tokens per page.
         vision_bytes: the vision encoder's bytes taken out of the budget first (0: no vision tower).
+        sampling_bytes: the sampling programs' resident "unused" inputs (StepExecutor.unused_inputs: per
+            sampling batch size a [B, V] int32 penalty table, the grammar bitmask, bias and ban ids), taken out
+            of the budget like the vision encoder (0: none).
         temporaries: the largest compiled program's temporaries the split reserved room for (0: none read).
         static_bytes: S above: weights, vision and pools may take this much (the device limit on a device
             without a limit: 0).
@@ -82,6 +87,7 @@ class MemorySplit:
     vision_bytes: int = 0
     temporaries: int = 0
     static_bytes: int = 0
+    sampling_bytes: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -109,8 +115,10 @@ class MemorySplit:
 
     @property
     def device_bytes(self) -> int:
-        """Pools, weights, vision encoder and the programs' temporaries: what the device must hold."""
-        return self.state_bytes + self.kv_bytes + self.weight_bytes + self.vision_bytes + self.temporaries
+        """Pools, weights, vision encoder, resident sampling inputs and the programs' temporaries: what the
+        device must hold."""
+        return (self.state_bytes + self.kv_bytes + self.weight_bytes + self.vision_bytes + self.sampling_bytes
+                + self.temporaries)
 
     def check_fits(self) -> None:
         """Raise ValueError (the figures and the flags to change) when the device cannot hold ``device_bytes``
@@ -120,7 +128,8 @@ class MemorySplit:
         raise ValueError(
             f"the pools do not fit the device: KV {self.kv_bytes / GB:.2f} GiB + GDN state "
             f"{self.state_bytes / GB:.2f} GiB + weights {self.weight_bytes / GB:.2f} GiB + vision encoder "
-            f"{self.vision_bytes / GB:.2f} GiB + program temporaries {self.temporaries / GB:.2f} GiB = "
+            f"{self.vision_bytes / GB:.2f} GiB + sampling inputs {self.sampling_bytes / GB:.2f} GiB + "
+            f"program temporaries {self.temporaries / GB:.2f} GiB = "
             f"{self.device_bytes / GB:.2f} GiB > {self.device_limit / GB:.2f} GiB; lower --max-total-tokens / "
             "--max-running-requests / --max-gdn-snapshots / --max-mamba-cache-size or --chunked-prefill-size")
 
@@ -134,7 +143,7 @@ class MemorySplit:
             "state_slot_bytes": self.slot_bytes, "running_slots_bytes": (1 + self.running_slots) * self.slot_bytes,
             "snapshot_slots_bytes": self.snapshot_slots * self.slot_bytes, "state_pool_bytes": self.state_bytes,
             "over_budget_bytes": self.over_budget, "program_temp_bytes": self.temporaries,
-            "static_bytes": self.static_bytes,
+            "static_bytes": self.static_bytes, "sampling_input_bytes": self.sampling_bytes,
         }  # fmt: skip
 
     def describe(self) -> str:
@@ -142,11 +151,12 @@ class MemorySplit:
         limit = f"{self.device_limit / GB:.2f} GiB device" if self.device_limit else "no device limit"
         vision = f", vision encoder {self.vision_bytes / GB:.3f} GiB" if self.vision_bytes else ""
         temps = f", program temporaries {self.temporaries / GB:.3f} GiB" if self.temporaries else ""
-        return (f"memory split per DP rank ({limit}, weights {self.weight_bytes / GB:.3f} GiB{vision}{temps}, budget "
-                f"{self.budget / GB:.3f} GiB, rule: {self.rule}, --mamba-full-memory-ratio {self.ratio}): KV "
-                f"{self.kv_tokens} tokens ({self.kv_bytes / GB:.3f} GiB); GDN state {self.running_slots} running + "
-                f"{self.snapshot_slots} snapshot slots ({self.state_bytes / GB:.3f} GiB, "
-                f"{self.slot_bytes} bytes a slot)"
+        sampling = f", sampling inputs {self.sampling_bytes / GB:.3f} GiB" if self.sampling_bytes else ""
+        return (f"memory split per DP rank ({limit}, weights {self.weight_bytes / GB:.3f} GiB{vision}{sampling}"
+                f"{temps}, budget {self.budget / GB:.3f} GiB, rule: {self.rule}, --mamba-full-memory-ratio "
+                f"{self.ratio}): KV {self.kv_tokens} tokens ({self.kv_bytes / GB:.3f} GiB); GDN state "
+                f"{self.running_slots} running + {self.snapshot_slots} snapshot slots "
+                f"({self.state_bytes / GB:.3f} GiB, {self.slot_bytes} bytes a slot)"
                 + (f"; {self.over_budget / GB:.3f} GiB over the budget (--max-total-tokens and the running slots "
                    "are fixed sizes)" if self.over_budget else ""))
 
@@ -155,7 +165,7 @@ def split_memory(
     *, page_bytes: int, slot_bytes: int, page_size: int, running_slots: int, device_limit: int | None,
     weight_bytes: int, mem_fraction_static: float, ratio: float, max_total_tokens: int | None = None,
     max_mamba_cache_size: int | None = None, max_snapshots: int | None = None, snapshots: bool = True,
-    vision_bytes: int = 0, temporaries: int = 0,
+    vision_bytes: int = 0, temporaries: int = 0, sampling_bytes: int = 0,
 ) -> MemorySplit:
     """Split one DP rank's memory between GDN slots and KV pages by the rule in this module's docstring.
 
@@ -172,6 +182,8 @@ def split_memory(
         vision_bytes: the vision encoder's bytes per device (VisionEncoder.memory_bytes), out of the budget
             before the split; 0 for a text-only checkpoint.
         temporaries: the largest step program's temporaries per device (program_memory.py; 0: not known).
+        sampling_bytes: the sampling programs' resident inputs per device (MemorySplit.sampling_bytes), out of
+            the budget before the split.
     Raises:
         ValueError: --max-mamba-cache-size under the running requests, no budget left after the weights,
             or fewer than MIN_KV_PAGES KV pages left (the message has the figures and what to change).
@@ -185,14 +197,16 @@ def split_memory(
         need = temporaries + int(RUNTIME_HEADROOM * device_limit)
         if device_limit - static < need:  # --mem-fraction-static leaves too little room for the programs
             static = device_limit - need
-        budget = static - weight_bytes - vision_bytes
+        budget = static - weight_bytes - vision_bytes - sampling_bytes
         if budget <= 0:
             vision = (f" and the vision encoder ({vision_bytes / GB:.2f} GB: lower --mm-embedding-cache-size-mb "
                       "or --mm-max-patches)") if vision_bytes else ""
+            sampling = (f" and the sampling programs' resident inputs ({sampling_bytes / GB:.2f} GB: lower "
+                        "--max-running-requests)") if sampling_bytes else ""
             raise ValueError(f"not enough device memory: {device_limit / GB:.2f} GB x --mem-fraction-static "
                              f"{mem_fraction_static} (at most the device less {need / GB:.2f} GB of program "
                              f"temporaries and headroom) does not hold the weights ({weight_bytes / GB:.2f} GB)"
-                             f"{vision}; raise --mem-fraction-static, lower --chunked-prefill-size / "
+                             f"{vision}{sampling}; raise --mem-fraction-static, lower --chunked-prefill-size / "
                              "--max-running-requests (smaller programs) or use more devices")
     else:
         budget = int((1 + ratio) * kv_nominal * page_bytes)
@@ -232,4 +246,5 @@ def split_memory(
     return MemorySplit(rule=rule, ratio=ratio, device_limit=device_limit or None, budget=budget,
                        weight_bytes=weight_bytes, running_slots=running_slots, snapshot_slots=num_slots - least,
                        slot_bytes=slot_bytes, num_pages=num_pages, page_bytes=page_bytes, page_size=page_size,
-                       vision_bytes=vision_bytes, temporaries=temporaries, static_bytes=static)
+                       vision_bytes=vision_bytes, temporaries=temporaries, static_bytes=static,
+                       sampling_bytes=sampling_bytes)

@@ -34,6 +34,13 @@ VOCAB_BLOCK = 128  # vocabulary ids per block of vocab_top_k's first reduction
 _TOP_P_SEARCH_STEPS = 32
 
 
+def unused_row_bytes(vocab_size: int) -> int:
+    """Device bytes per row of a sampling program's "unused" inputs (StepExecutor.unused_inputs, kept resident
+    per batch size): the [V] int32 penalty table row, the grammar bitmask, logit-bias and ban ids, and nine
+    4-byte per-row scalars of RowParams."""
+    return 4 * (vocab_size + -(-vocab_size // 32) + 2 * LOGIT_BIAS_WIDTH + BAN_WIDTH + 9)
+
+
 class Features(NamedTuple):
     """Scalar bool flags of one step, computed on the host: which optional work any row needs."""
 

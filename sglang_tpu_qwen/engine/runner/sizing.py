@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.args.server_args import ServerArgs
-from sglang_tpu_qwen.engine.runner import memory_accounting, memory_split
-from sglang_tpu_qwen.engine.runner.buckets import BucketSet
+from sglang_tpu_qwen.engine.runner import memory_accounting, memory_split, sampler
+from sglang_tpu_qwen.engine.runner.buckets import BucketSet, decode_batch_sizes
 from sglang_tpu_qwen.engine.runner.memory_accounting import CacheUnits
 from sglang_tpu_qwen.engine.runner.memory_split import MemorySplit
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
@@ -189,6 +189,7 @@ class RunnerSizing:
         elif device_limit:
             raise ValueError("a device memory limit needs the weights' bytes per device to split the rest")
         split = memory_split.split_memory(
+            sampling_bytes=sampling_input_bytes(config.vocab_size, args) if device_limit else 0,
             page_bytes=units.kv_per_page, slot_bytes=units.gdn_per_slot if config.num_gdn_layers else 0,
             page_size=args.page_size, running_slots=per_rank, device_limit=device_limit, weight_bytes=weights,
             mem_fraction_static=args.mem_fraction_static, ratio=args.mamba_full_memory_ratio,
@@ -204,3 +205,15 @@ class RunnerSizing:
             bs_paddings=tuple(args.precompile_bs_paddings) if args.precompile_bs_paddings else None,
             token_paddings=tuple(args.precompile_token_paddings) if args.precompile_token_paddings else None,
             units=units, split=split, state_dtype=state_dtype, mtp_layers=mtp_layers)
+
+
+def sampling_input_bytes(vocab_size: int, args: ServerArgs) -> int:
+    """Bytes per device of the sampling programs' resident "unused" inputs (StepExecutor.unused_inputs): one
+    set per sampling batch size, the decode buckets' rows and, with speculative decoding, the verify steps'
+    rows x (k + 1) positions; a DP rank's rows live on its device. Raises ValueError as decode_batch_sizes."""
+    batch = decode_batch_sizes(args.max_running_requests, args.dp_size,
+                               list(args.precompile_bs_paddings) if args.precompile_bs_paddings else None)
+    rows = set(batch)
+    if args.speculative_steps:
+        rows |= {b * (args.speculative_steps + 1) for b in batch}
+    return sum(rows) * sampler.unused_row_bytes(vocab_size)
