@@ -483,6 +483,11 @@ class StepExecutor:
             cached = self._unused[b] = sampler.RowParams(**arrays)
         return cached
 
+    def resident_arrays(self) -> list[Any]:
+        """The device arrays this executor keeps between steps (the "unused" sampling inputs, the Features
+        flags): what ModelRunner.close frees with the pools."""
+        return [*self._unused.values(), *self._flags.values()]
+
     def features(self, flags: tuple[bool, ...]) -> jax.Array:
         """sampler.Features as a resident replicated bool array, one per combination seen: no host-to-device
         copy per step."""
