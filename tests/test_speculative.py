@@ -27,6 +27,8 @@ from conftest import ENGINE_KWARGS, record
 from mtp_checkpoint import build_mtp_checkpoint
 
 from sglang_tpu_qwen.engine.engine import Engine
+from sglang_tpu_qwen.engine.scheduler.speculative import PROBE_EVERY
+from sglang_tpu_qwen.engine.scheduler.step_costs import StepCosts
 
 # Chunks of 64 tokens: the 150-token prompts prefill in three chunks (the MTP layer drafts after each). Every
 # decode step verifies (the adaptive policy's choice follows measured step times; its own test fixes them).
@@ -124,7 +126,8 @@ def _both(engines: tuple[Engine, Engine], prompts: list[list[int]], sp: dict | l
         got = spec.generate(input_ids=prompts, sampling_params=sp, **kw)
     got = got if isinstance(got, list) else [got]
     after = spec.get_server_info()["internal_states"][0]
-    delta = {k: after[k] - before[k] for k in ("spec_verify_rows", "spec_accepted_tokens", "spec_draft_tokens")}
+    delta = {k: after[k] - before[k] for k in ("spec_verify_rows", "spec_accepted_tokens", "spec_draft_tokens",
+                                               "spec_verify_steps")}
     return want, got, delta
 
 
@@ -366,9 +369,8 @@ def test_adaptive_drafting_stops_verifying_when_drafts_do_not_pay(engines: tuple
     spec_engine, _ = engines
     spec = spec_engine.scheduler.spec
     b = spec_engine.runner.buckets.decode_bucket(2).batch
-    saved = (spec.adaptive, spec.step_s, spec._step_done)
-    spec.adaptive, spec.step_s = True, {"verify": {b: 2.0}, "decode": {b: 1.0}}
-    spec._step_done = lambda: None  # the fixed costs stay
+    saved = (spec.adaptive, spec.costs)
+    spec.adaptive, spec.costs = True, StepCosts.fixed({"verify": {b: 2.0}, "decode": {b: 1.0}})
     try:
         prompts = [_ids(40, 11), _ids(41, 25)]
         want, got, delta = _both(engines, prompts, dict(GREEDY, max_new_tokens=40), oracle=False)
@@ -379,7 +381,29 @@ def test_adaptive_drafting_stops_verifying_when_drafts_do_not_pay(engines: tuple
         _same(want, got)
         assert spec.stats.plain_steps - plain < delta["spec_verify_rows"] / 2, (spec.stats.plain_steps, delta)
     finally:
-        spec.adaptive, spec.step_s, spec._step_done = saved
+        spec.adaptive, spec.costs = saved
+
+
+def test_adaptive_drafting_probes_verify_steps_while_plain(engines: tuple[Engine, Engine]) -> None:
+    """A verify cost that says drafts never pay (9 plain steps, more than 4 tokens) is re-measured: after
+    PROBE_EVERY plain steps, rows whose drafts are expected to add tokens run one verify step (on the chip a
+    stale verify estimate otherwise kept a server plain for good). Tokens stay plain decoding's."""
+    spec_engine, _ = engines
+    spec = spec_engine.scheduler.spec
+    b = spec_engine.runner.buckets.decode_bucket(2).batch
+    saved = (spec.adaptive, spec.costs)
+    spec.adaptive, spec.costs = True, StepCosts.fixed({"verify": {b: 9.0}, "decode": {b: 1.0}})
+    try:
+        plain = spec.stats.plain_steps
+        want, got, delta = _both(engines, [_ids(42, 11), _ids(43, 17)], dict(GREEDY, max_new_tokens=80),
+                                 oracle=True)
+        _same(want, got)
+        plain = spec.stats.plain_steps - plain
+        # About 80 decode steps: two probes, each after PROBE_EVERY plain steps; the rest plain.
+        assert delta["spec_verify_steps"] >= 2 and plain >= 2 * PROBE_EVERY, (plain, delta)
+        assert delta["spec_verify_steps"] <= -(-plain // PROBE_EVERY) + 1, (plain, delta)
+    finally:
+        spec.adaptive, spec.costs = saved
 
 
 def test_json_schema_request(engines: tuple[Engine, Engine]) -> None:

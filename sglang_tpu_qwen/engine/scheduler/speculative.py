@@ -47,8 +47,10 @@ context, and then a verify step costs more than the tokens it adds. Each request
 its per-draft acceptance (every draft the target compared, in verify steps and, below, in plain steps); with d
 drafts it expects 1 + alpha + ... + alpha^d tokens from a verify step. A decode step verifies when the batch's
 mean expected tokens exceed rho = (verify step time) / (plain decode step time), both measured on this server at
-that batch size (moving averages of the steps' wall time; rho = 1 until both are known, a plain step probes the
-decode time after PROBE_EVERY verify steps), else it runs as a plain decode step. After a plain step the MTP
+that batch size (medians of the steps' recent wall times, engine/scheduler/step_costs.py; rho = 1 until both
+are known; a plain step probes the decode time after PROBE_EVERY verify steps, and a verify step probes the
+verify time after PROBE_EVERY plain steps when the expected tokens exceed 1, so a stale estimate cannot keep
+the server from verifying), else it runs as a plain decode step. After a plain step the MTP
 layer still drafts (its KV stays current, and its first draft against the sampled token keeps alpha current), so
 verification resumes when acceptance recovers. Tokens are the same either way; only the step kind changes.
 """
@@ -57,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -73,6 +74,7 @@ from sglang_tpu_qwen.engine.scheduler.schedule_batch import (
     host_forward_batch,
     sampling_batch,
 )
+from sglang_tpu_qwen.engine.scheduler.step_costs import StepCosts
 from sglang_tpu_qwen.grammar.bitmask import MaskRow, bitmask_width
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 
@@ -81,10 +83,9 @@ if TYPE_CHECKING:
 
 
 # Adaptive drafting: the acceptance prior of a new request, the weight of one comparison in its moving average,
-# the weight of one step in the step-time averages, and the verify steps between probes of the plain step time.
+# and the steps of one kind between probes of the other kind's step time.
 ALPHA_PRIOR = 0.7
 ALPHA_WEIGHT = 0.2
-COST_WEIGHT = 0.2
 PROBE_EVERY = 32
 NO_SNAPSHOTS = 2**30  # a row's snapshot position where no snapshot is taken (it never lags)
 
@@ -124,10 +125,9 @@ class SpecDecoder:
         self.page_size = scheduler.page_size
         self.stats = SpecStats()
         self.adaptive = scheduler.args.speculative_draft_policy == "adaptive"
-        self.step_s: dict[str, dict[int, float]] = {"verify": {}, "decode": {}}  # mode -> batch -> seconds
-        self._since_probe = 0
-        self._started: deque[tuple[str, int, float]] = deque()  # decode steps launched, not read: (mode, B, start)
-        self._last_done = 0.0
+        self.costs = StepCosts()
+        self._verify_run = 0  # verify steps since the last plain one
+        self._plain_run = 0  # plain decode steps since the last verify one
 
     # ---- adaptive drafting -------------------------------------------------------------------------
     def use_verify(self, reqs: list[Request]) -> bool:
@@ -138,34 +138,29 @@ class SpecDecoder:
         b = self.runner.buckets.decode_bucket(rows_per_rank).batch
         verify = any(counts)
         if verify and self.adaptive:
-            cv, cd = self.step_s["verify"].get(b), self.step_s["decode"].get(b)
-            if cv is not None and cd is None and self._since_probe >= PROBE_EVERY:
+            cv, cd = self.costs.seconds("verify", b), self.costs.seconds("decode", b)
+            gain = float(np.mean([expected_tokens(_alpha(r), n) for r, n in zip(reqs, counts, strict=True)]))
+            if cv is not None and cd is None and self._verify_run >= PROBE_EVERY:
                 verify = False  # probe the plain step's time at this batch size
+            elif gain > 1.0 and self._plain_run >= PROBE_EVERY:
+                verify = True  # probe the verify step's time: it may have been measured at a bad moment
             else:
-                gain = np.mean([expected_tokens(_alpha(r), n) for r, n in zip(reqs, counts, strict=True)])
-                verify = bool(gain > (cv / cd if cv and cd else 1.0))
-        self._since_probe = self._since_probe + 1 if verify else 0
-        self._started.append(("verify" if verify else "decode", b, time.perf_counter()))
+                verify = gain > (cv / cd if cv and cd else 1.0)
+        self._verify_run, self._plain_run = (self._verify_run + 1, 0) if verify else (0, self._plain_run + 1)
+        self.costs.start("verify" if verify else "decode", b)
         return verify
 
     def _step_done(self) -> None:
-        """A decode step was read: its time is from its start (or the previous step's end, when the two
-        overlapped) to now."""
-        now = time.perf_counter()
-        if self._started:
-            mode, b, t0 = self._started.popleft()
-            dt = now - max(t0, self._last_done)
-            old = self.step_s[mode].get(b)
-            self.step_s[mode][b] = dt if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * dt
-        self._last_done = now
+        """A decode step was read (StepCosts.done)."""
+        self.costs.done()
 
     def step_dropped(self) -> None:
         """The decode step `use_verify` was asked about is not launched (its rows all finished meanwhile)."""
-        self._started.pop()
+        self.costs.drop_last()
 
     def step_failed(self) -> None:
         """A step failed (StepFailures rewinds its requests): no timing or in-flight verify is left."""
-        self._started.clear()
+        self.costs.clear()
         for r in self.scheduler.requests():
             r.verify_fed = 0
 
@@ -387,7 +382,7 @@ class SpecDecoder:
                 "speculative_num_steps": self.steps,
                 "speculative_draft_policy": "adaptive" if self.adaptive else "always",
                 # Measured wall seconds per decode step by mode and batch size (adaptive drafting's rho).
-                "spec_step_seconds": {m: {str(b): v for b, v in d.items()} for m, d in self.step_s.items()}}
+                "spec_step_seconds": self.costs.as_dict()}
 
 
 def _snapshot_position(r: Request) -> int:
