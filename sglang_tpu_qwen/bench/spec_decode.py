@@ -73,13 +73,18 @@ SPEC_STEPS = 3
 
 def hf_config(hidden: int = 96, num_experts: int = 8) -> dict[str, Any]:
     """Kwargs of ``Qwen3_5MoeTextConfig``: 4 layers (3 Gated DeltaNet + 1 full attention, the release's
-    pattern), `num_experts` experts top-2 plus a shared expert, vocab VOCAB, one MTP layer."""
+    pattern), `num_experts` experts top-2 plus a shared expert, vocab VOCAB, one MTP layer.
+
+    Head dims are the release's TPU-friendly 128 although the model is tiny: the Pallas attention and GDN
+    kernels need multiples of 128 lanes, and on a TPU pools with minor dims under the (8, 128) tile are copied
+    around every step program (temporaries of several times the pools: the first chip run of this benchmark,
+    at head dims 32 / 16, could not compile its programs in 16 GB)."""
     return dict(
         vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=4, rms_norm_eps=1e-6, max_position_embeddings=1024,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=64,
         shared_expert_intermediate_size=64, tie_word_embeddings=False, mtp_num_hidden_layers=1,
         eos_token_id=None, pad_token_id=0, bos_token_id=None,
