@@ -312,18 +312,18 @@ def _streamed_round(engine: Any, prompts: list[list[int]], params: dict[str, Any
 def run_config(model_path: Path, tokenizer_path: str, batch: int, spec: bool, prompts: list[list[int]],
                warmup: list[list[int]], output_len: int, context_length: int, repeats: int,
                disable_overlap_schedule: bool = False, bucket: int | None = None,
-               draft_policy: str | None = None) -> dict[str, Any]:
+               draft_policy: str | None = None, dtype: str = "auto") -> dict[str, Any]:
     """Start an Engine (precompiled), warm up on `warmup`, then `repeats` times: flush the prefix cache and time
     `prompts` in rounds of `batch`. Returns the measured figures (decode and end-to-end tok/s: the median
     repeat, and each repeat's) and the first repeat's outputs; the engine is shut down before returning.
     `bucket`: compile only that batch size (--precompile-bs-paddings), e.g. batch 1 run in the 4-row programs;
-    `draft_policy`: --speculative-draft-policy (None: the server's default)."""
+    `draft_policy`: --speculative-draft-policy (None: the server's default); `dtype`: --dtype."""
     from sglang_tpu_qwen.engine.engine import Engine
     from sglang_tpu_qwen.engine.runner import compilation
 
     kwargs: dict[str, Any] = dict(model_path=str(model_path), tokenizer_path=tokenizer_path,
                                   max_running_requests=batch, context_length=context_length,
-                                  grammar_backend="none", skip_server_warmup=True,
+                                  grammar_backend="none", skip_server_warmup=True, dtype=dtype,
                                   disable_overlap_schedule=disable_overlap_schedule,
                                   precompile_bs_paddings=[bucket] if bucket else None)
     if spec:
@@ -420,6 +420,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "threads took 18 s per training step against 0.25 s for 1 (OpenMP oversubscription); "
                         "idle, 2 threads are about 1.5x faster than 1.")
     p.add_argument("--context-length", type=int, default=512, help="Engine --context-length.")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="Engine --dtype (auto: bfloat16 on a TPU, float32 on a CPU; the model trains in float32).")
     p.add_argument("--draft-policy", choices=("adaptive", "always"), default=None,
                    help="--speculative-draft-policy of the MTP runs (default: the server's, adaptive).")
     p.add_argument("--disable-overlap-schedule", action="store_true",
@@ -477,7 +479,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{100 * tr['mtp_heldout_top1']:.1f}%, MTP = main's greedy token {100 * tr['mtp_heldout_agree_main']:.1f}%",
         f"Prompts: {result['prompt_len']} tokens, {result['output_len']} greedy output tokens each "
         f"(min_new_tokens = max_new_tokens, ignore_eos); MTP: --speculative-num-steps {SPEC_STEPS}, top-k 1, "
-        f"{SPEC_STEPS + 1} draft tokens; both runs {plain}",
+        f"{SPEC_STEPS + 1} draft tokens; both runs {plain}; --dtype {result.get('dtype', 'auto')}",
         f"Machine: {m['cpu']}, {m['nproc']} CPUs; JAX on {m['jax']}; 1-min load average "
         f"{m['loadavg_1min_start']:.1f} at the start, {m['loadavg_1min_end']:.1f} at the end",
         "decode tok/s: tokens streamed after the last request of a round got its first token / that time "
@@ -553,7 +555,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"[engine] batch {_label(batch, bucket)}, MTP {'on' if spec else 'off'}: {n} prompts", flush=True)
                 c = run_config(trained.path, tokenizer, batch, spec, timed[:n], warm[:min(n, batch)],
                                args.output_len, args.context_length, args.repeats, args.disable_overlap_schedule,
-                               bucket, args.draft_policy)
+                               bucket, args.draft_policy, args.dtype)
                 if spec:
                     c["mismatches"] = sum(a != b for a, b in zip(plain["outputs"], c["outputs"], strict=True))
                 else:
@@ -570,7 +572,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         speedup[label] = {"decode": on["decode_throughput"] / off["decode_throughput"],
                           "e2e": on["output_throughput"] / off["output_throughput"]}
     result = {
-        "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
+        "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype,
         "disable_overlap_schedule": args.disable_overlap_schedule, "repeats": args.repeats,
         "speculative_num_steps": SPEC_STEPS, "training": trained.stats, "configs": configs, "speedup": speedup,
         "machine": {"cpu": _cpu_model(), "nproc": os.cpu_count(), "jax": jax.default_backend(),
