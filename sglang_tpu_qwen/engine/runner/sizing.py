@@ -151,9 +151,11 @@ class RunnerSizing:
     def build(cls, config: Qwen35MoeConfig, args: ServerArgs, dtype: Any, weight_bytes: dict[Any, int] | None, *,
               device_limit: int | None = None, vision_bytes: int = 0, temporaries: int = 0,
               backends: KernelBackends | None = None) -> RunnerSizing:
-        """Sizes from the config and flags; GDN slots and KV pages split the memory the weights leave on the
-        fullest device by engine/runner/memory_split.py's rule (--mamba-full-memory-ratio,
-        --max-mamba-cache-size, --max-gdn-snapshots, --max-total-tokens, --mem-fraction-static).
+        """Sizes from the config and flags; GDN slots and KV pages split the memory the weights (and, on a
+        device with a limit, the vision encoder and the sampling programs' resident inputs:
+        :func:`sampling_input_bytes`) leave on the fullest device by engine/runner/memory_split.py's rule
+        (--mamba-full-memory-ratio, --max-mamba-cache-size, --max-gdn-snapshots, --max-total-tokens,
+        --mem-fraction-static).
 
         Args:
             dtype: the KV cache dtype (resolve_kv_dtype: --kv-cache-dtype, auto = the compute dtype); an FP8
