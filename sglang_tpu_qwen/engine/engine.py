@@ -519,8 +519,10 @@ class Engine:
     def shutdown(self) -> None:
         if self.disagg is not None:
             self.disagg.shutdown()
-        self.scheduler.shutdown()
-        self.runner.close()
+        stopped = self.scheduler.shutdown()
+        if not stopped:  # a step still runs on the device arrays: they are left to the garbage collector
+            logger.warning("the scheduler thread did not stop within 30 s; the device memory is not freed now")
+        self.runner.close(free_device_memory=stopped)
         if self.grammar is not None:
             self.grammar.shutdown()
 

@@ -10,7 +10,7 @@ first, snapshot slots after them. The rule here, per DP rank (each device holds 
   vision encoder's ``memory_bytes()``, its weights, encoder cache cap and largest bucket's activations, 0 for a
   text-only checkpoint; SGLang's profile measures what is free after loading the whole model, ViT included;
   ``sampling``: the sampling programs' resident inputs, a [B, V] int32 penalty table per sampling batch size
-  among them: 2.5 GB at 256 running requests with MTP, whose verify steps sample 4 positions a row).
+  among them: 1.96 GiB at 256 running requests with MTP, whose verify steps sample 4 positions a row).
   ``S`` is ``M * --mem-fraction-static`` (SGLang's static memory: weights and pools), unless the ``(1 - f) * M``
   that leaves is less than the step programs' temporaries ``T`` (the largest, read from XLA's analysis of the
   compiled programs: engine/runner/program_memory.py) plus a runtime headroom ``RUNTIME_HEADROOM * M`` (step
@@ -202,7 +202,7 @@ def split_memory(
             vision = (f" and the vision encoder ({vision_bytes / GB:.2f} GB: lower --mm-embedding-cache-size-mb "
                       "or --mm-max-patches)") if vision_bytes else ""
             sampling = (f" and the sampling programs' resident inputs ({sampling_bytes / GB:.2f} GB: lower "
-                        "--max-running-requests)") if sampling_bytes else ""
+                        "--max-running-requests or give fewer --precompile-bs-paddings)") if sampling_bytes else ""
             raise ValueError(f"not enough device memory: {device_limit / GB:.2f} GB x --mem-fraction-static "
                              f"{mem_fraction_static} (at most the device less {need / GB:.2f} GB of program "
                              f"temporaries and headroom) does not hold the weights ({weight_bytes / GB:.2f} GB)"

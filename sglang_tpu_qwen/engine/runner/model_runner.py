@@ -255,16 +255,18 @@ class ModelRunner:
         """The vision encoder's memory, buckets and counters for /get_server_info; None without one."""
         return vision_info(self.vision_encoder)
 
-    def close(self) -> None:
-        """The engine shuts down: stop treating compilations as errors on its behalf, and free the device
-        memory its pools, weights and resident step inputs hold now rather than when the garbage collector
-        reaches the engine (a second engine in the same process, as a benchmark starts one per
-        configuration, otherwise found the first one's pools still allocated: an out-of-memory on a v5e).
-        The runner serves no step afterwards."""
+    def close(self, free_device_memory: bool = True) -> None:
+        """The engine shuts down: stop treating compilations as errors on its behalf and, with
+        `free_device_memory` (the scheduler thread has stopped: no step reads them), delete the pools, the
+        weights and the executor's resident sampling inputs now rather than when the garbage collector reaches
+        the engine (a second engine in the same process, as a benchmark starts one per configuration,
+        otherwise found the first one's pools still allocated: an out-of-memory on a v5e). Smaller arrays (the
+        last step's outputs, the carry, a vision encoder's) are left to the collector. The runner serves no
+        step afterwards."""
         if self.programs.ready:
             self.programs.ready = False
             compilation.disarm()
-        if not self.is_abstract:
+        if free_device_memory and not self.is_abstract:
             for leaf in jax.tree.leaves((self.state.cache, self.params, self.executor.resident_arrays())):
                 if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                     leaf.delete()

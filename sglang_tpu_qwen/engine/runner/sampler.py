@@ -37,7 +37,8 @@ _TOP_P_SEARCH_STEPS = 32
 def unused_row_bytes(vocab_size: int) -> int:
     """Device bytes per row of a sampling program's "unused" inputs (StepExecutor.unused_inputs, kept resident
     per batch size): the [V] int32 penalty table row, the grammar bitmask, logit-bias and ban ids, and nine
-    4-byte per-row scalars of RowParams."""
+    4-byte per-row scalars of RowParams. Logical bytes: a TPU pads small arrays to its (8, 128) tiles (the 1-
+    and 4-row tables, the 304-wide bias columns), a few MB in all, which the runtime headroom covers."""
     return 4 * (vocab_size + -(-vocab_size // 32) + 2 * LOGIT_BIAS_WIDTH + BAN_WIDTH + 9)
 
 

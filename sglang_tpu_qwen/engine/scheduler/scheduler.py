@@ -129,11 +129,13 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Stop the scheduler thread (waiting up to 30 s for its step). Returns whether it has stopped."""
         self._stop.set()
         self._inbox.wake()
         self._thread.join(timeout=30)
         self.profiler.close()  # a trace still running is written out
+        return not self._thread.is_alive()
 
     def health(self) -> HealthSnapshot:
         """A consistent snapshot of the scheduler's health (engine/observability/health.py)."""

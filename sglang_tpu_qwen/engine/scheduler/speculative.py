@@ -49,8 +49,9 @@ drafts it expects 1 + alpha + ... + alpha^d tokens from a verify step. A decode 
 mean expected tokens exceed rho = (verify step time) / (plain decode step time), both measured on this server at
 that batch size (medians of the steps' recent wall times, engine/scheduler/step_costs.py; rho = 1 until both
 are known; a plain step probes the decode time after PROBE_EVERY verify steps, and a verify step probes the
-verify time after PROBE_EVERY plain steps when the expected tokens exceed 1, so a stale estimate cannot keep
-the server from verifying), else it runs as a plain decode step. After a plain step the MTP
+verify time after PROBE_EVERY plain steps when the expected tokens exceed 1, a wait that doubles while the
+estimates keep choosing plain steps, up to PROBE_MAX; so a stale estimate of either kind cannot fix the step kind
+for good), else it runs as a plain decode step. After a plain step the MTP
 layer still drafts (its KV stays current, and its first draft against the sampled token keeps alpha current), so
 verification resumes when acceptance recovers. Tokens are the same either way; only the step kind changes.
 """
@@ -83,10 +84,12 @@ if TYPE_CHECKING:
 
 
 # Adaptive drafting: the acceptance prior of a new request, the weight of one comparison in its moving average,
-# and the steps of one kind between probes of the other kind's step time.
+# the steps of one kind between probes of the other kind's step time, and the longest wait between verify probes
+# (the wait doubles after each probe while the estimates keep choosing plain steps).
 ALPHA_PRIOR = 0.7
 ALPHA_WEIGHT = 0.2
 PROBE_EVERY = 32
+PROBE_MAX = 1024
 NO_SNAPSHOTS = 2**30  # a row's snapshot position where no snapshot is taken (it never lags)
 
 
@@ -128,6 +131,7 @@ class SpecDecoder:
         self.costs = StepCosts()
         self._verify_run = 0  # verify steps since the last plain one
         self._plain_run = 0  # plain decode steps since the last verify one
+        self._verify_probe_every = PROBE_EVERY  # plain steps before a verify probe (doubles while probes lose)
 
     # ---- adaptive drafting -------------------------------------------------------------------------
     def use_verify(self, reqs: list[Request]) -> bool:
@@ -140,12 +144,17 @@ class SpecDecoder:
         if verify and self.adaptive:
             cv, cd = self.costs.seconds("verify", b), self.costs.seconds("decode", b)
             gain = float(np.mean([expected_tokens(_alpha(r), n) for r, n in zip(reqs, counts, strict=True)]))
-            if cv is not None and cd is None and self._verify_run >= PROBE_EVERY:
+            # Each kind's time is probed now and then while the other kind runs: one sample taken at a bad
+            # moment (after an idle gap, a prefill) must not decide the step kind for good.
+            if cv is not None and self._verify_run >= PROBE_EVERY:
                 verify = False  # probe the plain step's time at this batch size
-            elif gain > 1.0 and self._plain_run >= PROBE_EVERY:
-                verify = True  # probe the verify step's time: it may have been measured at a bad moment
+            elif gain > 1.0 and self._plain_run >= self._verify_probe_every:
+                verify = True  # probe the verify step's time; the next probe waits twice as long
+                self._verify_probe_every = min(2 * self._verify_probe_every, PROBE_MAX)
             else:
                 verify = gain > (cv / cd if cv and cd else 1.0)
+                if verify:
+                    self._verify_probe_every = PROBE_EVERY
         self._verify_run, self._plain_run = (self._verify_run + 1, 0) if verify else (0, self._plain_run + 1)
         self.costs.start("verify" if verify else "decode", b)
         return verify
