@@ -159,10 +159,6 @@ class SpecDecoder:
         self.costs.start("verify" if verify else "decode", b)
         return verify
 
-    def _step_done(self) -> None:
-        """A decode step was read (StepCosts.done)."""
-        self.costs.done()
-
     def step_dropped(self) -> None:
         """The decode step `use_verify` was asked about is not launched (its rows all finished meanwhile)."""
         self.costs.drop_last()
@@ -326,7 +322,7 @@ class SpecDecoder:
                 cache.verify_snapshot_taken(r, r.cached_len + g)
             r.cached_len += g
             r.draft_tokens = drafts[row].tolist()
-        self._step_done()
+        self.costs.done()  # the decode step was read: its time
 
     def after_decode(self, batch: ScheduleBatch, step: StepOutput) -> None:
         """A plain decode step (adaptive drafting chose it): its sampled tokens already accepted, compare each
@@ -343,7 +339,7 @@ class SpecDecoder:
             rows.append((r, row, start, r.fill_ids[start + 1 : start + 2], True))
         if rows:
             self._draft(step, batch.forward, rows)
-        self._step_done()
+        self.costs.done()  # the decode step was read: its time
 
     # ---- drafts --------------------------------------------------------------------------------
     def after_extend(self, batch: ScheduleBatch, step: StepOutput, sampled: tuple[np.ndarray, ...] | None) -> None:
