@@ -289,17 +289,16 @@ def test_35b_shaped_cycle_roofline_bytes_by_part() -> None:
     assert 0.8e9 < mtp_rest + mtp_experts < 0.95e9  # the issue's "~0.88 GB" MTP layer
     total = sum(parts.values())
     assert 10.5e9 < total < 12e9
-    # By program: the verify forward reads the GDN states once, the commit reads and writes them again plus the
-    # decode snapshots (1/64 of the rows at accept length 1), the sampling program the lm_head, the draft its part.
+    # By program: the verify forward reads the GDN states once; the commit samples (the lm_head), reads and
+    # writes the states again plus the decode snapshots (1/64 of the rows at accept length 1) and drafts.
     by_program = decode_step.cycle_program_bytes(runner, ROWS, parts)
-    assert list(by_program) == ["verify", "sample", "commit", "draft", "spec_carry"]
+    assert list(by_program) == ["verify", "commit"]
     assert sum(by_program.values()) == pytest.approx(total, rel=1e-12)
-    assert by_program["sample"] == parts["lm_head"] and by_program["draft"] == parts["draft"]
-    assert by_program["commit"] == pytest.approx(sum(per_pass) * (2 + 1 / PAGE), rel=1e-12)
+    assert by_program["commit"] == pytest.approx(
+        parts["lm_head"] + parts["draft"] + sum(per_pass) * (2 + 1 / PAGE), rel=1e-12)
     assert by_program["verify"] == pytest.approx(
         parts["dense"] + parts["experts"] + parts["kv_read"] + parts["kv_write"] + parts["embedding_rows"]
         + sum(per_pass), rel=1e-12)
-    assert by_program["spec_carry"] == 0
     record("MTP cycle roofline: 35B-shaped, 64 x 576, 3 drafts", ", ".join(
         f"{p} {v / 1e9:.3f} GB" for p, v in parts.items() if v) + f"; total {total / 1e9:.3f} GB, "
         f"{total / 819e9 * 1e3:.2f} ms at 819 GB/s; plain step {sum(plain.values()) / 1e9:.3f} GB")
@@ -324,12 +323,13 @@ def test_planned_v5e_verify_step_holds_the_cycles_bytes() -> None:
     assert verify["planned_s"] > planned["planned_s"] > 0 and verify["bucket_rows"] == rows
     # Each program planned alone, against its share of the roofline; they add up to the step.
     programs = {p["program"]: p for p in verify["programs"]}
-    assert list(programs) == ["verify", "commit", "draft", "spec_carry", "sample"]
+    assert list(programs) == ["verify", "commit"]
     by_program = decode_step.cycle_program_bytes(runner, rows, parts)
     assert {k: p["min_bytes"] for k, p in programs.items()} == pytest.approx(by_program, rel=1e-12)
     assert sum(p["serial_s"] for p in programs.values()) == pytest.approx(verify["serial_s"], rel=1e-6)
     # The commit's snapshot copy (kernels/gdn/slot_copy.py) declares every row's state; it is charged the rows
-    # that take a snapshot (1/64 at accept length 1): the commit moves about its least bytes, not 2x.
+    # that take a snapshot (1/64 at accept length 1): the commit (its greedy branch planned from the greedy
+    # program) moves about its least bytes, not 2x.
     assert programs["commit"]["hlo_bytes"] < 1.3 * programs["commit"]["min_bytes"]
     assert [p["program"] for p in planned["programs"]] == ["forward", "sample"]
     record("MTP cycle roofline: the planner on v5e:1x1",
@@ -359,9 +359,9 @@ CPU_ROWS, CPU_CONTEXT = 2, 40
 def test_cycle_replay_on_a_cpu_engine(spec_engine) -> None:
     """The benchmark's measurement (``measure``, as the command runs it) on a CPU engine with an MTP layer: the
     plain step and the cycle each compile nothing in their timed windows, take positive device and dispatch
-    time, and the cycle's bytes are its roofline parts; one cycle dispatches verify, the greedy sampling of its
-    B x 4 positions, commit, draft and carry; the replay's accept length is in [1, 4] and its rows feed distinct
-    ids; the tables render."""
+    time, and the cycle's bytes are its roofline parts; one greedy cycle dispatches two programs, verify and
+    commit (which samples the B x 4 positions, commits and drafts); the replay's accept length is in [1, 4] and
+    its rows feed distinct ids; the tables render."""
     ns, _ = decode_step.parse_args(["--model-path", "embedded", "--rows", str(CPU_ROWS), "--context",
                                     str(CPU_CONTEXT), "--iters", "2", "--windows", "2", "--no-plan",
                                     "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(STEPS),
@@ -371,22 +371,20 @@ def test_cycle_replay_on_a_cpu_engine(spec_engine) -> None:
     result = decode_step.measure(spec_engine, ns)
     (plain,), (cycle,) = result["rows"], result["cycles"]
     b, n = cycle["bucket_rows"], STEPS + 1
-    pages = spec_engine.runner.buckets.decode_bucket(b).pages
     assert plain["compilations"] == 0 and cycle["compilations"] == 0
     assert plain["device_s"] > 0 and plain["dispatch_s"] > 0 and cycle["device_s"] > 0 and cycle["dispatch_s"] > 0
     assert cycle["over_plain"] == pytest.approx(cycle["device_s"] / plain["device_s"])
     _, parts = decode_step.cycle_roofline_parts(spec_engine.runner, CPU_ROWS, CPU_CONTEXT)
     assert cycle["bytes"] == parts and cycle["bytes_total"] == pytest.approx(sum(parts.values()))
     assert parts["draft"] > 0 and cycle["measured_over_roofline"] == pytest.approx(1 / cycle["roofline_over_measured"])
-    assert cycle["programs"] == [str(k) for k in [("verify", b), ("sample", "greedy", b * n), ("commit", b),
-                                                  ("draft", b, n, pages), ("spec_carry", b)]]
+    assert cycle["programs"] == [str(k) for k in [("verify", b), ("commit", b)]]
     assert plain["programs"] == [str(k) for k in [("forward", spec_engine.runner.buckets.decode_bucket(b)),
                                                   ("sample", "greedy", b), ("keep_sampled", b)]]
     assert 1.0 <= cycle["accept_length_replay"] <= n
     assert cycle["distinct_sampled"] > b * n // 2
     # Each program alone, in dispatch order, against its share of the roofline.
     alone = cycle["alone"]
-    assert [a["program"] for a in alone] == ["verify", "sample", "commit", "draft", "spec_carry"]
+    assert [a["program"] for a in alone] == ["verify", "commit"]
     assert all(a["device_s"] > 0 for a in alone) and cycle["alone_s"] == pytest.approx(sum(a["device_s"]
                                                                                              for a in alone))
     assert sum(a["min_bytes"] for a in alone) == pytest.approx(cycle["bytes_total"])
@@ -405,8 +403,7 @@ def test_profile_of_a_cpu_cycle(spec_engine, tmp_path) -> None:
                                      out_dir=tmp_path)
     assert prof["source"] == "host" and prof["unit"] == "cycle" and prof["total_ms_per_step"] > 0
     modules = {p["module"] for p in prof["programs"]}
-    assert {"jit_verify", "jit_commit", "jit_draft"} <= modules, modules
-    assert modules <= {"jit_verify", "jit_sample_program", "jit_commit", "jit_draft", "jit_carry"}, modules
+    assert modules == {"jit_verify", "jit_commit"}, modules
     assert sum(p["share"] for p in prof["programs"]) == pytest.approx(1.0)
     text = decode_step.format_profile(prof)
     assert "replayed draft + verify cycles" in text and "| program | ops ms / cycle |" in text
@@ -414,7 +411,7 @@ def test_profile_of_a_cpu_cycle(spec_engine, tmp_path) -> None:
 
 def test_cycle_programs_alone_are_the_served_calls(spec_engine) -> None:
     """Each program timed alone (decode_timer.time_cycle_programs) is one of the cycle's programs, through the
-    runner calls the served commit makes (StepExecutor.commit = commit_states, draft_committed, keep_carry)."""
+    runner calls the served verify step makes (ModelRunner.verify, ModelRunner.commit)."""
     from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_cycle_programs, time_verify_cycle
 
     runner = spec_engine.runner
@@ -422,15 +419,15 @@ def test_cycle_programs_alone_are_the_served_calls(spec_engine) -> None:
         time_verify_cycle(runner, CPU_ROWS, CPU_CONTEXT, iters=1, windows=1, warmup=0)
     with recorded_programs(runner) as alone:
         times = time_cycle_programs(runner, CPU_ROWS, CPU_CONTEXT, iters=1, windows=1, warmup=0)
-    assert list(times) == ["verify", "sample", "commit", "draft", "spec_carry"]
+    assert list(times) == ["verify", "commit"]
     assert all(t.step_s > 0 for t in times.values())
-    assert set(alone) == set(cycle) and alone[: len(cycle) - 1] == cycle[:-1]  # one cycle first (no carry)
+    assert alone == [cycle[0], *cycle]  # one untimed verify (the commit's inputs), then each program alone
 
 
 def test_cycle_replays_the_served_programs(spec_engine) -> None:
     """Served greedy requests that decode together dispatch, for each verify step, exactly the replayed cycle's
-    programs in the same order (verify and its sampling at launch, then commit, draft and carry once the step
-    before is read): the replay measures what serves."""
+    programs in the same order (verify at launch, then the commit once the step before is read): the replay
+    measures what serves."""
     from sglang_tpu_qwen.bench.decode_timer import recorded_programs, time_verify_cycle
 
     runner = spec_engine.runner

@@ -93,18 +93,18 @@ def oracle_drafts(eng: Engine, want: dict[tuple[tuple[int, ...], int], list[int]
                 r.draft_tokens = drafts
 
     def commit(batch: Any, step: Any, sampled: Any) -> Any:
-        got, drafts, fed_lens = original_commit(batch, step, sampled)
-        got_h, drafts_h = np.asarray(got), np.array(drafts)
+        accepted = original_commit(batch, step, sampled)
+        host = np.array(accepted)  # [B, 2 + k + T]: got, fed, drafts, tokens (spec_programs.split_accepted)
         carry = np.array(state.spec_carry)
         for r, row in zip(batch.reqs, batch.rows, strict=True):
             # Committed rows only; the verify steps read by now exclude this one (hence + 1).
-            new = None if r.finished or r.slot is None else oracle(r, r.cached_len + int(got_h[row]) + 1,
+            new = None if r.finished or r.slot is None else oracle(r, r.cached_len + int(host[row, 0]) + 1,
                                                                    r.spec_verify_ct + 1)
             if new is not None:
-                drafts_h[row] = new
+                host[row, 2 : 2 + STEPS] = new
                 carry[row, 1 : 1 + STEPS] = new
         state.spec_carry = jax.device_put(carry, state.spec_carry.sharding)
-        return got, jax.device_put(drafts_h, drafts.sharding), fed_lens
+        return jax.device_put(host, accepted.sharding)
 
     spec._draft, spec.commit = draft, commit
     try:
@@ -409,12 +409,38 @@ def test_adaptive_drafting_probes_verify_steps_while_plain(engines: tuple[Engine
         _restore_policy(spec, saved)
 
 
+def test_adaptive_drafting_probes_plain_steps_less_while_verify_wins(engines: tuple[Engine, Engine]) -> None:
+    """Verify steps that keep winning (a fixed verify cost of 1.2 plain steps, drafts mostly right) are
+    interrupted by one plain probe after PROBE_EVERY of them, and the next probe waits twice as long (about 50
+    verify steps here: one probe, not two). Tokens stay plain decoding's."""
+    spec_engine, _ = engines
+    spec = spec_engine.scheduler.spec
+    b = spec_engine.runner.buckets.decode_bucket(2).batch
+    saved = _policy_state(spec)
+    spec.adaptive, spec.costs = True, StepCosts.fixed({"verify": {b: 1.2}, "decode": {b: 1.0}})
+    spec._verify_run = spec._plain_run = 0
+    spec._decode_probe_every = PROBE_EVERY
+    try:
+        plain = spec.stats.plain_steps
+        want, got, delta = _both(engines, [_ids(44, 11), _ids(45, 17)], dict(GREEDY, max_new_tokens=120),
+                                 oracle=True)
+        _same(want, got)
+        # One probe doubled the wait once; the other plain steps (at most one per request) are a last token, which
+        # has no room for drafts.
+        assert spec._decode_probe_every == 2 * PROBE_EVERY and delta["spec_verify_steps"] > PROBE_EVERY, delta
+        assert spec.stats.plain_steps - plain <= 3
+    finally:
+        _restore_policy(spec, saved)
+
+
 def _policy_state(spec: Any) -> tuple:
-    return (spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every)
+    return (spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every,
+            spec._decode_probe_every)
 
 
 def _restore_policy(spec: Any, saved: tuple) -> None:
-    spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every = saved
+    (spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every,
+     spec._decode_probe_every) = saved
 
 
 def test_json_schema_request(engines: tuple[Engine, Engine]) -> None:
@@ -604,7 +630,7 @@ def test_retraction_with_a_verify_step_in_flight(engines: tuple[Engine, Engine])
         step = sched._in_flight
         if step is None or step.accepted is None or r not in step.batch.reqs or not r.snapshot_pending:
             return False
-        got = int(np.asarray(step.accepted[0])[step.batch.rows[step.batch.reqs.index(r)]])
+        got = int(np.asarray(step.accepted)[step.batch.rows[step.batch.reqs.index(r)], 0])
         return r.private_snapshot[1] > 0 and (r.cached_len + got) % ps == 0  # the commit wrote the snapshot
 
     def pick_decode() -> Any:

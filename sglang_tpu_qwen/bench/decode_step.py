@@ -40,8 +40,9 @@ With ``--speculative-algorithm NEXTN`` (and SGLang's ``--speculative-num-steps K
 --speculative-num-draft-tokens K+1``; the draft policy defaults to ``always``) on a checkpoint with an MTP layer,
 each row count also gets its speculative draft + verify cycle (issue 43), on the same idle engine:
 
-- ``cycle ms``: the programs one verify step dispatches (verify, greedy sampling of its ``B x (K + 1)``
-  positions, commit, draft, carry: the scheduler's own runner calls), replayed back to back
+- ``cycle ms``: the programs one verify step dispatches (verify, then the commit: greedy sampling of its ``B x
+  (K + 1)`` positions, the GDN commit, the drafts and the carry; the scheduler's own runner calls), replayed back
+  to back
   (bench/decode_timer.py ``time_verify_cycle``, the same timing loop as the plain step), every row feeding
   ``K + 1`` distinct ids after ``--context - 1`` cached tokens; ``host dispatch ms``; compilations in the timed
   replay (must be 0); the programs of one cycle, recorded;
@@ -51,7 +52,7 @@ each row count also gets its speculative draft + verify cycle (issue 43), on the
   and the lm_head), ``roofline ms``, ``roofline / measured`` and ``measured / roofline``;
 - ``cycle / plain step``: its time over the plain decode step's of the same rows; ``planned ms``: the planner's
   verify step beside it; the replay's accept length and distinct ids (what could make it unlike serving);
-- per program (verify, sample, commit, draft, spec_carry): its time ALONE (``--cycle-program-iters`` calls a window,
+- per program (verify, commit): its time ALONE (``--cycle-program-iters`` calls a window,
   default 5, 0: off; decode_timer.py ``time_cycle_programs``: the same runner calls, one at a time), its share of
   the roofline bytes (step_bytes.py ``program_min_bytes``) and measured / roofline, and the planner's program
   alone (its HLO bytes and planned ms): where a cycle's time over its roofline goes.
@@ -131,7 +132,7 @@ def cycle_roofline_parts(runner: Any, rows: int, context: int,
 def cycle_program_bytes(runner: Any, rows: int, parts: dict[str, float],
                         accept_length: float = 1.0) -> dict[str, float]:
     """The cycle's least bytes ``parts`` (:func:`cycle_roofline_parts` of the same rows) split by the program that
-    moves them (tools/plan/step_bytes.py ``program_min_bytes``: verify, sample, commit, draft, spec_carry)."""
+    moves them (tools/plan/step_bytes.py ``program_min_bytes``: verify, commit)."""
     from sglang_tpu_qwen.tools.plan import step_bytes
 
     _, rb, rows_rank = _bucket_bytes(runner, rows)
@@ -262,7 +263,7 @@ def plan_rows(engine_info: dict[str, Any], config: Any, chip_key: str, rows: int
     ``context``) (``tools.plan.plan``; compiles for a deviceless topology: run it with no engine serving).
     Returns ``planned_s`` (uniform routing), ``roofline_s``, ``min_bytes`` and its parts, ``bytes_ratio``; with
     ``speculative_num_draft_tokens`` N > 0 (and ``accept_length`` in [1, N]) also ``verify``: the same fields of
-    the planner's verify step (the served verify, sampling, commit, draft and carry programs), or its error.
+    the planner's verify step (the served verify and commit programs), or its error.
     ``programs``: each program of the step planned alone (``program``, ``hlo_bytes``, ``min_bytes``,
     ``serial_s``: its instructions one after another plus its undeclared XLA flops at the peak)."""
     from sglang_tpu_qwen.tools.plan import plan
@@ -639,7 +640,8 @@ def format_cycles(result: dict[str, Any]) -> str:
     lines = [
         f"MTP cycle ({k} drafts, {n} tokens verified per row; draft policy {spec['draft_policy']}): one verify step's "
         "programs replayed back to back as the scheduler dispatches them (bench/decode_timer.py time_verify_cycle: "
-        f"verify, greedy sampling of the B x {n} positions, commit, draft, carry), median of {result['windows']} x "
+        f"verify, then the commit: greedy sampling of the B x {n} positions, GDN commit, drafts, carry), median of "
+        f"{result['windows']} x "
         f"{result['iters']} cycles, every row feeding {n} distinct host ids after {result['context'] - 1} cached "
         "tokens; plain step: the decode step above, same rows. Roofline: the planner's verify step "
         f"(tools/plan/step_bytes.py: forward + the commit's GDN state pass + draft) at "

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from sglang_tpu_qwen.engine.runner.model_runner import ModelRunner, SamplingBatch
+from sglang_tpu_qwen.engine.runner.spec_programs import split_accepted
 from sglang_tpu_qwen.engine.scheduler.speculative import NO_SNAPSHOTS
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 
@@ -199,65 +200,52 @@ def time_verify_cycle(runner: ModelRunner, rows: int, context: int, iters: int =
 
     One cycle is what the scheduler dispatches for one verify step (engine/scheduler/scheduler.py ``launch`` and
     speculative.py ``commit``), through the same runner calls: ``runner.verify`` (the verify program),
-    ``runner.sample`` (greedy sampling of the ``B * (k + 1)`` positions) and ``runner.commit`` (the commit
-    program, the draft program of the step's shape, the carry program). Each cycle's programs follow the last
-    one's on the device through the donated cache, as in serving; unlike serving, the host reads nothing
-    between cycles (no round trip: the scheduler reads each step's accepted counts, drafts and tokens while the
-    next verify step runs) and every cycle feeds the same host ids (a carried row's ids come from the carry: the
-    same verify program, another input). The commit writes the trash slot, no decode snapshot. For IDLE engines
-    only; observers do not see these steps, and the kept ids and carry are put back afterwards.
+    ``runner.sample_verify`` (nothing for these greedy rows: the commit samples them) and ``runner.commit`` (the
+    commit program: greedy sampling of the ``B * (k + 1)`` positions, accepted counts, GDN states, drafts and
+    carry). Each cycle's programs follow the last one's on the device through the donated cache, as in serving;
+    unlike serving, the host reads nothing between cycles (no round trip: the scheduler reads each step's
+    accepted array while the next verify step runs) and every cycle feeds the same host ids (a carried row's ids
+    come from the carry: the same verify program, another input). The commit writes the trash slot, no decode
+    snapshot. For IDLE engines only; observers do not see these steps, and the kept ids and carry are put back
+    afterwards.
 
     Raises:
         ValueError: as :func:`verify_replay_batch`."""
     batch, sampling, snaps = verify_replay_batch(runner, rows, context)
 
-    def cycle() -> tuple[jax.Array, ...]:
+    def cycle() -> jax.Array:
         step = runner.verify(batch)
-        sampled = runner.sample(step, sampling)
-        got, drafts = runner.commit(step, batch, sampled, snaps)
-        return got, drafts, sampled.tokens, runner.state.spec_carry
+        return runner.commit(step, batch, runner.sample_verify(step, sampling), snaps)
 
-    timed, (got, drafts, tokens, _) = replay(runner, cycle, iters, windows, warmup)
-    got, drafts, tokens = (np.asarray(a) for a in jax.device_get((got, drafts, tokens)))
+    timed, accepted = replay(runner, cycle, iters, windows, warmup)
+    got, _, drafts, tokens = split_accepted(np.asarray(accepted), runner.spec_steps)
     return CycleReplay(timed.step_s, timed.dispatch_s, float(got.mean()), len(set(tokens.tolist())),
                        len(set(drafts.ravel().tolist())))
 
 
-CYCLE_PROGRAMS = ("verify", "sample", "commit", "draft", "spec_carry")  # one verify step's, in dispatch order
+CYCLE_PROGRAMS = ("verify", "commit")  # one greedy verify step's, in dispatch order
 
 
 def time_cycle_programs(runner: ModelRunner, rows: int, context: int, iters: int = 5, windows: int = 3,
                         warmup: int = 1) -> dict[str, ReplayTime]:
     """Seconds per call of each program of :func:`time_verify_cycle`'s cycle replayed ALONE (CYCLE_PROGRAMS:
-    the verify program, the greedy sampling of its positions, then the commit, draft and carry programs of
-    ``StepExecutor.commit``, each through its own runner call), with the same timing loop (medians of `windows` x
-    `iters` calls dispatched back to back, after `warmup` untimed). The programs after the verify read the
-    outputs of one untimed cycle run first (the same arrays every call: the commit re-commits the trash slot,
-    the draft re-drafts from the same accepted counts). A program alone pays its own launch and whatever the
-    one before it left unfinished in a cycle, so the sum may differ from the cycle's time a little. For IDLE
-    engines only; observers do not see these calls, and the kept ids and carry are put back afterwards.
+    the verify program, then the commit program, each through its own runner call), with the same timing loop
+    (medians of `windows` x `iters` calls dispatched back to back, after `warmup` untimed). The commit reads the
+    outputs of one untimed verify call (the same arrays every call: it re-commits the trash slot and re-drafts
+    from the same accepted counts). A program alone pays its own launch and whatever the one before it left
+    unfinished in a cycle, so the sum may differ from the cycle's time a little. For IDLE engines only; observers
+    do not see these calls, and the kept ids and carry are put back afterwards.
 
     Raises:
         ValueError: as :func:`verify_replay_batch`."""
     batch, sampling, snaps = verify_replay_batch(runner, rows, context)
-    ex = runner.executor
     with runner.side_steps():
         step = runner.verify(batch)
-        sampled = runner.sample(step, sampling)
-        committed = ex.commit_states(step, batch, sampled, snaps)
-        drafts = ex.draft_committed(step, committed)
-        jax.block_until_ready(drafts)
-
-        def carry() -> jax.Array:
-            ex.keep_carry(committed, drafts)
-            return runner.state.spec_carry
-
+        sampled = runner.sample_verify(step, sampling)
+        jax.block_until_ready(step.hidden)
         calls: dict[str, Callable[[], Any]] = {
             "verify": lambda: runner.verify(batch).last,
-            "sample": lambda: runner.sample(step, sampling).tokens,
-            "commit": lambda: ex.commit_states(step, batch, sampled, snaps).got,
-            "draft": lambda: ex.draft_committed(step, committed),
-            "spec_carry": carry,
+            "commit": lambda: runner.commit(step, batch, sampled, snaps),
         }
         return {name: replay(runner, calls[name], iters, windows, warmup)[0] for name in CYCLE_PROGRAMS}
 

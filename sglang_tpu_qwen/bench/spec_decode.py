@@ -18,8 +18,10 @@ the same distribution:
 2. One Engine per configuration (``max_running_requests`` = the batch), programs precompiled at startup,
    warm-up on other held-out prompts, then --repeats timed runs, each after flushing the prefix cache, over
    --num-prompts prompts (--batch1-prompts at batch 1) in rounds of `batch` (one streamed ``generate`` call per
-   round); greedy, ``ignore_eos``, ``min_new_tokens`` = ``max_new_tokens`` = --output-len, so every request
-   yields exactly --output-len tokens. The table gives the median repeat and the spread.
+   round; ``--arrival queue``: all prompts in one call, at most `batch` running, as SGLang's bench_serving
+   with --max-concurrency, so a request that finishes early makes room at once instead of leaving its round
+   a row short); greedy, ``ignore_eos``, ``min_new_tokens`` = ``max_new_tokens`` = --output-len, so every
+   request yields exactly --output-len tokens. The table gives the median repeat and the spread.
 
 Prefill and decode are separated on the client's clock from the streamed chunks: in a round, the decode phase
 runs from the moment the LAST request of the round received its first token (every prompt has been prefilled
@@ -312,9 +314,10 @@ def _streamed_round(engine: Any, prompts: list[list[int]], params: dict[str, Any
 def run_config(model_path: Path, tokenizer_path: str, batch: int, spec: bool, prompts: list[list[int]],
                warmup: list[list[int]], output_len: int, context_length: int, repeats: int,
                disable_overlap_schedule: bool = False, bucket: int | None = None,
-               draft_policy: str | None = None, dtype: str = "auto") -> dict[str, Any]:
+               draft_policy: str | None = None, dtype: str = "auto", arrival: str = "rounds") -> dict[str, Any]:
     """Start an Engine (precompiled), warm up on `warmup`, then `repeats` times: flush the prefix cache and time
-    `prompts` in rounds of `batch`. Returns the measured figures (decode and end-to-end tok/s: the median
+    `prompts` in rounds of `batch` (`arrival` "queue": all at once, at most `batch` running, the decode figures
+    then the end-to-end ones). Returns the measured figures (decode and end-to-end tok/s: the median
     repeat, and each repeat's) and the first repeat's outputs; the engine is shut down before returning.
     `bucket`: compile only that batch size (--precompile-bs-paddings), e.g. batch 1 run in the 4-row programs;
     `draft_policy`: --speculative-draft-policy (None: the server's default); `dtype`: --dtype."""
@@ -335,7 +338,7 @@ def run_config(model_path: Path, tokenizer_path: str, batch: int, spec: bool, pr
     engine = Engine(**kwargs)
     startup_s = time.perf_counter() - start
     params = _greedy_params(output_len)
-    rounds = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    rounds = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if arrival == "rounds" else [prompts]
     runs: list[dict[str, Any]] = []
     try:
         start = time.perf_counter()
@@ -350,9 +353,10 @@ def run_config(model_path: Path, tokenizer_path: str, batch: int, spec: bool, pr
             start = time.perf_counter()
             results = [_streamed_round(engine, r, params) for r in rounds]
             elapsed = time.perf_counter() - start
-            decode_s = sum(r["decode_s"] for r in results)
-            decode_tokens = sum(r["decode_tokens"] for r in results)
             outputs = [o for r in results for o in r["outputs"]]
+            decode_s = sum(r["decode_s"] for r in results) if arrival == "rounds" else elapsed
+            decode_tokens = (sum(r["decode_tokens"] for r in results) if arrival == "rounds"
+                             else sum(len(o) for o in outputs))
             runs.append({"elapsed_s": elapsed, "decode_s": decode_s, "decode_tokens": decode_tokens,
                          "output_tokens": sum(len(o) for o in outputs),
                          "ttft": [t for r in results for t in r["ttft"]], "outputs": outputs})
@@ -371,7 +375,7 @@ def run_config(model_path: Path, tokenizer_path: str, batch: int, spec: bool, pr
     e2e_tps = [r["output_tokens"] / r["elapsed_s"] for r in runs]
     ttft = [t for r in runs for t in r["ttft"]]
     return {
-        "batch": batch, "bucket": bucket, "label": _label(batch, bucket), "spec": spec,
+        "batch": batch, "bucket": bucket, "label": _label(batch, bucket), "spec": spec, "arrival": arrival,
         "num_prompts": len(prompts), "rounds": len(rounds), "repeats": repeats,
         "disable_overlap_schedule": disable_overlap_schedule,
         "startup_s": startup_s, "precompile": precompile, "warmup_s": warmup_s,
@@ -424,6 +428,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Engine --dtype (auto: bfloat16 on a TPU, float32 on a CPU; the model trains in float32).")
     p.add_argument("--draft-policy", choices=("adaptive", "always"), default=None,
                    help="--speculative-draft-policy of the MTP runs (default: the server's, adaptive).")
+    p.add_argument("--arrival", choices=("rounds", "queue"), default="rounds",
+                   help="rounds: the prompts in rounds of the batch size, each round's requests together (a round "
+                        "lasts as long as its slowest request); queue: all prompts submitted at once, at most the "
+                        "batch size running (--max-running-requests: SGLang's bench_serving --max-concurrency), "
+                        "a finished request's place taken at once; its decode figures are the end-to-end ones.")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="Both runs scheduled synchronously (--disable-overlap-schedule).")
     p.add_argument("--work-dir", default=None,
@@ -482,8 +491,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{SPEC_STEPS + 1} draft tokens; both runs {plain}; --dtype {result.get('dtype', 'auto')}",
         f"Machine: {m['cpu']}, {m['nproc']} CPUs; JAX on {m['jax']}; 1-min load average "
         f"{m['loadavg_1min_start']:.1f} at the start, {m['loadavg_1min_end']:.1f} at the end",
-        "decode tok/s: tokens streamed after the last request of a round got its first token / that time "
-        "(median of the repeats, [min - max]); e2e: all output tokens / the timed run's wall time (median).",
+        ("decode tok/s: tokens streamed after the last request of a round got its first token / that time "
+         "(median of the repeats, [min - max]); e2e: all output tokens / the timed run's wall time (median)."
+         if result.get("arrival", "rounds") == "rounds" else
+         "Arrival: queue (all prompts at once, at most the batch size running); decode tok/s = e2e: all output "
+         "tokens / the timed run's wall time (median of the repeats, [min - max])."),
         f"{'batch':>5} {'MTP':>4} {'prompts':>7} {'accept len':>10} {'decode tok/s':>13} {'[min - max]':>15} "
         f"{'e2e tok/s':>9} {'TTFT ms':>7} {'out tokens':>10} {'verify/plain steps':>18} {'compiles':>8} "
         f"{'mismatch':>8}",
@@ -555,7 +567,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"[engine] batch {_label(batch, bucket)}, MTP {'on' if spec else 'off'}: {n} prompts", flush=True)
                 c = run_config(trained.path, tokenizer, batch, spec, timed[:n], warm[:min(n, batch)],
                                args.output_len, args.context_length, args.repeats, args.disable_overlap_schedule,
-                               bucket, args.draft_policy, args.dtype)
+                               bucket, args.draft_policy, args.dtype, args.arrival)
                 if spec:
                     c["mismatches"] = sum(a != b for a, b in zip(plain["outputs"], c["outputs"], strict=True))
                 else:
@@ -573,7 +585,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           "e2e": on["output_throughput"] / off["output_throughput"]}
     result = {
         "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype,
-        "disable_overlap_schedule": args.disable_overlap_schedule, "repeats": args.repeats,
+        "disable_overlap_schedule": args.disable_overlap_schedule, "repeats": args.repeats, "arrival": args.arrival,
         "speculative_num_steps": SPEC_STEPS, "training": trained.stats, "configs": configs, "speedup": speedup,
         "machine": {"cpu": _cpu_model(), "nproc": os.cpu_count(), "jax": jax.default_backend(),
                     "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0]},

@@ -293,10 +293,15 @@ class ModelRunner:
         """Speculative decoding: the target over each row's last token and drafts (StepExecutor.verify)."""
         return self.executor.verify(batch)
 
-    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput,
-               snapshots: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """Accept a verify step's tokens on the device, commit the GDN states over them and draft the next
-        tokens; returns the device (accepted counts [B], drafts [B, k]) (StepExecutor.commit)."""
+    def sample_verify(self, step: StepOutput, batch: SamplingBatch) -> SampleOutput | None:
+        """Sample a verify step's positions, or None when its commit samples them (StepExecutor.sample_verify)."""
+        return self.executor.sample_verify(step, batch)
+
+    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput | None,
+               snapshots: np.ndarray) -> jax.Array:
+        """Accept a verify step's tokens on the device (sampling them when `sampled` is None), commit the GDN
+        states over them and draft the next tokens; returns the device ``accepted`` array
+        (StepExecutor.commit, spec_programs.split_accepted)."""
         return self.executor.commit(step, batch, sampled, snapshots)
 
     def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:

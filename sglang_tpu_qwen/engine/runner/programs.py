@@ -97,6 +97,11 @@ class ProgramTable:
             return run(jax.tree.unflatten(head_def, head_leaves), last, rp, sampler.Features(*flags))
 
         self._sample_jits = {kind: jax.jit(partial(sample_program, kind=kind)) for kind in SAMPLE_KINDS}
+
+        def greedy_tokens(head_leaves, last):  # the greedy program's tokens, inside another program
+            run = per_rank(partial(_greedy_tokens, config=config), with_row_params=False)
+            return run(jax.tree.unflatten(head_def, head_leaves), last)
+
         # Not donated: the first call reads the resident zero table of the "unused" inputs.
         self._penalty_jit = jax.jit(sampler.penalty_update,
                                     out_shardings=None if layout is None else self.placement.rows(2))
@@ -113,7 +118,7 @@ class ProgramTable:
                 config, self.param_leaves, param_def, state, buckets, backends, dtype, spec_steps,
                 columns=lambda t, p: step_columns(t, p, vision, False),
                 unpack=lambda packed, p: unpack_step(packed, p, no_kept, vision=vision), prev_rows=self.prev_rows,
-                moe_combine=moe_combine)
+                head_leaves=self.head_leaves, greedy=greedy_tokens, moe_combine=moe_combine)
         self._compiled: dict[tuple, Any] = {}
         self._key_set = set(self.keys())
         self.ready = False  # set once precompiled: a compilation after it is logged as an error
@@ -132,9 +137,8 @@ class ProgramTable:
         keys.append(("prompt_logprobs",))
         if self.spec is not None:  # verify steps sample every position of every row
             for b in self.spec.sample_batches():
-                if b not in self.buckets.sample_batches():
-                    keys += [("sample", kind, b) for kind in SAMPLE_KINDS]
-                    keys.append(("penalty", b))
+                if b not in self.buckets.sample_batches():  # an all-greedy verify step samples in its commit
+                    keys += [("sample", "sample", b), ("penalty", b)]
             keys += self.spec.keys()
         return keys
 
@@ -243,8 +247,9 @@ class ProgramTable:
             bias_vals=s((b, sampler.LOGIT_BIAS_WIDTH), f32), ban_ids=s((b, sampler.BAN_WIDTH), i32),
             bitmask=s((b, -(-v // 32)), i32))
 
-    def _per_rank(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn(params, last, row_params, features)` run by each DP rank on its own rows.
+    def _per_rank(self, fn: Callable[..., Any], with_row_params: bool = True) -> Callable[..., Any]:
+        """`fn(params, last, row_params, features)` (`with_row_params` False: `fn(params, last)`) run by each DP
+        rank on its own rows.
 
         Without a mesh, fn itself. With one, a `shard_map` over the batch axes: rows are independent
         (per-row seeds), so each device samples the rows it computed and no data crosses devices (a
@@ -255,6 +260,8 @@ class ProgramTable:
             return fn
         pspecs = param_pspecs(self.head_params, layout)
         rows = batch_pspec(layout)
+        if not with_row_params:
+            return jax.shard_map(fn, mesh=layout.mesh, in_specs=(pspecs, rows), out_specs=rows, check_vma=False)
 
         def run(params: Any, last: jax.Array, rp: sampler.RowParams, feats: sampler.Features) -> Any:
             rp_specs = sampler.RowParams(*([rows] * len(sampler.RowParams._fields)))
@@ -360,6 +367,12 @@ def _sample_program(params, last, rp, f, *, config, kind):
     chosen = jnp.einsum("nh,nh->n", last, weight[tokens], preferred_element_type=jnp.float32)
     # min: the two sums round differently, and a near-certain token must not report a logprob above 0.
     return tokens, jnp.where(f.logprobs, jnp.minimum(chosen - lse, 0.0), 0.0), top_lp, top_ids
+
+
+def _greedy_tokens(params, last, *, config):
+    """The "greedy" sampling program's tokens [B] int32 of `last` [B, H] (speculative decoding's commit program
+    samples an all-greedy verify step with it)."""
+    return _sample_program(params, last, None, None, config=config, kind="greedy")[0]
 
 
 def _prompt_logprobs(params, hidden, targets, *, config):

@@ -1,18 +1,20 @@
-"""The programs of speculative decoding with the MTP layer (SGLang's NEXTN): verify, commit, draft and carry.
+"""The programs of speculative decoding with the MTP layer (SGLang's NEXTN): verify, commit, draft.
 
 Each decode batch size B has a verify program (the target over ``1 + k`` tokens per row, ``k`` =
 --speculative-num-steps: the last accepted token and the drafts, read from the previous verify step's carry for
-rows whose tokens the host does not know yet), a commit program (the accepted counts on the device, each row's
-GDN state advanced over them with the decode snapshot at a page boundary, and the draft program's input), a
-carry program (what the next verify step reads) and a steps program (the carried rows' sampling steps); every
-step shape that produces hidden states (each extend bucket, and each verify shape) has a draft program (the MTP
-layer over the step's positions, then run recursively for ``k - 1`` more positions). The scheduler's side is
-engine/scheduler/speculative.py; the math is model/mtp.py (drafts) and model/forward.py (``TARGET_VERIFY``,
-``commit_gdn_states``).
+rows whose tokens the host does not know yet), a commit program and a steps program (the carried rows' sampling
+steps). The commit program is the rest of the verify step in one dispatch: greedy sampling of every position
+when the step is all greedy (``lax.cond``; else the sampling program's tokens come in), the accepted counts,
+each row's GDN state advanced over them with the decode snapshot at a page boundary, the MTP layer's drafts
+from the accepted positions and the carry the next verify step reads. Each extend bucket and each plain decode
+bucket also has a draft program (the MTP layer over the step's positions, then run recursively for ``k - 1``
+more positions). The scheduler's side is engine/scheduler/speculative.py; the math is model/mtp.py (drafts) and
+model/forward.py (``TARGET_VERIFY``, ``commit_gdn_states``).
 
-Keys: ``("verify", B)``, ``("commit", B)``, ``("spec_carry", B)``, ``("spec_steps", B)``, ``("draft", B, T, P)``.
-Programs take the step's packed host array (programs.pack_step) so their scheduler-thread cost is that of a
-forward; a verify step's draft program takes the packed array its commit built on the device.
+Keys: ``("verify", B)``, ``("commit", B)``, ``("spec_steps", B)``, ``("draft", B, T, P)``. Programs take the
+step's packed host array (programs.pack_step) so their scheduler-thread cost is that of a forward. One program
+for what follows the verify forward, not five: on the v5e a verify step of the trained tiny model was host-bound
+(five dispatches, four reads: 3.11 ms against a plain step's 1.47 ms, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
@@ -35,7 +38,7 @@ from sglang_tpu_qwen.model.mtp import mtp_forward
 from sglang_tpu_qwen.parallel.sharded_forward import grouped_rows_pspec, make_sharded_forward, make_sharded_rows
 from sglang_tpu_qwen.parallel.sharding import batch_pspec, cache_pspecs
 
-SPEC_KINDS = ("verify", "commit", "draft", "spec_carry", "spec_steps")
+SPEC_KINDS = ("verify", "commit", "draft", "spec_steps")
 
 
 class SpecPrograms:
@@ -44,21 +47,32 @@ class SpecPrograms:
     def __init__(self, config: Qwen35MoeConfig, param_leaves: list[Any], param_def: Any, state: DeviceState,
                  buckets: BucketSet, backends: KernelBackends, dtype: Any, steps: int,
                  columns: Callable[[int, int], int], unpack: Callable[..., ForwardBatch], prev_rows: int,
+                 head_leaves: list[Any], greedy: Callable[[list[Any], jax.Array], jax.Array],
                  moe_combine: str = "hierarchical") -> None:
         """`steps`: draft tokens per row (k); `columns(T, P)` the packed step's width; `unpack(packed, P)` the
         packed step as a ForwardBatch (programs.unpack_step with no kept ids); `prev_rows`: the rows of the
-        carry (the largest sampling batch, as overlap scheduling's kept ids). On a mesh every program runs per
-        DP rank on its rows (parallel/sharded_forward.py), the MTP layer's MoE over the expert axis."""
+        carry (the largest sampling batch, as overlap scheduling's kept ids); `greedy(head_leaves, last)`:
+        the greedy sampling program's tokens [N] int32 of last [N, H] (programs.py, per DP rank). On a mesh
+        every program runs per DP rank on its rows (parallel/sharded_forward.py), the MTP layer's MoE over the
+        expert axis."""
         self.config, self.buckets, self.dtype, self.steps = config, buckets, dtype, steps
         self.state, self.placement = state, state.placement
-        self.param_leaves, self.columns = param_leaves, columns
+        self.head_leaves, self.columns = head_leaves, columns
         self.tokens = steps + 1
         pages = buckets.pages
         params = jax.tree.unflatten(param_def, param_leaves)
         period = len(params["layers"])
         gdn_positions = [j for j, kind in enumerate(config.layer_types[:period]) if kind != "full_attention"]
-        # The commit program reads only the GDN layers' conv kernels (stacked [G, conv_dim, K]).
-        self.conv_weights = [params["layers"][j]["gdn"]["conv1d"] for j in gdn_positions]
+        # Each program takes only the parameters it reads: a compiled call costs host time per argument leaf (on
+        # the v5e's host 0.3-0.5 ms a call of the trained tiny model's programs, which were host-bound). The
+        # verify: the target model; the drafts: the MTP layer, the embeddings and the lm_head; the commit: those
+        # and the GDN layers' conv kernels (stacked [G, conv_dim, K]).
+        target_params = {k: v for k, v in params.items() if k != "mtp"}
+        mtp_params = {k: params[k] for k in ("mtp", "embed", "lm_head") if k in params}
+        conv_weights = [params["layers"][j]["gdn"]["conv1d"] for j in gdn_positions]
+        self.target_leaves, target_def = jax.tree.flatten(target_params)
+        self.draft_leaves, draft_def = jax.tree.flatten(mtp_params)
+        self.commit_leaves, commit_def = jax.tree.flatten((mtp_params, conv_weights))
         draft_body = partial(_draft_tokens, backends=backends, steps=steps, page_size=state.sizing.page_size)
         commit_body = partial(_commit_rows, gdn_positions=tuple(gdn_positions), period=period, backends=backends)
         layout = self.placement.layout
@@ -67,66 +81,71 @@ class SpecPrograms:
             draft_fn = partial(draft_body, config=config)
             commit_fn = partial(commit_body, config=config)
         else:
-            target = make_sharded_forward(layout, config, params, combine=moe_combine,
+            target = make_sharded_forward(layout, config, target_params, combine=moe_combine,
                                           forward=partial(forward_step, backends=backends),
                                           verify_gdn_layers=len(gdn_positions))
             rows, grouped, cspec = batch_pspec(layout), grouped_rows_pspec(layout), cache_pspecs(layout)
-            draft_fn = make_sharded_rows(layout, config, params, draft_body, (rows,), (rows, cspec),
+            draft_fn = make_sharded_rows(layout, config, mtp_params, draft_body, (rows,), (rows, cspec),
                                          combine=moe_combine)
             saved = tuple((grouped, grouped, grouped) for _ in gdn_positions)
-            commit_fn = make_sharded_rows(layout, config, self.conv_weights, commit_body, (saved, rows, rows), cspec)
+            commit_fn = make_sharded_rows(layout, config, conv_weights, commit_body, (saved, rows, rows), cspec)
 
         t, ps, prev_rows = self.tokens, state.sizing.page_size, prev_rows
         rows_sharding, replicated = self.placement.rows(2), self.placement.replicated()
 
-        def params_of(leaves: list[Any]) -> dict[str, Any]:
-            return jax.tree.unflatten(param_def, leaves)
-
         def verify(leaves, cache, packed, carry):
             batch = dataclasses.replace(unpack(packed, pages), mode=ForwardMode.TARGET_VERIFY)
             batch, shift = _from_carry(batch, packed[:, t + 3], carry, ps)
-            hidden, cache, saved = target(params_of(leaves), cache, batch)
+            hidden, cache, saved = target(jax.tree.unflatten(target_def, leaves), cache, batch)
             return (hidden, hidden.reshape(-1, hidden.shape[-1]), cache, saved, batch.input_ids, batch.extend_lens,
                     shift)
 
-        def commit(conv_weights, cache, packed, saved, tokens, fed, fed_lens, snap):
+        def commit(leaves, head_leaves, cache, packed, saved, hidden, fed, fed_lens, snap, sampled, greedy_flag):
+            draft_params, conv = jax.tree.unflatten(commit_def, leaves)
+            last = hidden.reshape(-1, hidden.shape[-1])
+            # An all-greedy step samples here (one dispatch less); otherwise the sampling program's tokens.
+            tokens = jax.lax.cond(greedy_flag[0], lambda: greedy(head_leaves, last), lambda: sampled)
             batch = unpack(packed, pages)
             toks = tokens.reshape(fed.shape)
             got = accepted_lengths(toks, fed, jnp.where(batch.extend_lens > 0, fed_lens, 0))  # 0: a skipped row
             end = batch.prefix_lens + got
             written = (got > 0) & (end % ps == 0) & (snap[:, 0] > 0)  # the run ends on a page boundary
-            cache = commit_fn(conv_weights, cache, batch, saved, got, jnp.where(written, snap[:, 0], 0))
+            cache = commit_fn(conv, cache, batch, saved, got, jnp.where(written, snap[:, 0], 0))
             # Whether the next verify step must stop at the next boundary: the snapshot lags the last one.
             behind = (end // ps * ps > jnp.where(written, end, snap[:, 1])).astype(jnp.int32)
-            # The draft program's step: the tokens after each position are the sampled ones, `got` of them.
-            drafting = packed.at[:, :t].set(toks).at[:, t + 1].set(got)
-            return cache, got, jax.lax.with_sharding_constraint(drafting, rows_sharding), behind
+            # The draft step: the tokens after each position are the sampled ones, `got` of them.
+            drafting = jax.lax.with_sharding_constraint(packed.at[:, :t].set(toks).at[:, t + 1].set(got),
+                                                        rows_sharding)
+            drafts, cache = draft_fn(draft_params, cache, unpack(drafting, pages), hidden)
+            carry = jax.lax.with_sharding_constraint(_next_carry(drafting, drafts, behind, t, prev_rows), replicated)
+            accepted = jnp.concatenate([got[:, None], fed_lens[:, None], drafts, toks], axis=1).astype(jnp.int32)
+            return cache, accepted, carry
 
         def draft(leaves, cache, packed, hidden):
-            return draft_fn(params_of(leaves), cache, unpack(packed, pages), hidden)
-
-        def carry(drafting, drafts, behind):
-            return jax.lax.with_sharding_constraint(_next_carry(drafting, drafts, behind, t, prev_rows), replicated)
+            return draft_fn(jax.tree.unflatten(draft_def, leaves), cache, unpack(packed, pages), hidden)
 
         def shift_steps(steps, shift):
             return jax.lax.with_sharding_constraint(steps + jnp.repeat(shift, t), self.placement.rows(1))
 
         self._verify = jax.jit(verify, donate_argnums=(1,))
-        self._commit = jax.jit(commit, donate_argnums=(1,))
+        self._commit = jax.jit(commit, donate_argnums=(2,))
         self._draft = jax.jit(draft, donate_argnums=(1,))
-        self._carry = jax.jit(carry)
         self._shift_steps = jax.jit(shift_steps)
         self.carry_shape = (prev_rows, t + 3)
 
     def keys(self) -> list[tuple]:
-        """The verify and commit program of every decode batch size, the draft program of every step shape."""
-        t = self.tokens
+        """The verify and commit program of every decode batch size, the draft program of every other step
+        shape (extend buckets, plain decode steps)."""
         decode = [bk for bk in self.buckets.step_buckets() if bk.mode == "decode"]
-        keys: list[tuple] = [(kind, bk.batch) for kind in ("verify", "commit", "spec_carry", "spec_steps")
-                             for bk in decode]
+        keys: list[tuple] = [(kind, bk.batch) for kind in ("verify", "commit", "spec_steps") for bk in decode]
         shapes = {(bk.batch, bk.tokens, bk.pages) for bk in self.buckets.step_buckets() if bk.mode == "extend"}
-        shapes |= {(bk.batch, t, bk.pages) for bk in decode} | {(bk.batch, 1, bk.pages) for bk in decode}
+        shapes |= {(bk.batch, 1, bk.pages) for bk in decode}
         return keys + [("draft", *shape) for shape in sorted(shapes)]
+
+    def accepted_columns(self) -> int:
+        """Columns of the commit program's ``accepted`` [B, 2 + k + T] int32: each row's accepted count, tokens
+        fed, its next k drafts and the T = k + 1 tokens sampled at its positions (``split_accepted``)."""
+        return 2 + self.steps + self.tokens
 
     def sample_batches(self) -> list[int]:
         """Sampling batch sizes of the verify steps: B * (k + 1) rows, one per position of each row."""
@@ -136,27 +155,34 @@ class SpecPrograms:
         """The program `key` lowered from abstract arguments with their shardings; KeyError for another key."""
         spec, i32 = self.placement.spec, jnp.int32
         h, p = self.config.hidden_size, self.buckets.pages
-        leaves, cache = abstract(self.param_leaves), abstract(self.state.cache)
+        cache = abstract(self.state.cache)
         t, carry = self.tokens, spec(self.carry_shape, i32, replicated=True)
+        target = abstract(self.target_leaves)
         if key[0] == "verify":
-            return self._verify.lower(leaves, cache, spec((key[1], self.columns(t, p)), i32), carry)
+            return self._verify.lower(target, cache, spec((key[1], self.columns(t, p)), i32), carry)
         if key[0] == "commit":
             b = key[1]
             packed = spec((b, self.columns(t, p)), i32)
-            saved = jax.eval_shape(self._verify, leaves, cache, packed, carry)[3]
-            return self._commit.lower(abstract(self.conv_weights), cache, packed, saved, spec((b * t,), i32),
-                                      spec((b, t), i32), spec((b,), i32), spec((b, 2), i32))
+            saved = jax.eval_shape(self._verify, target, cache, packed, carry)[3]
+            return self._commit.lower(abstract(self.commit_leaves), abstract(self.head_leaves), cache, packed, saved,
+                                      spec((b, t, h), self.dtype), spec((b, t), i32), spec((b,), i32),
+                                      spec((b, 2), i32), spec((b * t,), i32),
+                                      spec((1,), jnp.bool_, replicated=True))
         if key[0] == "draft":
             _, b, tokens, pages = key
-            return self._draft.lower(leaves, cache, spec((b, self.columns(tokens, pages)), i32),
+            return self._draft.lower(abstract(self.draft_leaves), cache, spec((b, self.columns(tokens, pages)), i32),
                                      spec((b, tokens, h), self.dtype))
-        if key[0] == "spec_carry":
-            b = key[1]
-            return self._carry.lower(spec((b, self.columns(t, p)), i32), spec((b, self.steps), i32), spec((b,), i32))
         if key[0] == "spec_steps":
             b = key[1]
             return self._shift_steps.lower(spec((b * t,), i32), spec((b,), i32))
         raise KeyError(key)
+
+
+def split_accepted(accepted: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The commit program's ``accepted`` [B, 2 + k + T] int32 read on the host -> (accepted counts [B], tokens
+    fed [B], drafts [B, k], sampled tokens [B * T], row b's position t at b * T + t)."""
+    return (accepted[:, 0], accepted[:, 1], accepted[:, 2 : 2 + steps],
+            np.ascontiguousarray(accepted[:, 2 + steps :]).reshape(-1))
 
 
 def _commit_rows(conv_weights: list[jax.Array], cache: dict[str, jax.Array], batch: ForwardBatch, saved: Any,

@@ -59,6 +59,14 @@ class SamplingBatch:
                    np.zeros(b, np.int32), np.ones(b, np.float32), zeros_f, zeros_f, None, None,
                    np.full((b, 4), -1, np.int32), False, 0)
 
+    def greedy_only(self) -> bool:
+        """Whether the greedy program samples this batch: no row samples (temperature > 0), wants logprobs, has
+        a penalty, a grammar mask, a logit bias or banned ids (their [B, V] scatter made the greedy program
+        relayout the logits twice on a TPU: the sample program takes them, at temperature 0 the same argmax)."""
+        return not (self.want_logprobs or self.token_bitmask is not None or self.seen_ids is not None
+                    or bool((self.temperature > 0.0).any()) or bool((self.banned_ids >= 0).any())
+                    or (self.bias_ids is not None and bool((self.bias_ids >= 0).any())))
+
 
 class StepObserver(Protocol):
     """Benchmark hooks, called on the scheduler thread (times: time.perf_counter() seconds)."""
@@ -119,18 +127,6 @@ class StepOutput:
 
 
 @dataclass
-class CommitOutput:
-    """Device outputs of a verify step's commit program (StepExecutor.commit_states): got [B] int32 accepted
-    counts, drafting the draft program's packed step, behind [B] int32 (the row's decode snapshot lags), and
-    pages the step's page-table width (the draft program's key)."""
-
-    got: jax.Array
-    drafting: jax.Array
-    behind: jax.Array
-    pages: int
-
-
-@dataclass
 class SampleOutput:
     """Device arrays of one sampling step, returned without waiting for the device (overlap scheduling
     keeps `tokens` on the device as the next step's input); `get()` blocks and copies to the host.
@@ -177,6 +173,7 @@ class StepExecutor:
         self.observers = StepObservers()
         self._unused: dict[int, sampler.RowParams] = {}  # per B: device arrays of "feature unused" inputs
         self._flags: dict[tuple[bool, ...], jax.Array] = {}  # resident Features arrays
+        self._zeros: dict[int, jax.Array] = {}  # resident placeholder tokens of the commit programs
 
     def forward(self, batch: ForwardBatch) -> StepOutput:
         """Run one step on host arrays padded to a bucket; returns device arrays (does not wait).
@@ -231,63 +228,46 @@ class StepExecutor:
             raise ValueError(f"a verify step has {spec.tokens} token columns, got {t}")
         prog = self.programs.get(("verify", b))
         hidden, last, self.state.cache, saved, fed, fed_lens, shift = prog(
-            self.programs.param_leaves, self.state.cache, self._packed(batch), self.state.kept_carry(spec.carry_shape))
+            spec.target_leaves, self.state.cache, self._packed(batch), self.state.kept_carry(spec.carry_shape))
         return StepOutput(hidden, last, gdn_inputs=saved, fed=fed, fed_lens=fed_lens, step_shift=shift)
 
-    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput,
-               snapshots: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """After verify step `step` and its sampling `sampled`: accept on the device (spec_programs
-        accepted_lengths), commit the GDN states over the accepted tokens (where the run ends on a page boundary
-        the state also goes to slot snapshots[b, 0], a global id, 0: none; snapshots[b, 1] is the position of the
-        row's decode snapshot so far), run the draft program over the accepted positions and keep the carry for
-        the next verify step. `batch`: the step's rows with their exact prefix (extend_lens 0 and slot 0 for a
-        row to skip). Returns the accepted counts [B] and the drafts [B, k] (device int32), without waiting.
+    def sample_verify(self, step: StepOutput, batch: SamplingBatch) -> SampleOutput | None:
+        """Sampling of a verify step's positions: None when the greedy program would sample them
+        (`SamplingBatch.greedy_only`: the commit program samples them then, one dispatch less), else
+        :meth:`sample`."""
+        return None if batch.greedy_only() else self.sample(step, batch)
 
-        Three programs, one call each: :meth:`commit_states`, :meth:`draft_committed`, :meth:`keep_carry` (the
-        benchmark times each alone through the same calls)."""
-        committed = self.commit_states(step, batch, sampled, snapshots)
-        drafts = self.draft_committed(step, committed)
-        self.keep_carry(committed, drafts)
-        return committed.got, drafts
-
-    def commit_states(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput,
-                      snapshots: np.ndarray) -> CommitOutput:
-        """The commit program of :meth:`commit` alone: accepted counts, GDN states and snapshots; returns its
-        device outputs (the draft program's packed step among them) without waiting."""
+    def commit(self, step: StepOutput, batch: ForwardBatch, sampled: SampleOutput | None,
+               snapshots: np.ndarray) -> jax.Array:
+        """After verify step `step` and its sampling `sampled` (None: greedy, sampled here), in one program
+        (spec_programs ``commit``): accept on the device (spec_programs accepted_lengths), commit the GDN states
+        over the accepted tokens (where the run ends on a page boundary the state also goes to slot
+        snapshots[b, 0], a global id, 0: none; snapshots[b, 1] is the position of the row's decode snapshot so
+        far), draft the next tokens with the MTP layer over the accepted positions and keep the carry for the
+        next verify step. `batch`: the step's rows with their exact prefix (extend_lens 0 and slot 0 for a row
+        to skip). Returns ``accepted`` [B, 2 + k + k + 1] int32 on the device without waiting (accepted counts,
+        tokens fed, drafts, sampled tokens: spec_programs.split_accepted)."""
         spec = self._spec()
         b = batch.batch_size
         packed = self._packed(batch)
         snap = np.asarray(snapshots, np.int32).copy()
         snap[:, 0] = self.state.to_rank_local(snap[:, 0], self.state.sizing.num_slots)
         on_device = self.placement.put([packed, snap])
-        self.state.cache, got, drafting, behind = self.programs.get(("commit", b))(
-            spec.conv_weights, self.state.cache, on_device[0], step.gdn_inputs, sampled.tokens, step.fed,
-            step.fed_lens, on_device[1])
-        return CommitOutput(got, drafting, behind, batch.page_table.shape[1])
-
-    def draft_committed(self, step: StepOutput, committed: CommitOutput) -> jax.Array:
-        """The draft program of :meth:`commit` alone: drafts [B, k] int32 (device) from the MTP layer over the
-        verify step's accepted positions (`step.hidden`, `committed.drafting`); writes the MTP layer's KV."""
-        spec = self._spec()
-        b = committed.got.shape[0]
-        drafts, self.state.cache = self.programs.get(("draft", b, spec.tokens, committed.pages))(
-            self.programs.param_leaves, self.state.cache, committed.drafting, step.hidden)
-        return drafts
-
-    def keep_carry(self, committed: CommitOutput, drafts: jax.Array) -> None:
-        """The carry program of :meth:`commit` alone: keeps on the device what the next verify step reads."""
-        self.state.spec_carry = self.programs.get(("spec_carry", committed.got.shape[0]))(
-            committed.drafting, drafts, committed.behind)
+        tokens = self._zero_tokens(b * spec.tokens) if sampled is None else sampled.tokens
+        self.state.cache, accepted, self.state.spec_carry = self.programs.get(("commit", b))(
+            spec.commit_leaves, self.programs.head_leaves, self.state.cache, on_device[0], step.gdn_inputs,
+            step.hidden, step.fed, step.fed_lens, on_device[1], tokens, self.features((sampled is None,)))
+        return accepted
 
     def draft(self, step: StepOutput, batch: ForwardBatch) -> jax.Array:
         """Draft tokens [B, k] int32 (device) from the MTP layer over `batch`'s positions: input_ids[b, t] the
         token after position prefix_lens[b] + t, step.hidden[b, t] the target's hidden state there
         (spec_programs._draft_tokens); writes the MTP layer's KV. (After an extend or a plain decode step;
         a verify step drafts in `commit`.)"""
-        self._spec()
+        spec = self._spec()
         b, t = batch.input_ids.shape
         prog = self.programs.get(("draft", b, t, batch.page_table.shape[1]))
-        drafts, self.state.cache = prog(self.programs.param_leaves, self.state.cache, self._packed(batch),
+        drafts, self.state.cache = prog(spec.draft_leaves, self.state.cache, self._packed(batch),
                                         step.hidden)
         return drafts
 
@@ -329,10 +309,7 @@ class StepExecutor:
         use_grammar = batch.token_bitmask is not None
         use_penalty = batch.seen_ids is not None
         any_sampling = bool(sampling.any())
-        # Bias and bans go to the sample program too (its temperature-0 rows take the same argmax): on a TPU
-        # their [B, V] scatter made the greedy program relayout the logits twice.
-        greedy = not (any_sampling or use_grammar or use_penalty or use_bias or use_bans)
-        kind: SampleKind = "greedy" if greedy and not batch.want_logprobs else "sample"
+        kind: SampleKind = "greedy" if batch.greedy_only() else "sample"
         filters = (False,) * 4 if not any_sampling else (  # the per-row filters apply to sampling rows only
             bool(np.any(sampling & (batch.top_k > 0))), bool(np.any(sampling & (batch.top_k > sampler.TOP_K_BOUND))),
             bool(np.any(sampling & (batch.top_p < 1.0))), bool(np.any(sampling & (batch.min_p > 0.0))))
@@ -432,35 +409,26 @@ class StepExecutor:
             jax.block_until_ready(self.state.cache)
 
     def _warm_up_spec(self, outs: dict[int, StepOutput], extend_outs: dict[int, StepOutput]) -> None:
-        """Run every verify, commit, draft, carry and verify-sampling program once on padding rows."""
+        """Run every verify, commit, draft and verify-sampling program once on padding rows (the commit both
+        after a sampling program and sampling an all-greedy step itself)."""
         spec = self._spec()
-        h = self.programs.config.hidden_size
         for bucket in self.programs.buckets.step_buckets():
             b, zeros = bucket.batch, np.zeros(bucket.batch, np.int32)
             if bucket.mode == "decode":
                 vb = dataclasses.replace(_padding_batch(dataclasses.replace(bucket, tokens=spec.tokens), zeros),
                                          mode=ForwardMode.TARGET_VERIFY)
-                step = self.verify(vb)
-                greedy = SamplingBatch.greedy(b * spec.tokens)
-                for batch in (greedy, dataclasses.replace(greedy, temperature=np.ones(b * spec.tokens, np.float32),
-                                                          banned_ids=np.full((b * spec.tokens, 1), -1, np.int32))):
-                    sampled = self.sample(step, batch)
-                self.commit(step, vb, sampled, np.zeros((b, 2), np.int32))
+                n = b * spec.tokens
+                sampling = dataclasses.replace(SamplingBatch.greedy(n), temperature=np.ones(n, np.float32),
+                                               banned_ids=np.full((n, 1), -1, np.int32))
+                for sampled in (True, False):
+                    step = self.verify(vb)
+                    self.commit(step, vb, self.sample(step, sampling) if sampled else None,
+                                np.zeros((b, 2), np.int32))
                 self.draft(outs[b], _padding_batch(bucket, zeros))  # after a plain decode step
             else:
                 self.draft(extend_outs[b] if extend_outs[b].hidden.shape[1] == bucket.tokens else
                            self.forward(_padding_batch(bucket, zeros)), _padding_batch(bucket, zeros))
         self.state.spec_carry = None  # the padding steps' carry is nobody's
-        for b in spec.sample_batches():
-            if b in self.programs.buckets.sample_batches():
-                continue
-            (rows,) = self.placement.put([np.zeros((b, h), self.programs.dtype)])
-            last = StepOutput(rows, rows)
-            none = np.full((b, 1), -1, np.int32)
-            base = dataclasses.replace(SamplingBatch.greedy(b), banned_ids=none)
-            for batch in (base, dataclasses.replace(base, temperature=np.ones(b, np.float32), seen_ids=none,
-                                                    output_ids=none)):
-                self.sample(last, batch).get()
 
     # ---- resident inputs -----------------------------------------------------------------------
     def unused_inputs(self, b: int) -> sampler.RowParams:
@@ -485,12 +453,19 @@ class StepExecutor:
 
     def resident_arrays(self) -> list[Any]:
         """The device arrays this executor keeps between steps (the "unused" sampling inputs, the Features
-        flags): what ModelRunner.close frees with the pools."""
-        return [*self._unused.values(), *self._flags.values()]
+        flags, the commit's placeholder tokens): what ModelRunner.close frees with the pools."""
+        return [*self._unused.values(), *self._flags.values(), *self._zeros.values()]
+
+    def _zero_tokens(self, n: int) -> jax.Array:
+        """[n] int32 zeros, resident: the sampled tokens a commit program that samples itself does not read."""
+        arr = self._zeros.get(n)
+        if arr is None:
+            arr = self._zeros[n] = jax.device_put(np.zeros(n, np.int32), self.placement.rows(1))
+        return arr
 
     def features(self, flags: tuple[bool, ...]) -> jax.Array:
-        """sampler.Features as a resident replicated bool array, one per combination seen: no host-to-device
-        copy per step."""
+        """sampler.Features (or another tuple of flags) as a resident replicated bool array, one per combination
+        seen: no host-to-device copy per step."""
         arr = self._flags.get(flags)
         if arr is None:
             arr = self._flags[flags] = jax.device_put(np.asarray(flags, np.bool_), self.placement.replicated())

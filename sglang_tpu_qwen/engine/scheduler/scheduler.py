@@ -68,8 +68,8 @@ class Launched:
     batch: ScheduleBatch
     sampled: SampleOutput | None
     step: StepOutput | None = None
-    # A verify step's (accepted counts, drafts, fed lengths), on the device.
-    accepted: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    # A verify step's commit output (accepted counts, fed lengths, drafts, sampled tokens), on the device.
+    accepted: jax.Array | None = None
 
 
 class Scheduler:
@@ -298,7 +298,7 @@ class Scheduler:
                 self.device_fed_rows += int((batch.forward.token_src >= 0).sum())
             self._resolve()  # the previous step's tokens, read while the device runs this one
             if launched.step is not None and launched.step.fed is not None:  # a verify step: exact starts now
-                assert self.spec is not None and launched.sampled is not None
+                assert self.spec is not None
                 launched.accepted = self.spec.commit(batch, launched.step, launched.sampled)
             self._in_flight = launched
             if not self.overlap or self.failures.has_suspects:
@@ -327,7 +327,7 @@ class Scheduler:
             step = self.runner.verify(batch.forward)
             self.faults.check("sampler", rids)
             assert batch.sampling is not None
-            sampled = self.runner.sample(step, batch.sampling)
+            sampled = self.runner.sample_verify(step, batch.sampling)  # None: its commit samples (all greedy)
             return Launched(batch, sampled, step)  # its commit and drafts follow once the step before is read
         step = self.runner.forward(batch.forward)
         self.output.input_logprobs(batch, step)
@@ -355,9 +355,9 @@ class Scheduler:
             return False
         # Cleared only once read: a failure while reading leaves it for _step_failed to rewind.
         if done.batch.mode is ForwardMode.TARGET_VERIFY:
-            assert self.spec is not None and done.sampled is not None and done.accepted is not None
-            got, drafts, fed_lens = (np.asarray(a) for a in jax.device_get(done.accepted))
-            self.spec.process_verify(done.batch, done.sampled.get(), got, drafts, fed_lens)
+            assert self.spec is not None and done.accepted is not None
+            accepted = np.asarray(done.accepted)  # one transfer: counts, drafts and (all greedy) tokens
+            self.spec.process_verify(done.batch, accepted, None if done.sampled is None else done.sampled.get())
         else:
             sampled = None if done.sampled is None else done.sampled.get()
             if self.spec is not None and done.step is not None and done.batch.is_extend:

@@ -2,8 +2,9 @@
 
 A decode step becomes a verify step: each request feeds its last token and the k tokens the MTP layer drafted
 (``Request.draft_tokens``, k = --speculative-num-steps) in one target forward (``ForwardMode.TARGET_VERIFY``,
-engine/runner/spec_programs.py). Every position is sampled by the ordinary sampling programs, row b's position t
-as the request's output token ``num_output + t`` (its own random stream step, bans, bias and logprobs), and the
+engine/runner/spec_programs.py). Every position is sampled by the ordinary sampling programs (an all-greedy step
+by the greedy program's function inside its commit program), row b's position t as the request's output token
+``num_output + t`` (its own random stream step, bans, bias and logprobs), and the
 request accepts the sampled tokens while each equals the draft fed after it: the first mismatch is the last
 token accepted (the target's own token at that position, so a step always yields at least one).
 
@@ -49,9 +50,9 @@ drafts it expects 1 + alpha + ... + alpha^d tokens from a verify step. A decode 
 mean expected tokens exceed rho = (verify step time) / (plain decode step time), both measured on this server at
 that batch size (medians of the steps' recent wall times, engine/scheduler/step_costs.py; rho = 1 until both
 are known; a plain step probes the decode time after PROBE_EVERY verify steps, and a verify step probes the
-verify time after PROBE_EVERY plain steps when the expected tokens exceed 1, a wait that doubles while the
-estimates keep choosing plain steps, up to PROBE_MAX; so a stale estimate of either kind cannot fix the step kind
-for good), else it runs as a plain decode step. After a plain step the MTP
+verify time after PROBE_EVERY plain steps when the expected tokens exceed 1; each wait doubles while the
+estimates keep choosing the other kind, up to PROBE_MAX; so a stale estimate of either kind cannot fix the step
+kind for good, and a clear winner pays few probes), else it runs as a plain decode step. After a plain step the MTP
 layer still drafts (its KV stays current, and its first draft against the sampled token keeps alpha current), so
 verification resumes when acceptance recovers. Tokens are the same either way; only the step kind changes.
 """
@@ -67,6 +68,7 @@ import numpy as np
 
 from sglang_tpu_qwen.engine.io.request import Request
 from sglang_tpu_qwen.engine.runner.model_runner import SampleOutput, StepOutput
+from sglang_tpu_qwen.engine.runner.spec_programs import split_accepted
 from sglang_tpu_qwen.engine.scheduler.schedule_batch import (
     PickedBatch,
     RowInputs,
@@ -132,6 +134,7 @@ class SpecDecoder:
         self._verify_run = 0  # verify steps since the last plain one
         self._plain_run = 0  # plain decode steps since the last verify one
         self._verify_probe_every = PROBE_EVERY  # plain steps before a verify probe (doubles while probes lose)
+        self._decode_probe_every = PROBE_EVERY  # verify steps before a plain probe (the same)
 
     # ---- adaptive drafting -------------------------------------------------------------------------
     def use_verify(self, reqs: list[Request]) -> bool:
@@ -146,15 +149,20 @@ class SpecDecoder:
             gain = float(np.mean([expected_tokens(_alpha(r), n) for r, n in zip(reqs, counts, strict=True)]))
             # Each kind's time is probed now and then while the other kind runs: one sample taken at a bad
             # moment (after an idle gap, a prefill) must not decide the step kind for good.
-            if cv is not None and self._verify_run >= PROBE_EVERY:
+            # A probe that keeps losing waits twice as long each time: on the v5e, plain probes every 32 verify
+            # steps cost 4% of a batch-1 run whose verify steps won by 1.6x.
+            if cv is not None and self._verify_run >= self._decode_probe_every:
                 verify = False  # probe the plain step's time at this batch size
+                self._decode_probe_every = min(2 * self._decode_probe_every, PROBE_MAX)
             elif gain > 1.0 and self._plain_run >= self._verify_probe_every:
-                verify = True  # probe the verify step's time; the next probe waits twice as long
+                verify = True  # probe the verify step's time
                 self._verify_probe_every = min(2 * self._verify_probe_every, PROBE_MAX)
             else:
                 verify = gain > (cv / cd if cv and cd else 1.0)
                 if verify:
                     self._verify_probe_every = PROBE_EVERY
+                else:
+                    self._decode_probe_every = PROBE_EVERY
         self._verify_run, self._plain_run = (self._verify_run + 1, 0) if verify else (0, self._plain_run + 1)
         self.costs.start("verify" if verify else "decode", b)
         return verify
@@ -248,13 +256,13 @@ class SpecDecoder:
             return False
         return r.cached_len // self.page_size * self.page_size > _snapshot_position(r)
 
-    def commit(self, batch: ScheduleBatch, step: StepOutput,
-               sampled: SampleOutput) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Launch the verify step's commit and drafts (StepExecutor.commit), once every step before it was read:
-        each row's start is then exact, and a row finished or retracted meanwhile is skipped. A row whose fed
-        tokens reach a page boundary gets its private decode snapshot slot (the prefix cache's), marked pending
-        until the step is read; each committed row's `verify_fed` holds its fed tokens until then. Returns the
-        device (accepted counts [B], drafts [B, k], fed lengths [B])."""
+    def commit(self, batch: ScheduleBatch, step: StepOutput, sampled: SampleOutput | None) -> jax.Array:
+        """Launch the verify step's commit and drafts (StepExecutor.commit; `sampled` None: the commit samples
+        the all-greedy step), once every step before it was read: each row's start is then exact, and a row
+        finished or retracted meanwhile is skipped. A row whose fed tokens reach a page boundary gets its
+        private decode snapshot slot (the prefix cache's), marked pending until the step is read; each
+        committed row's `verify_fed` holds its fed tokens until then. Returns the device ``accepted`` array
+        (spec_programs.split_accepted)."""
         forward = batch.forward
         fills: list[RowInputs] = []
         snaps = np.zeros((batch.batch_size, 2), np.int32)  # (slot, position of the snapshot so far)
@@ -277,16 +285,19 @@ class SpecDecoder:
                                     with_token_src=False)
         exact = dataclasses.replace(forward, prefix_lens=starts.prefix_lens, extend_lens=starts.extend_lens,
                                     slot_ids=starts.slot_ids, page_table=starts.page_table, token_src=None)
-        got, drafts = self.runner.commit(step, exact, sampled, snaps)
-        assert step.fed_lens is not None
-        return got, drafts, step.fed_lens
+        return self.runner.commit(step, exact, sampled, snaps)
 
-    def process_verify(self, batch: ScheduleBatch, sampled: tuple[np.ndarray, ...], got: np.ndarray,
-                       drafts: np.ndarray, fed_lens: np.ndarray) -> None:
-        """Accept each request's tokens (the device's accepted count `got` [B] of the `fed_lens` [B] it fed, stop
-        checks token by token), move its start and its decode snapshot with them and keep its next drafts
-        [B, k]."""
+    def process_verify(self, batch: ScheduleBatch, accepted: np.ndarray,
+                       sampled: tuple[np.ndarray, ...] | None) -> None:
+        """Accept each request's tokens (the commit's `accepted` [B, 2 + k + T] read on the host: the device's
+        accepted count of the tokens each row fed, its next drafts [k] and, for an all-greedy step, the sampled
+        tokens; `sampled` the sampling program's output otherwise), stop checks token by token; move each
+        start and decode snapshot with them and keep the next drafts."""
         out = self.scheduler.output
+        got, fed_lens, drafts, greedy_toks = split_accepted(accepted, self.steps)
+        if sampled is None:  # the commit sampled: greedy, no logprobs
+            n = len(greedy_toks)
+            sampled = (greedy_toks, np.zeros(n, np.float32), np.zeros((n, 0), np.float32), np.zeros((n, 0), np.int32))
         toks, lps = sampled[0].tolist(), sampled[1].tolist()
         now = time.perf_counter()
         t, ps = self.tokens, self.page_size

@@ -257,21 +257,28 @@ def plan(
         # analytic flops where they exceed XLA's).
         p_min = step_bytes.program_min_bytes(rb, name, parts, rows_rank=rows_rank, page_size=page_size,
                                              accept_length=speculative_accept_length)
-        per_program = []
+        per_program: list[dict[str, Any]] = []
         for label, tr, pc in zip(_program_names(name), [tr_f, *tr_o], [cost, *other_costs], strict=True):
             flops_s = max(0.0, pc["flops"] - tr["declared_flops"]) / peak
-            per_program.append({"program": label, "hlo_bytes": tr["bytes"], "min_bytes": p_min[label],
-                                "bytes_s": tr["serial_s"], "flops_s": flops_s, "serial_s": tr["serial_s"] + flops_s,
-                                "top_excess": tr["top_excess"][:3]})
+            entry = {"program": label, "hlo_bytes": tr["bytes"], "min_bytes": p_min.get(label, 0.0),
+                     "bytes_s": tr["serial_s"], "flops_s": flops_s, "serial_s": tr["serial_s"] + flops_s,
+                     "top_excess": tr["top_excess"][:3]}
+            if per_program and per_program[-1]["program"] == label:  # the commit's greedy branch, below
+                last = per_program[-1]
+                entry = {**{k: last[k] + entry[k] for k in ("hlo_bytes", "bytes_s", "flops_s", "serial_s")},
+                         "program": label, "min_bytes": last["min_bytes"],
+                         "top_excess": last["top_excess"] + entry["top_excess"]}
+                per_program[-1] = entry
+            else:
+                per_program.append(entry)
         moe = moe_extra(c, ep, tokens_step, per_expert, name)
         coll = collectives.charge([fwd_text, *other_texts], chip_of, chip)
         step: dict[str, Any] = {
             "bucket": dataclasses.asdict(bucket), "rows": rows, "new_tokens_per_row": tokens,
             "context": prefix + tokens, "compile_s": round(compile_s, 1),
             "memory": {**mem, "fits": max(mem["total"], *(m["total"] for m in mem_others)) <= hbm_dev,
-                       "sample_program": mem_others[-1],
-                       **({"commit_program": mem_others[0], "draft_program": mem_others[1]} if name == "verify"
-                          else {})},
+                       **({"commit_program": mem_others[0]} if name == "verify" else
+                          {"sample_program": mem_others[-1]})},
             "flops": flops, "xla_flops": cost["flops"] + cost_s["flops"], "analytic_flops": flops_model,
             "bytes_accessed": bytes_accessed, "bytes_forward": tr_f["bytes"], "bytes_sample": tr_s["bytes"],
             "bytes_kernels": tr_f["kernel_bytes"] + tr_s["kernel_bytes"],
@@ -311,16 +318,18 @@ def plan(
 
 
 def _program_names(name: str) -> list[str]:
-    """The programs of step ``name`` in :func:`_compile_step`'s order (step_bytes.program_min_bytes's keys)."""
-    return ["verify", "commit", "draft", "spec_carry", "sample"] if name == "verify" else ["forward", "sample"]
+    """The programs of step ``name`` in :func:`_compile_step`'s order (step_bytes.program_min_bytes's keys; a
+    name twice is one served program planned in two parts)."""
+    return ["verify", "commit", "commit"] if name == "verify" else ["forward", "sample"]
 
 
 def _compile_step(runner: Any, name: str, bucket: Any, n_spec: int) -> list[Any]:
     """The compiled programs of step ``name``: the forward first, then the rest the step runs (the sampling
-    program; for "verify" the commit, draft, carry and sampling programs of the server's verify step)."""
+    program; for "verify" the commit program of the server's greedy verify step, then the greedy sampling
+    program of its positions: the commit samples in a ``lax.cond`` branch, and the HLO traffic count takes a
+    conditional's cheapest branch, so the same greedy function compiled alone stands for that branch)."""
     if name != "verify":
         return [runner.lower_forward(bucket).compile(), runner.lower_sample("greedy", bucket.batch).compile()]
     b = bucket.batch
-    keys = [("verify", b), ("commit", b), ("draft", b, n_spec, bucket.pages), ("spec_carry", b)]
-    return ([runner.programs.lower(k).compile() for k in keys]
+    return ([runner.programs.lower(k).compile() for k in [("verify", b), ("commit", b)]]
             + [runner.lower_sample("greedy", b * n_spec).compile()])

@@ -158,9 +158,9 @@ def program_min_bytes(rb: RunnerBytes, step: str, parts: dict[str, float], *, ro
 
     "decode" / "prefill": ``forward`` (everything but the lm_head) and ``sample`` (the lm_head: the sampling
     program's product). "verify": ``verify`` (the target forward: its weights, experts, KV, embedding rows and
-    one read of the GDN states), ``sample`` (the lm_head over its positions), ``commit`` (the GDN states read and
-    written again and the decode snapshots at ``accept_length / page_size`` of the rows), ``draft`` (the draft
-    program, :func:`draft_min_bytes`) and ``spec_carry`` (nothing of note).
+    one read of the GDN states) and ``commit`` (engine/runner/spec_programs.py: the greedy lm_head over the
+    positions, the GDN states read and written again with the decode snapshots at ``accept_length /
+    page_size`` of the rows, and the drafts, :func:`draft_min_bytes`).
 
     Raises:
         ValueError: an unknown ``step``, or a verify step without ``accept_length``."""
@@ -172,8 +172,8 @@ def program_min_bytes(rb: RunnerBytes, step: str, parts: dict[str, float], *, ro
     if accept_length is None:
         raise ValueError("a verify step's bytes need its accept length")
     commit = rows_rank * rb.state_per_slot * (2.0 + snapshot_fraction(accept_length, page_size))
-    return {"verify": total - parts["lm_head"] - parts["draft"] - commit, "sample": parts["lm_head"],
-            "commit": commit, "draft": parts["draft"], "spec_carry": 0.0}
+    return {"verify": total - parts["lm_head"] - parts["draft"] - commit,
+            "commit": parts["lm_head"] + commit + parts["draft"]}
 
 
 def draft_min_bytes(c: Qwen35MoeConfig, rb: RunnerBytes, n_spec: int, rows: int, rows_rank: int,
