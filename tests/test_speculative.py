@@ -593,6 +593,24 @@ def test_client_disconnect_frees_everything(engines: tuple[Engine, Engine]) -> N
     _assert_memory_back(spec)
 
 
+def test_min_new_tokens_without_bans_keeps_overlap(engines: tuple[Engine, Engine]) -> None:
+    """min_new_tokens bans the stop ids until it is reached, and a verify step's bans follow how many tokens the
+    step in flight accepts, so such rows run synchronously. With ignore_eos and no stop_token_ids it bans
+    nothing (the benchmarks' exact-length requests): those rows are carried (on the v5e every verify step of
+    bench.spec_decode ran synchronously before). Both give plain decoding's tokens."""
+    spec, _ = engines
+    sched = spec.scheduler
+    prompts = [_ids(46, 11), _ids(47, 30)]
+    carried = sched.device_fed_rows
+    want, got, _ = _both(engines, prompts, dict(GREEDY, min_new_tokens=40), oracle=True)
+    _same(want, got)
+    assert sched.device_fed_rows - carried > 10
+    carried = sched.device_fed_rows
+    want, got, _ = _both(engines, prompts, dict(GREEDY, min_new_tokens=40, stop_token_ids=[7]), oracle=True)
+    _same(want, got)
+    assert sched.device_fed_rows == carried
+
+
 def test_overlap_on_and_off_give_the_same_tokens(engines: tuple[Engine, Engine]) -> None:
     """Overlap scheduling under speculation: a verify step is built while the one before runs, its rows' fed
     tokens and start carried on the device; the tokens equal the synchronous run's and plain decoding's."""

@@ -210,6 +210,12 @@ class SamplingParams:
         return not self.ignore_eos and (token in eos_ids or token in self.stop_token_ids)
 
     @property
+    def bans_stop_tokens(self) -> bool:
+        """Whether min_new_tokens bans ids while it lasts: stop_token_ids, or the EOS ids unless ignore_eos
+        (schedule_batch.sampling_batch)."""
+        return bool(self.stop_token_ids) or not self.ignore_eos
+
+    @property
     def has_penalty(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)

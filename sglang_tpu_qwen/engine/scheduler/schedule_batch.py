@@ -269,7 +269,7 @@ def sampling_batch(reqs: list[Request], rows: list[int], b: int, eos_ids: Collec
             output_ids[i, :n_out] = r.output_ids
             seen_ids[i, n_seen : n_seen + len(ahead)] = ahead
             output_ids[i, n_out : n_out + len(ahead)] = ahead
-        if r.num_output + o < sp.min_new_tokens:
+        if r.num_output + o < sp.min_new_tokens and sp.bans_stop_tokens:
             ban_lists[i] = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
     bias_ids = bias_vals = None
     biases = [(i, r.params.logit_bias) for r, i in zip(reqs, rows, strict=True) if r.params.logit_bias]

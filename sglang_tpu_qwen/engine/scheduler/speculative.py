@@ -195,8 +195,10 @@ class SpecDecoder:
     def can_carry(self, r: Request) -> bool:
         """Whether r's next verify step may be built before its step in flight is read: its sampling settings
         must not follow the tokens that step yields (no grammar mask, no penalty counts, no min_new_tokens bans
-        left)."""
-        return r.grammar is None and not r.params.has_penalty and len(r.output_ids) >= r.params.min_new_tokens
+        left: with ``ignore_eos`` and no stop_token_ids it bans nothing)."""
+        sp = r.params
+        return (r.grammar is None and not sp.has_penalty
+                and (len(r.output_ids) >= sp.min_new_tokens or not sp.bans_stop_tokens))
 
     def build(self, picked: PickedBatch, eos_ids: Any, vocab_size: int, prev: ScheduleBatch | None) -> ScheduleBatch:
         """A DECODE pick laid out as a verify step: row b feeds [last token, drafts...] (T = k + 1), and its
