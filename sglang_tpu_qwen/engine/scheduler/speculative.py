@@ -31,7 +31,7 @@ retraction) or inside the run (a stop) leaves it out of the tree. A run that cro
 takes no snapshot there; a request whose snapshot so lags the last boundary it passed feeds no draft past the
 next one (``_snapshot_lags``; for a carried row the device decides the same from the carry), so its snapshot
 lags at most one page. Rejected positions' KV (target and MTP layer)
-sits past the request's length and is overwritten by later steps. Then the draft program runs the MTP layer over
+sits past the request's length and is overwritten by later steps. Then the commit program runs the MTP layer over
 the accepted positions (their target hidden states, and the next tokens) and drafts the next k tokens.
 
 Overlap scheduling: the scheduler builds and launches verify step N+1 before it reads step N. Step N's commit
