@@ -248,6 +248,43 @@ def _rows(b: int, v: int, **values: Any) -> sampler.RowParams:
     return sampler.RowParams(**{k: jnp.asarray(x) for k, x in base.items()})
 
 
+def test_sample_program_in_row_blocks_gives_the_same_rows_with_less_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A "sample" batch larger than SAMPLE_BLOCK_ROWS runs block by block: every row's token and logprobs are
+    the whole batch's (top-k, top-p, min-p, bias and logprobs on, per-row temperatures and seeds), and the
+    compiled program's temporaries shrink with the block (XLA:CPU's memory analysis)."""
+    from types import SimpleNamespace
+
+    from sglang_tpu_qwen.engine.runner import programs
+
+    b, v, h = 64, 4096, 32
+    rng = np.random.default_rng(0)
+    # Small integers: the products are exact in any summation order, so the two programs see the same logits.
+    params = {"lm_head": jnp.asarray(rng.integers(-3, 4, size=(v, h)).astype(np.float32) / 4)}
+    last = jnp.asarray(rng.integers(-3, 4, size=(b, h)).astype(np.float32) / 4)
+    bias_ids = np.full((b, sampler.LOGIT_BIAS_WIDTH), -1, np.int32)
+    bias_ids[::5, 0] = 7
+    rp = _rows(b, v, temperature=rng.uniform(0.0, 1.5, b).astype(np.float32),
+               top_k=rng.integers(0, 100, b).astype(np.int32), top_p=rng.uniform(0.5, 1.0, b).astype(np.float32),
+               min_p=rng.uniform(0.0, 0.1, b).astype(np.float32), steps=rng.integers(0, 50, b).astype(np.int32),
+               bias_ids=bias_ids, bias_vals=np.where(bias_ids >= 0, 5.0, 0.0).astype(np.float32))
+    f = _features(top_k=True, top_k_large=True, top_p=True, min_p=True, bias=True, logprobs=True)
+    config = SimpleNamespace(tie_word_embeddings=False)
+
+    def run(block: int) -> tuple[tuple[np.ndarray, ...], int]:
+        monkeypatch.setattr(programs, "SAMPLE_BLOCK_ROWS", block)
+        fn = jax.jit(lambda p, x, r, ff: programs._sample_program(p, x, r, ff, config=config, kind="sample"))
+        compiled = fn.lower(params, last, rp, f).compile()
+        out = tuple(np.asarray(a) for a in compiled(params, last, rp, f))
+        return out, compiled.memory_analysis().temp_size_in_bytes
+
+    whole, whole_temp = run(b)
+    blocked, blocked_temp = run(16)
+    for a, c in zip(whole, blocked, strict=True):
+        np.testing.assert_array_equal(a, c)
+    assert len(set(whole[0].tolist())) > b // 4  # the rows sampled different tokens
+    assert blocked_temp < whole_temp / 2, (blocked_temp, whole_temp)
+
+
 def test_top_k_beyond_the_bound_keeps_exactly_k() -> None:
     v, b = 1000, 2
     logits = jax.random.normal(jax.random.PRNGKey(0), (b, v))

@@ -37,6 +37,12 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 64  # positions per call of the prompt-logprob program
 SampleKind = Literal["greedy", "sample"]
+# Rows per pass of a "sample" program. Its temporaries are a few [rows, V] float32 arrays (the logits, their
+# processed copy, the logprobs' second product): 3.79 GiB at 1,024 rows of Qwen3.5's 248,320-token vocabulary,
+# the verify steps' sampling of a 256-running engine with MTP, which shrank its pools to 3.8 GiB on the v5e. A
+# larger batch loops over blocks of this many rows (rows are independent: per-row seeds and steps), paying one
+# more lm_head read per block.
+SAMPLE_BLOCK_ROWS = 256
 SAMPLE_KINDS: tuple[SampleKind, ...] = ("greedy", "sample")
 STEP_COLUMNS = 4  # the [B] columns of a packed step between tokens and page_table
 
@@ -345,7 +351,8 @@ def _sample_program(params, last, rp, f, *, config, kind):
     logits, as SGLang reports them) are computed only when f.logprobs (`lax.cond`; zeros otherwise): one
     program instead of a second one with logprobs per batch size, which cost startup compile time. The
     sampled token's logprob is its raw logit recomputed from its lm_head row minus the logsumexp, equal to
-    the [B, V] product's entry up to float32 summation order."""
+    the [B, V] product's entry up to float32 summation order. A "sample" batch of more than SAMPLE_BLOCK_ROWS
+    rows (a multiple of it) runs block by block (`lax.map`): the same rows, the same values."""
     b = last.shape[0]
     if kind == "greedy":
         none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
@@ -353,6 +360,21 @@ def _sample_program(params, last, rp, f, *, config, kind):
         if screen is None:
             return (sampler.greedy_ids(compute_logits(params, last, config=config)), *none)
         return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen), *none)
+    if b > SAMPLE_BLOCK_ROWS and b % SAMPLE_BLOCK_ROWS == 0:
+        n = b // SAMPLE_BLOCK_ROWS
+
+        def blocks(x: jax.Array) -> jax.Array:
+            return x.reshape(n, SAMPLE_BLOCK_ROWS, *x.shape[1:])
+
+        out = jax.lax.map(lambda xs: _sample_rows(params, xs[0], xs[1], f, config=config),
+                          (blocks(last), jax.tree.map(blocks, rp)))
+        return tuple(y.reshape(b, *y.shape[2:]) for y in out)
+    return _sample_rows(params, last, rp, f, config=config)
+
+
+def _sample_rows(params, last, rp, f, *, config):
+    """The "sample" kind of `_sample_program` over `last` [B, H] at once."""
+    b = last.shape[0]
     weight = lm_head_weight(params, config)
     k = sampler.TOP_LOGPROBS_MAX
     # Only process_logits reads the [B, V] logits, so XLA updates them in place. The logprobs' statistics
