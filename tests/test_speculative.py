@@ -366,12 +366,7 @@ def test_adaptive_drafting_stops_verifying_when_drafts_do_not_pay(engines: tuple
     """With a verify step costing 2 plain steps (fixed here, measured when serving), the random MTP layer's
     drafts stop paying after a few misses: decode steps run plain, the MTP layer keeps drafting beside them,
     and the tokens stay plain decoding's. Drafts that are mostly right keep the steps verifying."""
-    spec_engine, _ = engines
-    spec = spec_engine.scheduler.spec
-    b = spec_engine.runner.buckets.decode_bucket(2).batch
-    saved = _policy_state(spec)
-    spec.adaptive, spec.costs = True, StepCosts.fixed({"verify": {b: 2.0}, "decode": {b: 1.0}})
-    try:
+    with _fixed_costs(engines[0], verify=2.0) as spec:
         prompts = [_ids(40, 11), _ids(41, 25)]
         want, got, delta = _both(engines, prompts, dict(GREEDY, max_new_tokens=40), oracle=False)
         _same(want, got)
@@ -380,8 +375,6 @@ def test_adaptive_drafting_stops_verifying_when_drafts_do_not_pay(engines: tuple
         want, got, delta = _both(engines, prompts, dict(GREEDY, max_new_tokens=40), oracle=True)
         _same(want, got)
         assert spec.stats.plain_steps - plain < delta["spec_verify_rows"] / 2, (spec.stats.plain_steps, delta)
-    finally:
-        _restore_policy(spec, saved)
 
 
 def test_adaptive_drafting_probes_verify_steps_while_plain(engines: tuple[Engine, Engine]) -> None:
@@ -389,14 +382,7 @@ def test_adaptive_drafting_probes_verify_steps_while_plain(engines: tuple[Engine
     PROBE_EVERY plain steps, rows whose drafts are expected to add tokens run one verify step (on the chip a
     stale verify estimate otherwise kept a server plain for good), and the next probe waits twice as long.
     Tokens stay plain decoding's."""
-    spec_engine, _ = engines
-    spec = spec_engine.scheduler.spec
-    b = spec_engine.runner.buckets.decode_bucket(2).batch
-    saved = _policy_state(spec)
-    spec.adaptive, spec.costs = True, StepCosts.fixed({"verify": {b: 9.0}, "decode": {b: 1.0}})
-    spec._verify_run = spec._plain_run = 0
-    spec._verify_probe_every = PROBE_EVERY
-    try:
+    with _fixed_costs(engines[0], verify=9.0) as spec:
         plain = spec.stats.plain_steps
         want, got, delta = _both(engines, [_ids(42, 11), _ids(43, 17)], dict(GREEDY, max_new_tokens=120),
                                  oracle=True)
@@ -405,22 +391,13 @@ def test_adaptive_drafting_probes_verify_steps_while_plain(engines: tuple[Engine
         # About 110 decode steps: probes after 32 and then 64 more plain steps (the third would need 128).
         assert delta["spec_verify_steps"] == 2 and plain >= 3 * PROBE_EVERY, (plain, delta)
         assert spec._verify_probe_every == 4 * PROBE_EVERY
-    finally:
-        _restore_policy(spec, saved)
 
 
 def test_adaptive_drafting_probes_plain_steps_less_while_verify_wins(engines: tuple[Engine, Engine]) -> None:
     """Verify steps that keep winning (a fixed verify cost of 1.2 plain steps, drafts mostly right) are
     interrupted by one plain probe after PROBE_EVERY of them, and the next probe waits twice as long (about 50
     verify steps here: one probe, not two). Tokens stay plain decoding's."""
-    spec_engine, _ = engines
-    spec = spec_engine.scheduler.spec
-    b = spec_engine.runner.buckets.decode_bucket(2).batch
-    saved = _policy_state(spec)
-    spec.adaptive, spec.costs = True, StepCosts.fixed({"verify": {b: 1.2}, "decode": {b: 1.0}})
-    spec._verify_run = spec._plain_run = 0
-    spec._decode_probe_every = PROBE_EVERY
-    try:
+    with _fixed_costs(engines[0], verify=1.2) as spec:
         plain = spec.stats.plain_steps
         want, got, delta = _both(engines, [_ids(44, 11), _ids(45, 17)], dict(GREEDY, max_new_tokens=120),
                                  oracle=True)
@@ -429,18 +406,24 @@ def test_adaptive_drafting_probes_plain_steps_less_while_verify_wins(engines: tu
         # has no room for drafts.
         assert spec._decode_probe_every == 2 * PROBE_EVERY and delta["spec_verify_steps"] > PROBE_EVERY, delta
         assert spec.stats.plain_steps - plain <= 3
+
+
+@contextlib.contextmanager
+def _fixed_costs(spec_engine: Engine, verify: float) -> Iterator[Any]:
+    """Adaptive drafting with a verify step fixed at `verify` plain steps (measured when serving) and the probe
+    counters at their start; the policy's state is put back afterwards. Yields the SpecDecoder."""
+    spec = spec_engine.scheduler.spec
+    b = spec_engine.runner.buckets.decode_bucket(2).batch
+    saved = (spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every,
+             spec._decode_probe_every)
+    spec.adaptive, spec.costs = True, StepCosts.fixed({"verify": {b: verify}, "decode": {b: 1.0}})
+    spec._verify_run = spec._plain_run = 0
+    spec._verify_probe_every = spec._decode_probe_every = PROBE_EVERY
+    try:
+        yield spec
     finally:
-        _restore_policy(spec, saved)
-
-
-def _policy_state(spec: Any) -> tuple:
-    return (spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every,
-            spec._decode_probe_every)
-
-
-def _restore_policy(spec: Any, saved: tuple) -> None:
-    (spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every,
-     spec._decode_probe_every) = saved
+        (spec.adaptive, spec.costs, spec._verify_run, spec._plain_run, spec._verify_probe_every,
+         spec._decode_probe_every) = saved
 
 
 def test_json_schema_request(engines: tuple[Engine, Engine]) -> None:

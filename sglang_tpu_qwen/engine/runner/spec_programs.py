@@ -142,11 +142,6 @@ class SpecPrograms:
         shapes |= {(bk.batch, 1, bk.pages) for bk in decode}
         return keys + [("draft", *shape) for shape in sorted(shapes)]
 
-    def accepted_columns(self) -> int:
-        """Columns of the commit program's ``accepted`` [B, 2 + k + T] int32: each row's accepted count, tokens
-        fed, its next k drafts and the T = k + 1 tokens sampled at its positions (``split_accepted``)."""
-        return 2 + self.steps + self.tokens
-
     def sample_batches(self) -> list[int]:
         """Sampling batch sizes of the verify steps: B * (k + 1) rows, one per position of each row."""
         return sorted({bk.batch * self.tokens for bk in self.buckets.step_buckets() if bk.mode == "decode"})

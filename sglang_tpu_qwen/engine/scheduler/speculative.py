@@ -135,7 +135,6 @@ class SpecDecoder:
         self._plain_run = 0  # plain decode steps since the last verify one
         self._verify_probe_every = PROBE_EVERY  # plain steps before a verify probe (doubles while probes lose)
         self._decode_probe_every = PROBE_EVERY  # verify steps before a plain probe (the same)
-        self._greedy_batches: dict[int, SamplingBatch] = {}  # per verify sampling batch size, never mutated
 
     # ---- adaptive drafting -------------------------------------------------------------------------
     def use_verify(self, reqs: list[Request]) -> bool:
@@ -201,6 +200,13 @@ class SpecDecoder:
         return (r.grammar is None and not sp.has_penalty
                 and (len(r.output_ids) >= sp.min_new_tokens or not sp.bans_stop_tokens))
 
+    def _plain_greedy(self, r: Request) -> bool:
+        """Whether r's verify positions sample as the greedy program does (`SamplingBatch.greedy_only` for its
+        rows): greedy, no logprobs or logit bias, and what `can_carry` asks (no grammar, penalty or
+        min_new_tokens bans)."""
+        sp = r.params
+        return sp.greedy and not r.return_logprob and not sp.logit_bias and self.can_carry(r)
+
     def build(self, picked: PickedBatch, eos_ids: Any, vocab_size: int, prev: ScheduleBatch | None) -> ScheduleBatch:
         """A DECODE pick laid out as a verify step: row b feeds [last token, drafts...] (T = k + 1), and its
         sampling batch has one row per position (b * T + t). A row whose verify step `prev` is in flight takes
@@ -210,7 +216,7 @@ class SpecDecoder:
         b, t = bucket.batch, self.tokens
         prev_rows = {} if prev is None else {id(r): i for r, i in zip(prev.reqs, prev.rows, strict=True)}
         # All rows plain greedy: the commit program samples, and the per-position sampling rows are not built.
-        greedy = all(_plain_greedy(r) for r in picked.reqs)
+        greedy = all(self._plain_greedy(r) for r in picked.reqs)
         fills: list[RowInputs] = []
         lens: list[int] = []
         s_reqs: list[Request] = []
@@ -244,12 +250,8 @@ class SpecDecoder:
                 ahead.append(drafts[:pos])
                 masks.append(None if rows_mask is None else MaskRow(rows_mask[pos]))
         forward = host_forward_batch(ForwardMode.TARGET_VERIFY, (b, t, bucket.pages), fills)
-        if greedy:
-            sampling = self._greedy_batches.get(b * t)
-            if sampling is None:
-                sampling = self._greedy_batches[b * t] = SamplingBatch.greedy(b * t)
-        else:
-            sampling = sampling_batch(s_reqs, s_rows, b * t, eos_ids, vocab_size, offsets, ahead, masks)
+        sampling = (SamplingBatch.greedy(b * t) if greedy else
+                    sampling_batch(s_reqs, s_rows, b * t, eos_ids, vocab_size, offsets, ahead, masks))
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(picked.reqs), lens, rows, forward,
                              list(range(len(picked.reqs))), sampling)
 
@@ -409,14 +411,6 @@ class SpecDecoder:
                 "speculative_draft_policy": "adaptive" if self.adaptive else "always",
                 # Measured wall seconds per decode step by mode and batch size (adaptive drafting's rho).
                 "spec_step_seconds": self.costs.as_dict()}
-
-
-def _plain_greedy(r: Request) -> bool:
-    """Whether r's verify positions sample as the greedy program does (`SamplingBatch.greedy_only` for its rows):
-    greedy, no logprobs, penalty, logit bias, grammar or min_new_tokens bans at any position."""
-    sp = r.params
-    return (sp.greedy and not r.return_logprob and not sp.has_penalty and not sp.logit_bias and r.grammar is None
-            and (r.num_output >= sp.min_new_tokens or not sp.bans_stop_tokens))
 
 
 def _snapshot_position(r: Request) -> int:
