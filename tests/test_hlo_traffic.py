@@ -264,11 +264,12 @@ def test_planner_charges_in_place_kernels_at_the_chips_stream_rate():
     assert CHIPS["tpu7x"].inplace_stream_fraction == 1.0  # not measured there: the peak
 
 
-def test_planner_charges_the_recurrent_gdn_form_at_the_chips_vpu_rate():
-    """The fused GDN kernel's recurrent form (its pallas_call under the RECURRENT_SCOPE name scope) runs its
-    declared flops on the VPU: the planner charges them at the chip's gdn_recurrent_flops_per_s, where they can
-    outlast the kernel's bytes (a verify's 4 tokens); the chunked form and other kernels at the MXU peak."""
-    from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_SCOPE
+def test_planner_charges_each_gdn_form_at_the_chips_rate_for_it():
+    """The fused GDN kernel's two forms (pallas_calls under the RECURRENT_SCOPE and CHUNKED_SCOPE name scopes)
+    run their declared flops at the chip's measured rate for each form (gdn_recurrent_flops_per_s: the VPU;
+    gdn_chunked_flops_per_s: a chain of dependent 64 x 64 MXU products), where they can outlast the kernel's
+    bytes; each form's rate leaves the other form and other kernels at the MXU peak."""
+    from sglang_tpu_qwen.kernels.gdn.kernel import CHUNKED_SCOPE, RECURRENT_SCOPE
     from sglang_tpu_qwen.tools.plan.chips import CHIPS
     from sglang_tpu_qwen.tools.plan.programs import traffic
 
@@ -278,17 +279,24 @@ def test_planner_charges_the_recurrent_gdn_form_at_the_chips_vpu_rate():
             'custom_call_target="tpu_custom_call", backend_config={"cost_estimate":{"flops":"6000000",'
             f'"bytes_accessed":"5000"}}}}, metadata={{op_name="jit(step)/jit(fused_gdn)/{scope}/pallas_call"}}')
 
-    recurrent, chunked = kernel(RECURRENT_SCOPE), kernel("chunked")
+    recurrent, chunked = kernel(RECURRENT_SCOPE), kernel(CHUNKED_SCOPE)
     assert recurrent != HLO and chunked != HLO
-    bw, mxu, vpu = 1e9, 1e15, 1e9  # 6 trips of 5,000 bytes (30 us) against 6 x 6 MFLOP (36 ms at the VPU rate)
+    bw, mxu, vpu, chain = 1e9, 1e15, 1e9, 2e9  # 6 trips of 5,000 bytes (30 us) against 6 x 6 MFLOP (ms at a rate)
     base = traffic(recurrent, bw, mxu)["serial_s"]
+    assert traffic(chunked, bw, mxu)["serial_s"] == pytest.approx(base)
     assert traffic(chunked, bw, mxu, gdn_recurrent_flops_per_s=vpu)["serial_s"] == pytest.approx(base)
+    assert traffic(recurrent, bw, mxu, gdn_chunked_flops_per_s=chain)["serial_s"] == pytest.approx(base)
     assert traffic(recurrent, bw, mxu, gdn_recurrent_flops_per_s=vpu)["serial_s"] - base == pytest.approx(
         6 * (6e6 / vpu - 5000 / bw))
+    assert traffic(chunked, bw, mxu, gdn_chunked_flops_per_s=chain)["serial_s"] - base == pytest.approx(
+        6 * (6e6 / chain - 5000 / bw))
     v5e = CHIPS["v5e"]
     assert v5e.gdn_recurrent_flops_per_s and 1e12 < v5e.gdn_recurrent_flops_per_s < 1e13
     assert "schedule" in v5e.gdn_recurrent_source
-    assert CHIPS["tpu7x"].gdn_recurrent_flops_per_s is None  # not measured there: the MXU peak
+    assert v5e.gdn_chunked_flops_per_s and 1e12 < v5e.gdn_chunked_flops_per_s < 0.1 * v5e.bf16_flops_per_s
+    assert "measured" in v5e.gdn_chunked_source
+    # Not measured there: the MXU peak.
+    assert CHIPS["tpu7x"].gdn_recurrent_flops_per_s is None and CHIPS["tpu7x"].gdn_chunked_flops_per_s is None
 
 
 # A jax.lax.ragged_dot as the TPU compiles it (a Mosaic custom call that declares no flops): 4,096 rows over 16

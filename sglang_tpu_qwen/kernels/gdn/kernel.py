@@ -100,8 +100,10 @@ DECODE_STATE_BYTES = 1 << 20
 # Steps of at most this many tokens per row run the recurrent form (a speculative verify's k + 1 tokens): the
 # chunked form would pad them to a 64-token chunk and solve 64 x 64 systems for 4 tokens.
 RECURRENT_MAX_T = 8
-# Name scope of the recurrent form's pallas_call (the op_name the planner charges at the chip's VPU rate).
+# Name scopes of the two forms' pallas_calls: the planner charges each form's declared flops at the chip's
+# measured rate for it (tools/plan/chips.py; the recurrent form runs on the VPU).
 RECURRENT_SCOPE = "gdn_recurrent"
+CHUNKED_SCOPE = "gdn_chunked"
 _HI = jax.lax.Precision.HIGHEST
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
@@ -533,8 +535,8 @@ def fused_gdn(
                                + 3 * bsz * km1 * conv_dim * conv_pool.dtype.itemsize
                                + (2 if commit else 1) * bsz * hv * head_k_dim * dv * rec_pool.dtype.itemsize)),
     )
-    # The planner finds the recurrent form by this scope (tools/plan/programs.py): its flops run on the VPU.
-    with jax.named_scope(RECURRENT_SCOPE if recurrent else "chunked"):
+    # The planner finds each form by its scope (tools/plan/programs.py) and charges it the chip's rate for it.
+    with jax.named_scope(RECURRENT_SCOPE if recurrent else CHUNKED_SCOPE):
         o, cq, ck, cv, *rec_out = call(
             layer_arr, slot_ids, new_lens.astype(jnp.int32), fresh.astype(jnp.int32), mixed, mixed, mixed,
             conv_taps, conv_taps, conv_taps, by_group(g), by_group(beta), conv_rows, conv_rows, conv_rows, rec_pool,

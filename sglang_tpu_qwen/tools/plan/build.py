@@ -235,6 +235,7 @@ def plan(
                     * step_bytes.snapshot_fraction(speculative_accept_length, page_size)}
                    if name == "verify" else None)
         rates = {"gdn_recurrent_flops_per_s": chip.gdn_recurrent_flops_per_s,
+                 "gdn_chunked_flops_per_s": chip.gdn_chunked_flops_per_s,
                  "ragged_dot_mxu_fraction": chip.ragged_dot_mxu_fraction if chip.ragged_dot_mxu_points else None}
         tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
                                 **rates)

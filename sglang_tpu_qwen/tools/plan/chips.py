@@ -77,6 +77,11 @@ class ChipPeaks:
     # on the MXU. None: charged at the device's MXU peak.
     gdn_recurrent_flops_per_s: float | None = None
     gdn_recurrent_source: str = "not measured on this chip: the MXU peak"
+    # The same for the kernel's chunked form (prefill): its declared flops (6 dk dv a token and value head, the
+    # state products) per second, measured. The chunk's 64 x 64 products (the WY inverse, the in-chunk
+    # attention) are a chain of dependent MXU ops it does not declare. None: the MXU peak.
+    gdn_chunked_flops_per_s: float | None = None
+    gdn_chunked_source: str = "not measured on this chip: the MXU peak"
     # ``jax.lax.ragged_dot`` (the bf16 MoE grouped matmul) as a share of ``bf16_flops_per_s`` against the rows per
     # group, measured: ``((rows per group, fraction), ...)`` ascending. Empty: the peak.
     ragged_dot_mxu_points: tuple[tuple[float, float], ...] = ()
@@ -148,6 +153,10 @@ CHIPS = {
                              "tokens over 1 MiB of float32 state (16 value heads, 6.29 MFLOP declared) schedule in "
                              "4,718 bundles, 3.14 us, at the 35B layout (3,730 at the 397B's); about 1,000 bundles "
                              "a token plus 750. Not yet set beside a chip measurement",
+        gdn_chunked_flops_per_s=3.68e12,
+        gdn_chunked_source="measured on the chip, 2026-12-06 (bench/prefill_step.py --profile, 64 x 512 on the "
+                           "35B-shaped checkpoint, bf16): the chunked form ran 57 calls a prefill (19 steps of 2,048 "
+                           "tokens x 3 GDN layers, 6.44 GFLOP declared each) in 99.8 ms; 1.8% of the bf16 peak",
         ragged_dot_mxu_points=((128, 0.26), (256, 0.32), (2048, 0.64)),
         ragged_dot_source="measured on the chip, 2026-12-06, bf16 at the 35B-A3B's expert shapes (128 experts, "
                           "hidden 2048, intermediate 512), gate/up then down: 128 rows a group from the 64 x 512 "

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_SCOPE
+from sglang_tpu_qwen.kernels.gdn.kernel import CHUNKED_SCOPE, RECURRENT_SCOPE
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.tools import hlo_traffic
 
@@ -60,7 +60,7 @@ def memory(compiled: Any) -> dict[str, int]:
 def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
             ragged_dot_fraction: float = 1.0, inplace_stream_fraction: float = 1.0,
             custom_call_bytes: dict[str, float] | None = None,
-            gdn_recurrent_flops_per_s: float | None = None,
+            gdn_recurrent_flops_per_s: float | None = None, gdn_chunked_flops_per_s: float | None = None,
             ragged_dot_mxu_fraction: Callable[[float], float] | None = None) -> dict[str, Any]:
     """Per-instruction traffic of a compiled program (tools/hlo_traffic.py: loop bodies times their trip
     counts, Pallas kernels at their declared traffic). XLA's own total counts a custom call inside a loop
@@ -77,16 +77,19 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
     of the custom calls whose op_name contains the key, instead of what they declare
     (hlo_traffic.program_traffic). ``gdn_recurrent_flops_per_s``: the rate of the fused GDN kernel's recurrent
     form (op_name scope ``RECURRENT_SCOPE``), whose declared flops run on the VPU
-    (chips.ChipPeaks.gdn_recurrent_flops_per_s); None: ``flops_per_s``. ``ragged_dot_mxu_fraction``: the share of
+    (chips.ChipPeaks.gdn_recurrent_flops_per_s); None: ``flops_per_s``. ``gdn_chunked_flops_per_s``: the same for
+    its chunked form (scope ``CHUNKED_SCOPE``, prefill), whose declared flops undercount the chunk's dependent
+    64 x 64 products (chips.ChipPeaks.gdn_chunked_flops_per_s). ``ragged_dot_mxu_fraction``: the share of
     ``flops_per_s`` a ``jax.lax.ragged_dot`` reaches at its rows per group (chips.ChipPeaks.ragged_dot_mxu_fraction):
     its ``2 M K N`` flops, which it does not declare, are then charged at that rate and counted as declared;
     None: they are left to the caller's undeclared flops at the peak."""
     ops = hlo_traffic.program_traffic(hlo_text, custom_call_bytes, ragged_dot_fraction=ragged_dot_fraction)
     rest = sorted((o for o in ops if o.opcode != "custom-call"), key=lambda o: -o.total)
     declared = serial = 0.0
+    gdn_rates = ((RECURRENT_SCOPE, gdn_recurrent_flops_per_s), (CHUNKED_SCOPE, gdn_chunked_flops_per_s))
     for o in ops:
         f = 0.0 if _ATTENTION_KERNEL in o.op_name else o.flops
-        rate = gdn_recurrent_flops_per_s if gdn_recurrent_flops_per_s and RECURRENT_SCOPE in o.op_name else flops_per_s
+        rate = next((r for scope, r in gdn_rates if r and scope in o.op_name), flops_per_s)
         if ragged_dot_mxu_fraction and o.dot_flops:
             f, rate = o.dot_flops, flops_per_s * ragged_dot_mxu_fraction(o.rows_per_group)
         declared += f * o.count
