@@ -13,8 +13,11 @@ implementation reads its own pool layout (the kernel head-major, the reference t
 TPU page size.
 GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the output read per token) plus the
 chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
-once plus inputs and outputs. Each GDN decode layout also gets a ``state copy`` row: the same state blocks
-copied in place by a kernel that computes nothing, the rate such a stream reaches on the chip.
+once plus inputs and outputs. Steps longer than the recurrent form's run a third implementation, ``xla``: the
+chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the candidate for the TPU's prefill;
+a last section times it against the kernel at the 35B-shaped serving prefill steps. Each GDN decode layout
+also gets a ``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
+rate such a stream reaches on the chip.
 """
 
 from __future__ import annotations
@@ -33,7 +36,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.args.server_args import TPU_PAGE_SIZE
 from sglang_tpu_qwen.kernels.gdn import conv_pool
-from sglang_tpu_qwen.kernels.gdn.kernel import CHUNK_SIZE, DECODE_STATE_BYTES, decode_heads, fused_gdn
+from sglang_tpu_qwen.kernels.gdn.kernel import (
+    CHUNK_SIZE,
+    DECODE_STATE_BYTES,
+    RECURRENT_MAX_T,
+    decode_heads,
+    fused_gdn,
+)
+from sglang_tpu_qwen.kernels.gdn.parallel_chunks import fused_gdn_parallel
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
@@ -141,10 +151,13 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
     return args, dims, flops, nbytes
 
 
-def _gdn_fn(pallas: bool, dims: dict) -> Callable:
-    """The fused GDN kernel or its jitted jnp reference, pools donated, with the head ``dims`` bound."""
-    fn = fused_gdn if pallas else jax.jit(fused_gdn_reference, static_argnames=tuple(dims), donate_argnums=(4, 5))
-    return functools.partial(fn, **dims)
+def _gdn_fn(impl: str, dims: dict) -> Callable:
+    """The fused GDN kernel (``pallas``), its jitted jnp reference (``reference``) or the XLA parallel-chunk form
+    (``xla``, kernels/gdn/parallel_chunks.py), pools donated, with the head ``dims`` bound."""
+    if impl == "pallas":
+        return functools.partial(fused_gdn, **dims)
+    fn = fused_gdn_parallel if impl == "xla" else fused_gdn_reference
+    return functools.partial(jax.jit(fn, static_argnames=tuple(dims), donate_argnums=(4, 5)), **dims)
 
 
 def _row(kernel: str, mix: str, impl: str, secs: float, flops: float, nbytes: float,
@@ -181,8 +194,11 @@ def main(argv: list[str] | None = None) -> None:
             pools = tuple(HEAD_MAJOR.stored(c) for c in att_args[3:5]) if pallas else att_args[3:5]
             secs = _time(att, (*att_args[:3], *pools, *att_args[5:]), (3, 4), args.iters)
             print(_row("ragged_paged_attention", mix.name, impl, secs, att_flops, att_bytes, peaks))
-            secs = _time(_gdn_fn(pallas, dims), gdn_args, (4, 5), args.iters)
+            secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), args.iters)
             print(_row("fused_gdn", mix.name, impl, secs, gdn_flops, gdn_bytes, peaks))
+        if mix.t > RECURRENT_MAX_T:  # the chunked form: the XLA candidate beside the kernel
+            secs = _time(_gdn_fn("xla", dims), gdn_args, (4, 5), args.iters)
+            print(_row("fused_gdn", mix.name, "xla", secs, gdn_flops, gdn_bytes, peaks))
     # GDN decode per released layout and --mamba-ssm-dtype: the state read and written once is the traffic.
     rows = 8 if small else 64
     print(f"-- GDN decode, {rows} rows, per layout and state dtype", flush=True)
@@ -191,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         for state_dtype in (jnp.float32, jnp.bfloat16):
             gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, heads, state_dtype)
             label = f"{name}/{jnp.dtype(state_dtype).name}"
-            for impl, pallas in impls:
-                secs = _time(_gdn_fn(pallas, dims), gdn_args, (4, 5), args.iters)
+            for impl, _ in impls:
+                secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), args.iters)
                 print(_row("fused_gdn", label, impl, secs, gdn_flops, gdn_bytes, peaks))
             if on_tpu:  # the ceiling: the same state blocks copied in place, nothing computed
                 pool, slots = gdn_args[5], gdn_args[7]
@@ -201,6 +217,15 @@ def main(argv: list[str] | None = None) -> None:
                 copy_bytes = 2 * rows * pool[0, 0].nbytes
                 secs = _time(functools.partial(_state_copy_step, heads=per_step), (pool, slots), (0,), args.iters)
                 print(_row("state copy", label, "pallas", secs, 0.0, copy_bytes, peaks))
+    # GDN prefill as the 35B-shaped checkpoint's serving steps cut 2,048 tokens (issue 44's prefill profile: 32
+    # rows x 64 and 8 x 256): the kernel's chunked form against the XLA parallel-chunk candidate.
+    print("-- GDN prefill steps, 35B layout: the chunked form", flush=True)
+    for rows, new in ((4, 16), (1, 64)) if small else ((32, 64), (8, 256), (1, 2048)):
+        mix = Mix("prefill", (0,) * rows, (new,) * rows)
+        gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, GDN_LAYOUTS["35B"])
+        for impl in ("xla", "pallas") if on_tpu else ("xla",):
+            secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), args.iters)
+            print(_row("fused_gdn", f"{rows}x{new}", impl, secs, gdn_flops, gdn_bytes, peaks))
 
 
 def _state_copy_step(pool: jax.Array, slots: jax.Array, *, heads: int) -> tuple[None, jax.Array]:

@@ -17,6 +17,7 @@ A token with ``g = 0, beta = 0, k = 0`` leaves ``S`` unchanged; padded tokens ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -162,6 +163,7 @@ def gdn_mix(
     new_lens: jax.Array,
     config: GdnDims,
     recurrent: bool = False,
+    chunk_rule: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal conv1d + SiLU, q/k L2 norm and the gated delta rule (the part the fused kernel replaces).
 
@@ -175,6 +177,7 @@ def gdn_mix(
         recurrent: use the token-by-token form for every T (programs for XLA:CPU, where it is ~2x faster
             than the chunked form at prefill: the chunk's batched triangular solve and [C, C] decay
             matrices are slow there). Otherwise ``T == 1`` is recurrent and ``T > 1`` chunked.
+        chunk_rule: the chunked form, with :func:`chunk_gated_delta_rule`'s signature (None: that one).
 
     Returns:
         ``(o [B, T, Hv, dv] float32, conv_state, rec_state)`` with the states in their input dtypes.
@@ -198,7 +201,7 @@ def gdn_mix(
     if t == 1 or recurrent:
         o, s1 = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     else:
-        o, s1 = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+        o, s1 = (chunk_rule or chunk_gated_delta_rule)(q, k, v, g, beta, s0)
     return o, conv_state, s1.astype(rec_state.dtype)
 
 

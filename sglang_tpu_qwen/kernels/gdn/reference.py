@@ -7,6 +7,7 @@ each row's states from the pools by slot id and scatters them back, as ``model.f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import jax
@@ -37,6 +38,7 @@ def fused_gdn_reference(
     norm_eps: float = 1e-6,
     recurrent_max_t: int = RECURRENT_MAX_T,
     commit: bool = True,
+    chunk_rule: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference of ``fused_gdn`` (shapes as the kernel).
 
@@ -50,6 +52,7 @@ def fused_gdn_reference(
             the chunked form (the kernel's split). The kernel rounds a bf16 state after every token of the
             recurrent form (as decode steps would); this reference carries it in float32 within the call.
         commit: False: the pools come back unchanged (a speculative verify step).
+        chunk_rule: the chunked form for a longer T (``delta_rule.gdn_mix``; None: the reference's).
 
     Returns:
         ``(o [B, T, Hv, dv], conv_pool, rec_pool)``: ``o`` float32, or normed in ``gate.dtype`` with ``gate``.
@@ -66,7 +69,7 @@ def fused_gdn_reference(
     conv_s = jnp.where(fresh, 0, jnp.swapaxes(gather_windows(conv_pool, layer, slot_ids, taps), 1, 2))
     rec_s = jnp.where(fresh[..., None], 0, rec_pool[layer, slot_ids])
     o, conv_s, rec_s = gdn_mix(mixed, conv_weight, g, beta, conv_s, rec_s, valid, new_lens, dims,
-                               recurrent=t <= recurrent_max_t)
+                               recurrent=t <= recurrent_max_t, chunk_rule=chunk_rule)
     if gate is not None:
         o = gated_rms_norm(o.astype(gate.dtype), gate.reshape(o.shape), norm_weight, norm_eps)
     if not commit:
