@@ -147,6 +147,15 @@ def test_stop_token_ids_min_new_tokens_and_ignore_eos(engine):
     stopped = engine.generate("stop here", {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [third]})
     assert stopped["output_ids"] == base["output_ids"][:3]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": third}
+    # The matched stop token's text is trimmed (SGLang's trim_matched_stop), streamed or not, unless no_stop_trim.
+    tok = engine.tokenizer
+    assert stopped["text"] == tok.decode(base["output_ids"][:2])
+    chunks = list(engine.generate("stop here", {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [third]},
+                                  stream=True))
+    assert chunks[-1]["text"] == stopped["text"]
+    kept = engine.generate("stop here", {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [third],
+                                         "no_stop_trim": True})
+    assert kept["output_ids"] == stopped["output_ids"] and kept["text"] == tok.decode(base["output_ids"][:3])
     # min_new_tokens bans the stop token until enough tokens exist.
     held = engine.generate("stop here", {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [first],
                                          "min_new_tokens": 2})

@@ -117,14 +117,18 @@ class OutputProcessor:
                 r.output_top_logprobs.append(self._top_list(r, top_lp[: r.top_logprobs_num],
                                                             top_ids[: r.top_logprobs_num]))
         sp = r.params
-        if r.stream or r.detokenizer.stop:
-            r.add_text(r.detokenizer.push([tok]))
-        else:  # nothing reads the text before the end: decoded once by the scheduler's finish
-            r.detokenizer.append([tok])
+        stop_token = sp.is_stop_token(tok, self.eos_ids) and len(r.output_ids) >= sp.min_new_tokens
+        # A matched stop token stays in output_ids but not in the text, as SGLang's detokenizer trims it
+        # (trim_matched_stop), unless no_stop_trim.
+        if not stop_token or sp.no_stop_trim:
+            if r.stream or r.detokenizer.stop:
+                r.add_text(r.detokenizer.push([tok]))
+            else:  # nothing reads the text before the end: decoded once by the scheduler's finish
+                r.detokenizer.append([tok])
         if r.grammar is not None and r.grammar.advance(tok, len(r.output_ids) - 1):
             self.finish(r, r.grammar.end_reason(tok))  # a stop token where the grammar may end
             return
-        if sp.is_stop_token(tok, self.eos_ids) and len(r.output_ids) >= sp.min_new_tokens:
+        if stop_token:
             self.finish(r, {"type": "stop", "matched": tok})
         elif r.detokenizer.stopped:
             self.finish(r, {"type": "stop", "matched": r.detokenizer.matched_stop})
