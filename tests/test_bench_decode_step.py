@@ -287,6 +287,14 @@ def test_35b_shaped_cycle_roofline_bytes_by_part() -> None:
                 + ROWS * (CONTEXT - 1 + n + i + fed) * kv_layer for i, fed in enumerate((n, 1, 1)))
     assert parts["draft"] == pytest.approx(draft, rel=1e-12)
     assert 0.8e9 < mtp_rest + mtp_experts < 0.95e9  # the "~0.88 GB" MTP layer
+    # --speculative-token-map: each pass reads only the map's rows of the lm_head.
+    runner.draft_vocab = np.arange(32768, dtype=np.int32)
+    try:
+        _, hot = decode_step.cycle_roofline_parts(runner, ROWS, CONTEXT)
+    finally:
+        runner.draft_vocab = None
+    assert parts["draft"] - hot["draft"] == pytest.approx(3 * parts["lm_head"] * (1 - 32768 / c.vocab_size),
+                                                          rel=1e-12)
     total = sum(parts.values())
     assert 10.5e9 < total < 12e9
     # By program: the verify forward reads the GDN states once; the commit samples (the lm_head), reads and

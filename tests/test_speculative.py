@@ -174,7 +174,8 @@ def test_flags_resolve_as_sglang() -> None:
     for kw, msg in [(dict(speculative_algorithm="EAGLE3"), "not implemented"),
                     (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4), "top-k 1"),
                     (dict(speculative_num_steps=3), "without --speculative-algorithm"),
-                    (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), ">= 1")]:
+                    (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), ">= 1"),
+                    (dict(speculative_token_map="hot.json"), "without --speculative-algorithm")]:
         with pytest.raises(ValueError, match=msg):
             ServerArgs(**kw)
 
@@ -208,6 +209,86 @@ def test_pallas_gdn_verify_and_commit_give_plain_tokens(engines: tuple[Engine, E
         _assert_memory_back(spec)
     finally:
         spec.shutdown()
+
+
+def test_token_map_drafts_only_its_ids_and_keeps_plain_tokens(engines: tuple[Engine, Engine], mtp_path: Any,
+                                                              tmp_path: Any) -> None:
+    """--speculative-token-map (SGLang's FR-Spec map, a JSON list here): every draft, after an extend step and
+    from the commit program, is one of the map's 4,096 ids (the random MTP layer's argmax over the whole
+    vocabulary falls in it ~2% of the time), and greedy tokens equal the plain engine's."""
+    _, ref = engines
+    hot = np.random.default_rng(9).choice(ref.runner.config.vocab_size, 4096, replace=False)
+    (tmp_path / "hot.json").write_text(json.dumps(hot.tolist()))
+    spec = Engine(model_path=str(mtp_path), speculative_algorithm="NEXTN", speculative_num_steps=STEPS,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1, **SPEC_KWARGS, **KWARGS,
+                  speculative_token_map=str(tmp_path / "hot.json"))
+    drafts: list[int] = []
+    sched = spec.scheduler.spec
+    original_draft, original_commit = sched._draft, sched.commit
+
+    def draft(step: Any, forward: Any, rows: list) -> None:
+        original_draft(step, forward, rows)
+        drafts.extend(t for r, *_ in rows for t in r.draft_tokens)
+
+    def commit(batch: Any, step: Any, sampled: Any) -> Any:
+        accepted = original_commit(batch, step, sampled)
+        host = np.asarray(accepted)
+        drafts.extend(int(t) for row in batch.rows for t in host[row, 2 : 2 + STEPS])
+        return accepted
+
+    sched._draft, sched.commit = draft, commit
+    try:
+        assert spec.runner.draft_vocab_size == 4096
+        prompts = [_ids(21, 9), _ids(22, 70)]
+        want, got, delta = _both((spec, ref), prompts, dict(GREEDY, max_new_tokens=24), oracle=False)
+        _same(want, got)
+        assert delta["spec_verify_rows"] > 0 and len(drafts) >= STEPS * delta["spec_verify_steps"]
+        assert set(drafts) <= set(hot.tolist()), sorted(set(drafts) - set(hot.tolist()))[:5]
+        _assert_memory_back(spec)
+    finally:
+        sched._draft, sched.commit = original_draft, original_commit
+        spec.shutdown()
+
+
+def test_draft_argmax_over_the_map_is_the_masked_argmax() -> None:
+    """A draft over the map is the vocabulary argmax with every id outside the map masked out."""
+    from types import SimpleNamespace
+
+    from sglang_tpu_qwen.engine.runner.spec_programs import _draft_argmax
+
+    rng = np.random.default_rng(3)
+    config = SimpleNamespace(tie_word_embeddings=False)
+    params = {"lm_head": jax.numpy.asarray(rng.standard_normal((300, 16)), jax.numpy.float32)}
+    last = jax.numpy.asarray(rng.standard_normal((8, 16)), jax.numpy.float32)
+    hot = tuple(sorted(rng.choice(300, 40, replace=False).tolist()))
+    logits = np.asarray(last) @ np.asarray(params["lm_head"]).T
+    masked = np.where(np.isin(np.arange(300), hot), logits, -np.inf)
+    np.testing.assert_array_equal(np.asarray(_draft_argmax(params, last, config, hot)), masked.argmax(axis=1))
+    np.testing.assert_array_equal(np.asarray(_draft_argmax(params, last, config, None)), logits.argmax(axis=1))
+
+
+def test_token_map_files(tmp_path: Any) -> None:
+    """The map's formats (SGLang's torch file, a JSON list, a .npy array) give its sorted distinct ids; a bad
+    file is a startup error naming the flag."""
+    from sglang_tpu_qwen.engine.runner.token_map import load_token_map
+
+    ids = [7, 3, 3, 500]
+    (tmp_path / "a.json").write_text(json.dumps(ids))
+    np.save(tmp_path / "a.npy", np.asarray(ids, np.int64))
+    torch = pytest.importorskip("torch")
+    torch.save(torch.tensor(ids), tmp_path / "a.pt")
+    for name in ("a.json", "a.npy", "a.pt"):
+        got = load_token_map(str(tmp_path / name), 1000)
+        assert got.dtype == np.int32 and got.tolist() == [3, 7, 500]
+    (tmp_path / "nested.json").write_text("[[1, 2]]")
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "bad.json").write_text("[1, 2")
+    (tmp_path / "a.txt").write_text("1 2")
+    for name, vocab, msg in [("a.json", 500, r"\[0, 500\)"), ("nested.json", 10, "flat list"),
+                             ("empty.json", 10, "non-empty"), ("bad.json", 10, "unreadable"),
+                             ("a.txt", 10, ".pt, .json or .npy"), ("missing.json", 10, "no such file")]:
+        with pytest.raises(ValueError, match="--speculative-token-map .*" + msg):
+            load_token_map(str(tmp_path / name), vocab)
 
 
 def test_mtp_drafts_greedy_batch_one_and_mixed(engines: tuple[Engine, Engine]) -> None:

@@ -166,6 +166,11 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = field(default=None, metadata={
         "help": "Tokens per request in a verify step: with top-k 1 always --speculative-num-steps + 1 (SGLang "
                 "adjusts another value the same way, with a warning)."})
+    speculative_token_map: str | None = field(default=None, metadata={
+        "help": "Hot token ids the MTP drafts choose among (SGLang's FR-Spec map: a .pt file as SGLang loads it, or "
+                "a .json list / .npy array of ids): each draft pass reads their lm_head rows, not the whole "
+                "vocabulary. Verification scores the whole vocabulary, so outputs do not change "
+                "(engine/runner/token_map.py)."})
     speculative_draft_policy: str = field(default="adaptive", metadata={
         "help": "adaptive (ours): a decode step verifies drafts only while the drafts' expected accepted tokens "
                 "pay for the verify step's measured cost over a plain decode step (engine/scheduler/"
@@ -300,7 +305,8 @@ class ServerArgs:
         implemented. Raises ValueError naming the flag."""
         flags = {"--speculative-num-steps": self.speculative_num_steps,
                  "--speculative-eagle-topk": self.speculative_eagle_topk,
-                 "--speculative-num-draft-tokens": self.speculative_num_draft_tokens}
+                 "--speculative-num-draft-tokens": self.speculative_num_draft_tokens,
+                 "--speculative-token-map": self.speculative_token_map}
         if self.speculative_algorithm is None:
             given = [f for f, v in flags.items() if v is not None]
             if given:

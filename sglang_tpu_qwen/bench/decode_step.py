@@ -125,7 +125,8 @@ def cycle_roofline_parts(runner: Any, rows: int, context: int,
     parts = step_bytes.step_min_bytes(
         rb, "verify", rows_rank=rows_rank, tokens=n_spec, prefix=prefix, tokens_step=bucket.batch * n_spec,
         page_size=runner.sizing.page_size, accept_length=accept_length,
-        draft=lambda: step_bytes.draft_min_bytes(runner.config, rb, n_spec, bucket.batch, rows_rank, prefix))
+        draft=lambda: step_bytes.draft_min_bytes(runner.config, rb, n_spec, bucket.batch, rows_rank, prefix,
+                                                 draft_vocab=runner.draft_vocab_size))
     return bucket, parts
 
 
@@ -251,7 +252,11 @@ def measure_cycle(engine: Any, rows: int, context: int, chip_key: str, *, iters:
             "over_plain": replay.step_s / plain_s if plain_s else None, "accept_length_bytes": accept_length,
             "accept_length_replay": replay.accept_length, "distinct_sampled": replay.distinct_sampled,
             "distinct_drafts": replay.distinct_drafts,
-            "draft_lm_head_bytes": float(runner.spec_steps * _bucket_bytes(runner, rows)[1].lm_head),
+            # The lm_head rows each draft pass reads: the map's with --speculative-token-map.
+            "draft_lm_head_bytes": float(runner.spec_steps * _bucket_bytes(runner, rows)[1].lm_head
+                                         * (runner.draft_vocab_size or runner.config.vocab_size)
+                                         / runner.config.vocab_size),
+            "draft_vocab": runner.draft_vocab_size,
             "program_bytes": program_bytes, "alone": alone,
             "alone_s": sum(a["device_s"] for a in alone) if alone else None, "programs": [str(k) for k in keys]}
 
@@ -268,8 +273,8 @@ def plan_rows(engine_info: dict[str, Any], config: Any, chip_key: str, rows: int
     ``serial_s``: its instructions one after another plus its undeclared XLA flops at the peak)."""
     from sglang_tpu_qwen.tools.plan import plan
 
-    spec = dict(speculative_num_draft_tokens=speculative_num_draft_tokens,
-                speculative_accept_length=accept_length) if speculative_num_draft_tokens else {}
+    spec = dict(speculative_num_draft_tokens=speculative_num_draft_tokens, speculative_accept_length=accept_length,
+                speculative_token_map=engine_info.get("speculative_token_map")) if speculative_num_draft_tokens else {}
     report = plan(config, ONE_CHIP_TOPOLOGY[chip_key], 1, 1, rows, context, page_size=engine_info["page_size"],
                   steps=("decode",), kv_cache_dtype=engine_info["kv_cache_dtype"],
                   mamba_ssm_dtype=engine_info["mamba_ssm_dtype"], max_total_tokens=engine_info.get("kv_tokens"),
@@ -680,7 +685,9 @@ def format_cycles(result: dict[str, Any]) -> str:
             f"- {c['rows']} rows: {len(progs)} programs per cycle ({', '.join(progs)}; the plain step "
             f"{len(c.get('plain_programs', []))}); draft "
             f"{_gb(c['bytes']['draft'])} GB = {k} MTP-layer passes, of which the lm_head {k} x = "
-            f"{_gb(c['draft_lm_head_bytes'])} GB; replay inputs: {c['distinct_sampled']} distinct sampled ids of "
+            f"{_gb(c['draft_lm_head_bytes'])} GB"
+            + (f" (its rows of the {c['draft_vocab']} ids of --speculative-token-map)" if c.get("draft_vocab") else "")
+            + f"; replay inputs: {c['distinct_sampled']} distinct sampled ids of "
             f"{c['bucket_rows'] * n}, {c['distinct_drafts']} distinct drafts of {c['bucket_rows'] * k} (few would "
             "route the MoE layers like one row: a cycle "
             f"faster than serving); {plan_note}.")
@@ -895,9 +902,9 @@ def measure(engine: Any, ns: argparse.Namespace, ready_s: float = 0.0) -> dict[s
 def settle_engine(engine: Any, ready_s: float = 0.0) -> dict[str, Any]:
     """Let a started ``engine``'s background grammar load finish (seconds of CPU that must not overlap timed
     steps; a failed load only matters to constrained requests) and describe it: running requests, context length,
-    page size, KV / GDN-state / compute dtypes, dp, the kernels, its start (``ready_s``, seconds) and precompile
-    stats, and ``kv_tokens``: each rank's KV pool in tokens (its pages but the trash page; the planner compiles the
-    same pool)."""
+    page size, KV / GDN-state / compute dtypes, dp, the kernels, --speculative-token-map, its start (``ready_s``,
+    seconds) and precompile stats, and ``kv_tokens``: each rank's KV pool in tokens (its pages but the trash page;
+    the planner compiles the same pool)."""
     runner, args = engine.runner, engine.server_args
     if engine.grammar is not None:
         with contextlib.suppress(Exception):
@@ -908,7 +915,7 @@ def settle_engine(engine: Any, ready_s: float = 0.0) -> dict[str, Any]:
             "dtype": runner.dtype.name, "dp": runner.sizing.dp, "ready_s": ready_s,
             "kv_tokens": (runner.sizing.num_pages - 1) * runner.sizing.page_size,
             "kernels": {"attention": runner.backends.attention.name, "gdn": runner.backends.gdn.name},
-            "precompile": engine.precompile_stats}
+            "speculative_token_map": args.speculative_token_map, "precompile": engine.precompile_stats}
 
 
 def _plan_all(ns: argparse.Namespace, result: dict[str, Any], engine_info: dict[str, Any], config: Any,

@@ -44,6 +44,7 @@ from sglang_tpu_qwen.engine.runner.step_executor import (
     StepExecutor,
     StepOutput,
 )
+from sglang_tpu_qwen.engine.runner.token_map import load_token_map
 from sglang_tpu_qwen.engine.runner.vision_encoder import VisionEncoder
 from sglang_tpu_qwen.engine.runner.vision_setup import build_vision_encoder, vision_info
 from sglang_tpu_qwen.engine.runner.weight_loading import load_weights
@@ -112,6 +113,9 @@ class ModelRunner:
         self.spec_steps = args.speculative_steps  # speculative decoding: draft tokens per row (MTP layer)
         if self.spec_steps and "mtp" not in self.params:
             raise ValueError("speculative decoding needs the MTP layer's parameters (params['mtp'])")
+        # --speculative-token-map: the ids the drafts choose among (None: the whole vocabulary).
+        self.draft_vocab = (load_token_map(args.speculative_token_map, config.vocab_size)
+                            if self.spec_steps and args.speculative_token_map else None)
         self.buckets: BucketSet = sizing.bucket_set()
         # On a device with a memory limit the pools leave room for the largest program's temporaries, read
         # from XLA's analysis of those programs compiled on a minimal pool (engine/runner/program_memory.py).
@@ -138,11 +142,16 @@ class ModelRunner:
                     " (Pallas interpret mode)" if self.backends.interpret else "")
         self.program_memory: ProgramMemory | None = None  # every compiled program's, read after precompile
         self.programs = ProgramTable(config, self.params, self.state, self.buckets, self.backends, args.moe_combine,
-                                     self.dtype, spec_steps=self.spec_steps)
+                                     self.dtype, spec_steps=self.spec_steps, draft_vocab=self.draft_vocab)
         self.executor = StepExecutor(self.programs, self.state)
         self.observers = self.executor.observers
         # Unresolved (None: a runner built without the Engine, e.g. the planner's) counts as off.
         self._host_snapshot_tier = (args.gdn_snapshot_host_gb or 0) > 0
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Token ids the MTP drafts choose among (--speculative-token-map), or None for the whole vocabulary."""
+        return None if self.draft_vocab is None else int(self.draft_vocab.size)
 
     @classmethod
     def from_checkpoint(cls, model_path: str, args: ServerArgs, devices: list[Any] | None = None) -> ModelRunner:
@@ -189,7 +198,7 @@ class ModelRunner:
         state = DeviceState(self.config, small, self.placement, self.kv_dtype, abstract_only=True,
                             backends=self.backends)
         table = ProgramTable(self.config, self.params, state, self.buckets, self.backends, moe_combine, self.dtype,
-                             spec_steps=self.spec_steps)
+                             spec_steps=self.spec_steps, draft_vocab=self.draft_vocab)
         return probe_temporaries(table.lower, table.keys())
 
     # ---- programs ------------------------------------------------------------------------------

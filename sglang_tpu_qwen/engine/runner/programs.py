@@ -60,10 +60,12 @@ class ProgramTable:
     at construction)."""
 
     def __init__(self, config: Qwen35MoeConfig, params: dict[str, Any], state: DeviceState, buckets: BucketSet,
-                 backends: KernelBackends, moe_combine: str, dtype: Any, spec_steps: int = 0) -> None:
+                 backends: KernelBackends, moe_combine: str, dtype: Any, spec_steps: int = 0,
+                 draft_vocab: np.ndarray | None = None) -> None:
         """params: the weights (arrays or ShapeDtypeStructs) the programs take, as their flat list of leaves;
         state: the device state whose cache (and its shardings) the forward programs take; spec_steps: draft
-        tokens per row with speculative decoding (engine/runner/spec_programs.py; 0: off; one device only)."""
+        tokens per row with speculative decoding (engine/runner/spec_programs.py; 0: off; one device only);
+        draft_vocab: the token ids the drafts choose among (--speculative-token-map; None: all)."""
         self.config, self.buckets, self.dtype = config, buckets, dtype
         self.state, self.placement = state, state.placement
         layout = self.placement.layout
@@ -124,7 +126,7 @@ class ProgramTable:
                 config, self.param_leaves, param_def, state, buckets, backends, dtype, spec_steps,
                 columns=lambda t, p: step_columns(t, p, vision, False),
                 unpack=lambda packed, p: unpack_step(packed, p, no_kept, vision=vision), prev_rows=self.prev_rows,
-                head_leaves=self.head_leaves, greedy=greedy_tokens, moe_combine=moe_combine)
+                head_leaves=self.head_leaves, greedy=greedy_tokens, moe_combine=moe_combine, draft_vocab=draft_vocab)
         self._compiled: dict[tuple, Any] = {}
         self._key_set = set(self.keys())
         self.ready = False  # set once precompiled: a compilation after it is logged as an error

@@ -32,7 +32,7 @@ from sglang_tpu_qwen.engine.runner.buckets import BucketSet
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.forward import commit_gdn_states, compute_logits, forward_step
+from sglang_tpu_qwen.model.forward import commit_gdn_states, compute_logits, forward_step, lm_head_weight
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_qwen.model.mtp import mtp_forward
 from sglang_tpu_qwen.parallel.sharded_forward import grouped_rows_pspec, make_sharded_forward, make_sharded_rows
@@ -48,11 +48,12 @@ class SpecPrograms:
                  buckets: BucketSet, backends: KernelBackends, dtype: Any, steps: int,
                  columns: Callable[[int, int], int], unpack: Callable[..., ForwardBatch], prev_rows: int,
                  head_leaves: list[Any], greedy: Callable[[list[Any], jax.Array], jax.Array],
-                 moe_combine: str = "hierarchical") -> None:
+                 moe_combine: str = "hierarchical", draft_vocab: np.ndarray | None = None) -> None:
         """`steps`: draft tokens per row (k); `columns(T, P)` the packed step's width; `unpack(packed, P)` the
         packed step as a ForwardBatch (programs.unpack_step with no kept ids); `prev_rows`: the rows of the
         carry (the largest sampling batch, as overlap scheduling's kept ids); `greedy(head_leaves, last)`:
-        the greedy sampling program's tokens [N] int32 of last [N, H] (programs.py, per DP rank). On a mesh
+        the greedy sampling program's tokens [N] int32 of last [N, H] (programs.py, per DP rank); `draft_vocab`:
+        the sorted [V'] int32 ids the drafts choose among (--speculative-token-map; None: all). On a mesh
         every program runs per DP rank on its rows (parallel/sharded_forward.py), the MTP layer's MoE over the
         expert axis."""
         self.config, self.buckets, self.dtype, self.steps = config, buckets, dtype, steps
@@ -73,7 +74,8 @@ class SpecPrograms:
         self.target_leaves, target_def = jax.tree.flatten(target_params)
         self.draft_leaves, draft_def = jax.tree.flatten(mtp_params)
         self.commit_leaves, commit_def = jax.tree.flatten((mtp_params, conv_weights))
-        draft_body = partial(_draft_tokens, backends=backends, steps=steps, page_size=state.sizing.page_size)
+        draft_body = partial(_draft_tokens, backends=backends, steps=steps, page_size=state.sizing.page_size,
+                             draft_vocab=None if draft_vocab is None else tuple(int(i) for i in draft_vocab))
         commit_body = partial(_commit_rows, gdn_positions=tuple(gdn_positions), period=period, backends=backends)
         layout = self.placement.layout
         if layout is None:
@@ -237,6 +239,7 @@ def _next_carry(drafting: jax.Array, drafts: jax.Array, behind: jax.Array, t: in
 
 def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: ForwardBatch, hidden: jax.Array, *,
                   config: Qwen35MoeConfig, backends: KernelBackends, steps: int, page_size: int,
+                  draft_vocab: tuple[int, ...] | None = None,
                   moe_fn: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MTP layer over a step's positions, then ``steps - 1`` recursive steps: ``(drafts [B, steps] int32,
     cache)``.
@@ -246,14 +249,14 @@ def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: Fo
     argmax at the row's last position; each further one feeds the previous draft and the MTP layer's own output
     at the next position (SGLang's EAGLE/NEXTN chain with top-k 1). A recursive position past the row's pages
     (or a row without positions) writes to the trash page and its draft is meaningless; the scheduler never uses
-    drafts past what the row may still generate.
+    drafts past what the row may still generate. ``draft_vocab``: the ids a draft may take (``_draft_argmax``).
     """
     z, cache = mtp_forward(params, cache, batch, hidden, config=config, backends=backends, moe_fn=moe_fn)
     rows = jnp.arange(batch.batch_size)
     n = batch.extend_lens
     last = z[rows, jnp.maximum(n - 1, 0)]
     capacity = jnp.sum(batch.page_table > 0, axis=1, dtype=jnp.int32) * page_size
-    tok = jnp.argmax(compute_logits(params, last, config=config), axis=-1).astype(jnp.int32)
+    tok = _draft_argmax(params, last, config, draft_vocab)
     drafts = [tok]
     for i in range(1, steps):
         pos = batch.prefix_lens + n - 1 + i
@@ -262,6 +265,20 @@ def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: Fo
                             jnp.where(ok[:, None], batch.page_table, 0), jnp.where(ok, batch.slot_ids, 0))
         z, cache = mtp_forward(params, cache, step, last[:, None], config=config, backends=backends, moe_fn=moe_fn)
         last = z[:, 0]
-        tok = jnp.argmax(compute_logits(params, last, config=config), axis=-1).astype(jnp.int32)
+        tok = _draft_argmax(params, last, config, draft_vocab)
         drafts.append(tok)
     return jnp.stack(drafts, axis=1), cache
+
+
+def _draft_argmax(params: dict[str, Any], last: jax.Array, config: Qwen35MoeConfig,
+                  draft_vocab: tuple[int, ...] | None) -> jax.Array:
+    """The draft token ``[B]`` int32 of the MTP layer's output ``last [B, H]``: the argmax of its logits over the
+    vocabulary, or over ``draft_vocab`` only (--speculative-token-map, SGLang's FR-Spec: the product reads those
+    rows of the lm_head, gathered in the program; the ids are a constant of it)."""
+    if draft_vocab is None:
+        return jnp.argmax(compute_logits(params, last, config=config), axis=-1).astype(jnp.int32)
+    ids = jnp.asarray(draft_vocab, jnp.int32)
+    with jax.named_scope("lm_head"):
+        rows = jnp.take(lm_head_weight(params, config), ids, axis=0)
+        logits = jnp.einsum("nh,vh->nv", last, rows, preferred_element_type=jnp.float32)
+    return ids[jnp.argmax(logits, axis=-1)]

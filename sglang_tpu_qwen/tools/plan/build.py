@@ -99,6 +99,7 @@ def plan(
     speculative_num_draft_tokens: int = 0,
     speculative_accept_length: float | None = None,
     max_total_tokens: int | None = None,
+    speculative_token_map: str | None = None,
 ) -> dict[str, Any]:
     """Compile the server's decode and prefill programs and return the report (JSON-able dict; see
     docs/parallelism.md#the-planner for its fields). ``kv_cache_dtype``: the server's --kv-cache-dtype (the KV
@@ -108,7 +109,8 @@ def plan(
     steps) on a runner that holds the MTP layer; the decode bucket's served verify, commit and draft programs
     (and the sampling program of its B * N positions) are compiled as one "verify" step, and the workloads are
     composed with it at ``speculative_accept_length`` tokens per request per verify step (SGLang's accept
-    length), beside ``workloads_without_speculation``.
+    length), beside ``workloads_without_speculation``; ``speculative_token_map``: the server's
+    --speculative-token-map (the drafts read only its rows of the lm_head).
 
     ``max_total_tokens``: the server's --max-total-tokens, each DP rank's KV pool in tokens (default: every row at
     ``context_length``). A benchmark that plans beside a running engine passes the engine's pool: XLA lays out a
@@ -133,7 +135,8 @@ def plan(
         raise ValueError(f"--speculative-accept-length must be in [1, {n_spec}] with --speculative-num-draft-tokens "
                          f"{n_spec}, got {speculative_accept_length}")
     spec_flags: dict[str, Any] = dict(speculative_algorithm="NEXTN", speculative_num_steps=n_spec - 1,
-                                      speculative_eagle_topk=1, speculative_num_draft_tokens=n_spec) if n_spec else {}
+                                      speculative_eagle_topk=1, speculative_num_draft_tokens=n_spec,
+                                      speculative_token_map=speculative_token_map) if n_spec else {}
     args = ServerArgs(dp_size=dp, ep_size=ep, max_running_requests=max_running_requests,
                       context_length=context_length, page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                       max_total_tokens=max_total_tokens or rows_per_rank * context_length, moe_combine=combine,
@@ -220,7 +223,8 @@ def plan(
         parts = step_bytes.step_min_bytes(
             rb, name, rows_rank=rows_rank, tokens=tokens, prefix=prefix, tokens_step=tokens_step,
             page_size=page_size, accept_length=speculative_accept_length,
-            draft=lambda: step_bytes.draft_min_bytes(c, rb, n_spec, rows, rows_rank, prefix))  # noqa: B023
+            draft=lambda: step_bytes.draft_min_bytes(c, rb, n_spec, rows, rows_rank, prefix,  # noqa: B023
+                                                     draft_vocab=runner.draft_vocab_size))
         min_bytes = sum(parts.values())
         # The verify forward alone: without the draft program and the commit's second pass over the state.
         forward_min = min_bytes - parts["draft"] - (rows_rank * rb.state_per_slot * 2 if name == "verify" else 0)

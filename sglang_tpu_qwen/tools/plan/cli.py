@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--speculative-accept-length", type=float, default=None,
                     help="tokens a request gains per verify step (SGLang's accept length, e.g. 3.2) to compose the "
                          "workloads with; required with --speculative-num-draft-tokens")
+    ap.add_argument("--speculative-token-map", default=None,
+                    help="server flag: the hot token ids the drafts choose among (a .pt, .json or .npy file); the "
+                         "draft passes read only their lm_head rows")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args(argv)
     hf_block = [int(x) for x in a.fp8_block.split(",")]
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         combine=a.moe_combine, steps=tuple(x for x in a.steps.split(",") if x), max_gdn_snapshots=a.max_gdn_snapshots,
         kv_cache_dtype=a.kv_cache_dtype,
         mamba_ssm_dtype=a.mamba_ssm_dtype, speculative_num_draft_tokens=a.speculative_num_draft_tokens,
-        speculative_accept_length=a.speculative_accept_length,
+        speculative_accept_length=a.speculative_accept_length, speculative_token_map=a.speculative_token_map,
     )
     print(format_report(report))
     print(json.dumps(report))

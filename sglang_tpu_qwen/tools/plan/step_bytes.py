@@ -177,15 +177,17 @@ def program_min_bytes(rb: RunnerBytes, step: str, parts: dict[str, float], *, ro
 
 
 def draft_min_bytes(c: Qwen35MoeConfig, rb: RunnerBytes, n_spec: int, rows: int, rows_rank: int,
-                    prefix: int) -> float:
+                    prefix: int, draft_vocab: int | None = None) -> float:
     """Bytes the draft program must move per device: the MTP layer runs N - 1 times in a row (first over the N
     verified positions of each row, then once per further draft), each time reading its replicated weights, the
-    share of its local experts its tokens route to and the lm_head, and reading the context's and writing the fed
-    tokens' KV of its one attention layer."""
+    share of its local experts its tokens route to and the lm_head (the rows of ``draft_vocab`` ids of it with
+    --speculative-token-map), and reading the context's and writing the fed tokens' KV of its one attention
+    layer."""
     kv_layer = rb.kv_per_token / max(c.num_attn_layers, 1)
+    head = rb.lm_head * (min(draft_vocab, c.vocab_size) / c.vocab_size if draft_vocab else 1.0)
     total = 0.0
     for i in range(n_spec - 1):
         fed = n_spec if i == 0 else 1
-        total += (rb.mtp_replicated + rb.lm_head + rb.mtp_experts * rb.active(rows * fed)
+        total += (rb.mtp_replicated + head + rb.mtp_experts * rb.active(rows * fed)
                   + rows_rank * (prefix + n_spec + i + fed) * kv_layer)
     return total
