@@ -202,9 +202,9 @@ def test_scoring_logprobs_match_generation(engine):
     assert inp[1][2] == engine.tokenizer.decode([full[1]], skip_special_tokens=False)
     scored_tail = np.array([t[0] for t in inp[len(prompt_ids):]])
     np.testing.assert_allclose(scored_tail, [t[0] for t in out_lp], atol=2e-3)
-    # Greedy picks are the top-1 alternative.
-    for top, tok in zip(gen["meta_info"]["output_top_logprobs"], gen["output_ids"], strict=True):
-        assert top[0][1] == tok and len(top) == 3
+    # Greedy picks are the top-1 alternative, with the same logprob to the bit.
+    for top, tok, lp in zip(gen["meta_info"]["output_top_logprobs"], gen["output_ids"], out_lp, strict=True):
+        assert top[0][1] == tok and len(top) == 3 and top[0][0] == lp[0]
 
 
 def test_streaming_is_cumulative(engine):

@@ -390,7 +390,12 @@ def _sample_rows(params, last, rp, f, *, config):
     tokens = sampler.sample(sampler.process_logits(logits, rp, f), rp, f)
     chosen = jnp.einsum("nh,nh->n", last, weight[tokens], preferred_element_type=jnp.float32)
     # min: the two sums round differently, and a near-certain token must not report a logprob above 0.
-    return tokens, jnp.where(f.logprobs, jnp.minimum(chosen - lse, 0.0), 0.0), top_lp, top_ids
+    lp = jnp.minimum(chosen - lse, 0.0)
+    # A token among the top alternatives reports their value (its own row product rounds differently, ~1e-6):
+    # one value per token, as SGLang's one logprobs tensor gives.
+    hit = top_ids == tokens[:, None]
+    lp = jnp.where(hit.any(axis=1), jnp.sum(jnp.where(hit, top_lp, 0.0), axis=1), lp)
+    return tokens, jnp.where(f.logprobs, lp, 0.0), top_lp, top_ids
 
 
 def _greedy_tokens(params, last, *, config):
