@@ -1,4 +1,5 @@
-"""The engine with both Pallas kernels forced on CPU (interpret mode) gives the reference backend's greedy tokens.
+"""The engine with both Pallas kernels forced on CPU (interpret mode), and with the GDN backend xla-chunked, gives
+the reference backend's greedy tokens.
 
 A short multi-request run of the embedded model: a batched prefill of prompts of different lengths (the
 attention kernel's prefill path and the chunked GDN form), then batched decodes (the decode path and the
@@ -21,7 +22,8 @@ def _generate(attention_backend: str, gdn_backend: str) -> list[list[int]]:
     try:
         resolved = eng.runner.backends
         assert (resolved.attention.name, resolved.gdn.name) == (attention_backend, gdn_backend)
-        assert resolved.interpret == (attention_backend == "pallas")  # CPU: Pallas runs in interpret mode
+        # CPU: Pallas runs in interpret mode (xla-chunked runs the GDN kernel for decode).
+        assert resolved.interpret == (attention_backend == "pallas" or gdn_backend != "reference")
         return [r["output_ids"] for r in eng.generate(PROMPTS, PARAMS)]
     finally:
         eng.shutdown()
@@ -33,6 +35,10 @@ def test_resolve_backends_on_cpu() -> None:
     assert resolve_backends("pallas", "reference", platform="cpu") == KernelBackends.of(
         "pallas", "reference", True, "cpu")
     assert resolve_backends("auto", "auto", platform="cpu").xla_cpu  # the XLA:CPU forms of the reference
+    assert resolve_backends("reference", "xla-chunked", platform="cpu") == KernelBackends.of(
+        "reference", "xla-chunked", True, "cpu")
+    assert resolve_backends("auto", "xla-chunked", platform="tpu") == KernelBackends.of(
+        "pallas", "xla-chunked", False, "tpu")
 
 
 def test_pallas_backends_match_reference_greedy_tokens() -> None:
@@ -40,3 +46,11 @@ def test_pallas_backends_match_reference_greedy_tokens() -> None:
     pallas = _generate(attention_backend="pallas", gdn_backend="pallas")
     assert all(len(ids) == PARAMS["max_new_tokens"] for ids in reference)
     assert pallas == reference
+
+
+def test_xla_chunked_gdn_matches_reference_greedy_tokens() -> None:
+    """--gdn-backend xla-chunked: the prefill's chunked form as batched XLA products
+    (kernels/gdn/parallel_chunks.py), the decode steps through the fused kernel (interpreted here); the
+    reference backend's greedy tokens (float32 on the CPU: the products at HIGHEST)."""
+    reference = _generate(attention_backend="reference", gdn_backend="reference")
+    assert _generate(attention_backend="reference", gdn_backend="xla-chunked") == reference

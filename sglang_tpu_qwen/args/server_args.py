@@ -177,7 +177,9 @@ class ServerArgs:
                 "speculative.py); always: every decode step verifies."})
     # Kernels.
     attention_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
-    gdn_backend: str = field(default="auto", metadata={"help": "auto, pallas or reference."})
+    gdn_backend: str = field(default="auto", metadata={
+        "help": "auto, pallas, reference, or xla-chunked (the fused kernel for decode, the chunked form of prefill "
+                "as batched XLA products: a candidate for the TPU's prefill)."})
     moe_runner_backend: str = field(default="auto", metadata={
         "help": "SGLang's flag with our kernels: auto (pallas on a TPU, else reference), pallas (the Pallas "
                 "block-FP8 grouped matmul, kernels/fp8_matmul) or reference (FP8 weights dequantised in XLA, then "
@@ -266,7 +268,7 @@ class ServerArgs:
                              f"DP ranks: each rank needs at least {MIN_PREFILL_CHUNK} prompt tokens per step, so "
                              f"at least {MIN_PREFILL_CHUNK * self.dp_size}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
-                   "gdn_backend": ("auto", "pallas", "reference"),
+                   "gdn_backend": ("auto", "pallas", "reference", "xla-chunked"),
                    "moe_runner_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
                    "grammar_backend": ("xgrammar", "llguidance", "none"),
                    "kv_cache_dtype": KV_CACHE_DTYPES, "speculative_draft_policy": ("adaptive", "always")}

@@ -1,6 +1,8 @@
 """Which backend runs each layer kind: the Pallas TPU kernel or the model's pure-jnp reference, with its layout.
 
-``--attention-backend`` / ``--gdn-backend`` / ``--moe-runner-backend`` take ``auto | pallas | reference``.
+``--attention-backend`` / ``--gdn-backend`` / ``--moe-runner-backend`` take ``auto | pallas | reference``;
+``--gdn-backend xla-chunked`` runs the fused kernel for decode and short steps and the chunked form (prefill) as
+batched XLA products (kernels/gdn/parallel_chunks.py), the candidate the chip measures against the kernel's.
 ``auto`` is ``pallas`` on a TPU backend and ``reference`` elsewhere. ``pallas`` on a non-TPU backend runs the
 kernels in Pallas TPU interpret mode (``pltpu.InterpretParams()``): exact but slow, for tests on CPU. Given the
 model config, ``resolve_backends`` checks it against what the kernels support before anything is compiled. The
@@ -21,6 +23,7 @@ from typing import Any
 import jax
 
 from sglang_tpu_qwen.kernels.attention_backend import AttentionBackend
+from sglang_tpu_qwen.kernels.gdn_backend import PALLAS as GDN_PALLAS
 from sglang_tpu_qwen.kernels.gdn_backend import GdnBackend
 from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
@@ -28,6 +31,8 @@ from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
 logger = logging.getLogger(__name__)
 
 CHOICES = ("auto", "pallas", "reference")
+# --gdn-backend also takes the fused kernel with the XLA chunked form for prefill (kernels/gdn_backend.py).
+GDN_CHOICES = (*CHOICES, "xla-chunked")
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
 
     Args:
         attention, gdn, moe: ``--attention-backend``, ``--gdn-backend``, ``--moe-runner-backend``: ``auto``,
-            ``pallas`` or ``reference``.
+            ``pallas`` or ``reference`` (``--gdn-backend`` also ``xla-chunked``).
         platform: ``jax.default_backend()`` when None.
         config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support on ``platform``
             (:func:`gdn_pallas_unsupported`). ``auto`` falls back to the reference with a warning; an explicit
@@ -116,25 +121,25 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
     platform = platform or jax.default_backend()
     on_tpu = platform == "tpu"
 
-    def one(flag: str, value: str) -> str:
-        if value not in CHOICES:
-            raise ValueError(f"{flag} must be one of {', '.join(CHOICES)}; got {value!r}")
+    def one(flag: str, value: str, choices: tuple[str, ...] = CHOICES) -> str:
+        if value not in choices:
+            raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
         if value == "auto":
             return "pallas" if on_tpu else "reference"
         return value
 
-    attn_name, gdn_name = one("--attention-backend", attention), one("--gdn-backend", gdn)
+    attn_name, gdn_name = one("--attention-backend", attention), one("--gdn-backend", gdn, GDN_CHOICES)
     moe_name = one("--moe-runner-backend", moe)
-    checked = config is not None and gdn_name == "pallas"
+    checked = config is not None and gdn_name in GDN_PALLAS
     why = gdn_pallas_unsupported(config, interpret=not on_tpu) if checked else None
     if why is not None:
-        if gdn == "pallas":
-            raise ValueError(f"--gdn-backend pallas cannot run this model: {why}. Use --gdn-backend reference "
+        if gdn != "auto":
+            raise ValueError(f"--gdn-backend {gdn} cannot run this model: {why}. Use --gdn-backend reference "
                              "(or auto, which falls back to it).")
         logger.warning("fused GDN kernel cannot run this model (%s); using the reference GDN", why)
         gdn_name = "reference"
     # Interpret mode off a TPU, for every Pallas kernel alike (the flag was one for the whole step).
-    interpret = "pallas" in (attn_name, gdn_name, moe_name) and not on_tpu
+    interpret = ("pallas" in (attn_name, moe_name) or gdn_name in GDN_PALLAS) and not on_tpu
     return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name)
 
 

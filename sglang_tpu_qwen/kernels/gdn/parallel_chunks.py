@@ -1,7 +1,8 @@
 """The chunked gated delta rule as XLA programs: every chunk's products at once, only the state scanned.
 
 A candidate for the TPU's prefill (issue 44), to be measured on the chip against the fused kernel's chunked
-form (``bench.kernels``, implementation ``xla``). The fused kernel walks one (row, key head) at a time and runs
+form (``bench.kernels``, implementation ``xla``; ``--gdn-backend xla-chunked`` serves it, the kernel keeping
+decode). The fused kernel walks one (row, key head) at a time and runs
 each 64-token chunk as a chain of dependent 64 x 64 MXU products (the chip profile puts it at 1.8% of the bf16
 peak); here each product is one batched ``dot_general`` over every (row, head, chunk), as FLA's Triton kernels
 split the work (Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence Length",
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.gdn.delta_rule import CHUNK_SIZE
+from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_MAX_T, fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 
 
@@ -118,3 +120,14 @@ def fused_gdn_parallel(mixed: jax.Array, *args: Any, **kwargs: Any) -> tuple[jax
     reference's recurrent form."""
     rule = functools.partial(parallel_chunk_gated_delta_rule, bf16=mixed.dtype == jnp.bfloat16)
     return fused_gdn_reference(mixed, *args, chunk_rule=rule, **kwargs)
+
+
+def fused_gdn_xla_chunked(mixed: jax.Array, *args: Any, interpret: bool = False,
+                          **kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``--gdn-backend xla-chunked``: ``kernel.fused_gdn``'s signature and result, the fused Pallas kernel for
+    steps of at most ``RECURRENT_MAX_T`` tokens (decode, a speculative verify and its commit: its recurrent
+    form) and :func:`fused_gdn_parallel` for longer ones (prefill and extend steps, which the kernel runs in its
+    chunked form). T is static, so each compiled step takes one of the two. ``interpret``: the kernel's."""
+    if mixed.shape[1] <= RECURRENT_MAX_T:
+        return fused_gdn(mixed, *args, interpret=interpret, **kwargs)
+    return fused_gdn_parallel(mixed, *args, **kwargs)
