@@ -153,3 +153,29 @@ def test_dense_weights_take_one_path():
     gs = jnp.asarray([4, 0, 6], jnp.int32)
     np.testing.assert_array_equal(np.asarray(PALLAS.grouped(x, w, gs)), np.asarray(REFERENCE.grouped(x, w, gs)))
     np.testing.assert_array_equal(np.asarray(PALLAS.linear(x, w[0])), np.asarray(REFERENCE.linear(x, w[0])))
+
+
+# ---------------------------------------------------------------- routing without scatters
+
+
+def test_group_counts_and_inverse_sort_equal_the_scatters() -> None:
+    """model/moe.py routes without XLA scatters (the v5e runs them an element at a time): ``group_counts`` equals
+    ``bincount`` over the ids in range (out-of-range ids, another device's pairs under EP, are not counted), and
+    the inverse permutation by ``argsort(order)`` equals the scattered one; ``routed_experts`` then equals the
+    dense sum over every expert."""
+    from sglang_tpu_qwen.model.moe import all_experts, group_counts, routed_experts
+
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 9, size=500).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(group_counts(jnp.asarray(ids), 8)), np.bincount(ids, minlength=9)[:8])
+    order = jnp.argsort(jnp.asarray(ids), stable=True)
+    scattered = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    np.testing.assert_array_equal(np.asarray(jnp.argsort(order)), np.asarray(scattered))
+    n, h, i, e, k = 40, 16, 8, 6, 2
+    x = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in ((e, h, i), (e, h, i), (e, i, h))]
+    expert_ids = jnp.asarray(np.argsort(rng.random((n, e)), axis=1)[:, :k], jnp.int32)
+    weights = jnp.asarray(rng.random((n, k)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        got, want = routed_experts(x, weights, expert_ids, *w), all_experts(x, weights, expert_ids, *w)
+    assert _rel(got, want) < TOL

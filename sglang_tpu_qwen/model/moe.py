@@ -38,6 +38,14 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> 
     return top_w.astype(x.dtype), top_i.astype(jnp.int32)
 
 
+def group_counts(ids: jax.Array, num_groups: int) -> jax.Array:
+    """``[num_groups]`` int32: how many of ``ids [M]`` (int32) equal each group id in ``[0, num_groups)``; other
+    values are not counted. A compare-and-sum, which XLA fuses into one reduce over ``[num_groups, M]``:
+    ``jnp.bincount`` is a scatter-add, which the v5e runs an element at a time (0.14 ms a MoE layer at 16,384
+    (token, expert) pairs in the prefill profile, 2.8% of the prefill)."""
+    return jnp.sum(ids[None, :] == jnp.arange(num_groups, dtype=ids.dtype)[:, None], axis=1, dtype=jnp.int32)
+
+
 def routed_experts(
     x: jax.Array,
     weights: jax.Array,
@@ -67,14 +75,17 @@ def routed_experts(
     order = jnp.argsort(flat, stable=True)
     tokens = order // k
     xs = x[tokens]  # [N*k, H], grouped by expert
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    group_sizes = group_counts(flat, num_experts)
     act = backend.grouped_swiglu(xs, w_gate, w_up, group_sizes, expected_rows=n * k)
     ys = backend.grouped(act, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
     ys = ys * weights.reshape(-1)[order][:, None]
     # Undo the sort (a permutation) by a row gather, then sum each token's k contributions. A scatter of the
     # rows (``.at[order].set``) wrote each [H] row as one sublane of every tile it crossed: 0.1 ms a layer at
     # 256 decode rows of the 35B layout on the v5e, where the forward gather of the same rows took 0.03 ms.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    # The inverse permutation by a second sort, not a scatter (``.at[order].set(arange)``): the v5e runs a
+    # scatter an element at a time, 76 us a layer at 16,384 pairs in the prefill profile, where the argsort
+    # above took 12 us.
+    inverse = jnp.argsort(order)
     out = ys[inverse]
     return out.reshape(n, k, -1).sum(axis=1).astype(x.dtype)
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.moe import route, shared_expert
+from sglang_tpu_qwen.model.moe import group_counts, route, shared_expert
 from sglang_tpu_qwen.parallel.collectives import block_order, reduce_scatter
 
 
@@ -126,7 +126,7 @@ def local_experts(
     here = (local >= 0) & (local < e_local)
     key = jnp.where(here, local, e_local)  # other devices' pairs sort after every local group
     order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
+    group_sizes = group_counts(key, e_local)  # other devices' pairs (key e_local) are not counted
     group_ends = jnp.cumsum(group_sizes)
     n_here = group_ends[-1]
     # Padded to whole chunks; padding pairs (and other devices' pairs) have routing weight 0.
