@@ -260,7 +260,7 @@ def test_draft_argmax_over_the_map_is_the_masked_argmax() -> None:
     config = SimpleNamespace(tie_word_embeddings=False)
     params = {"lm_head": jax.numpy.asarray(rng.standard_normal((300, 16)), jax.numpy.float32)}
     last = jax.numpy.asarray(rng.standard_normal((8, 16)), jax.numpy.float32)
-    hot = tuple(sorted(rng.choice(300, 40, replace=False).tolist()))
+    hot = np.sort(rng.choice(300, 40, replace=False)).astype(np.int32)
     logits = np.asarray(last) @ np.asarray(params["lm_head"]).T
     masked = np.where(np.isin(np.arange(300), hot), logits, -np.inf)
     np.testing.assert_array_equal(np.asarray(_draft_argmax(params, last, config, hot)), masked.argmax(axis=1))

@@ -75,7 +75,7 @@ class SpecPrograms:
         self.draft_leaves, draft_def = jax.tree.flatten(mtp_params)
         self.commit_leaves, commit_def = jax.tree.flatten((mtp_params, conv_weights))
         draft_body = partial(_draft_tokens, backends=backends, steps=steps, page_size=state.sizing.page_size,
-                             draft_vocab=None if draft_vocab is None else tuple(int(i) for i in draft_vocab))
+                             draft_vocab=draft_vocab)
         commit_body = partial(_commit_rows, gdn_positions=tuple(gdn_positions), period=period, backends=backends)
         layout = self.placement.layout
         if layout is None:
@@ -239,7 +239,7 @@ def _next_carry(drafting: jax.Array, drafts: jax.Array, behind: jax.Array, t: in
 
 def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: ForwardBatch, hidden: jax.Array, *,
                   config: Qwen35MoeConfig, backends: KernelBackends, steps: int, page_size: int,
-                  draft_vocab: tuple[int, ...] | None = None,
+                  draft_vocab: np.ndarray | None = None,
                   moe_fn: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MTP layer over a step's positions, then ``steps - 1`` recursive steps: ``(drafts [B, steps] int32,
     cache)``.
@@ -271,7 +271,7 @@ def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: Fo
 
 
 def _draft_argmax(params: dict[str, Any], last: jax.Array, config: Qwen35MoeConfig,
-                  draft_vocab: tuple[int, ...] | None) -> jax.Array:
+                  draft_vocab: np.ndarray | None) -> jax.Array:
     """The draft token ``[B]`` int32 of the MTP layer's output ``last [B, H]``: the argmax of its logits over the
     vocabulary, or over ``draft_vocab`` only (--speculative-token-map, SGLang's FR-Spec: the product reads those
     rows of the lm_head, gathered in the program; the ids are a constant of it)."""

@@ -90,6 +90,38 @@ def recurrent_gated_delta_rule(
     return jnp.moveaxis(o, 0, 1), state
 
 
+def to_chunks(arrays: tuple[jax.Array, ...], chunk_size: int) -> tuple[jax.Array, ...]:
+    """``[B, T, H, ...]`` arrays as ``[B, H, N, C, ...]`` chunks of ``C = chunk_size`` tokens, T padded with zeros
+    to ``N * C`` (zero ``g``, ``beta`` and ``k`` tokens change nothing)."""
+    b, t, h = arrays[0].shape[:3]
+    pad = (-t) % chunk_size
+    n = (t + pad) // chunk_size
+
+    def chunked(a: jax.Array) -> jax.Array:
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(b, n, chunk_size, h, *a.shape[3:]), 3, 1)
+
+    return tuple(chunked(a) for a in arrays)
+
+
+def from_chunks(o: jax.Array, t: int) -> jax.Array:
+    """``[B, H, N, C, d]`` per-chunk outputs as ``[B, T, H, d]``, the padding tokens past ``t`` dropped."""
+    b, h, n, c, d = o.shape
+    return jnp.swapaxes(o.reshape(b, h, n * c, d)[:, :, :t], 1, 2)
+
+
+def chunk_decays(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """From chunked log-decays ``g [B, H, N, C]`` float32: ``(cum [B, H, N, C]`` the in-chunk cumulative sums,
+    ``decay [B, H, N, C, C]`` with ``decay[i, j] = exp(cum_i - cum_j)`` for ``i >= j`` and 0 above, ``causal
+    [C, C]`` bool, the ``i >= j`` mask)."""
+    c = g.shape[-1]
+    cum = jnp.cumsum(g, axis=-1)
+    causal = jnp.tril(jnp.ones((c, c), dtype=bool))
+    # Mask before exp: the upper triangle holds positive exponents that could overflow.
+    decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    return cum, decay, causal
+
+
 def chunk_gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -106,22 +138,9 @@ def chunk_gated_delta_rule(
     (D the pairwise decays); chunks are then scanned sequentially with one state read and one write each.
     T is padded to a multiple of ``C`` with ``g = beta = k = 0`` tokens, which change nothing.
     """
-    b, t, h, dk = k.shape
-    dv = v.shape[-1]
-    pad = (-t) % chunk_size
-    n = (t + pad) // chunk_size
-
-    def chunked(a: jax.Array) -> jax.Array:  # [B, T, H, ...] -> [B, H, N, C, ...]
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        a = a.reshape(b, n, chunk_size, h, *a.shape[3:])
-        return jnp.moveaxis(a, 3, 1)
-
-    q, k, v, g, beta = (chunked(a) for a in (q, k, v, g, beta))
-    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
-    causal = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool))
-    # Mask before exp: the upper triangle holds positive exponents that could overflow.
-    diff = jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf)
-    decay = jnp.exp(diff)  # [B, H, N, C, C], decay[i, j] = prod g over (j, i]
+    t, dv = k.shape[1], v.shape[-1]
+    q, k, v, g, beta = to_chunks((q, k, v, g, beta), chunk_size)
+    cum, decay, causal = chunk_decays(g)  # decay[i, j] = prod g over (j, i]
 
     k_beta = k * beta[..., None]
     v_beta = v * beta[..., None]
@@ -148,8 +167,7 @@ def chunk_gated_delta_rule(
 
     xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, q_dec, k_dec, intra, chunk_decay))
     state, o = jax.lax.scan(step, state, xs)  # o: [N, B, H, C, dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk_size, dv)[:, :, :t]
-    return jnp.swapaxes(o, 1, 2), state
+    return from_chunks(jnp.moveaxis(o, 0, 2), t), state
 
 
 def gdn_mix(

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_qwen.kernels.gdn.delta_rule import CHUNK_SIZE
+from sglang_tpu_qwen.kernels.gdn.delta_rule import CHUNK_SIZE, chunk_decays, from_chunks, to_chunks
 from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_MAX_T, fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 
@@ -66,22 +66,10 @@ def parallel_chunk_gated_delta_rule(
     Returns:
         ``(o [B, T, H, dv] float32, state [B, H, dk, dv] float32)``.
     """
-    b, t, h, dk = k.shape
-    dv = v.shape[-1]
-    c = chunk_size
-    pad = (-t) % c
-    n = (t + pad) // c
-
-    def chunked(a: jax.Array) -> jax.Array:  # [B, T, H, ...] -> [B, H, N, C, ...]
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(b, n, c, h, *a.shape[3:]), 3, 1)
-
-    q, k, v, g, beta = (chunked(a) for a in (q, k, v, g, beta))
-    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
-    row, col = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
-    causal, strict = row >= col, row > col
-    # Mask before exp: the upper triangle holds positive exponents that could overflow.
-    decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, H, N, C, C]
+    t, c = k.shape[1], chunk_size
+    q, k, v, g, beta = to_chunks((q, k, v, g, beta), c)
+    cum, decay, causal = chunk_decays(g)  # [B, H, N, C], [B, H, N, C, C]
+    strict = jnp.tril(causal, -1)
 
     k_beta = k * beta[..., None]
     lower = jnp.where(strict, _einsum("...id,...jd->...ij", k_beta, k, bf16) * decay, 0.0)
@@ -109,8 +97,7 @@ def parallel_chunk_gated_delta_rule(
     intra = jnp.where(causal, _einsum("...id,...jd->...ij", q, k, bf16) * decay, 0.0)
     o = (_einsum("...ck,...kv->...cv", q * jnp.exp(cum)[..., None], starts, bf16)
          + _einsum("...ij,...jv->...iv", intra, v_new, bf16))
-    o = jnp.swapaxes(o.reshape(b, h, n * c, dv)[:, :, :t], 1, 2)
-    return o, state
+    return from_chunks(o, t), state
 
 
 def fused_gdn_parallel(mixed: jax.Array, *args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
