@@ -32,8 +32,9 @@ from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_page
 from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
-# Small blocks so a row crosses several key blocks and a decode grid step holds several rows.
-BLOCKS = BlockSizes(decode_seqs=4, prefill_q=8, block_keys=16)
+# Small blocks so a row crosses several key blocks and a decode grid step holds several rows; steps of more than
+# 8 query rows a row (4 tokens at G = 2) take the one-row-a-grid-step path.
+BLOCKS = BlockSizes(decode_seqs=4, short_q_rows=8, prefill_q=8, block_keys=16)
 
 
 def _batch(rng, prefix_lens, q_lens, t, *, nq=4, nkv=2, hd=128, page_size=8, layers=2, dtype=jnp.float32):
@@ -100,6 +101,18 @@ def test_mixed_decodes_and_prefill_chunks(hd: int) -> None:
     prefix = [13, 9, 0, 0, 21]
     q_lens = [1, 16, 7, 0, 3]
     _check(_batch(rng, prefix, q_lens, 16, hd=hd), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_short_steps_many_rows_a_grid_step(dtype) -> None:
+    """An MTP verify's shape: 4 tokens a row (8 query rows at G = 2), 2 rows a grid step (decode_seqs 8 / T 4).
+    Contexts end on, just past and mid a key block, so blocks overhang the rows' last pages (those pages are not
+    fetched); a row feeds fewer tokens than T and one row is padding."""
+    rng = np.random.default_rng(7)
+    prefix = [12, 5, 0, 27, 16, 0, 3]
+    q_lens = [4, 4, 2, 4, 1, 0, 3]
+    _check(_batch(rng, prefix, q_lens, 4, dtype=dtype), dtype,
+           BlockSizes(decode_seqs=8, short_q_rows=8, prefill_q=8, block_keys=16))
 
 
 def test_gqa_ratio_and_largest_bucket() -> None:

@@ -179,6 +179,9 @@ ATTENTION_STEPS: dict[str, tuple[list[int], list[tuple[list[int], int]]]] = {
     # Contexts ending on, just past and well past page boundaries and key blocks, and a padding row.
     "decode": ([63, 64, 0, 127, 300, 1, 1023, 1500, 191, 0], [([1, 1, 1, 1, 1, 1, 1, 1, 1, 0], 1)]),
     "prefill": ([0, 0, 0], [([64, 37, 0], 64)]),
+    # An MTP verify: 4 tokens a row, many rows a grid step, contexts ending mid key block (pages past the last
+    # visible key not fetched), a short row and a padding row.
+    "verify": ([575, 60, 0, 1020, 127, 0, 300], [([4, 4, 3, 4, 4, 0, 1], 4)]),
     "mixed": ([40, 0, 15, 0, 7], [([1, 64, 1, 29, 0], 64)]),
     # Fresh prompts, then chunks over what the kernel wrote (one on a page boundary, one not), a decode row in
     # a chunk's bucket, then a decode step.

@@ -2,6 +2,8 @@
 
 ``decode_seqs``: rows (one query token each) walked per grid step at decode; within a grid step the next row's
 first key block loads while this row's last one computes, so more rows per step means fewer pipeline bubbles.
+Steps of up to ``short_q_rows`` query rows a row (T tokens x G heads: an MTP verify's 4 tokens are 32 rows at
+G = 8) take the same path with ``decode_seqs / T`` rows per grid step.
 ``prefill_q``: query tokens per grid step for prefill chunks; the score tile is ``[prefill_q * G, block_keys]``
 float32 per KV head. ``block_keys``: keys per inner step (``block_keys / page_size`` pages, one DMA each per
 pool, double-buffered).
@@ -28,7 +30,10 @@ class BlockSizes:
     """Tiling of one kernel call (see module docstring).
 
     Attributes:
-        decode_seqs: rows per grid step when every row has one query token (T == 1).
+        decode_seqs: rows per grid step when every row has one query token (T == 1); ``decode_seqs / T`` for
+            short steps.
+        short_q_rows: largest ``T x G`` (query rows of one KV head in a row) run as a short step, every token of a
+            row in one query block.
         prefill_q: query tokens per grid step when T > 1 (clipped to T and to ``prefill_rows / G``).
         prefill_rows: query rows (tokens x the G query heads of a KV head) per grid step at most; bounds the
             float32 score tile (the 397B's G = 16 halves ``prefill_q`` against the 35B's G = 8).
@@ -37,6 +42,7 @@ class BlockSizes:
     """
 
     decode_seqs: int = 128
+    short_q_rows: int = 128
     prefill_q: int = 128
     prefill_rows: int = 1024
     block_keys: int = 1024

@@ -33,8 +33,10 @@ GQA: the ``G = nq / nkv`` query heads of one KV head are stacked into the rows o
 (``[q_block * G, hd] x [hd, keys]``), so a K/V page is read once for all of its query heads.
 
 Grid ``(B / rows_per_step, T / q_block)``, both "arbitrary" (one TensorCore walks them in order, which the
-cross-row prefetch relies on). T == 1 (decode): ``decode_seqs`` rows per grid step. T > 1: one row per step,
-``prefill_q`` query tokens per step (at most ``prefill_rows / G``). Scalar metadata (layer, lengths, flattened
+cross-row prefetch relies on). Decode and short steps (``T x G <= short_q_rows``, an MTP verify): all T tokens in
+one query block, ``decode_seqs / T`` rows per grid step. Longer steps: one row per grid step, ``prefill_q`` query
+tokens per step (at most ``prefill_rows / G``). A key block's pages past the row's last visible key are not
+fetched. Scalar metadata (layer, lengths, flattened
 page table, FP8 scales) is scalar-prefetched into SMEM.
 
 FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the write; reads upcast
@@ -90,23 +92,39 @@ def _kernel(
     def row_of(s):
         return i * rows_per_step + s
 
-    def n_blocks(s):
-        """Key blocks row s's query block j reads (0 for padding rows and query blocks past q_len)."""
+    def kv_end_of(s):
+        """Keys row s's query block j can see: its last query's position + 1, at most the context."""
         b = row_of(s)
         q_len, kv_len = qlen_ref[b], kvlen_ref[b]
-        kv_end = jnp.minimum(kv_len, kv_len - q_len + q_start + q_block)
-        return jnp.where(q_start < q_len, jax.lax.div(kv_end + keys - 1, keys), 0)
+        return jnp.minimum(kv_len, kv_len - q_len + q_start + q_block)
+
+    def n_blocks(s):
+        """Key blocks row s's query block j reads (0 for padding rows and query blocks past q_len)."""
+        return jnp.where(q_start < qlen_ref[row_of(s)], jax.lax.div(kv_end_of(s) + keys - 1, keys), 0)
 
     def copies(s, kb, slot):
-        """DMA descriptors of row s's key block kb into buffer slot (0/1): one per page per pool."""
+        """(live, DMA) pairs of row s's key block kb into buffer slot (0/1): one per page per pool.
+
+        Only pages holding visible keys are live (started and waited): a block of ``kv_pages`` pages
+        usually overhangs a row's last page (576 keys fill 9 of a 1,024-key block's 16 pages of 64)."""
         b = row_of(s)
+        live_pages = jax.lax.div(kv_end_of(s) + page_size - 1, page_size)
         cps = []
         for p in range(kv_pages):
+            live = kb * kv_pages + p < live_pages
             col = jnp.minimum(kb * kv_pages + p, pages_per_seq - 1)
             page = pt_ref[b * pages_per_seq + col]
-            cps.append(pltpu.make_async_copy(kc_hbm.at[layer, page], kbuf.at[slot, p], sem.at[slot, 0]))
-            cps.append(pltpu.make_async_copy(vc_hbm.at[layer, page], vbuf.at[slot, p], sem.at[slot, 1]))
+            cps.append((live, pltpu.make_async_copy(kc_hbm.at[layer, page], kbuf.at[slot, p], sem.at[slot, 0])))
+            cps.append((live, pltpu.make_async_copy(vc_hbm.at[layer, page], vbuf.at[slot, p], sem.at[slot, 1])))
         return cps
+
+    def start(cps):
+        for live, cp in cps:
+            pl.when(live)(cp.start)
+
+    def wait(cps):  # a wait needs only the descriptor's shape and semaphore
+        for live, cp in cps:
+            pl.when(live)(cp.wait)
 
     def next_row_with_keys(s0):
         """The first row >= s0 of this grid step with key blocks (rows_per_step when none)."""
@@ -118,8 +136,7 @@ def _kernel(
 
     @pl.when(first < rows_per_step)
     def _prefetch_first():
-        for cp in copies(first, 0, 0):
-            cp.start()
+        start(copies(first, 0, 0))
 
     def one_row(s, done):
         """Attend row s; ``done`` counts the key blocks of this grid step so far (its parity is the slot)."""
@@ -128,6 +145,7 @@ def _kernel(
         # Absolute position of each query row (row r holds token r // G of the block).
         q_pos = kv_len - q_len + q_start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), groups)
         nb = n_blocks(s)
+        kv_end = kv_end_of(s)
         following = next_row_with_keys(s + 1)
         m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -138,24 +156,21 @@ def _kernel(
 
             @pl.when(kb + 1 < nb)
             def _prefetch_next_block():
-                for cp in copies(s, kb + 1, 1 - slot):
-                    cp.start()
+                start(copies(s, kb + 1, 1 - slot))
 
             @pl.when((kb + 1 == nb) & (following < rows_per_step))
             def _prefetch_next_row():
-                for cp in copies(jnp.minimum(following, rows_per_step - 1), 0, 1 - slot):
-                    cp.start()
+                start(copies(jnp.minimum(following, rows_per_step - 1), 0, 1 - slot))
 
-            for cp in copies(s, kb, slot):  # a wait needs only the descriptor's shape and semaphore
-                cp.wait()
+            wait(copies(s, kb, slot))
             key = kb * keys + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
             mask = (key < kv_len) & (key <= q_pos)  # [rows, keys]
-            key_ok = (kb * keys + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)) < kv_len
+            key_ok = (kb * keys + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)) < kv_end
             for h in range(nkv):
                 q = q_ref[s, h]  # [rows, hd]
                 k = kbuf[slot, :, h].reshape(keys, -1).astype(q.dtype)  # FP8: exact upcast in VMEM
-                # Values past the context are zeroed: stale or trash-page contents must not reach a row as
-                # NaN * 0 (masked keys need nothing: their scores are replaced).
+                # Values past the visible keys are zeroed: unfetched, stale or trash-page contents must not
+                # reach a row as NaN * 0 (masked keys need nothing: their scores are replaced).
                 v = jnp.where(key_ok, vbuf[slot, :, h].reshape(keys, -1).astype(q.dtype), 0)
                 sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
                                          preferred_element_type=jnp.float32)
@@ -329,8 +344,10 @@ def ragged_paged_attention(
     v_cache = write_new_kv(v_cache, quantize_kv(v_new, v_cache.dtype, v_scale), layer, q_lens, kv_lens, page_table,
                            interpret=interpret)
     bs = block_sizes or block_sizes_for()
-    if t == 1:
-        q_block, rows_per_step = 1, min(bs.decode_seqs, b)
+    if t * groups <= bs.short_q_rows:
+        # Decode and short steps (an MTP verify's k + 1 tokens): every token of a row in one query block, many
+        # rows a grid step, so the next row's first keys load while this one computes.
+        q_block, rows_per_step = t, min(max(1, bs.decode_seqs // t), b)
     else:
         q_block, rows_per_step = min(bs.prefill_q, t, max(1, bs.prefill_rows // groups)), 1
     pages_per_seq = page_table.shape[1]
