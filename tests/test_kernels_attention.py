@@ -26,7 +26,7 @@ import pytest
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes
 from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR
-from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from sglang_tpu_qwen.kernels.ragged_paged_attention.kernel import ragged_paged_attention, write_block_rows
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 from sglang_tpu_qwen.kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from sglang_tpu_qwen.kernels.ragged_paged_attention.token_major import TOKEN_MAJOR
@@ -113,6 +113,19 @@ def test_short_steps_many_rows_a_grid_step(dtype) -> None:
     q_lens = [4, 4, 2, 4, 1, 0, 3]
     _check(_batch(rng, prefix, q_lens, 4, dtype=dtype), dtype,
            BlockSizes(decode_seqs=8, short_q_rows=8, prefill_q=8, block_keys=16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_writes_blocks_smaller_than_pages(dtype) -> None:
+    """Pages of 32 tokens written a sublane tile at a time (8 float32 / 16 bf16 rows: 4 / 2 blocks a page):
+    decode rows on, just past and mid a block, a chunk crossing blocks and a page, a padding row."""
+    assert write_block_rows(32, dtype) < 32
+    rng = np.random.default_rng(8)
+    prefix = [31, 32, 7, 0, 40, 16, 0]
+    q_lens = [1, 1, 1, 9, 13, 1, 0]
+    _check(_batch(rng, prefix, q_lens, 16, page_size=32, dtype=dtype), dtype,
+           BlockSizes(decode_seqs=4, short_q_rows=8, prefill_q=8, block_keys=64))
+    _check(_batch(rng, prefix, [1] * 6 + [0], 1, page_size=32, dtype=dtype), dtype)
 
 
 def test_gqa_ratio_and_largest_bucket() -> None:

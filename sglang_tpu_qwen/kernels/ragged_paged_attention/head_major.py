@@ -3,7 +3,7 @@
 Each KV head's page is one contiguous ``[page_size, hd]`` block, so a kernel that streams one head's pages
 reads whole tiles of page tokens (the sublane dim) instead of ``nkv``-row slivers, and an FP8 pool needs no
 packing (the second-minor dim is the page size). The Pallas ragged paged attention (kernel.py) reads this
-layout and writes a step's new tokens whole pages at a time (``kernel.write_new_kv``); :meth:`write_tokens`
+layout and writes a step's new tokens a tile-aligned block at a time (``kernel.write_new_kv``); :meth:`write_tokens`
 here, the jnp reference's per-token scatter, is right on any platform but on a TPU makes XLA copy the pool into
 a layout with the token dim outside the tile (the reference backend therefore defaults to token-major). On a
 TPU the page size must be a multiple of the dtype's sublane tile (8 for float32, 16 for bf16, 32 for FP8).

@@ -5,9 +5,9 @@ NeurIPS 2022). The pools are head-major (head_major.py): ``[L, num_pages, nkv, p
 page of all heads is one contiguous ``[nkv, page_size, hd]`` block whose minor dims fill whole
 ``(sublane, 128)`` tiles. Two steps per call:
 
-1. The step's new K/V go into their pages by XLA, whole pages at a time (:func:`write_new_kv`): the pages a
-   row's new tokens touch are gathered, merged with the new tokens and copied back by a Pallas page copy
-   (one DMA per page, the pool aliased in place). An XLA scatter of single tokens makes XLA move the pool to
+1. The step's new K/V go into their pages by XLA, a tile-aligned block of tokens at a time (:func:`write_new_kv`):
+   the blocks a row's new tokens touch are gathered, merged with the new tokens and copied back by a Pallas
+   copy (one DMA per block, the pool aliased in place). An XLA scatter of single tokens makes XLA move the pool to
    a layout with the token dim outside the tile, copying both pools twice per call (measured on v5e: 4x
    slower decode); an XLA scatter of whole pages keeps bf16 pools in place but still copies FP8 ones.
 2. The kernel walks the rows of a grid step and, for each, its key blocks of ``block_keys`` tokens (``kv_pages``
@@ -198,9 +198,19 @@ def _kernel(
     jax.lax.fori_loop(0, rows_per_step, one_row, jnp.int32(0))
 
 
+def write_block_rows(page_size: int, dtype) -> int:
+    """Token rows of one write block: the dtype's sublane tile where it divides the page, else the page.
+
+    A block is one ``[block_rows, hd]`` slice of every KV head of a page: whole tiles, so a DMA moves it without
+    relaying, and a decode row rewrites 16 bf16 tokens instead of its whole page of 64 (measured on v5e at 256
+    rows: the page-sized merge took 0.27 ms a step, 2% of it)."""
+    tile = _SUBLANE_TILE[jnp.dtype(dtype).itemsize]
+    return tile if page_size % tile == 0 else page_size
+
+
 def write_new_kv(pool: jax.Array, new: jax.Array, layer: jax.Array | int, q_lens: jax.Array, kv_lens: jax.Array,
                  page_table: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """Write a step's new keys (or values) into a head-major pool in place, whole pages at a time.
+    """Write a step's new keys (or values) into a head-major pool in place, a tile-aligned block at a time.
 
     Args:
         pool: ``[L, num_pages, nkv, page_size, hd]`` (donated by the caller's jit; updated in place).
@@ -208,42 +218,54 @@ def write_new_kv(pool: jax.Array, new: jax.Array, layer: jax.Array | int, q_lens
         layer: attention-layer index (int32 scalar, may be traced).
         q_lens, kv_lens: ``[B]`` int32 new tokens and context length after the step.
         page_table: ``[B, P]`` int32.
-        interpret: run the page copy in Pallas TPU interpret mode (CPU).
+        interpret: run the block copy in Pallas TPU interpret mode (CPU).
 
     Returns:
         The pool with token ``kv_len - q_len + t`` of row ``b`` set to ``new[b, t]`` for ``t < q_len``; no
-        other real page changes. The copy has a fixed count (``B x`` the most pages T tokens touch): padding
-        rows' and unused slots' copies go to trash page 0, which no row reads. Every row's touched pages are its
-        own (the radix cache shares only full pages), so the real copies never collide.
+        other real page changes. The blocks (:func:`write_block_rows` tokens of every head) a row's new tokens
+        touch are gathered, merged with the new tokens and copied back. The copy has a fixed count (``B x`` the
+        most blocks T tokens touch): padding rows' and unused slots' copies go to trash page 0, which no row
+        reads. Every row's touched pages are its own (the radix cache shares only full pages), so the real copies
+        never collide.
 
-    Cost: a decode step rewrites one page per row (at pages of 64 and 2,048-token contexts, 3% of the KV it
-    reads). A write of whole sublane tiles instead of pages by XLA is not enough: XLA then copies the pool.
+    Cost: a decode step rewrites one block per row (16 tokens of a bf16 pool). A write of single tokens is not
+    enough: XLA's scatter of them copies the whole pool to another layout and back.
     """
     b, t, nkv, hd = new.shape
     page_size = pool.shape[3]
-    touched = (t + page_size - 2) // page_size + 1  # most pages T consecutive tokens can touch
+    rows = write_block_rows(page_size, pool.dtype)
+    touched = (t + rows - 2) // rows + 1  # most blocks T consecutive tokens can touch
     prefix = (kv_lens - q_lens).astype(jnp.int32)
-    cols = prefix[:, None] // page_size + jnp.arange(touched, dtype=jnp.int32)[None, :]  # [B, n]
-    live = (cols <= ((kv_lens - 1) // page_size)[:, None]) & (q_lens[:, None] > 0)
+    blocks = prefix[:, None] // rows + jnp.arange(touched, dtype=jnp.int32)[None, :]  # [B, n] global block index
+    live = (blocks <= ((kv_lens - 1) // rows)[:, None]) & (q_lens[:, None] > 0)
+    cols, starts = blocks // (page_size // rows), blocks % (page_size // rows) * rows
     pages = jnp.take_along_axis(page_table.astype(jnp.int32), jnp.clip(cols, 0, page_table.shape[1] - 1), axis=1)
     layer = jnp.asarray(layer, jnp.int32)
-    old = pool[layer, pages]  # [B, n, nkv, page_size, hd]
-    tok = cols[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32) - prefix[:, None, None]
-    fresh = (tok >= 0) & (tok < q_lens[:, None, None])  # [B, n, page_size]
+
+    # Whole pages are gathered, then the blocks taken from them: a gather of blocks straight from the pool (an
+    # index on its tiled second-minor dim) makes XLA copy the pool to another layout (deviceless compile).
+    old = pool[layer, pages].reshape(b, touched, nkv, page_size // rows, rows, hd)
+    old = jnp.take_along_axis(old, (starts // rows)[:, :, None, None, None, None], axis=3)[:, :, :, 0]
+    tok = blocks[:, :, None] * rows + jnp.arange(rows, dtype=jnp.int32) - prefix[:, None, None]
+    fresh = (tok >= 0) & (tok < q_lens[:, None, None])  # [B, n, rows]
     picked = jnp.take_along_axis(new, jnp.clip(tok, 0, t - 1).reshape(b, -1)[:, :, None, None], axis=1)
-    picked = picked.reshape(b, touched, page_size, nkv, hd).transpose(0, 1, 3, 2, 4)
+    picked = picked.reshape(b, touched, rows, nkv, hd).transpose(0, 1, 3, 2, 4)
     merged = jnp.where(fresh[:, :, None, :, None], picked, old)
-    pages = jnp.where(live, pages, 0)  # unused writes go to trash page 0, which no row reads
-    return _copy_pages(pool, merged.reshape(b * touched, nkv, page_size, hd), layer, pages.reshape(-1),
-                       interpret=interpret)
+    # Unused writes go to trash page 0, which no row reads.
+    pages, starts = jnp.where(live, pages, 0), jnp.where(live, starts, 0)
+    return _copy_blocks(pool, merged.reshape(b * touched, nkv, rows, hd), layer, pages.reshape(-1),
+                        starts.reshape(-1), interpret=interpret)
 
 
-def _copy_pages_kernel(layer_ref, pages_ref, merged_hbm, _pool_in, pool_hbm, sem):
-    """DMA ``merged[i]`` to page ``pages[i]`` of the layer, all copies in flight at once."""
+def _copy_blocks_kernel(layer_ref, pages_ref, starts_ref, merged_hbm, _pool_in, pool_hbm, sem):
+    """DMA ``merged[i]`` to rows ``starts[i]:`` of page ``pages[i]`` of the layer, all copies in flight at once."""
     layer = layer_ref[0]
+    rows = merged_hbm.shape[2]
 
     def copy(i):
-        return pltpu.make_async_copy(merged_hbm.at[i], pool_hbm.at[layer, pages_ref[i]], sem.at[0])
+        start = pl.multiple_of(starts_ref[i], rows)
+        return pltpu.make_async_copy(merged_hbm.at[i], pool_hbm.at[layer, pages_ref[i], :, pl.ds(start, rows)],
+                                     sem.at[0])
 
     def start(i, c):
         copy(i).start()
@@ -258,25 +280,26 @@ def _copy_pages_kernel(layer_ref, pages_ref, merged_hbm, _pool_in, pool_hbm, sem
     jax.lax.fori_loop(0, n, wait, 0)
 
 
-def _copy_pages(pool: jax.Array, merged: jax.Array, layer: jax.Array, pages: jax.Array, *,
-                interpret: bool) -> jax.Array:
-    """``pool`` (aliased, in place) with page ``pages[i]`` of ``layer`` set to ``merged[i] [nkv, page, hd]``.
+def _copy_blocks(pool: jax.Array, merged: jax.Array, layer: jax.Array, pages: jax.Array, starts: jax.Array, *,
+                 interpret: bool) -> jax.Array:
+    """``pool`` (aliased, in place) with rows ``starts[i]:`` of page ``pages[i]`` of ``layer`` set to
+    ``merged[i] [nkv, rows, hd]``.
 
-    A Pallas page copy rather than an XLA scatter: XLA's scatter wants an FP8 pool tiled (8, 128) where the
+    A Pallas copy rather than an XLA scatter: XLA's scatter wants an FP8 pool tiled (8, 128) where the
     pool and the attention kernel use (32, 128), and copied both pools to that layout and back every call."""
     return pl.pallas_call(
-        _copy_pages_kernel,
+        _copy_blocks_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(1,),
+            num_scalar_prefetch=3, grid=(1,),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
             scratch_shapes=[pltpu.SemaphoreType.DMA((1,))]),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-        input_output_aliases={3: 0},  # operands count the 2 scalar-prefetch ones: the pool is operand 3
+        input_output_aliases={4: 0},  # operands count the 3 scalar-prefetch ones: the pool is operand 4
         interpret=pltpu.InterpretParams() if interpret else False,
-        # XLA cannot see in: the traffic is the merged pages read and written once, not the whole pool.
+        # XLA cannot see in: the traffic is the merged blocks read and written once, not the whole pool.
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=int(2 * merged.nbytes)),
-    )(jnp.reshape(layer, (1,)), pages.astype(jnp.int32), merged, pool)
+    )(jnp.reshape(layer, (1,)), pages.astype(jnp.int32), starts.astype(jnp.int32), merged, pool)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"), donate_argnums=(3, 4))
