@@ -14,7 +14,7 @@ TPU page size.
 GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the output read per token) plus the
 chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
 once plus inputs and outputs. Steps longer than the recurrent form's run a third implementation, ``xla``: the
-chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the candidate for the TPU's prefill;
+chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the kernel's alternative for prefill;
 a last section times it against the kernel at the 35B-shaped serving prefill steps. Each GDN decode layout
 also gets a ``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
 rate such a stream reaches on the chip.

@@ -1,12 +1,13 @@
 """The chunked gated delta rule as XLA programs: every chunk's products at once, only the state scanned.
 
-A candidate for the TPU's prefill (issue 44), to be measured on the chip against the fused kernel's chunked
-form (``bench.kernels``, implementation ``xla``; ``--gdn-backend xla-chunked`` serves it, the kernel keeping
-decode). The fused kernel walks one (row, key head) at a time and runs
-each 64-token chunk as a chain of dependent 64 x 64 MXU products (the chip profile puts it at 1.8% of the bf16
-peak); here each product is one batched ``dot_general`` over every (row, head, chunk), as FLA's Triton kernels
-split the work (Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence Length",
-NeurIPS 2024; fla-org/flash-linear-attention ``chunk_gated_delta_rule``):
+An alternative to the fused kernel's chunked form for the TPU's prefill (issue 44; ``bench.kernels``,
+implementation ``xla``; ``--gdn-backend xla-chunked`` serves it, the kernel keeping decode). Measured on v5e
+(2026-12-07, docs/performance.md), whole 35B-shaped prefills ran 11-14% slower with it than with the kernel.
+The fused kernel walks one (row, key head) at a time and runs each 64-token chunk as a chain of dependent 64 x 64
+MXU products (the chip profile puts it at 1.8% of the bf16 peak); here each product is one batched ``dot_general``
+over every (row, head, chunk), as FLA's Triton kernels split the work (Yang et al., "Parallelizing Linear
+Transformers with the Delta Rule over Sequence Length", NeurIPS 2024; fla-org/flash-linear-attention
+``chunk_gated_delta_rule``):
 
 1. in-chunk cumulative log-decay ``cum``, pairwise decays ``D[i, j] = exp(cum_i - cum_j)`` (i >= j);
 2. ``L = tril(diag(beta) K K^T * D, -1)`` and ``(I + L)^-1`` as the product ``(I - L)(I + L^2)(I + L^4)...``
