@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The TPU benchmarks of docs/performance.md in one command, for a TPU machine with JAX and libtpu but no package
+# index (the wheels of launch/tpu_wheels.sh in .whl-tpu/, installed into /tmp/site and appended to PYTHONPATH so
+# the machine's JAX stays first). Usage:
+#   bash launch/tpu_bench.sh STEP[:SECONDS] ...      e.g.  bash launch/tpu_bench.sh suite:500 decode:250 mtp:300
+# Each step writes $OUT/STEP.txt (its stdout and stderr) under a time limit (default 600 s); $OUT/times.txt lists
+# each step's exit status and wall time. Steps run one after another in fresh processes: one holds the chip at a
+# time. JAX's persistent compilation cache (/tmp/jaxcache) is shared between them.
+#   suite        the TPU suite (tests/tpu)            kernels      bench.kernels (attention, GDN, state copy)
+#   decode       decode step at 8 and 256 rows         decode64     decode step at 64 rows
+#   decodeprof   256-row decode step with a profile    mtp          MTP cycle at 1, 8, 64 rows (the issue's flags)
+#   mtpmap       the MTP cycle with a 31,040-id draft vocabulary (every 8th id: the cycle's cost depends on the
+#                map's size, not its ids; the accept length is the random MTP layer's 1.0 either way)
+#   mtpprof      64-row MTP cycle with a profile       prefill      prefill 64 x 512 and 8 x 4,096
+#   prefillprof  64 x 512 prefill with a profile       spec         bench.spec_decode (trained tiny model)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+if [ -d .whl-tpu ]; then
+  python -m pip install -q --no-index --no-deps --target /tmp/site .whl-tpu/*.whl >"$OUT/setup.txt" 2>&1
+fi
+export PYTHONPATH=${PYTHONPATH:-}:/tmp/site:$PWD
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
+SPEC=(--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1
+      --speculative-num-draft-tokens 4)
+step_cmd() {
+  case $1 in
+    suite) echo python -m pytest -q -p no:cacheprovider tests/tpu ;;
+    kernels) echo python -m sglang_tpu_qwen.bench.kernels ;;
+    decode) echo python -m sglang_tpu_qwen.bench.decode_step --rows 8,256 --no-plan ;;
+    decode64) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 --no-plan ;;
+    decodeprof) echo python -m sglang_tpu_qwen.bench.decode_step --rows 256 --no-plan --profile /tmp/prof_decode \
+                  --profile-rows 256 ;;
+    mtp) echo python -m sglang_tpu_qwen.bench.decode_step --rows 1,8,64 --no-plan "${SPEC[@]}" ;;
+    mtpmap) python -c "import json; print(json.dumps(list(range(0, 248320, 8))))" >/tmp/token_map.json
+            echo python -m sglang_tpu_qwen.bench.decode_step --rows 1,8,64 --no-plan "${SPEC[@]}" \
+              --speculative-token-map /tmp/token_map.json ;;
+    mtpprof) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 --no-plan "${SPEC[@]}" \
+               --profile /tmp/prof_mtp --profile-rows 64 ;;
+    prefill) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan ;;
+    prefillprof) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --shapes 64x512 --profile /tmp/prof_prefill ;;
+    spec) echo python -m sglang_tpu_qwen.bench.spec_decode --output-json "$OUT/spec.json" ;;
+    *) return 1 ;;
+  esac
+}
+for arg in "$@"; do
+  name=${arg%%:*}
+  limit=600
+  [ "$arg" != "$name" ] && limit=${arg#*:}
+  if ! cmd=$(step_cmd "$name"); then
+    echo "unknown step: $name" | tee -a "$OUT/times.txt"
+    continue
+  fi
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # the command is a word list built above
+  timeout "$limit" $cmd >"$OUT/$name.txt" 2>&1
+  echo "$name rc=$? $(($(date +%s) - start)) s" | tee -a "$OUT/times.txt"
+  grep -E '^\|' "$OUT/$name.txt" | head -n 12
+done
