@@ -88,7 +88,7 @@ def _report(name: str, compiled, in_place: bool = True) -> None:
                          ids=["decode", "prefill", "decode-fp8", "prefill-fp8"])
 def test_ragged_paged_attention_compiles_for_ironwood(device, batch: int, tokens: int, kv_dtype) -> None:
     """Head-major bf16 pages, and FP8 pages (--kv-cache-dtype fp8_e4m3: in-kernel upcast, scales from SMEM,
-    traced as the model passes them), the new tokens written whole pages at a time by an in-place XLA scatter,
+    traced as the model passes them), the new tokens written a tile-aligned block at a time by an in-place copy,
     aliased in place at half the cache bytes for FP8, with no copy of either pool (the temp bound in _report)."""
     layers, pages, pages_per_seq = 15, 256, 16
     fn = functools.partial(ragged_paged_attention, block_sizes=block_sizes_for("TPU7x"))

@@ -1,8 +1,9 @@
 """Ragged paged attention: the Pallas kernel in interpret mode (CPU) against the model's jnp reference.
 
 The kernel reads head-major pools (kernels/ragged_paged_attention/head_major.py); the reference runs on the
-same values stored token-major (its default), so the comparison also checks the kernel's whole-page writes
-against the reference's per-token ones through the two layouts' logical views.
+same values stored token-major (its default), so the comparison also checks the kernel's block writes (a sublane
+tile of tokens, or the page where the tile does not divide it) against the reference's per-token ones through the
+two layouts' logical views.
 
 Seeded ragged batches over a paged cache with shuffled page tables: only decodes, only prefills, mixed
 decodes + prefill chunks with and without a cached prefix, contexts crossing page boundaries, padding rows
@@ -107,10 +108,10 @@ def test_mixed_decodes_and_prefill_chunks(hd: int) -> None:
 def test_short_steps_many_rows_a_grid_step(dtype) -> None:
     """An MTP verify's shape: 4 tokens a row (8 query rows at G = 2), 2 rows a grid step (decode_seqs 8 / T 4).
     Contexts end on, just past and mid a key block, so blocks overhang the rows' last pages (those pages are not
-    fetched); a row feeds fewer tokens than T and one row is padding."""
+    fetched); a row feeds fewer tokens than T; padding rows open a grid step and sit between rows with keys."""
     rng = np.random.default_rng(7)
-    prefix = [12, 5, 0, 27, 16, 0, 3]
-    q_lens = [4, 4, 2, 4, 1, 0, 3]
+    prefix = [0, 12, 5, 0, 27, 16, 0, 3]
+    q_lens = [0, 4, 4, 2, 4, 1, 0, 3]
     _check(_batch(rng, prefix, q_lens, 4, dtype=dtype), dtype,
            BlockSizes(decode_seqs=8, short_q_rows=8, prefill_q=8, block_keys=16))
 
@@ -118,14 +119,15 @@ def test_short_steps_many_rows_a_grid_step(dtype) -> None:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_writes_blocks_smaller_than_pages(dtype) -> None:
     """Pages of 32 tokens written a sublane tile at a time (8 float32 / 16 bf16 rows: 4 / 2 blocks a page):
-    decode rows on, just past and mid a block, a chunk crossing blocks and a page, a padding row."""
+    decode rows on, just past and mid a block, chunks crossing blocks and a page (28 + 9, 56 + 13), a padding
+    row."""
     assert write_block_rows(32, dtype) < 32
     rng = np.random.default_rng(8)
-    prefix = [31, 32, 7, 0, 40, 16, 0]
-    q_lens = [1, 1, 1, 9, 13, 1, 0]
+    prefix = [31, 32, 7, 0, 28, 56, 16, 0]
+    q_lens = [1, 1, 1, 9, 9, 13, 1, 0]
     _check(_batch(rng, prefix, q_lens, 16, page_size=32, dtype=dtype), dtype,
            BlockSizes(decode_seqs=4, short_q_rows=8, prefill_q=8, block_keys=64))
-    _check(_batch(rng, prefix, [1] * 6 + [0], 1, page_size=32, dtype=dtype), dtype)
+    _check(_batch(rng, prefix, [1] * 7 + [0], 1, page_size=32, dtype=dtype), dtype)
 
 
 def test_gqa_ratio_and_largest_bucket() -> None:
@@ -161,14 +163,15 @@ def test_rejects_token_major_pools() -> None:
         jax.eval_shape(lambda: ragged_paged_attention(**inputs, interpret=True))
 
 
-@pytest.mark.parametrize("nkv", [2, 1])
-def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int) -> None:
+@pytest.mark.parametrize(("nkv", "page_size"), [(2, 8), (1, 8), (2, 64)])
+def test_fp8_pages_match_reference_on_dequantised_pages(nkv: int, page_size: int) -> None:
     """One small mixed step (a decode row, a chunk over a prefix crossing pages, a fresh chunk, a padding row):
     interpret mode costs seconds per grid step on 2 cores, so the decode-only grid form (several rows per grid
-    step, the same per-row code) is left to the Ironwood compile test."""
-    t, prefix, q_lens = 8, [13, 9, 0, 0], [1, 8, 5, 0]
+    step, the same per-row code) is left to the Ironwood compile test. Pages of 8 are written whole; pages of 64
+    a 32-token block at a time (the chunk at 30 crosses blocks)."""
+    t, prefix, q_lens = 8, [13, 9 if page_size == 8 else 30, 0, 0], [1, 8, 5, 0]
     rng = np.random.default_rng(7)
-    inputs = _batch(rng, prefix, q_lens, t, nkv=nkv, hd=128)
+    inputs = _batch(rng, prefix, q_lens, t, nkv=nkv, hd=128, page_size=page_size)
     # Scales away from 1 and not powers of two, K and V different: a swapped or missing scale shows.
     k_scale, v_scale = jnp.float32(0.37), jnp.float32(2.9)
     # The kernel's head-major FP8 pools (no packing: the page is the second-minor dim).

@@ -31,10 +31,11 @@ class BlockSizes:
 
     Attributes:
         decode_seqs: rows per grid step when every row has one query token (T == 1); ``decode_seqs / T`` for
-            short steps.
+            short steps (``T x G <= short_q_rows``).
         short_q_rows: largest ``T x G`` (query rows of one KV head in a row) run as a short step, every token of a
             row in one query block.
-        prefill_q: query tokens per grid step when T > 1 (clipped to T and to ``prefill_rows / G``).
+        prefill_q: query tokens per grid step of longer steps (``T x G > short_q_rows``; clipped to T and to
+            ``prefill_rows / G``).
         prefill_rows: query rows (tokens x the G query heads of a KV head) per grid step at most; bounds the
             float32 score tile (the 397B's G = 16 halves ``prefill_q`` against the 35B's G = 8).
         block_keys: keys per inner step (rounded down to whole pages, at least one page).

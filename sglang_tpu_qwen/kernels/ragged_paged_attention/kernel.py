@@ -223,7 +223,8 @@ def write_new_kv(pool: jax.Array, new: jax.Array, layer: jax.Array | int, q_lens
     Returns:
         The pool with token ``kv_len - q_len + t`` of row ``b`` set to ``new[b, t]`` for ``t < q_len``; no
         other real page changes. The blocks (:func:`write_block_rows` tokens of every head) a row's new tokens
-        touch are gathered, merged with the new tokens and copied back. The copy has a fixed count (``B x`` the
+        touch are taken from their gathered pages (XLA fuses the two into a gather of the blocks), merged with the
+        new tokens and copied back. The copy has a fixed count (``B x`` the
         most blocks T tokens touch): padding rows' and unused slots' copies go to trash page 0, which no row
         reads. Every row's touched pages are its own (the radix cache shares only full pages), so the real copies
         never collide.
