@@ -1,11 +1,11 @@
-"""tools/kernel_schedule.py's reading of libtpu's LLO dump (the files a deviceless compile writes; the compile
+"""tools/plan/kernel_schedule.py's reading of libtpu's LLO dump (the files a deviceless compile writes; the compile
 itself is the Ironwood AOT tests' ground)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_tpu_qwen.tools.kernel_schedule import read_schedules
+from sglang_tpu_qwen.tools.plan.kernel_schedule import read_schedules
 
 # The shape of libtpu's per-bundle utilisation dump: unit names, slots a bundle, then one row per bundle.
 UTILIZATION = """== CAPACTIY:

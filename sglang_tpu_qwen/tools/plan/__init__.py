@@ -16,7 +16,9 @@ Modules, one concept each:
 - ``calibration``: the published figures, predicted vs measured; ``report``: tables; ``cli``: the command;
 - ``models``: built-in model configs (``load_model_config``);
 - ``capacity``: concurrent and idle long sessions per host at each cache dtype (arithmetic, no compile;
-  ``python -m sglang_tpu_qwen.tools.plan.capacity``).
+  ``python -m sglang_tpu_qwen.tools.plan.capacity``);
+- ``kernel_schedule``: the fused GDN kernel's static LLO schedule, bundles and unit utilisation
+  (``python -m sglang_tpu_qwen.tools.plan.kernel_schedule``).
 """
 
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig

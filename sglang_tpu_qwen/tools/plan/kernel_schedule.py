@@ -1,6 +1,6 @@
 """The static schedule of the fused GDN kernel, compiled deviceless for a TPU: bundles and unit utilisation.
 
-``python -m sglang_tpu_qwen.tools.kernel_schedule [--rows 32] [--tokens 64] [--topology v5e:1x1] [--layout 35b]``
+``python -m sglang_tpu_qwen.tools.plan.kernel_schedule [--rows 32] [--tokens 64] [--topology v5e:1x1] [--layout 35b]``
 
 Compiles ``fused_gdn`` (the serving form: output norm fused in the chunked form) for one device of a deviceless
 topology with libtpu's LLO dump on, then reads the dump of each Pallas call: its final bundle count (the
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -76,17 +75,17 @@ def compile_gdn(rows: int, tokens: int, topology: str, layout: tuple[int, ...]) 
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
-    """Parse flags, compile with the dump on (libtpu reads its flags once, at load: run in a fresh process),
-    print and return :func:`read_schedules` of the Pallas calls."""
-    p = argparse.ArgumentParser(prog="python -m sglang_tpu_qwen.tools.kernel_schedule",
+    """Parse flags, compile with the dump on, print and return :func:`read_schedules` of the Pallas calls.
+
+    libtpu reads ``LIBTPU_INIT_ARGS`` once, when the first TPU backend or topology loads it: run this in a fresh
+    process (importing JAX does not load libtpu; a compile or a topology before this call does)."""
+    p = argparse.ArgumentParser(prog="python -m sglang_tpu_qwen.tools.plan.kernel_schedule",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64, help="Tokens a row (over 8: the chunked form).")
     p.add_argument("--topology", default="v5e:1x1")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="35b")
     ns = p.parse_args(argv)
-    if "jax" in sys.modules:
-        p.error("run in a fresh process: libtpu reads LIBTPU_INIT_ARGS when it loads")
     dump = Path(tempfile.mkdtemp(prefix="llo-"))
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
