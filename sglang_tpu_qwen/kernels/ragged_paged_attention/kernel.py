@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import BlockSizes, block_sizes_for
+from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import INTERPRET, BlockSizes, block_sizes_for
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
 
 # Integer division in the kernel uses lax.div / lax.rem (operands are >= 0): jnp's floor division lowers
@@ -335,7 +335,8 @@ def ragged_paged_attention(
         k_scale, v_scale: this layer's FP8 dequantisation scales (float32 scalars, may be traced; None = 1.0);
             ignored for other cache dtypes.
         sm_scale: softmax scale, default ``hd ** -0.5``.
-        block_sizes: tiling; default ``block_sizes_for()`` for the current device.
+        block_sizes: tiling; default ``block_sizes_for()`` for the current device (``block_sizes.INTERPRET`` in
+            interpret mode).
         interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
 
     Returns:
@@ -367,7 +368,7 @@ def ragged_paged_attention(
                            interpret=interpret)
     v_cache = write_new_kv(v_cache, quantize_kv(v_new, v_cache.dtype, v_scale), layer, q_lens, kv_lens, page_table,
                            interpret=interpret)
-    bs = block_sizes or block_sizes_for()
+    bs = block_sizes or (INTERPRET if interpret else block_sizes_for())
     if t * groups <= bs.short_q_rows:
         # Decode and short steps (an MTP verify's k + 1 tokens): every token of a row in one query block, many
         # rows a grid step, so the next row's first keys load while this one computes.
