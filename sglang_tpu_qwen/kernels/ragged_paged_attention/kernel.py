@@ -36,8 +36,7 @@ Grid ``(B / rows_per_step, T / q_block)``, both "arbitrary" (one TensorCore walk
 cross-row prefetch relies on). Decode and short steps (``T x G <= short_q_rows``, an MTP verify): all T tokens in
 one query block, ``decode_seqs / T`` rows per grid step. Longer steps: one row per grid step, ``prefill_q`` query
 tokens per step (at most ``prefill_rows / G``). A key block's pages past the row's last visible key are not
-fetched. Scalar metadata (layer, lengths, flattened
-page table, FP8 scales) is scalar-prefetched into SMEM.
+fetched. Scalar metadata (layer, lengths, flattened page table, FP8 scales) is scalar-prefetched into SMEM.
 
 FP8 pages (kv_quant.py): the new K/V are quantised (``x / scale``, saturated) before the write; reads upcast
 each page tile to the query dtype in VMEM (exact) and apply the scales to the float32 scores (K) and the
@@ -224,10 +223,9 @@ def write_new_kv(pool: jax.Array, new: jax.Array, layer: jax.Array | int, q_lens
         The pool with token ``kv_len - q_len + t`` of row ``b`` set to ``new[b, t]`` for ``t < q_len``; no
         other real page changes. The blocks (:func:`write_block_rows` tokens of every head) a row's new tokens
         touch are taken from their gathered pages (XLA fuses the two into a gather of the blocks), merged with the
-        new tokens and copied back. The copy has a fixed count (``B x`` the
-        most blocks T tokens touch): padding rows' and unused slots' copies go to trash page 0, which no row
-        reads. Every row's touched pages are its own (the radix cache shares only full pages), so the real copies
-        never collide.
+        new tokens and copied back. The copy has a fixed count (``B x`` the most blocks T tokens touch): padding
+        rows' and unused slots' copies go to trash page 0, which no row reads. Every row's touched pages are its
+        own (the radix cache shares only full pages), so the real copies never collide.
 
     Cost: a decode step rewrites one block per row (16 tokens of a bf16 pool). A write of single tokens is not
     enough: XLA's scatter of them copies the whole pool to another layout and back.
@@ -239,23 +237,24 @@ def write_new_kv(pool: jax.Array, new: jax.Array, layer: jax.Array | int, q_lens
     prefix = (kv_lens - q_lens).astype(jnp.int32)
     blocks = prefix[:, None] // rows + jnp.arange(touched, dtype=jnp.int32)[None, :]  # [B, n] global block index
     live = (blocks <= ((kv_lens - 1) // rows)[:, None]) & (q_lens[:, None] > 0)
-    cols, starts = blocks // (page_size // rows), blocks % (page_size // rows) * rows
+    per_page = page_size // rows
+    cols, subs = blocks // per_page, blocks % per_page  # page column, block within the page
     pages = jnp.take_along_axis(page_table.astype(jnp.int32), jnp.clip(cols, 0, page_table.shape[1] - 1), axis=1)
     layer = jnp.asarray(layer, jnp.int32)
 
     # Whole pages are gathered, then the blocks taken from them: a gather of blocks straight from the pool (an
     # index on its tiled second-minor dim) makes XLA copy the pool to another layout (deviceless compile).
-    old = pool[layer, pages].reshape(b, touched, nkv, page_size // rows, rows, hd)
-    old = jnp.take_along_axis(old, (starts // rows)[:, :, None, None, None, None], axis=3)[:, :, :, 0]
+    old = pool[layer, pages].reshape(b, touched, nkv, per_page, rows, hd)
+    old = jnp.take_along_axis(old, subs[:, :, None, None, None, None], axis=3)[:, :, :, 0]
     tok = blocks[:, :, None] * rows + jnp.arange(rows, dtype=jnp.int32) - prefix[:, None, None]
     fresh = (tok >= 0) & (tok < q_lens[:, None, None])  # [B, n, rows]
     picked = jnp.take_along_axis(new, jnp.clip(tok, 0, t - 1).reshape(b, -1)[:, :, None, None], axis=1)
     picked = picked.reshape(b, touched, rows, nkv, hd).transpose(0, 1, 3, 2, 4)
     merged = jnp.where(fresh[:, :, None, :, None], picked, old)
     # Unused writes go to trash page 0, which no row reads.
-    pages, starts = jnp.where(live, pages, 0), jnp.where(live, starts, 0)
+    pages, subs = jnp.where(live, pages, 0), jnp.where(live, subs, 0)
     return _copy_blocks(pool, merged.reshape(b * touched, nkv, rows, hd), layer, pages.reshape(-1),
-                        starts.reshape(-1), interpret=interpret)
+                        (subs * rows).reshape(-1), interpret=interpret)
 
 
 def _copy_blocks_kernel(layer_ref, pages_ref, starts_ref, merged_hbm, _pool_in, pool_hbm, sem):
@@ -264,8 +263,8 @@ def _copy_blocks_kernel(layer_ref, pages_ref, starts_ref, merged_hbm, _pool_in, 
     rows = merged_hbm.shape[2]
 
     def copy(i):
-        start = pl.multiple_of(starts_ref[i], rows)
-        return pltpu.make_async_copy(merged_hbm.at[i], pool_hbm.at[layer, pages_ref[i], :, pl.ds(start, rows)],
+        first = pl.multiple_of(starts_ref[i], rows)
+        return pltpu.make_async_copy(merged_hbm.at[i], pool_hbm.at[layer, pages_ref[i], :, pl.ds(first, rows)],
                                      sem.at[0])
 
     def start(i, c):

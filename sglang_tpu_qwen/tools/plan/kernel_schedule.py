@@ -28,8 +28,9 @@ LAYOUTS = {"35b": (16, 32, 128, 128, 4), "397b": (16, 64, 128, 128, 4)}
 def read_schedules(dump_dir: Path) -> dict[str, dict]:
     """Per Pallas call in an LLO dump directory: ``bundles`` and ``units`` ({unit: (ops, slots a bundle)}).
 
-    Reads the ``*-final_bundles.txt`` and ``*-final_hlo-static-per-bundle-utilization.txt`` files libtpu writes
-    with ``--xla_jf_dump_llo_text``; the call's name is the dump's HLO instruction name (``gdn_chunked.1``)."""
+    Reads the ``*-final_hlo-static-per-bundle-utilization.txt`` files libtpu writes with
+    ``--xla_jf_dump_llo_text`` (one row per bundle); the call's name is the dump's HLO instruction name
+    (``gdn_chunked.1``)."""
     out: dict[str, dict] = {}
     for path in dump_dir.glob("*-final_hlo-static-per-bundle-utilization.txt"):
         name = re.sub(r"^\d+-(.+)-\d+-final_hlo-static-per-bundle-utilization\.txt$", r"\1", path.name)
