@@ -56,3 +56,19 @@ def test_over_the_pools_equals_the_reference() -> None:
     np.testing.assert_array_equal(np.asarray(conv_p), np.asarray(conv_r))  # the same conv, no delta rule
     assert np.abs(np.asarray(rec_p - rec_r)).max() <= 1e-4
     np.testing.assert_array_equal(np.asarray(rec_p)[0], np.asarray(rec)[0])  # the other layer untouched
+
+
+def test_repeated_token_equals_the_recurrence() -> None:
+    """One repeated key per row, write strength 0.99, no decay: near-singular chunk systems (the nilpotent product
+    the form used before was off by 1e7 here; kernels/gdn/unit_lower_inverse.py)."""
+    rng = np.random.default_rng(32)
+    b, t, h, dk, dv = 2, 128, 2, 16, 8
+    k = l2_normalize(jnp.asarray(np.broadcast_to(rng.standard_normal((b, 1, h, dk)), (b, t, h, dk)), jnp.float32))
+    q = k * dk**-0.5
+    v = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
+    g, beta = jnp.zeros((b, t, h), jnp.float32), jnp.full((b, t, h), 0.99, jnp.float32)
+    s0 = jnp.asarray(rng.standard_normal((b, h, dk, dv)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        o_r, s_r = (np.asarray(x) for x in recurrent_gated_delta_rule(q, k, v, g, beta, s0))
+    o_p, s_p = (np.asarray(x) for x in parallel_chunk_gated_delta_rule(q, k, v, g, beta, s0))
+    assert np.abs(o_p - o_r).max() <= 1e-4 and np.abs(s_p - s_r).max() <= 1e-4

@@ -12,6 +12,8 @@ model's, with the released head counts. Step shapes:
 - continuing: chunks of prompts continuing a prefix the kernel itself wrote into the cache / state pools
   (chained calls, each kernel's pools carried into its next call, the reference's into its own), ending in a
   decode step.
+- repeated (GDN): prompts of one repeated token, write strength near 1 and almost no decay, the chunk systems
+  whose powers grow like binomial coefficients (kernels/gdn/unit_lower_inverse.py).
 
 Only valid positions are compared (padding rows and tokens past a row's length hold anything); the KV caches must
 match exactly past the trash page 0, the GDN states within the tolerance past the trash slot 0, and what a call
@@ -19,7 +21,8 @@ must not touch (the other layer) exactly.
 
 Tolerance: ``|kernel - reference| <= 2e-5 + 2e-5 * |reference|`` elementwise. Both sides compute in float32; the
 first run on a v5e measured agreement within 4e-6 on O(1) values, from summation order (a 256-wide head dim, the
-online softmax over key blocks of 1024) and the GDN chunk inverse (products of powers against a triangular solve).
+online softmax over key blocks of 1024) and the GDN chunk inverse (recursive block inversion against a triangular
+solve).
 2e-5 is 5x that; an indexing, masking or layout bug shows as errors of 1e-2 or more.
 
 Off the chip (the suite's CPU switch, tests/tpu/suite.py) the kernels run in interpret mode with fewer heads: one
@@ -216,11 +219,12 @@ def _gdn_reference() -> Any:
 
 
 def _gdn_chain(layout: tuple[int, ...], slots: list[int], steps: list[tuple[list[int], int, bool]], seed: int,
-               key: str, norm: bool = False) -> None:
+               key: str, norm: bool = False, repeated: bool = False) -> None:
     """Run ``steps`` ((valid tokens per row, bucket T, rows start fresh) each) through the kernel and the
     reference over the rows' state ``slots``, each side carrying its own pools (random at the start: a prefix
     already in the state); compare every step's valid outputs and the pools at the end. ``norm``: with the
-    fused gated output norm, as the model calls the kernel."""
+    fused gated output norm, as the model calls the kernel. ``repeated``: each row's tokens are one repeated
+    input, write strength in [0.95, 1] and log-decay in [-0.01, 0] (near-singular chunk systems)."""
     hk, hv, dk, dv, k = _gdn_heads(layout)
     rng = np.random.default_rng(seed)
     chip, cpu = _devices()
@@ -235,11 +239,13 @@ def _gdn_chain(layout: tuple[int, ...], slots: list[int], steps: list[tuple[list
     for lens, t, fresh in steps:
         lens = np.asarray(lens, np.int32)
         valid = np.arange(t)[None, :] < lens[:, None]
+        shape = (b, 1, conv_dim) if repeated else (b, t, conv_dim)
+        g_low, beta_low = (-0.01, 0.95) if repeated else (-0.5, 0.0)
         step = dict(
-            mixed=(rng.standard_normal((b, t, conv_dim)) * valid[..., None]).astype(np.float32),
+            mixed=(np.broadcast_to(rng.standard_normal(shape), (b, t, conv_dim)) * valid[..., None]).astype(np.float32),
             conv_weight=conv_w,
-            g=(-rng.uniform(0.0, 0.5, (b, t, hv)) * valid[..., None]).astype(np.float32),  # log-decay <= 0
-            beta=(rng.uniform(0.0, 1.0, (b, t, hv)) * valid[..., None]).astype(np.float32),
+            g=(rng.uniform(g_low, 0.0, (b, t, hv)) * valid[..., None]).astype(np.float32),  # log-decay <= 0
+            beta=(rng.uniform(beta_low, 1.0, (b, t, hv)) * valid[..., None]).astype(np.float32),
             slot_ids=np.asarray(slots, np.int32), new_lens=lens, fresh=np.full(b, fresh))
         if norm:
             step["gate"] = (rng.standard_normal((b, t, hv * dv)) * 2).astype(np.float32)
@@ -286,6 +292,14 @@ GDN_STEPS: dict[str, tuple[list[int], list[tuple[list[int], int, bool]]]] = {
 def test_fused_gdn_matches_reference(layout: tuple[int, ...], step: str) -> None:
     slots, steps = GDN_STEPS[step]
     _gdn_chain(layout, slots, steps, seed=list(GDN_STEPS).index(step) * 1000 + sum(layout), key=step)
+
+
+@pytest.mark.parametrize("layout", GDN_LAYOUTS, ids=GDN_IDS)
+def test_fused_gdn_repeated_token_prefill(layout: tuple[int, ...]) -> None:
+    """Prompts of one repeated token with write strength near 1 and almost no decay: chunk systems near
+    singular, whose inverse the nilpotent product got wrong by 1e20 (kernels/gdn/unit_lower_inverse.py)."""
+    slots, steps = GDN_STEPS["prefill"]
+    _gdn_chain(layout, slots, steps, seed=11 + sum(layout), key="repeated", repeated=True)
 
 
 @pytest.mark.parametrize("step", ["mixed", "decode"])

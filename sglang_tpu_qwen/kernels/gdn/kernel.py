@@ -12,16 +12,18 @@ channels, q/k L2-normalised (q scaled by dk^-0.5), then per value head, state ``
 Prefill (T > 1) runs chunks of C = 64 tokens: with ``cum`` the in-chunk cumulative log-decay,
 ``D[i, j] = exp(cum_i - cum_j)`` (i >= j) and ``L = tril(diag(beta) K K^T * D, -1)``, the chunk's writes are
 ``U = (I + L)^-1 diag(beta) V`` and ``W = (I + L)^-1 diag(beta) K exp(cum)``; the inverse of the unit lower
-triangular matrix is the product ``(I - L)(I + L^2)(I + L^4)...(I + L^32)`` (L is nilpotent): five
-squarings and five products on the MXU instead of a 64-step sequential substitution. Then ``V' = U - W S``,
+triangular matrix comes from recursive block inversion (``kernels/gdn/unit_lower_inverse.py``): ten 64 x 64
+products on the MXU instead of a 64-step sequential substitution, every intermediate a block of the inverse (the
+nilpotent product ``(I - L)(I + L^2)...`` it replaced overflowed on a repeated token). Then ``V' = U - W S``,
 ``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and ``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
 
 Precision of the chunked form follows the model's compute dtype (``mixed.dtype``). A float32 model runs the
 chunk's products at ``HIGHEST`` (six bfloat16 MXU passes). A bfloat16 model runs them in one pass over
 bfloat16-rounded operands with float32 accumulation, as FLA's chunked kernels do for bf16 models; only the
 cumulative log-decay stays float32-exact (:func:`_cumsum_rows`). The products form a chain of dependent 64 x 64
-MXU ops, so passes are latency: the deviceless v5e schedule of one chunk of one value head (35B layout) is
-~615 bundles against ~2,700 at ``HIGHEST``. Outputs and states then differ from the float32 reference by
+MXU ops, so passes are latency: the deviceless v5e schedule of one chunk of one value head (35B layout) was
+~615 bundles against ~2,700 at ``HIGHEST`` (with the nilpotent product; the block inverse added ~8%: a 64-token
+grid step of two value heads 2,179 -> 2,346 bundles). Outputs and states then differ from the float32 reference by
 ~3e-3 relative rms (bf16 rounding level; tests/test_kernels_gdn.py). State accumulation stays float32.
 
 Decode and short steps (``T <= RECURRENT_MAX_T`` = 8: a decode step, a speculative verify step's k + 1 tokens
@@ -91,6 +93,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm
+from sglang_tpu_qwen.kernels.gdn.unit_lower_inverse import unit_lower_inverse
 from sglang_tpu_qwen.kernels.gdn.window_copy import gather_windows_dma, scatter_windows_dma
 
 CHUNK_SIZE = 64
@@ -291,11 +294,7 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs, bf16: bool = False):
     decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum - cum_row, 0.0)), 0.0)
     k_beta = k * beta
     lower = jnp.where(strict, _dot(k_beta, k, _NT, bf16) * decay, 0.0)
-    eye = (row == col).astype(jnp.float32)
-    inv, power = eye - lower, lower
-    for _ in range(max(0, math.ceil(math.log2(chunk)) - 1)):
-        power = _dot(power, power, _NN, bf16)
-        inv = _dot(inv, eye + power, _NN, bf16)
+    inv = unit_lower_inverse(lower, functools.partial(_dot, dims=_NN, bf16=bf16))
     u = _dot(inv, v * beta, _NN, bf16)
     w = _dot(inv, k_beta * jnp.exp(cum), _NN, bf16)
     v_new = u - _dot(w, s, _NN, bf16)

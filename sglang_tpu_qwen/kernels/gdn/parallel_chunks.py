@@ -10,8 +10,8 @@ Transformers with the Delta Rule over Sequence Length", NeurIPS 2024; fla-org/fl
 ``chunk_gated_delta_rule``):
 
 1. in-chunk cumulative log-decay ``cum``, pairwise decays ``D[i, j] = exp(cum_i - cum_j)`` (i >= j);
-2. ``L = tril(diag(beta) K K^T * D, -1)`` and ``(I + L)^-1`` as the product ``(I - L)(I + L^2)(I + L^4)...``
-   (L is nilpotent: five squarings and five products at C = 64, as the fused kernel computes it);
+2. ``L = tril(diag(beta) K K^T * D, -1)`` and ``(I + L)^-1`` by recursive block inversion (ten products at
+   C = 64, as the fused kernel computes it: ``kernels/gdn/unit_lower_inverse.py``);
 3. ``U = (I + L)^-1 diag(beta) V`` and ``W = (I + L)^-1 diag(beta) K exp(cum)``;
 4. the only sequential part, per (row, head) over chunks: ``V' = U - W S``, ``S <- exp(cum_C) S +
    (K exp(cum_C - cum))^T V'``, which keeps each chunk's starting state;
@@ -25,7 +25,6 @@ The log-decay sums, the decays and the state stay float32.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 from sglang_tpu_qwen.kernels.gdn.delta_rule import CHUNK_SIZE, chunk_decays, from_chunks, to_chunks
 from sglang_tpu_qwen.kernels.gdn.kernel import RECURRENT_MAX_T, fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
+from sglang_tpu_qwen.kernels.gdn.unit_lower_inverse import unit_lower_inverse
 
 
 def _einsum(spec: str, a: jax.Array, b: jax.Array, bf16: bool) -> jax.Array:
@@ -74,11 +74,7 @@ def parallel_chunk_gated_delta_rule(
 
     k_beta = k * beta[..., None]
     lower = jnp.where(strict, _einsum("...id,...jd->...ij", k_beta, k, bf16) * decay, 0.0)
-    eye = jnp.eye(c, dtype=jnp.float32)
-    inv, power = eye - lower, lower
-    for _ in range(max(0, math.ceil(math.log2(c)) - 1)):
-        power = _einsum("...ij,...jk->...ik", power, power, bf16)
-        inv = _einsum("...ij,...jk->...ik", inv, eye + power, bf16)
+    inv = unit_lower_inverse(lower, functools.partial(_einsum, "...ij,...jk->...ik", bf16=bf16))
     u = _einsum("...ij,...jd->...id", inv, v * beta[..., None], bf16)
     w = _einsum("...ij,...jd->...id", inv, k_beta * jnp.exp(cum)[..., None], bf16)
 

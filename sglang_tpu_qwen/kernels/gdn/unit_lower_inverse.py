@@ -1,0 +1,59 @@
+"""The inverse of a chunk's unit lower triangular system ``I + L`` by recursive block inversion, in matmuls.
+
+The chunked delta rule solves ``(I + L) [U | W] = [diag(beta) V | diag(beta) K exp(cum)]`` per chunk of C tokens
+(``L = tril(diag(beta) K K^T * D, -1)``, ``kernels/gdn/kernel.py``). On a TPU a row-by-row substitution is a
+chain of C vector steps, so the inverse is built from C x C products on the MXU instead.
+
+Why not the nilpotent product ``(I - L)(I + L^2)(I + L^4)...`` (exact in exact arithmetic, and what the kernel
+first used): its factors hold the powers ``L^(2^k)``, whose entries grow like binomial coefficients when L's
+entries approach 1 (keys of a chunk alike, ``beta`` near 1, little decay: a repeated token does it), up to
+~1e17 at C = 64, and float32 loses the cancellation even though the inverse's entries are O(1). A prompt of
+one repeated token gave outputs of 1e20 where the reference gave 0.16 (tests/test_kernels_gdn.py).
+
+Recursive block inversion keeps every intermediate an actual block of the inverse: for a unit lower
+triangular ``[[A, 0], [B, D]]`` the inverse is ``[[A^-1, 0], [-D^-1 B A^-1, D^-1]]`` (Higham, "Accuracy and
+Stability of Numerical Algorithms", 2nd ed., section 14.2.2, the block method). Bottom up over the whole
+matrix at once: ``X`` holds the inverses of the diagonal blocks of size s (block diagonal); with ``M_s`` the
+entries of L between the two halves of each diagonal block of size 2s, ``X <- X - X (L * M_s) X`` gives the
+inverses of the blocks of size 2s. Blocks of 2 are inverted directly (``I - L`` on them); then
+log2(C) - 1 levels of two products each (ten at C = 64, as many as the nilpotent product took).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def unit_lower_inverse(lower: jax.Array, matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """``(I + lower)^-1`` by recursive block inversion (module docstring).
+
+    Args:
+        lower: ``[..., C, C]`` float32, strictly lower triangular (the upper triangle and diagonal must be 0);
+            C a power of two.
+        matmul: ``(a [..., C, C], b [..., C, C]) -> a @ b`` float32; the caller's precision (its MXU passes).
+            Works inside a Pallas TPU kernel (2-D tiles) and in XLA (batched).
+
+    Returns:
+        ``[..., C, C]`` float32, unit lower triangular.
+
+    Raises:
+        ValueError: C is not a power of two.
+    """
+    c = lower.shape[-1]
+    if c & (c - 1):
+        raise ValueError(f"unit_lower_inverse needs a power-of-two size, got {c}")
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    # Entries (i, j) with i ^ j in [s, 2s) lie in the same diagonal block of size 2s and different ones of size
+    # s: the off-diagonal block that level s fills in (bit arithmetic, which Mosaic lowers on int32 vectors).
+    level = row ^ col
+    inv = (row == col).astype(jnp.float32) - jnp.where(level == 1, lower, 0.0)
+    s = 2
+    while s < c:
+        between = jnp.where((level >= s) & (level < 2 * s), lower, 0.0)
+        inv = inv - matmul(inv, matmul(between, inv))
+        s *= 2
+    return inv
