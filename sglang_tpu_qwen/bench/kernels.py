@@ -15,7 +15,8 @@ GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the outpu
 chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
 once plus inputs and outputs. Steps longer than the recurrent form's run a third implementation, ``xla``: the
 chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the kernel's alternative for prefill;
-a last section times it against the kernel at the 35B-shaped serving prefill steps. Each GDN decode layout
+a last section times it against the kernel at the 35B-shaped serving prefill steps, the kernel also with
+one key head a grid step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``). Each GDN decode layout
 also gets a ``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
 rate such a stream reaches on the chip.
 """
@@ -152,10 +153,11 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
 
 
 def _gdn_fn(impl: str, dims: dict) -> Callable:
-    """The fused GDN kernel (``pallas``), its jitted jnp reference (``reference``) or the XLA parallel-chunk form
-    (``xla``, kernels/gdn/parallel_chunks.py), pools donated, with the head ``dims`` bound."""
-    if impl == "pallas":
-        return functools.partial(fused_gdn, **dims)
+    """The fused GDN kernel (``pallas``; ``pallas-1kh``: its chunked form one key head a grid step, not
+    grouped by ``chunk_heads``), its jitted jnp reference (``reference``) or the XLA parallel-chunk form (``xla``,
+    kernels/gdn/parallel_chunks.py), pools donated, with the head ``dims`` bound."""
+    if impl.startswith("pallas"):
+        return functools.partial(fused_gdn, **dims, **({"chunk_chains": 1} if impl == "pallas-1kh" else {}))
     fn = fused_gdn_parallel if impl == "xla" else fused_gdn_reference
     return functools.partial(jax.jit(fn, static_argnames=tuple(dims), donate_argnums=(4, 5)), **dims)
 
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     for rows, new in ((4, 16), (1, 64)) if small else ((32, 64), (8, 256), (1, 2048)):
         mix = Mix("prefill", (0,) * rows, (new,) * rows)
         gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, GDN_LAYOUTS["35B"])
-        for impl in ("xla", "pallas") if on_tpu else ("xla",):
+        for impl in ("xla", "pallas", "pallas-1kh") if on_tpu else ("xla",):
             secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), args.iters)
             print(_row("fused_gdn", f"{rows}x{new}", impl, secs, gdn_flops, gdn_bytes, peaks))
 

@@ -26,6 +26,13 @@ MXU ops, so passes are latency: the deviceless v5e schedule of one chunk of one 
 grid step of two value heads 2,179 -> 2,346 bundles). Outputs and states then differ from the float32 reference by
 ~3e-3 relative rms (bf16 rounding level; tests/test_kernels_gdn.py). State accumulation stays float32.
 
+The chunked form runs in two phases per grid step. First, for every (value head, chunk) pair of the step, what
+does not depend on the state (the decays, ``L`` and its inverse, ``U``, ``W``, the decayed q and k, the intra-chunk
+scores; ``Q K^T`` once per key head, shared by its value heads) as straight-line code into VMEM scratch: the
+pairs are independent chains the scheduler may overlap. Then the chunks in order, every value head's three state
+products per chunk side by side. Key heads are grouped per grid step up to ``CHUNK_CHAINS`` = 8 pairs
+(:func:`chunk_heads`: 4 key heads a step for the 35B layout's 64-token blocks, 1 for 256-token blocks).
+
 Decode and short steps (``T <= RECURRENT_MAX_T`` = 8: a decode step, a speculative verify step's k + 1 tokens
 and its commit) run the recurrence directly, token by token on the VPU (``_decode_head``: multiplies and
 sublane sums in float32, no MXU pass). Each token's arithmetic is a decode step's, and the state is carried
@@ -47,10 +54,12 @@ not scattered back. The commit program then calls the kernel again over the same
 accepted counts (tokens past them are padding), and ``kernels/gdn/slot_copy.py`` copies the rows that take a
 decode snapshot slot to slot by DMA.
 
-Layout and grid. One grid step is (sequence b, key head kh, block of ``block_t`` tokens); the
-``r = Hv / Hk`` value heads that share key head ``kh`` are handled together, so q/k are convolved and
-normalised once for all of them. Any r and any dk, dv run (released: r = 1, 2, 3, 4 at dk = dv = 128); on a
-TPU, Mosaic needs dk and dv to be multiples of 128. Inputs are read straight from the model's arrays:
+Layout and grid. One grid step is (sequence b, group of key heads, block of ``block_t`` tokens); the
+``r = Hv / Hk`` value heads that share a key head are handled together, so q/k are convolved and
+normalised once for all of them (the index maps below are written for one key head a step; a group of
+consecutive key heads acts as one wider key head). Any r and any dk, dv run (released: r = 1, 2, 3, 4 at
+dk = dv = 128); on a TPU, Mosaic needs dk and dv to be multiples of 128.
+Inputs are read straight from the model's arrays:
 
     mixed        [B, T, conv_dim]    pre-conv q|k|v channels (q: kh*dk.., k: (Hk+kh)*dk.., v: 2*Hk*dk + kh*r*dv..)
     conv_weight  [conv_dim, K]       (the recurrent form's enters as [K, conv_dim] float32, by XLA)
@@ -100,6 +109,9 @@ CHUNK_SIZE = 64
 # Decode: recurrent-state bytes per grid step (key heads are grouped up to it). A step of one key head
 # (256 KiB at the 397B's layout) spent more time in per-step overhead than in its copies.
 DECODE_STATE_BYTES = 1 << 20
+# Chunked form: (value head, chunk) pairs per grid step (key heads are grouped up to it): their state-independent
+# products are independent chains, one at a time left the MXU waiting on each product's result.
+CHUNK_CHAINS = 8
 # Steps of at most this many tokens per row run the recurrent form (a speculative verify's k + 1 tokens): the
 # chunked form would pad them to a 64-token chunk and solve 64 x 64 systems for 4 tokens.
 RECURRENT_MAX_T = 8
@@ -158,10 +170,10 @@ def _kernel(
     *refs, dk: int, dv: int, r: int, heads: int, chunk: int, norm: tuple[float, bool] | None, recurrent: bool,
     commit: bool, bf16: bool,
 ):
-    # One step holds ``heads`` key heads and their ``heads * r`` value heads (heads > 1 only in the recurrent
-    # form). Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the
-    # recurrent pool; without ``commit`` there is no state output and rec_ref is the last scratch buffer),
-    # scratch (acc: the block's float32 output before the norm).
+    # One step holds ``heads`` key heads and their ``heads * r`` value heads (decode_heads, chunk_heads).
+    # Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the recurrent
+    # pool; without ``commit`` there is no state output and rec_ref is the last scratch buffer), scratch (acc:
+    # the block's float32 output before the norm; the chunked form's per-chunk results).
     n_in = 14 if norm else 12
     xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, g_ref, beta_ref, cq_in, ck_in, cv_in, rec_in = refs[:12]
     gate_ref, nw_ref = refs[12:n_in] if norm else (None, None)
@@ -170,7 +182,7 @@ def _kernel(
         rec_ref, scratch = refs[n_in + 4], refs[n_in + 5 :]
     else:
         rec_ref, scratch = refs[-1], refs[n_in + 4 : -1]
-    sq, sk, sv, qn, kn, vn, o_ref = scratch
+    sq, sk, sv, qn, kn, vn, o_ref = scratch[:7]
     b, tb = pl.program_id(0), pl.program_id(2)
     block_t = xq_ref.shape[0]
     fresh = fresh_ref[b] != 0
@@ -243,15 +255,31 @@ def _kernel(
         o_out[...] = o_ref[...]
         return
 
-    for h in range(heads * r):
+    # The chunked form in two phases. (1) What does not depend on the state, for every chunk of the block and
+    # every value head: straight-line code, so the scheduler can overlap these independent chains of dependent
+    # 64 x 64 products (one chain at a time left the MXU waiting on each product's result). (2) The chunks in
+    # order, each value head's state products per chunk side by side.
+    nh, nc = heads * r, block_t // chunk
+    prep = scratch[7:]  # [nc, nh, ...]: u, w, q decayed, k decayed, intra, the chunk's decay
+    for c in range(nc):
+        tok = slice(c * chunk, (c + 1) * chunk)
+        for j in range(heads):
+            keys = slice(j * dk, (j + 1) * dk)
+            q, k = qn[tok, keys], kn[tok, keys]
+            qk = _dot(q, k, _NT, bf16)  # shared by the value heads of this key head
+            for h in range(j * r, (j + 1) * r):
+                _chunk_prepare(c, h, q, k, qk, vn[tok, h * dv : (h + 1) * dv], g_ref[tok, h : h + 1],
+                               beta_ref[tok, h : h + 1], prep, bf16)
+    o_ref[...] = jnp.zeros_like(o_ref)  # tokens past the valid chunks
+
+    def chunk_in_order(c, states):
+        return tuple(_chunk_apply(c, s, h, dv, chunk, prep, o_ref, bf16) for h, s in enumerate(states))
+
+    states = jax.lax.fori_loop(0, jax.lax.div(n + chunk - 1, chunk), chunk_in_order,
+                               tuple(rec_ref[h].astype(jnp.float32) for h in range(nh)))
+    for h in range(nh):
         lanes = slice(h * dv, (h + 1) * dv)
-        s0 = rec_ref[h].astype(jnp.float32)
-        o_ref[:, lanes] = jnp.zeros((block_t, dv), jnp.float32)
-        s = jax.lax.fori_loop(
-            0, jax.lax.div(n + chunk - 1, chunk), functools.partial(_chunk_step, h=h, dv=dv, chunk=chunk, bf16=bf16,
-                                                                    refs=(qn, kn, vn, g_ref, beta_ref, o_ref)),
-            s0)
-        rec_ref[h] = s.astype(rec_ref.dtype)
+        rec_ref[h] = states[h].astype(rec_ref.dtype)
         if norm:
             gate = gate_ref[:, lanes].astype(jnp.float32)
             o_out[:, lanes] = _gated_rms_norm(o_ref[:, lanes], gate, nw_ref[...].astype(jnp.float32), norm[0],
@@ -275,14 +303,13 @@ def _decode_head(s0: jax.Array, k: jax.Array, q: jax.Array, v: jax.Array, g: jax
     return s, jnp.sum(s * q, axis=0, keepdims=True)
 
 
-def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs, bf16: bool = False):
-    """One chunk of the WY/UT form for value head h (see module docstring); returns the new state."""
-    qn, kn, vn, g_ref, beta_ref, o_ref = refs
-    t0 = pl.multiple_of(c * chunk, chunk)
-    tok = pl.ds(t0, chunk)
-    lanes = slice(h * dv, (h + 1) * dv)
-    q, k, v = qn[tok, :], kn[tok, :], vn[tok, lanes]
-    g, beta = g_ref[tok, h : h + 1], beta_ref[tok, h : h + 1]  # [C, 1]
+def _chunk_prepare(c: int, h: int, q: jax.Array, k: jax.Array, qk: jax.Array, v: jax.Array, g: jax.Array,
+                   beta: jax.Array, prep, bf16: bool) -> None:
+    """The state-independent part of chunk ``c`` of the WY/UT form for value head ``h`` (module docstring):
+    ``q, k [C, dk]``, ``qk = q k^T [C, C]``, ``v [C, dv]``, ``g, beta [C, 1]`` float32; writes ``U``, ``W``,
+    ``Q exp(cum)``, ``K exp(cum_C - cum)``, ``tril(Q K^T * D)`` and ``exp(cum_C)`` into ``prep[...][c, h]``."""
+    u_ref, w_ref, qd_ref, kd_ref, intra_ref, last_ref = prep
+    chunk = q.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     causal, strict = row >= col, row > col
@@ -295,12 +322,28 @@ def _chunk_step(c, s, *, h: int, dv: int, chunk: int, refs, bf16: bool = False):
     k_beta = k * beta
     lower = jnp.where(strict, _dot(k_beta, k, _NT, bf16) * decay, 0.0)
     inv = unit_lower_inverse(lower, functools.partial(_dot, dims=_NN, bf16=bf16))
-    u = _dot(inv, v * beta, _NN, bf16)
-    w = _dot(inv, k_beta * jnp.exp(cum), _NN, bf16)
-    v_new = u - _dot(w, s, _NN, bf16)
-    intra = jnp.where(causal, _dot(q, k, _NT, bf16) * decay, 0.0)
-    o_ref[tok, lanes] = _dot(q * jnp.exp(cum), s, _NN, bf16) + _dot(intra, v_new, _NN, bf16)
-    return s * jnp.exp(last) + _dot(k * jnp.exp(last - cum), v_new, _TN, bf16)
+    u_ref[c, h] = _dot(inv, v * beta, _NN, bf16)
+    w_ref[c, h] = _dot(inv, k_beta * jnp.exp(cum), _NN, bf16)
+    qd_ref[c, h] = q * jnp.exp(cum)
+    kd_ref[c, h] = k * jnp.exp(last - cum)
+    intra_ref[c, h] = jnp.where(causal, qk * decay, 0.0)
+    last_ref[c, h] = jnp.broadcast_to(jnp.exp(last), last_ref.shape[2:])
+
+
+def _chunk_apply(c, s: jax.Array, h: int, dv: int, chunk: int, prep, o_ref, bf16: bool) -> jax.Array:
+    """Chunk ``c`` (traced) of value head ``h`` from the state ``s [dk, dv]`` float32 before it: writes the chunk's
+    outputs into ``o_ref`` and returns the state after it (module docstring)."""
+    u_ref, w_ref, qd_ref, kd_ref, intra_ref, last_ref = prep
+    v_new = u_ref[c, h] - _dot(w_ref[c, h], s, _NN, bf16)
+    tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    o_ref[tok, h * dv : (h + 1) * dv] = _dot(qd_ref[c, h], s, _NN, bf16) + _dot(intra_ref[c, h], v_new, _NN, bf16)
+    return s * last_ref[c, h][0:1, 0:1] + _dot(kd_ref[c, h], v_new, _TN, bf16)
+
+
+def chunk_heads(hk: int, r: int, chunks: int, chains: int) -> int:
+    """Key heads per grid step of the chunked form: the largest divisor of ``hk`` whose ``heads * r`` value heads
+    times the block's ``chunks`` stay within ``chains`` independent chunk chains; at least 1."""
+    return max(h for h in range(1, hk + 1) if hk % h == 0 and (h == 1 or h * r * chunks <= chains))
 
 
 def decode_heads(hk: int, r: int, dk: int, dv: int, itemsize: int, budget: int) -> int:
@@ -354,7 +397,7 @@ def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: i
 
 @functools.partial(
     jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t",
-                              "decode_state_bytes", "recurrent_max_t", "commit", "interpret"),
+                              "decode_state_bytes", "chunk_chains", "recurrent_max_t", "commit", "interpret"),
     donate_argnums=(4, 5))
 def fused_gdn(
     mixed: jax.Array,
@@ -376,6 +419,7 @@ def fused_gdn(
     norm_eps: float = 1e-6,
     block_t: int = 256,
     decode_state_bytes: int = DECODE_STATE_BYTES,
+    chunk_chains: int = CHUNK_CHAINS,
     recurrent_max_t: int = RECURRENT_MAX_T,
     commit: bool = True,
     interpret: bool = False,
@@ -402,6 +446,9 @@ def fused_gdn(
         block_t: tokens per grid step in the chunked form (rounded to a multiple of the 64-token chunk).
         decode_state_bytes: in the recurrent form, the most recurrent-state bytes one grid step holds: key heads
             are grouped per step up to it (:func:`decode_heads`).
+        chunk_chains: in the chunked form, key heads are grouped per grid step (:func:`chunk_heads`) until the
+            step holds this many (value head, chunk) pairs: independent chains of products the scheduler can
+            overlap.
         recurrent_max_t: ``T <= recurrent_max_t`` runs the recurrent form (token by token, each token a decode
             step's arithmetic; one grid step per row and key-head group), a longer T the chunked form.
         commit: False: the pools are read, not written (a speculative verify step): the kernel has no state
@@ -434,6 +481,7 @@ def fused_gdn(
     else:
         bt = min(-(-block_t // CHUNK_SIZE), -(-t // CHUNK_SIZE)) * CHUNK_SIZE
         tp = -(-t // bt) * bt
+        heads = chunk_heads(hk, r, bt // CHUNK_SIZE, chunk_chains)
     if tp != t:
         mixed = jnp.pad(mixed, ((0, 0), (0, tp - t), (0, 0)))
         g = jnp.pad(g, ((0, 0), (0, tp - t), (0, 0)))
@@ -490,6 +538,12 @@ def fused_gdn(
     # of the pool's dtype (the same roundings as the in-place output block).
     state_out = ([state_spec], [jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]) if commit else ([], [])
     state_scratch = [] if commit else [pltpu.VMEM((r, head_k_dim, dv), rec_pool.dtype)]
+    # The chunked form's state-independent results per (chunk, value head): U, W, Q and K decayed, the intra-chunk
+    # scores and the chunk's decay (one (8, 128) tile); ~160 KiB per pair at dims 128.
+    nc, c = bt // CHUNK_SIZE, CHUNK_SIZE
+    chunk_scratch = [] if recurrent else [pltpu.VMEM((nc, r, c, d), jnp.float32)
+                                         for d in (dv, head_k_dim, head_k_dim, head_k_dim, c)] + [
+                                             pltpu.VMEM((nc, r, 8, 128), jnp.float32)]
     call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -514,6 +568,7 @@ def fused_gdn(
                 pltpu.VMEM((bt, dk), jnp.float32),
                 pltpu.VMEM((bt, r * dv), jnp.float32),
                 pltpu.VMEM((bt, r * dv), jnp.float32),
+                *chunk_scratch,
                 *state_scratch,
             ],
         ),
