@@ -7,6 +7,8 @@
 # each step's exit status and wall time. Steps run one after another in fresh processes: one holds the chip at a
 # time. JAX's persistent compilation cache (/tmp/jaxcache) is shared between them.
 #   suite        the TPU suite (tests/tpu)            kernels      bench.kernels (attention, GDN, state copy)
+#   suitekernels the suite's kernel tests              suitemodel   its engine and speculative tests (the suite
+#                                                                   in two calls of under 10 minutes each)
 #   decode       decode step at 8 and 256 rows         decode64     decode step at 64 rows
 #   decodeprof   256-row decode step with a profile    mtp          MTP cycle at 1, 8, 64 rows (the flags)
 #   mtpmap       the MTP cycle with a 31,040-id draft vocabulary (every 8th id: the cycle's cost depends on the
@@ -27,6 +29,9 @@ SPEC=(--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagl
 step_cmd() {
   case $1 in
     suite) echo python -m pytest -q -p no:cacheprovider tests/tpu ;;
+    suitekernels) echo python -m pytest -q -p no:cacheprovider tests/tpu/test_kernels_on_chip.py ;;
+    suitemodel) echo python -m pytest -q -p no:cacheprovider tests/tpu/test_engine_on_chip.py \
+                  tests/tpu/test_speculative_on_chip.py ;;
     kernels) echo python -m sglang_tpu_qwen.bench.kernels ;;
     decode) echo python -m sglang_tpu_qwen.bench.decode_step --rows 8,256 --no-plan ;;
     decode64) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 --no-plan ;;
