@@ -11,11 +11,12 @@ Cost model (analytic, counts useful work only). Attention: flops ``4 * nq * hd *
 query)`` (QK^T and PV); bytes: the K/V pages read once per sequence plus q, out and the new K/V. Each
 implementation reads its own pool layout (the kernel head-major, the reference token-major) at the server's
 TPU page size.
-GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the output read per token) plus the
+GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the output read per token) plus, chunked,
 chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
 once plus inputs and outputs. Steps longer than the recurrent form's run a third implementation, ``xla``: the
 chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the kernel's alternative for prefill;
-a last section times it against the kernel at the 35B-shaped serving prefill steps, the kernel also with
+a speculative verify's 4-token steps (without commit: the state read once) and their commit get rows of their
+own; a last section times the XLA form against the kernel at the 35B-shaped serving prefill steps, the kernel also with
 one key head a grid step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``). Each GDN decode layout
 also gets a ``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
 rate such a stream reaches on the chip.
@@ -146,7 +147,7 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
             jnp.asarray(np.asarray(mix.prefix) == 0))
     dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
     tokens = float(lens.sum())
-    flops = tokens * hv * (6 * dk * dv + (2 * CHUNK_SIZE * (dk + dv) if t > 1 else 0))
+    flops = tokens * hv * (6 * dk * dv + (2 * CHUNK_SIZE * (dk + dv) if t > RECURRENT_MAX_T else 0))
     state_bytes = jnp.dtype(state_dtype).itemsize
     nbytes = 2 * b * hv * dk * dv * state_bytes + tokens * (conv_dim * jnp.dtype(dtype).itemsize + hv * dv * 4)
     return args, dims, flops, nbytes
@@ -159,7 +160,7 @@ def _gdn_fn(impl: str, dims: dict) -> Callable:
     if impl.startswith("pallas"):
         return functools.partial(fused_gdn, **dims, **({"chunk_chains": 1} if impl == "pallas-1kh" else {}))
     fn = fused_gdn_parallel if impl == "xla" else fused_gdn_reference
-    return functools.partial(jax.jit(fn, static_argnames=tuple(dims), donate_argnums=(4, 5)), **dims)
+    return functools.partial(jax.jit(fn, static_argnames=(*dims, "commit"), donate_argnums=(4, 5)), **dims)
 
 
 def _row(kernel: str, mix: str, impl: str, secs: float, flops: float, nbytes: float,
@@ -219,6 +220,19 @@ def main(argv: list[str] | None = None) -> None:
                 copy_bytes = 2 * rows * pool[0, 0].nbytes
                 secs = _time(functools.partial(_state_copy_step, heads=per_step), (pool, slots), (0,), args.iters)
                 print(_row("state copy", label, "pallas", secs, 0.0, copy_bytes, peaks))
+    # A speculative verify's GDN step (4 tokens a row, the recurrent form, 35B layout) without commit (the state
+    # read once) and its commit (read and written): the kernel against the state bytes, beside the decode rows'
+    # state copy above; its deviceless schedule puts the lane broadcasts of k and q (XLU) first.
+    print(f"-- GDN verify steps, {rows} rows x 4 tokens, 35B layout: verify (no commit) and commit", flush=True)
+    mix = Mix("verify", (100,) * rows, (4,) * rows)
+    gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, GDN_LAYOUTS["35B"])
+    state_once = rows * gdn_args[5][0, 0].nbytes
+    for commit in (False, True):
+        for impl, _ in impls:
+            fn = functools.partial(_gdn_fn(impl, dims), commit=commit)
+            secs = _time(fn, gdn_args, (4, 5), args.iters)
+            print(_row("fused_gdn", f"{'commit' if commit else 'verify'} {rows}x4", impl, secs, gdn_flops,
+                       gdn_bytes - (0 if commit else state_once), peaks))
     # GDN prefill as the 35B-shaped checkpoint's serving steps cut 2,048 tokens (issue 44's prefill profile: 32
     # rows x 64 and 8 x 256): the kernel's chunked form against the XLA parallel-chunk candidate.
     print("-- GDN prefill steps, 35B layout: the chunked form", flush=True)
