@@ -261,15 +261,19 @@ def _kernel(
     # order, each value head's state products per chunk side by side.
     nh, nc = heads * r, block_t // chunk
     prep = scratch[7:]  # [nc, nh, ...]: u, w, q decayed, k decayed, intra, the chunk's decay
-    for c in range(nc):
-        tok = slice(c * chunk, (c + 1) * chunk)
-        for j in range(heads):
-            keys = slice(j * dk, (j + 1) * dk)
-            q, k = qn[tok, keys], kn[tok, keys]
-            qk = _dot(q, k, _NT, bf16)  # shared by the value heads of this key head
-            for h in range(j * r, (j + 1) * r):
-                _chunk_prepare(c, h, q, k, qk, vn[tok, h * dv : (h + 1) * dv], g_ref[tok, h : h + 1],
-                               beta_ref[tok, h : h + 1], prep, bf16)
+
+    @pl.when(n > 0)  # a padding row, or a token block past the row's end, computes nothing
+    def _prepare_chunks():
+        for c in range(nc):  # every chunk of the block (one basic block); past n they are padding
+            tok = slice(c * chunk, (c + 1) * chunk)
+            for j in range(heads):
+                keys = slice(j * dk, (j + 1) * dk)
+                q, k = qn[tok, keys], kn[tok, keys]
+                qk = _dot(q, k, _NT, bf16)  # shared by the value heads of this key head
+                for h in range(j * r, (j + 1) * r):
+                    _chunk_prepare(c, h, q, k, qk, vn[tok, h * dv : (h + 1) * dv], g_ref[tok, h : h + 1],
+                                   beta_ref[tok, h : h + 1], prep, bf16)
+
     o_ref[...] = jnp.zeros_like(o_ref)  # tokens past the valid chunks
 
     def chunk_in_order(c, states):
