@@ -59,8 +59,8 @@ def test_over_the_pools_equals_the_reference() -> None:
 
 
 def test_repeated_token_equals_the_recurrence() -> None:
-    """One repeated key per row, write strength 0.99, no decay: near-singular chunk systems (the nilpotent product
-    the form used before was off by 1e7 here; kernels/gdn/unit_lower_inverse.py)."""
+    """One repeated key per row, write strength 0.99, no decay: chunk systems whose powers of L explode (the
+    nilpotent product the form used before was off by 1e7 here; kernels/gdn/unit_lower_inverse.py)."""
     rng = np.random.default_rng(32)
     b, t, h, dk, dv = 2, 128, 2, 16, 8
     k = l2_normalize(jnp.asarray(np.broadcast_to(rng.standard_normal((b, 1, h, dk)), (b, t, h, dk)), jnp.float32))

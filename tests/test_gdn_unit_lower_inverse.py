@@ -1,5 +1,5 @@
 """The chunk systems' inverse by recursive block inversion (kernels/gdn/unit_lower_inverse.py) against float64
-``numpy.linalg.inv``: random systems and the near-singular ones of a repeated token (keys alike, write strength near
+``numpy.linalg.inv``: random systems and those of a repeated token (keys alike, write strength near
 1, no decay), where the nilpotent product ``(I - L)(I + L^2)...`` the kernel used before was off by 1e7 or more.
 float32 at ``HIGHEST``: max abs error 1e-5 (entries O(1)); one bfloat16 pass per product: 2e-2."""
 

@@ -224,7 +224,8 @@ def _gdn_chain(layout: tuple[int, ...], slots: list[int], steps: list[tuple[list
     reference over the rows' state ``slots``, each side carrying its own pools (random at the start: a prefix
     already in the state); compare every step's valid outputs and the pools at the end. ``norm``: with the
     fused gated output norm, as the model calls the kernel. ``repeated``: each row's tokens are one repeated
-    input, write strength in [0.95, 1] and log-decay in [-0.01, 0] (near-singular chunk systems)."""
+    input, write strength in [0.95, 1] and log-decay in [-0.01, 0] (chunk systems whose powers of L grow
+    like binomial coefficients)."""
     hk, hv, dk, dv, k = _gdn_heads(layout)
     rng = np.random.default_rng(seed)
     chip, cpu = _devices()
@@ -240,11 +241,11 @@ def _gdn_chain(layout: tuple[int, ...], slots: list[int], steps: list[tuple[list
         lens = np.asarray(lens, np.int32)
         valid = np.arange(t)[None, :] < lens[:, None]
         shape = (b, 1, conv_dim) if repeated else (b, t, conv_dim)
-        g_low, beta_low = (-0.01, 0.95) if repeated else (-0.5, 0.0)
+        g_max, beta_low = (0.01, 0.95) if repeated else (0.5, 0.0)
         step = dict(
             mixed=(np.broadcast_to(rng.standard_normal(shape), (b, t, conv_dim)) * valid[..., None]).astype(np.float32),
             conv_weight=conv_w,
-            g=(rng.uniform(g_low, 0.0, (b, t, hv)) * valid[..., None]).astype(np.float32),  # log-decay <= 0
+            g=(-rng.uniform(0.0, g_max, (b, t, hv)) * valid[..., None]).astype(np.float32),  # log-decay <= 0
             beta=(rng.uniform(beta_low, 1.0, (b, t, hv)) * valid[..., None]).astype(np.float32),
             slot_ids=np.asarray(slots, np.int32), new_lens=lens, fresh=np.full(b, fresh))
         if norm:
@@ -296,8 +297,8 @@ def test_fused_gdn_matches_reference(layout: tuple[int, ...], step: str) -> None
 
 @pytest.mark.parametrize("layout", GDN_LAYOUTS, ids=GDN_IDS)
 def test_fused_gdn_repeated_token_prefill(layout: tuple[int, ...]) -> None:
-    """Prompts of one repeated token with write strength near 1 and almost no decay: chunk systems near
-    singular, whose inverse the nilpotent product got wrong by 1e20 (kernels/gdn/unit_lower_inverse.py)."""
+    """Prompts of one repeated token with write strength near 1 and almost no decay: chunk systems whose
+    inverse the nilpotent product got wrong by 1e20 (kernels/gdn/unit_lower_inverse.py)."""
     slots, steps = GDN_STEPS["prefill"]
     _gdn_chain(layout, slots, steps, seed=11 + sum(layout), key="repeated", repeated=True)
 
