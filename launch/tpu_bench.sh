@@ -6,7 +6,8 @@
 # Each step writes $OUT/STEP.txt (its stdout and stderr) under a time limit (default 600 s); $OUT/times.txt lists
 # each step's exit status and wall time. Steps run one after another in fresh processes: one holds the chip at a
 # time. JAX's persistent compilation cache (/tmp/jaxcache) is shared between them.
-#   suite        the TPU suite (tests/tpu)            kernels      bench.kernels (attention, GDN, state copy)
+#   suite        the TPU suite (tests/tpu)            kernels      bench.kernels: attention and GDN per batch mix
+#                                                     kernelsgdn   bench.kernels: GDN decode, verify, prefill steps
 #   suitekernels the suite's kernel tests              suitemodel   its engine and speculative tests (the suite
 #                                                                   in two calls of under 10 minutes each)
 #   decode       decode step at 8 and 256 rows         decode64     decode step at 64 rows
@@ -32,7 +33,8 @@ step_cmd() {
     suitekernels) echo python -m pytest -q -p no:cacheprovider tests/tpu/test_kernels_on_chip.py ;;
     suitemodel) echo python -m pytest -q -p no:cacheprovider tests/tpu/test_engine_on_chip.py \
                   tests/tpu/test_speculative_on_chip.py ;;
-    kernels) echo python -m sglang_tpu_qwen.bench.kernels ;;
+    kernels) echo python -m sglang_tpu_qwen.bench.kernels --sections mixes ;;
+    kernelsgdn) echo python -m sglang_tpu_qwen.bench.kernels --sections gdn-decode,gdn-verify,gdn-prefill ;;
     decode) echo python -m sglang_tpu_qwen.bench.decode_step --rows 8,256 --no-plan ;;
     decode64) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 --no-plan ;;
     decodeprof) echo python -m sglang_tpu_qwen.bench.decode_step --rows 256 --no-plan --profile /tmp/prof_decode \

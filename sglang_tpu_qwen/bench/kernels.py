@@ -1,6 +1,8 @@
 """Kernel benchmark: Pallas kernels against their jnp references over a sweep of batch mixes.
 
-``python -m sglang_tpu_qwen.bench.kernels [--iters N] [--small]``. On a TPU it times the ragged paged
+``python -m sglang_tpu_qwen.bench.kernels [--iters N] [--small] [--sections mixes,gdn-decode,gdn-verify,gdn-prefill]``
+(the whole sweep takes over the 10 minutes of one device call: ``launch/tpu_bench.sh`` runs ``mixes`` and the GDN
+sections as two steps). On a TPU it times the ragged paged
 attention and the fused GDN kernel and their references per batch mix (decodes only, prefills only, mixed)
 and prints time per call, achieved bytes/s and flops/s, and their fraction of the device's peak. Off TPU it
 runs the references only (the Pallas kernels would run in the interpreter, which measures nothing) and says
@@ -126,6 +128,8 @@ def _attention_case(mix: Mix, small: bool, dtype) -> tuple[tuple, float, float]:
 
 
 # GDN head layouts (Hk, Hv, dk, dv) of the decode-layout section: the released 397B-A17B's and 35B-A3B's.
+# The sweep's parts, selectable with --sections.
+SECTIONS = ("mixes", "gdn-decode", "gdn-verify", "gdn-prefill")
 GDN_LAYOUTS = {"397B": (16, 64, 128, 128), "35B": (16, 32, 128, 128)}
 
 
@@ -177,7 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--small", action="store_true", help="small shapes (default off TPU)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (the whole sweep overruns one 10-minute "
+                         "device call)")
     args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        ap.error(f"unknown section(s) {sorted(sections - set(SECTIONS))}; choose from {SECTIONS}")
     dev = jax.devices()[0]
     on_tpu = jax.default_backend() == "tpu"
     small = args.small or not on_tpu
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {dev.device_kind} ({jax.default_backend()}), shapes: {'small' if small else SHAPES}"
           + ("" if on_tpu else "; not a TPU: running the jnp references only (Pallas would be interpreted)"))
     impls = [("reference", False)] + ([("pallas", True)] if on_tpu else [])
-    for mix in _mixes(small):
+    for mix in _mixes(small) if "mixes" in sections else ():
         att_args, att_flops, att_bytes = _attention_case(mix, small, dtype)
         gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype)
         print(f"-- {mix.name}: {len(mix.new)} rows, {max(mix.prefix) + max(mix.new)} longest context", flush=True)
@@ -204,6 +214,15 @@ def main(argv: list[str] | None = None) -> None:
             print(_row("fused_gdn", mix.name, "xla", secs, gdn_flops, gdn_bytes, peaks))
     # GDN decode per released layout and --mamba-ssm-dtype: the state read and written once is the traffic.
     rows = 8 if small else 64
+    if "gdn-decode" in sections:
+        _gdn_decode_section(rows, small, dtype, impls, peaks, on_tpu, args.iters)
+    if "gdn-verify" in sections:
+        _gdn_verify_section(rows, small, dtype, impls, peaks, args.iters)
+    if "gdn-prefill" in sections:
+        _gdn_prefill_section(small, dtype, peaks, on_tpu, args.iters)
+
+
+def _gdn_decode_section(rows: int, small: bool, dtype, impls: list, peaks, on_tpu: bool, iters: int) -> None:
     print(f"-- GDN decode, {rows} rows, per layout and state dtype", flush=True)
     mix = Mix("decode", (100,) * rows, (1,) * rows)
     for name, heads in ({"small": GDN_LAYOUTS["397B"]} if small else GDN_LAYOUTS).items():
@@ -211,15 +230,18 @@ def main(argv: list[str] | None = None) -> None:
             gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, heads, state_dtype)
             label = f"{name}/{jnp.dtype(state_dtype).name}"
             for impl, _ in impls:
-                secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), args.iters)
+                secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), iters)
                 print(_row("fused_gdn", label, impl, secs, gdn_flops, gdn_bytes, peaks))
             if on_tpu:  # the ceiling: the same state blocks copied in place, nothing computed
                 pool, slots = gdn_args[5], gdn_args[7]
                 per_step = heads[1] // heads[0] * decode_heads(heads[0], heads[1] // heads[0], heads[2], heads[3],
                                                                pool.dtype.itemsize, DECODE_STATE_BYTES)
                 copy_bytes = 2 * rows * pool[0, 0].nbytes
-                secs = _time(functools.partial(_state_copy_step, heads=per_step), (pool, slots), (0,), args.iters)
+                secs = _time(functools.partial(_state_copy_step, heads=per_step), (pool, slots), (0,), iters)
                 print(_row("state copy", label, "pallas", secs, 0.0, copy_bytes, peaks))
+
+
+def _gdn_verify_section(rows: int, small: bool, dtype, impls: list, peaks, iters: int) -> None:
     # A speculative verify's GDN step (4 tokens a row, the recurrent form, 35B layout) without commit (the state
     # read once) and its commit (read and written): the kernel against the state bytes, beside the decode rows'
     # state copy above; its deviceless schedule puts the lane broadcasts of k and q (XLU) first.
@@ -230,9 +252,12 @@ def main(argv: list[str] | None = None) -> None:
     for commit in (False, True):
         for impl, _ in impls:
             fn = functools.partial(_gdn_fn(impl, dims), commit=commit)
-            secs = _time(fn, gdn_args, (4, 5), args.iters)
+            secs = _time(fn, gdn_args, (4, 5), iters)
             print(_row("fused_gdn", f"{'commit' if commit else 'verify'} {rows}x4", impl, secs, gdn_flops,
                        gdn_bytes - (0 if commit else state_once), peaks))
+
+
+def _gdn_prefill_section(small: bool, dtype, peaks, on_tpu: bool, iters: int) -> None:
     # GDN prefill as the 35B-shaped checkpoint's serving steps cut 2,048 tokens (issue 44's prefill profile: 32
     # rows x 64 and 8 x 256): the kernel's chunked form against the XLA parallel-chunk candidate.
     print("-- GDN prefill steps, 35B layout: the chunked form", flush=True)
@@ -240,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         mix = Mix("prefill", (0,) * rows, (new,) * rows)
         gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, GDN_LAYOUTS["35B"])
         for impl in ("xla", "pallas", "pallas-1kh") if on_tpu else ("xla",):
-            secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), args.iters)
+            secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), iters)
             print(_row("fused_gdn", f"{rows}x{new}", impl, secs, gdn_flops, gdn_bytes, peaks))
 
 
