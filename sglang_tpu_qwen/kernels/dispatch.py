@@ -56,13 +56,14 @@ class KernelBackends:
 
     @classmethod
     def of(cls, attention: str = "reference", gdn: str = "reference", interpret: bool = False,
-           platform: str = "tpu", moe: str | None = None) -> KernelBackends:
+           platform: str = "tpu", moe: str | None = None, moe_group_align: int = 0) -> KernelBackends:
         """Backends by name, with their default layouts and one ``interpret`` flag for all (as
         :func:`resolve_backends` builds them). ``moe`` None: the MoE backend ``auto`` picks on ``platform``
-        (``pallas`` on "tpu", else ``reference``). Raises ValueError for an unknown name."""
+        (``pallas`` on "tpu", else ``reference``); ``moe_group_align`` as ``MoeBackend.group_align``. Raises
+        ValueError for an unknown name."""
         moe = moe or ("pallas" if platform == "tpu" else "reference")
         return cls(attention=AttentionBackend(attention, interpret=interpret), gdn=GdnBackend(gdn, interpret=interpret),
-                   moe=MoeBackend(moe, interpret=interpret), platform=platform)
+                   moe=MoeBackend(moe, interpret=interpret, group_align=moe_group_align), platform=platform)
 
     @property
     def xla_cpu(self) -> bool:
@@ -98,7 +99,7 @@ def gdn_pallas_unsupported(config: Any, interpret: bool = False) -> str | None:
 
 
 def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str | None = None,
-                     config: Any = None, moe: str = "auto") -> KernelBackends:
+                     config: Any = None, moe: str = "auto", moe_group_align: int = 0) -> KernelBackends:
     """Resolve the three flags for a JAX platform and, when given, a model config.
 
     Args:
@@ -117,6 +118,7 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         ValueError: for a value outside :data:`CHOICES` (the message names the flag), or ``pallas`` chosen for
             a model config the kernel cannot run on ``platform`` (the message names the config fields and
             values).
+        moe_group_align: ``--moe-group-align`` (kernels/moe_backend.py ``MoeBackend.group_alignment``).
     """
     platform = platform or jax.default_backend()
     on_tpu = platform == "tpu"
@@ -140,7 +142,8 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         gdn_name = "reference"
     # Interpret mode off a TPU, for every Pallas kernel alike (the flag was one for the whole step).
     interpret = ("pallas" in (attn_name, moe_name) or gdn_name in GDN_PALLAS) and not on_tpu
-    return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name)
+    return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name,
+                             moe_group_align=moe_group_align)
 
 
 def page_multiple(attention: str, kv_dtype: Any) -> int:
