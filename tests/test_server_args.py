@@ -24,6 +24,8 @@ def test_sglang_flag_names_parse():
     assert ServerArgs(page_size=6).page_size == 6  # bf16 / auto pages: any size
     assert prepare_server_args(["--moe-group-align", "128"]).moe_group_align == 128
     assert ServerArgs().moe_group_align == 0
+    with pytest.raises(ValueError, match="without expert parallelism"):
+        ServerArgs(moe_group_align=128, ep_size=2)
 
 
 @pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--page-size", "0"], ["--schedule-policy", "random"],

@@ -295,6 +295,9 @@ class ServerArgs:
         if self.moe_group_align < 0 or self.moe_group_align % 8:
             raise ValueError(f"--moe-group-align must be 0 (off) or a positive multiple of 8 (a sublane tile), got "
                              f"{self.moe_group_align}")
+        if self.moe_group_align and self.ep_size > 1:
+            raise ValueError("--moe-group-align applies to the routed experts without expert parallelism; "
+                             "with --ep-size > 1 each device's experts keep their rows packed (not built)")
         if self.gdn_snapshot_host_gb is not None and not self.gdn_snapshot_host_gb >= 0:
             raise ValueError(f"--gdn-snapshot-host-gb must be >= 0 (0: no host tier), got {self.gdn_snapshot_host_gb}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
