@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tpu_qwen.tools.hlo_traffic import program_traffic
+from sglang_tpu_qwen.tools.hlo_traffic import instruction_table, program_traffic
 
 # ruff: noqa: E501 (HLO instructions are one line each)
 
@@ -334,3 +334,12 @@ def test_planner_charges_ragged_dot_at_the_chips_measured_mxu_share() -> None:
     (r0, f0), (r1, f1) = pts[0], pts[1]
     assert v5e.ragged_dot_mxu_fraction((r0 * r1) ** 0.5) == pytest.approx((f0 + f1) / 2)  # log-linear midpoint
     assert not tpu7x.ragged_dot_mxu_points and tpu7x.ragged_dot_mxu_fraction(256) == 1.0
+
+
+def test_instruction_table_names_every_branch():
+    """The traffic counts a conditional's cheapest branch, but a profile may run the other (the MTP commit's
+    greedy sampling): the table that names a profile's ops holds every branch's instructions."""
+    table = instruction_table(HLO)
+    assert {"n", "big", "r", "sel", "loop", "f", "k"} <= set(table)
+    assert table["big"][0] == "broadcast" and table["n"][0] == "negate"
+    assert not any(t.name in ("big", "r") for t in program_traffic(HLO))  # the dear branch is not charged

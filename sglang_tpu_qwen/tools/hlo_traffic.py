@@ -307,10 +307,11 @@ def _local_bytes(name: str, comps: dict[str, list[_Instr]]) -> float:
     return total
 
 
-def _walk(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], list[str]]:
+def _walk(comps: dict[str, list[_Instr]], entry: str, all_branches: bool = False) -> tuple[dict[str, int], list[str]]:
     """Executions per program run of each computation reached from ``entry`` (while bodies times their trip
-    counts, the cheapest branch of a conditional, called computations), and the order they were reached in.
-    Computations offloaded to the SparseCore are not walked: their call sites are charged."""
+    counts, the cheapest branch of a conditional, or with ``all_branches`` every branch once, called
+    computations), and the order they were reached in. Computations offloaded to the SparseCore are not walked:
+    their call sites are charged."""
     counts: dict[str, int] = defaultdict(int)
     counts[entry] = 1
     order = [entry]
@@ -331,7 +332,9 @@ def _walk(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], l
                 names = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0]) \
                     if "branch_computations=" in ins.attrs else []
                 names += [n for key in ("true_computation", "false_computation") if (n := _attr(ins.attrs, key))]
-                if names:  # the cheapest branch: the expected path (fast paths, optional work skipped)
+                if names and all_branches:
+                    called += [(n, 1) for n in names]
+                elif names:  # the cheapest branch: the expected path (fast paths, optional work skipped)
                     called.append((min(names, key=lambda n: _local_bytes(n, comps)), 1))
             elif ins.opcode == "call":
                 name = _attr(ins.attrs, "to_apply")
@@ -383,11 +386,12 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
 
 
 def instruction_table(text: str) -> dict[str, tuple[str, str]]:
-    """Every instruction of the computations the compiled HLO ``text`` runs (the entry and what it reaches, as
-    :func:`program_traffic` walks them), free ones too (``while``, ``tuple``, ``copy-done``: a profile's host
-    plane gives them self time): ``{name: (opcode, op_name metadata)}``."""
+    """Every instruction of the computations the compiled HLO ``text`` can run (the entry and what it reaches,
+    every branch of a conditional: a profile may run the branch :func:`program_traffic` does not count, as the MTP
+    commit's greedy sampling), free ones too (``while``, ``tuple``, ``copy-done``: a profile's host plane gives them
+    self time): ``{name: (opcode, op_name metadata)}``."""
     comps, entry = _parse(text)
-    _, order = _walk(comps, entry)
+    _, order = _walk(comps, entry, all_branches=True)
     out: dict[str, tuple[str, str]] = {}
     for c in order:
         for ins in comps.get(c, []):
