@@ -84,7 +84,9 @@ def test_small_run_on_cpu(capsys):
     # ragged_dot (fused) against the model form, per case; the prefill case's two aligned layouts too.
     assert out.count(": ok") == 3 + len(gm.GROUP_ALIGNS)
     assert "aligned 128" in out.splitlines()[-2]  # the prefill case's summary names them
-    assert "megablox (5 tilings)" in out and "skipped: not a TPU" in out
+    # The small prefill case (256 tokens) is a serving step's size: the step tilings too.
+    prefill_tilings = 1 + len(gm.PREFILL_TILINGS) + len(gm.STEP_TILINGS)
+    assert f"megablox ({prefill_tilings} tilings)" in out and "skipped: not a TPU" in out
     assert out.count(f"{gm.FP8_IMPL:<36}skipped: not a TPU") == 2  # the decode cases
     assert "compiles inside timed windows: 0;" in out
 

@@ -299,6 +299,10 @@ class Impl:
 MEGABLOX_DEFAULT = (128, 128, 128)
 DECODE_TILINGS = [(128, 512, 1024), (128, 2048, 1024), (256, 1024, 2048)]
 PREFILL_TILINGS = [(512, 1024, 1024), (256, 2048, 1024), (512, 512, 2048), (1024, 512, 1024)]
+# A serving step's few rows an expert (~128 at 2,048 tokens of the 35B layout): a row tile past them multiplies
+# padding, a tile that straddles two groups runs twice; smaller row tiles waste less of either.
+STEP_TILINGS = [(64, 2048, 512), (128, 2048, 512)]
+STEP_TOKENS = 2048  # cases of at most this many tokens also sweep STEP_TILINGS
 TOKAMAX_TILING = {"decode": (128, 2048, 1024), "prefill": (512, 1024, 1024)}
 GROUP_ALIGNS = (128, 256)  # --moe-group-align candidates: ragged_dot's row tile, and twice it
 
@@ -308,7 +312,8 @@ def impls(case: Case, on_tpu: bool) -> list[Impl]:
     out = [Impl(REFERENCE, "split", ffn_model_form), Impl("ragged_dot", "fused", ffn_fused(ragged_dot_matmul))]
     if case.kind == "prefill":
         out += [Impl(f"{REFERENCE} aligned {a}", "split", ffn_model_form, align=a) for a in GROUP_ALIGNS]
-    tilings = [MEGABLOX_DEFAULT] + (DECODE_TILINGS if case.kind == "decode" else PREFILL_TILINGS)
+    tilings = [MEGABLOX_DEFAULT] + (DECODE_TILINGS if case.kind == "decode" else PREFILL_TILINGS
+                                    + (STEP_TILINGS if case.tokens <= STEP_TOKENS else []))
     not_tpu = "not a TPU: Pallas would run in the interpreter, which measures nothing"
     if not on_tpu:
         out.append(Impl(f"megablox ({len(tilings)} tilings)", "fused", None, skip=not_tpu))
