@@ -18,6 +18,7 @@
 #   prefillprof  64 x 512 prefill with a profile       spec         bench.spec_decode (trained tiny model)
 #   moeprefill   bench.grouped_matmul at a 2,048-token prefill step, packed and aligned (--moe-group-align)
 #   prefillalign prefill 64 x 512 and 8 x 4,096 with --moe-group-align 128
+#   mxuchain     bench.mxu_chain: a dependent product's time by size and independent chains (the GDN chunk form)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -52,6 +53,7 @@ step_cmd() {
     prefillprof) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --shapes 64x512 --profile /tmp/prof_prefill ;;
     moeprefill) echo python -m sglang_tpu_qwen.bench.grouped_matmul --only 2048 ;;
     prefillalign) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --moe-group-align 128 ;;
+    mxuchain) echo python -m sglang_tpu_qwen.bench.mxu_chain ;;
     spec) echo python -m sglang_tpu_qwen.bench.spec_decode --output-json "$OUT/spec.json" ;;
     *) return 1 ;;
   esac
