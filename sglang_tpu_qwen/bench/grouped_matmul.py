@@ -607,8 +607,9 @@ def run(args: argparse.Namespace, on_tpu: bool, small: bool, peaks: tuple[float,
                     back = None
                     if imp.align:  # the aligned layout of the same sorted rows, built before the timed calls
                         src, back, aligned_gs = aligned_groups(gs_dev, case.assignments, imp.align)
-                        xs_imp = activations(case, case.assignments)[src]
-                        call_args = (xs_imp, *weight_args(form, w), aligned_gs)
+                        if case.assignments not in xs_by_rows:
+                            xs_by_rows[case.assignments] = activations(case, case.assignments)
+                        call_args = (xs_by_rows[case.assignments][src], *weight_args(form, w), aligned_gs)
                     else:
                         if rows not in xs_by_rows:
                             xs_by_rows[rows] = activations(case, rows)

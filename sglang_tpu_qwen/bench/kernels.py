@@ -128,9 +128,9 @@ def _attention_case(mix: Mix, small: bool, dtype) -> tuple[tuple, float, float]:
     return args, flops, nbytes
 
 
-# GDN head layouts (Hk, Hv, dk, dv) of the decode-layout section: the released 397B-A17B's and 35B-A3B's.
 # The sweep's parts, selectable with --sections.
 SECTIONS = ("mixes", "gdn-decode", "gdn-verify", "gdn-prefill")
+# GDN head layouts (Hk, Hv, dk, dv) of the decode-layout section: the released 397B-A17B's and 35B-A3B's.
 GDN_LAYOUTS = {"397B": (16, 64, 128, 128), "35B": (16, 32, 128, 128)}
 
 
@@ -216,17 +216,17 @@ def main(argv: list[str] | None = None) -> None:
         if mix.t > RECURRENT_MAX_T:  # the chunked form: the XLA candidate beside the kernel
             secs = _time(_gdn_fn("xla", dims), gdn_args, (4, 5), args.iters)
             print(_row("fused_gdn", mix.name, "xla", secs, gdn_flops, gdn_bytes, peaks))
-    # GDN decode per released layout and --mamba-ssm-dtype: the state read and written once is the traffic.
     rows = 8 if small else 64
     if "gdn-decode" in sections:
         _gdn_decode_section(rows, small, dtype, impls, peaks, on_tpu, args.iters)
     if "gdn-verify" in sections:
-        _gdn_verify_section(rows, small, dtype, impls, peaks, args.iters)
+        _gdn_verify_section(rows, small, dtype, impls, peaks, on_tpu, args.iters)
     if "gdn-prefill" in sections:
         _gdn_prefill_section(small, dtype, peaks, on_tpu, args.iters)
 
 
 def _gdn_decode_section(rows: int, small: bool, dtype, impls: list, peaks, on_tpu: bool, iters: int) -> None:
+    # GDN decode per released layout and --mamba-ssm-dtype: the state read and written once is the traffic.
     print(f"-- GDN decode, {rows} rows, per layout and state dtype", flush=True)
     mix = Mix("decode", (100,) * rows, (1,) * rows)
     for name, heads in ({"small": GDN_LAYOUTS["397B"]} if small else GDN_LAYOUTS).items():
@@ -245,7 +245,7 @@ def _gdn_decode_section(rows: int, small: bool, dtype, impls: list, peaks, on_tp
                 print(_row("state copy", label, "pallas", secs, 0.0, copy_bytes, peaks))
 
 
-def _gdn_verify_section(rows: int, small: bool, dtype, impls: list, peaks, iters: int) -> None:
+def _gdn_verify_section(rows: int, small: bool, dtype, impls: list, peaks, on_tpu: bool, iters: int) -> None:
     # A speculative verify's GDN step (4 tokens a row, the recurrent form, 35B layout) without commit (the state
     # read once) and its commit (read and written): the kernel against the state bytes, beside the decode rows'
     # state copy above; its deviceless schedule puts the lane broadcasts of k and q (XLU) first.
@@ -256,7 +256,7 @@ def _gdn_verify_section(rows: int, small: bool, dtype, impls: list, peaks, iters
     # On a TPU the verify also with other state blocks a grid step (default DECODE_STATE_BYTES, 1 MiB): its
     # 612 us on the v5e is about its static compute plus its state read, as if a block's copy did not overlap
     # the previous block's 4 tokens of VPU work; smaller blocks shorten what is exposed if so.
-    sweep = [f"pallas@{kib}" for kib in (256, 512, 2048)] if impls[-1][1] else []
+    sweep = [f"pallas@{kib}" for kib in (256, 512, 2048)] if on_tpu else []
     for commit in (False, True):
         for impl in [name for name, _ in impls] + (sweep if not commit else []):
             fn = functools.partial(_gdn_fn(impl, dims), commit=commit)

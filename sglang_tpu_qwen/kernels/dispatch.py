@@ -109,6 +109,7 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support on ``platform``
             (:func:`gdn_pallas_unsupported`). ``auto`` falls back to the reference with a warning; an explicit
             ``pallas`` is refused.
+        moe_group_align: ``--moe-group-align`` (kernels/moe_backend.py ``MoeBackend.group_alignment``).
 
     Returns:
         The resolved :class:`KernelBackends`, each with its kernel's layout (head-major KV pages for the Pallas
@@ -118,7 +119,6 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         ValueError: for a value outside :data:`CHOICES` (the message names the flag), or ``pallas`` chosen for
             a model config the kernel cannot run on ``platform`` (the message names the config fields and
             values).
-        moe_group_align: ``--moe-group-align`` (kernels/moe_backend.py ``MoeBackend.group_alignment``).
     """
     platform = platform or jax.default_backend()
     on_tpu = platform == "tpu"
