@@ -8,7 +8,7 @@
 # time. JAX's persistent compilation cache (/tmp/jaxcache) is shared between them.
 #   suite        the TPU suite (tests/tpu)            kernels      bench.kernels: attention and GDN per batch mix
 #                                                     kernelsgdn   bench.kernels: GDN decode, verify, prefill steps
-#   suitekernels the suite's kernel and MoE tests      suitemodel   its engine and speculative tests (the suite
+#   suitekernels the suite's kernel tests              suitemodel   its engine and speculative tests (the suite
 #                                                                   in two calls of under 10 minutes each)
 #   decode       decode step at 8 and 256 rows         decode64     decode step at 64 rows
 #   decodeprof   256-row decode step with a profile    mtp          MTP cycle at 1, 8, 64 rows (the issue's flags)
@@ -16,8 +16,7 @@
 #                map's size, not its ids; the accept length is the random MTP layer's 1.0 either way)
 #   mtpprof      64-row MTP cycle with a profile       prefill      prefill 64 x 512 and 8 x 4,096
 #   prefillprof  64 x 512 prefill with a profile       spec         bench.spec_decode (trained tiny model)
-#   moeprefill   bench.grouped_matmul at a 2,048-token prefill step, packed and aligned (--moe-group-align)
-#   prefillalign prefill 64 x 512 and 8 x 4,096 with --moe-group-align 128
+#   moeprefill   bench.grouped_matmul at a 2,048-token prefill step: ragged_dot (packed) against megablox
 #   mxuchain     bench.mxu_chain: a dependent product's time by size and independent chains (the GDN chunk form)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +32,7 @@ SPEC=(--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagl
 step_cmd() {
   case $1 in
     suite) echo python -m pytest -q -p no:cacheprovider tests/tpu ;;
-    suitekernels) echo python -m pytest -q -p no:cacheprovider tests/tpu/test_kernels_on_chip.py \
-                    tests/tpu/test_moe_on_chip.py ;;
+    suitekernels) echo python -m pytest -q -p no:cacheprovider tests/tpu/test_kernels_on_chip.py ;;
     suitemodel) echo python -m pytest -q -p no:cacheprovider tests/tpu/test_engine_on_chip.py \
                   tests/tpu/test_speculative_on_chip.py ;;
     kernels) echo python -m sglang_tpu_qwen.bench.kernels --sections mixes ;;
@@ -52,7 +50,6 @@ step_cmd() {
     prefill) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan ;;
     prefillprof) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --shapes 64x512 --profile /tmp/prof_prefill ;;
     moeprefill) echo python -m sglang_tpu_qwen.bench.grouped_matmul --only 2048 ;;
-    prefillalign) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --moe-group-align 128 ;;
     mxuchain) echo python -m sglang_tpu_qwen.bench.mxu_chain ;;
     spec) echo python -m sglang_tpu_qwen.bench.spec_decode --output-json "$OUT/spec.json" ;;
     *) return 1 ;;

@@ -22,17 +22,12 @@ def test_sglang_flag_names_parse():
     with pytest.raises(ValueError, match="needs a --page-size that is a multiple of 4"):
         ServerArgs(kv_cache_dtype="fp8_e4m3", page_size=6)
     assert ServerArgs(page_size=6).page_size == 6  # bf16 / auto pages: any size
-    assert prepare_server_args(["--moe-group-align", "128"]).moe_group_align == 128
-    assert ServerArgs().moe_group_align == 0
-    with pytest.raises(ValueError, match="without expert parallelism"):
-        ServerArgs(moe_group_align=128, ep_size=2)
 
 
 @pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--page-size", "0"], ["--schedule-policy", "random"],
                                   ["--top-p", "0.5"], ["--mem-fraction-static", "2"],
                                   ["--gdn-snapshot-host-gb", "-1"], ["--kv-cache-dtype", "fp8_e5m2"],
-                                  ["--mamba-ssm-dtype", "float16"], ["--moe-group-align", "12"],
-                                  ["--moe-group-align", "-8"]])
+                                  ["--mamba-ssm-dtype", "float16"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         prepare_server_args(argv)

@@ -185,11 +185,6 @@ class ServerArgs:
                 "block-FP8 grouped matmul, kernels/fp8_matmul) or reference (FP8 weights dequantised in XLA, then "
                 "ragged_dot). Runs the routed experts and every block-FP8 linear layer; dense weights use "
                 "ragged_dot / XLA's matmul under both."})
-    moe_group_align: int = field(default=0, metadata={
-        "help": "Rows: start each expert's rows of a dense grouped matmul (ragged_dot) at a multiple of this "
-                "when the mean expert holds at least half of it (prefill steps), so no row tile of the grouped "
-                "matmul holds two experts' rows and is multiplied twice; 0 (default): packed. Outputs are the "
-                "same; only the speed changes (kernels/moe_backend.py)."})
     # Constrained decoding (sglang_tpu_qwen/grammar).
     grammar_backend: str = field(
         default="xgrammar", metadata={"help": "xgrammar, llguidance or none (constrained requests get a 400)."}
@@ -292,12 +287,6 @@ class ServerArgs:
             values = getattr(self, name)
             if values is not None and (not values or any(not isinstance(v, int) or v <= 0 for v in values)):
                 raise ValueError(f"--{name.replace('_', '-')} must be positive integers, got {values}")
-        if self.moe_group_align < 0 or self.moe_group_align % 8:
-            raise ValueError(f"--moe-group-align must be 0 (off) or a positive multiple of 8 (a sublane tile), got "
-                             f"{self.moe_group_align}")
-        if self.moe_group_align and self.ep_size > 1:
-            raise ValueError("--moe-group-align applies to the routed experts without expert parallelism; "
-                             "with --ep-size > 1 each device's experts keep their rows packed (not built)")
         if self.gdn_snapshot_host_gb is not None and not self.gdn_snapshot_host_gb >= 0:
             raise ValueError(f"--gdn-snapshot-host-gb must be >= 0 (0: no host tier), got {self.gdn_snapshot_host_gb}")
         if not 0.0 < self.mem_fraction_static <= 1.0:

@@ -13,12 +13,6 @@ Implementations (each case prints every one, or why it did not run):
 - ``megablox (tm,tk,tn)``: JAX's Pallas grouped matmul (``jax.experimental.pallas.ops.tpu.megablox.gmm``) on
   the same stacks, its ``tiling`` swept (the first entry is its default (128, 128, 128)); one tiling is used
   for both products, tk and tn clamped to each product's K and N.
-- ``ragged_dot/model aligned A``: the model's form with each expert's rows starting at a multiple of A
-  (``--moe-group-align A``; ``model.moe.aligned_groups``), prefill cases only: XLA's TPU ``ragged_dot`` runs one
-  grid step per (128-row tile, group) pair that overlaps, so at ~128 rows an expert nearly every tile is
-  multiplied twice. The aligned rows are laid out before the timed calls (in serving they come from the same
-  one gather of the token rows, larger by the padding) and the output is read back through the same map for
-  the check; the cost model still counts the useful rows only.
 - ``fp8 kernel``: the project's block-FP8 grouped kernels (kernels/fp8_matmul: gate and up with SwiGLU in one
   pass, then down), on the split stacks quantised per 128 x 128 block; 35B-shaped decode cases only, its
   bytes counted at one byte a weight plus the scales, its output checked with ``FP8_TOLERANCE``.
@@ -69,7 +63,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.bench.kernels import PEAKS
-from sglang_tpu_qwen.model.moe import aligned_groups, aligned_rows
 from sglang_tpu_qwen.quant.fp8 import quantize
 
 REFERENCE = "ragged_dot/model"
@@ -282,15 +275,13 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 class Impl:
     """One implementation: ``fn(xs, *weights, group_sizes) -> [rows, H]`` over the ``form`` stacks ("split":
     gate, up, down; "fp8": the split stacks block-quantised, each as (q, scale); "fused": gate_up, down), its
-    rows padded to a multiple of ``pad``, or laid out with each group from a multiple of ``align``
-    (``model.moe.aligned_groups``); or ``skip`` (why not)."""
+    rows padded to a multiple of ``pad``; or ``skip`` (why not)."""
 
     name: str
     form: str
     fn: Callable[..., jax.Array] | None
     pad: int = 1
     skip: str = ""
-    align: int = 0
 
 
 # megablox tilings swept (tm, tk, tn); tk, tn clamped per product. Decode: large weight tiles (few grid steps
@@ -304,14 +295,11 @@ PREFILL_TILINGS = [(512, 1024, 1024), (256, 2048, 1024), (512, 512, 2048), (1024
 STEP_TILINGS = [(64, 2048, 512), (128, 2048, 512)]
 STEP_TOKENS = 2048  # cases of at most this many tokens also sweep STEP_TILINGS
 TOKAMAX_TILING = {"decode": (128, 2048, 1024), "prefill": (512, 1024, 1024)}
-GROUP_ALIGNS = (128, 256)  # --moe-group-align candidates: ragged_dot's row tile, and twice it
 
 
 def impls(case: Case, on_tpu: bool) -> list[Impl]:
     """Every implementation of ``case``, reference first (skipped ones say why)."""
     out = [Impl(REFERENCE, "split", ffn_model_form), Impl("ragged_dot", "fused", ffn_fused(ragged_dot_matmul))]
-    if case.kind == "prefill":
-        out += [Impl(f"{REFERENCE} aligned {a}", "split", ffn_model_form, align=a) for a in GROUP_ALIGNS]
     tilings = [MEGABLOX_DEFAULT] + (DECODE_TILINGS if case.kind == "decode" else PREFILL_TILINGS
                                     + (STEP_TILINGS if case.tokens <= STEP_TOKENS else []))
     not_tpu = "not a TPU: Pallas would run in the interpreter, which measures nothing"
@@ -398,9 +386,7 @@ def weight_specs(shape: Shape, form: str) -> tuple[jax.ShapeDtypeStruct, ...]:
     return jax.ShapeDtypeStruct((e, h, 2 * i), bf), jax.ShapeDtypeStruct((e, i, h), bf)
 
 
-def padded_rows(case: Case, pad: int, align: int = 0) -> int:
-    if align:
-        return aligned_rows(case.assignments, case.shape.experts, align)
+def padded_rows(case: Case, pad: int) -> int:
     return -(-case.assignments // pad) * pad
 
 
@@ -515,9 +501,6 @@ def summary_line(case: Case, c: Cost, results: list[tuple[str, float]], peaks: t
         line += f", default {default[0] * 1e6:.1f} us" if default else ""
     if REFERENCE in times:
         line += f"; {REFERENCE} {times[REFERENCE] * 1e6:.1f} us{frac(times[REFERENCE])}"
-    for name, secs in results:
-        if name.startswith(f"{REFERENCE} aligned"):
-            line += f", {name[len(REFERENCE) + 1:]} {secs * 1e6:.1f} us{frac(secs)}"
     if FP8_IMPL in times:
         line += f"; fp8 kernel {times[FP8_IMPL] * 1e6:.1f} us{frac(times[FP8_IMPL], c_fp8)}"
     return line
@@ -561,7 +544,7 @@ def run(args: argparse.Namespace, on_tpu: bool, small: bool, peaks: tuple[float,
         for imp in imps:
             if imp.fn is None:
                 continue
-            xs = jax.ShapeDtypeStruct((padded_rows(case, imp.pad, imp.align), case.shape.hidden), jnp.bfloat16)
+            xs = jax.ShapeDtypeStruct((padded_rows(case, imp.pad), case.shape.hidden), jnp.bfloat16)
             gs_spec = jax.ShapeDtypeStruct((case.shape.experts,), jnp.int32)
             jobs.append(((i, imp.name), imp.fn, (xs, *weight_specs(case.shape, imp.form), gs_spec)))
     executables = compile_all(jobs, args.workers)
@@ -603,17 +586,10 @@ def run(args: argparse.Namespace, on_tpu: bool, small: bool, peaks: tuple[float,
                     if isinstance(exe, BaseException):
                         print(f"{head}failed to compile: {_why(exe)}", flush=True)
                         continue
-                    rows = padded_rows(case, imp.pad, imp.align)
-                    back = None
-                    if imp.align:  # the aligned layout of the same sorted rows, built before the timed calls
-                        src, back, aligned_gs = aligned_groups(gs_dev, case.assignments, imp.align)
-                        if case.assignments not in xs_by_rows:
-                            xs_by_rows[case.assignments] = activations(case, case.assignments)
-                        call_args = (xs_by_rows[case.assignments][src], *weight_args(form, w), aligned_gs)
-                    else:
-                        if rows not in xs_by_rows:
-                            xs_by_rows[rows] = activations(case, rows)
-                        call_args = (xs_by_rows[rows], *weight_args(form, w), gs_dev)
+                    rows = padded_rows(case, imp.pad)
+                    if rows not in xs_by_rows:
+                        xs_by_rows[rows] = activations(case, rows)
+                    call_args = (xs_by_rows[rows], *weight_args(form, w), gs_dev)
                     try:
                         secs, out, compiles = time_call(exe, call_args, args.iters,
                                                         rows * shape.hidden * 2 > _SYNC_EACH_BYTES, counter)
@@ -621,8 +597,6 @@ def run(args: argparse.Namespace, on_tpu: bool, small: bool, peaks: tuple[float,
                         print(f"{head}failed to run: {_why(e)}", flush=True)
                         continue
                     timed_compiles += compiles
-                    if back is not None:
-                        out = out[back]  # the sorted rows, as the reference holds them
                     tol = FP8_TOLERANCE if form == "fp8" else TOLERANCE
                     if imp.name == REFERENCE:
                         refs[i] = out

@@ -56,14 +56,13 @@ class KernelBackends:
 
     @classmethod
     def of(cls, attention: str = "reference", gdn: str = "reference", interpret: bool = False,
-           platform: str = "tpu", moe: str | None = None, moe_group_align: int = 0) -> KernelBackends:
+           platform: str = "tpu", moe: str | None = None) -> KernelBackends:
         """Backends by name, with their default layouts and one ``interpret`` flag for all (as
         :func:`resolve_backends` builds them). ``moe`` None: the MoE backend ``auto`` picks on ``platform``
-        (``pallas`` on "tpu", else ``reference``); ``moe_group_align`` as ``MoeBackend.group_align``. Raises
-        ValueError for an unknown name."""
+        (``pallas`` on "tpu", else ``reference``). Raises ValueError for an unknown name."""
         moe = moe or ("pallas" if platform == "tpu" else "reference")
         return cls(attention=AttentionBackend(attention, interpret=interpret), gdn=GdnBackend(gdn, interpret=interpret),
-                   moe=MoeBackend(moe, interpret=interpret, group_align=moe_group_align), platform=platform)
+                   moe=MoeBackend(moe, interpret=interpret), platform=platform)
 
     @property
     def xla_cpu(self) -> bool:
@@ -99,7 +98,7 @@ def gdn_pallas_unsupported(config: Any, interpret: bool = False) -> str | None:
 
 
 def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str | None = None,
-                     config: Any = None, moe: str = "auto", moe_group_align: int = 0) -> KernelBackends:
+                     config: Any = None, moe: str = "auto") -> KernelBackends:
     """Resolve the three flags for a JAX platform and, when given, a model config.
 
     Args:
@@ -109,7 +108,6 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support on ``platform``
             (:func:`gdn_pallas_unsupported`). ``auto`` falls back to the reference with a warning; an explicit
             ``pallas`` is refused.
-        moe_group_align: ``--moe-group-align`` (kernels/moe_backend.py ``MoeBackend.group_alignment``).
 
     Returns:
         The resolved :class:`KernelBackends`, each with its kernel's layout (head-major KV pages for the Pallas
@@ -142,8 +140,7 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         gdn_name = "reference"
     # Interpret mode off a TPU, for every Pallas kernel alike (the flag was one for the whole step).
     interpret = ("pallas" in (attn_name, moe_name) or gdn_name in GDN_PALLAS) and not on_tpu
-    return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name,
-                             moe_group_align=moe_group_align)
+    return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name)
 
 
 def page_multiple(attention: str, kv_dtype: Any) -> int:

@@ -47,35 +47,17 @@ class MoeBackend:
     Attributes:
         name: one of :data:`NAMES`.
         interpret: run the Pallas kernels in Pallas TPU interpret mode (a non-TPU platform).
-        group_align: ``--moe-group-align``: the row multiple each expert's rows start at in a dense grouped
-            matmul with enough rows an expert (:meth:`group_alignment`); 0: packed, as sorted.
 
     Raises:
-        ValueError: an unknown ``name``, or a negative ``group_align``.
+        ValueError: an unknown ``name``.
     """
 
     name: str = "reference"
     interpret: bool = False
-    group_align: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:
             raise ValueError(f"unknown MoE backend {self.name!r}; known: {', '.join(NAMES)}")
-        if self.group_align < 0:
-            raise ValueError(f"--moe-group-align must be >= 0 (0: off), got {self.group_align}")
-
-    def group_alignment(self, rows: int, groups: int, w: Any) -> int:
-        """The row multiple the routed experts' ``rows`` sorted rows over ``groups`` experts start at
-        (model/moe.py ``aligned_groups``), or 0 to keep them packed.
-
-        Aligned when ``group_align`` is set, ``w`` is a dense stack (``ragged_dot``; the FP8 kernel tiles its
-        own rows) and the mean group holds at least half an aligned tile: then most groups straddle a row tile
-        of the packed layout, each straddled tile is multiplied once per group, and padding costs less than
-        it saves. Below that (decode: a few rows an expert, many groups a tile) the padding would multiply
-        the rows many times over."""
-        if not self.group_align or isinstance(w, Fp8Weight) or rows * 2 < groups * self.group_align:
-            return 0
-        return self.group_align
 
     @property
     def uses_pallas(self) -> bool:

@@ -46,49 +46,6 @@ def group_counts(ids: jax.Array, num_groups: int) -> jax.Array:
     return jnp.sum(ids[None, :] == jnp.arange(num_groups, dtype=ids.dtype)[:, None], axis=1, dtype=jnp.int32)
 
 
-def aligned_rows(rows: int, groups: int, align: int) -> int:
-    """Rows of the aligned layout of :func:`aligned_groups`: enough for any split of ``rows`` into ``groups``
-    groups each padded to a multiple of ``align`` (``rows + groups * (align - 1)``, rounded up to ``align``)."""
-    return -(-(rows + groups * (align - 1)) // align) * align
-
-
-def aligned_groups(group_sizes: jax.Array, rows: int, align: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each group of a grouped matmul's sorted rows moved to start at a multiple of ``align``.
-
-    XLA's TPU ``ragged_dot`` (like megablox's ``gmm``) runs one grid step per (row tile of 128, group) pair
-    that overlaps: a tile holding the end of one group and the start of the next is multiplied twice, once
-    with each expert's weights. At ~128 rows an expert (a 2,048-token prefill step of 128 experts top-8)
-    nearly every group straddles two tiles, so the MXU does about twice the useful work. Padding each group
-    to a multiple of the tile makes every visited tile one group's.
-
-    Args:
-        group_sizes: ``[G]`` int32, summing to ``rows``.
-        rows: the sorted rows (static).
-        align: the row multiple each group starts at (static), e.g. the grouped matmul's row tile.
-
-    Returns:
-        ``(src, dest, padded_sizes)``: ``src [aligned_rows(rows, G, align)]`` int32, the sorted row each aligned
-        row holds (padding rows, and the rows past the last group, repeat row 0: their products are computed
-        and dropped); ``dest [rows]`` int32, where each sorted row lands in the aligned layout (so
-        ``aligned[dest] == sorted``); ``padded_sizes [G]`` int32, the group sizes of the aligned layout.
-        Index arithmetic by compares and sums over ``[rows, G]``, no scatter (the v5e runs a scatter an
-        element at a time; see :func:`group_counts`).
-    """
-    g = group_sizes.shape[0]
-    padded = (group_sizes + align - 1) // align * align
-    ends, padded_ends = jnp.cumsum(group_sizes), jnp.cumsum(padded)
-    starts, padded_starts = ends - group_sizes, padded_ends - padded
-    r = jnp.arange(aligned_rows(rows, g, align), dtype=jnp.int32)
-    # An aligned row's group: how many groups end at or before it (empty groups end where they start).
-    grp = jnp.minimum(jnp.sum(r[:, None] >= padded_ends[None, :], axis=1, dtype=jnp.int32), g - 1)
-    offset = r - padded_starts[grp]
-    src = jnp.where(offset < group_sizes[grp], starts[grp] + offset, 0)
-    j = jnp.arange(rows, dtype=jnp.int32)
-    grp_j = jnp.sum(j[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
-    dest = padded_starts[grp_j] + j - starts[grp_j]
-    return src, dest, padded
-
-
 def routed_experts(
     x: jax.Array,
     weights: jax.Array,
@@ -117,25 +74,19 @@ def routed_experts(
     flat = expert_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     tokens = order // k
+    xs = x[tokens]  # [N*k, H], grouped by expert
     group_sizes = group_counts(flat, num_experts)
-    row_weights = weights.reshape(-1)[order]
-    align = backend.group_alignment(n * k, num_experts, w_gate)
-    back = None
-    if align:  # each expert's rows from a row-tile boundary (aligned_groups); the same products, row by row
-        src, back, group_sizes = aligned_groups(group_sizes, n * k, align)
-        tokens, row_weights = tokens[src], row_weights[src]
-    xs = x[tokens]  # [N*k, H] (aligned: [aligned_rows, H]), grouped by expert
     act = backend.grouped_swiglu(xs, w_gate, w_up, group_sizes, expected_rows=n * k)
-    ys = backend.grouped(act, w_down, group_sizes, expected_rows=n * k)
-    ys = ys * row_weights[:, None]
+    ys = backend.grouped(act, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
+    ys = ys * weights.reshape(-1)[order][:, None]
     # Undo the sort (a permutation) by a row gather, then sum each token's k contributions. A scatter of the
     # rows (``.at[order].set``) wrote each [H] row as one sublane of every tile it crossed: 0.1 ms a layer at
     # 256 decode rows of the 35B layout on the v5e, where the forward gather of the same rows took 0.03 ms.
     # The inverse permutation by a second sort, not a scatter (``.at[order].set(arange)``): the v5e runs a
     # scatter an element at a time, 76 us a layer at 16,384 pairs in the prefill profile, where the argsort
-    # above took 12 us. Aligned, the sorted rows sit at ``back`` first: one gather through both.
+    # above took 12 us.
     inverse = jnp.argsort(order)
-    out = ys[inverse if back is None else back[inverse]]
+    out = ys[inverse]
     return out.reshape(n, k, -1).sum(axis=1).astype(x.dtype)
 
 
