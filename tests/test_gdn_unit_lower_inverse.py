@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_qwen.kernels.gdn.unit_lower_inverse import unit_lower_inverse
+from sglang_tpu_qwen.kernels.gdn.unit_lower_inverse import unit_lower_inverse, unit_lower_inverses
 
 
 def _system(rng: np.random.Generator, c: int, similarity: float, beta: float) -> np.ndarray:
@@ -47,6 +47,16 @@ def test_small_sizes(c: int) -> None:
     lower = _system(np.random.default_rng(6), c, 0.5, 0.9)
     inv = np.asarray(unit_lower_inverse(jnp.asarray(lower), functools.partial(_matmul, bf16=False)))
     np.testing.assert_allclose(inv, np.linalg.inv(np.eye(c) + lower), atol=1e-6)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_interleaved_systems_are_each_systems_inverse_bit_for_bit(bf16: bool) -> None:
+    """The kernel emits several chunks' inverses level by level (MXU overlap); each must be exactly its own."""
+    rng = np.random.default_rng(7)
+    lowers = [jnp.asarray(_system(rng, 64, s, 0.9)) for s in (0.0, 0.5, 1.0)]
+    matmul = functools.partial(_matmul, bf16=bf16)
+    for together, alone in zip(unit_lower_inverses(lowers, matmul), lowers, strict=True):
+        np.testing.assert_array_equal(np.asarray(together), np.asarray(unit_lower_inverse(alone, matmul)))
 
 
 def test_rejects_sizes_not_powers_of_two() -> None:

@@ -17,8 +17,8 @@ GDN: flops ``tokens * Hv * 6 * dk * dv`` (state decay, read, write and the outpu
 chunk-local ``tokens * Hv * 2 * C * (dk + dv)``; bytes: each sequence's recurrent state read and written
 once plus inputs and outputs. Steps longer than the recurrent form's run a third implementation, ``xla``: the
 chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the kernel's alternative for prefill;
-a speculative verify's 4-token steps (without commit: the state read once; on a TPU also with grid steps of
-256 KiB to 2 MiB of state, ``pallas@KiB``) and their commit get rows of their own; a last section times the
+a speculative verify's 4-token steps (without commit: the state read once; on a TPU also with a decode step's
+grid steps of 1 MiB of state, ``pallas@1024``) and their commit get rows of their own; a last section times the
 XLA form against the kernel at the 35B-shaped serving prefill steps, the kernel also with one key head a grid
 step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``). Each GDN decode layout also gets a
 ``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
@@ -161,8 +161,8 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
 def _gdn_fn(impl: str, dims: dict) -> Callable:
     """The fused GDN kernel (``pallas``; ``pallas-1kh``: its chunked form one key head a grid step, not
     grouped by ``chunk_heads``; ``pallas@N``: its recurrent form with grid steps of up to N KiB of state, not
-    ``DECODE_STATE_BYTES``), its jitted jnp reference (``reference``) or the XLA parallel-chunk form (``xla``,
-    kernels/gdn/parallel_chunks.py), pools donated, with the head ``dims`` bound."""
+    ``DECODE_STATE_BYTES`` / ``SHORT_STATE_BYTES``), its jitted jnp reference (``reference``) or the XLA
+    parallel-chunk form (``xla``, kernels/gdn/parallel_chunks.py), pools donated, with the head ``dims`` bound."""
     if impl.startswith("pallas@"):
         return functools.partial(fused_gdn, **dims, decode_state_bytes=int(impl[len("pallas@"):]) * 1024)
     if impl.startswith("pallas"):
@@ -253,12 +253,11 @@ def _gdn_verify_section(rows: int, small: bool, dtype, impls: list, peaks, on_tp
     mix = Mix("verify", (100,) * rows, (4,) * rows)
     gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, GDN_LAYOUTS["35B"])
     state_once = rows * gdn_args[5][0, 0].nbytes
-    # On a TPU the verify also with other state blocks a grid step (default DECODE_STATE_BYTES, 1 MiB): its
-    # 612 us on the v5e is about its static compute plus its state read, as if a block's copy did not overlap
-    # the previous block's 4 tokens of VPU work; smaller blocks shorten what is exposed if so.
-    sweep = [f"pallas@{kib}" for kib in (256, 512, 2048)] if on_tpu else []
+    # On a TPU both also with the decode step's 1 MiB of state a grid step (kernel.SHORT_STATE_BYTES, 2 MiB, a
+    # whole row of the 35B layout, is theirs): a grid step's fixed cost is what the larger block saves.
+    sweep = ["pallas@1024"] if on_tpu else []
     for commit in (False, True):
-        for impl in [name for name, _ in impls] + (sweep if not commit else []):
+        for impl in [name for name, _ in impls] + sweep:
             fn = functools.partial(_gdn_fn(impl, dims), commit=commit)
             secs = _time(fn, gdn_args, (4, 5), iters)
             print(_row("fused_gdn", f"{'commit' if commit else 'verify'} {rows}x4", impl, secs, gdn_flops,

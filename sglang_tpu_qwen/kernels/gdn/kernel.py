@@ -84,8 +84,8 @@ after the kernel (B x 3 x conv_dim values per layer, <0.3% of a row's state byte
 step holds about 2.5 MiB of token tiles plus a 256 KiB state, far under Ironwood's 64 MiB, leaving room
 for double buffering; 256 tokens amortise the per-step overhead over four chunks. The recurrent form takes
 one grid step per (sequence, group of key heads), one token block of all T tokens (a block dim equal to the
-array's, so any T tiles); key heads are grouped up to ``DECODE_STATE_BYTES`` of state per step
-(:func:`decode_heads`), and the state block dominates the step's traffic.
+array's, so any T tiles); key heads are grouped up to ``DECODE_STATE_BYTES`` of state per step at T = 1 and
+``SHORT_STATE_BYTES`` at T > 1 (:func:`decode_heads`), and the state block dominates the step's traffic.
 
 Padded tokens (``t >= new_lens[b]``) have ``k = g = beta = 0`` and so change nothing; their outputs are
 finite but meaningless. ``fresh[b]`` makes the kernel read both states of the row as zeros.
@@ -102,13 +102,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm
-from sglang_tpu_qwen.kernels.gdn.unit_lower_inverse import unit_lower_inverse
+from sglang_tpu_qwen.kernels.gdn.unit_lower_inverse import unit_lower_inverses
 from sglang_tpu_qwen.kernels.gdn.window_copy import gather_windows_dma, scatter_windows_dma
 
 CHUNK_SIZE = 64
 # Decode: recurrent-state bytes per grid step (key heads are grouped up to it). A step of one key head
 # (256 KiB at the 397B's layout) spent more time in per-step overhead than in its copies.
 DECODE_STATE_BYTES = 1 << 20
+# Short steps (the recurrent form at T > 1: a speculative verify's k + 1 tokens and its commit) take twice that:
+# on the v5e (35B layout, 64 rows x 4 tokens, 2026-12-07) verify / commit took 611 / 642 us with 1 MiB a grid
+# step and 557 / 598 us with 2 MiB (733 us with 512 KiB): each grid step has a fixed cost their VPU work does
+# not hide.
+SHORT_STATE_BYTES = 2 << 20
 # Chunked form: (value head, chunk) pairs per grid step (key heads are grouped up to it): their state-independent
 # products are independent chains, one at a time left the MXU waiting on each product's result.
 CHUNK_CHAINS = 8
@@ -264,20 +269,14 @@ def _kernel(
 
     @pl.when(n > 0)  # a padding row, or a token block past the row's end, computes nothing
     def _prepare_chunks():
-        for c in range(nc):  # every chunk of the block (one basic block); past n they are padding
-            tok = slice(c * chunk, (c + 1) * chunk)
-            for j in range(heads):
-                keys = slice(j * dk, (j + 1) * dk)
-                q, k = qn[tok, keys], kn[tok, keys]
-                qk = _dot(q, k, _NT, bf16)  # shared by the value heads of this key head
-                for h in range(j * r, (j + 1) * r):
-                    _chunk_prepare(c, h, q, k, qk, vn[tok, h * dv : (h + 1) * dv], g_ref[tok, h : h + 1],
-                                   beta_ref[tok, h : h + 1], prep, bf16)
+        # Every chunk of the block (one basic block; past n they are padding) and every value head.
+        pairs = [(c, j, h) for c in range(nc) for j in range(heads) for h in range(j * r, (j + 1) * r)]
+        _chunk_prepare(pairs, dk, dv, chunk, qn, kn, vn, g_ref, beta_ref, prep, bf16)
 
     o_ref[...] = jnp.zeros_like(o_ref)  # tokens past the valid chunks
 
     def chunk_in_order(c, states):
-        return tuple(_chunk_apply(c, s, h, dv, chunk, prep, o_ref, bf16) for h, s in enumerate(states))
+        return _chunk_apply(c, states, dv, chunk, prep, o_ref, bf16)
 
     states = jax.lax.fori_loop(0, jax.lax.div(n + chunk - 1, chunk), chunk_in_order,
                                tuple(rec_ref[h].astype(jnp.float32) for h in range(nh)))
@@ -307,41 +306,72 @@ def _decode_head(s0: jax.Array, k: jax.Array, q: jax.Array, v: jax.Array, g: jax
     return s, jnp.sum(s * q, axis=0, keepdims=True)
 
 
-def _chunk_prepare(c: int, h: int, q: jax.Array, k: jax.Array, qk: jax.Array, v: jax.Array, g: jax.Array,
-                   beta: jax.Array, prep, bf16: bool) -> None:
-    """The state-independent part of chunk ``c`` of the WY/UT form for value head ``h`` (module docstring):
-    ``q, k [C, dk]``, ``qk = q k^T [C, C]``, ``v [C, dv]``, ``g, beta [C, 1]`` float32; writes ``U``, ``W``,
-    ``Q exp(cum)``, ``K exp(cum_C - cum)``, ``tril(Q K^T * D)`` and ``exp(cum_C)`` into ``prep[...][c, h]``."""
+def _chunk_prepare(pairs: list[tuple[int, int, int]], dk: int, dv: int, chunk: int, qn, kn, vn, g_ref, beta_ref,
+                   prep, bf16: bool) -> None:
+    """The state-independent part of the WY/UT form (module docstring) for every ``(chunk c, key head j, value
+    head h)`` of ``pairs``: from the normalised ``qn``/``kn [block_t, heads * dk]``, ``vn [block_t, heads * r * dv]``
+    and ``g``/``beta [block_t, heads * r]`` float32, writes ``U``, ``W``, ``Q exp(cum)``, ``K exp(cum_C - cum)``,
+    ``tril(Q K^T * D)`` and ``exp(cum_C)`` into ``prep[...][c, h]``.
+
+    Each step is emitted for every pair before the next step (breadth first): the MXU takes products in program
+    order, so a pair's chain of dependent products (the inverse's ten, then U and W) emitted whole left it idle
+    on each result, where independent products of the other pairs now fill the waits. A pair's arithmetic is the
+    same either way.
+    """
     u_ref, w_ref, qd_ref, kd_ref, intra_ref, last_ref = prep
-    chunk = q.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     causal, strict = row >= col, row > col
-    # In-chunk cumulative sum as a triangular matmul (Mosaic has no cumsum); 128 equal lanes, then transposed
-    # to get the same values along a row.
-    cum_b = _cumsum_rows(causal, g, bf16)
-    cum, cum_row, last = cum_b[:, :1], cum_b.T[:1, :], cum_b[chunk - 1 :, :1]
-    # Mask before exp: the upper triangle holds positive exponents that could overflow.
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum - cum_row, 0.0)), 0.0)
-    k_beta = k * beta
-    lower = jnp.where(strict, _dot(k_beta, k, _NT, bf16) * decay, 0.0)
-    inv = unit_lower_inverse(lower, functools.partial(_dot, dims=_NN, bf16=bf16))
-    u_ref[c, h] = _dot(inv, v * beta, _NN, bf16)
-    w_ref[c, h] = _dot(inv, k_beta * jnp.exp(cum), _NN, bf16)
-    qd_ref[c, h] = q * jnp.exp(cum)
-    kd_ref[c, h] = k * jnp.exp(last - cum)
-    intra_ref[c, h] = jnp.where(causal, qk * decay, 0.0)
-    last_ref[c, h] = jnp.broadcast_to(jnp.exp(last), last_ref.shape[2:])
+
+    def tok(c: int) -> slice:
+        return slice(c * chunk, (c + 1) * chunk)
+
+    def keys(j: int) -> slice:
+        return slice(j * dk, (j + 1) * dk)
+
+    def lanes(h: int) -> slice:
+        return slice(h * dv, (h + 1) * dv)
+
+    # Q K^T once per (chunk, key head), shared by its value heads.
+    qk = {(c, j): _dot(qn[tok(c), keys(j)], kn[tok(c), keys(j)], _NT, bf16) for c, j in dict.fromkeys(
+        (c, j) for c, j, _ in pairs)}
+    # In-chunk cumulative sums as triangular matmuls (Mosaic has no cumsum); 128 equal lanes, then transposed to
+    # get the same values along a row.
+    cums = [_cumsum_rows(causal, g_ref[tok(c), h : h + 1], bf16) for c, _, h in pairs]
+    k_betas, decays, lowers = [], [], []
+    for (c, j, h), cum_b in zip(pairs, cums, strict=True):
+        cum, cum_row = cum_b[:, :1], cum_b.T[:1, :]
+        # Mask before exp: the upper triangle holds positive exponents that could overflow.
+        decays.append(jnp.where(causal, jnp.exp(jnp.where(causal, cum - cum_row, 0.0)), 0.0))
+        k_betas.append(kn[tok(c), keys(j)] * beta_ref[tok(c), h : h + 1])
+        lowers.append(_dot(k_betas[-1], kn[tok(c), keys(j)], _NT, bf16))
+    lowers = [jnp.where(strict, lower * decay, 0.0) for lower, decay in zip(lowers, decays, strict=True)]
+    invs = unit_lower_inverses(lowers, functools.partial(_dot, dims=_NN, bf16=bf16))
+    for (c, _, h), cum_b, inv, k_beta in zip(pairs, cums, invs, k_betas, strict=True):
+        u_ref[c, h] = _dot(inv, vn[tok(c), lanes(h)] * beta_ref[tok(c), h : h + 1], _NN, bf16)
+        w_ref[c, h] = _dot(inv, k_beta * jnp.exp(cum_b[:, :1]), _NN, bf16)
+    for (c, j, h), cum_b, decay in zip(pairs, cums, decays, strict=True):
+        cum, last = cum_b[:, :1], cum_b[chunk - 1 :, :1]
+        qd_ref[c, h] = qn[tok(c), keys(j)] * jnp.exp(cum)
+        kd_ref[c, h] = kn[tok(c), keys(j)] * jnp.exp(last - cum)
+        intra_ref[c, h] = jnp.where(causal, qk[c, j] * decay, 0.0)
+        last_ref[c, h] = jnp.broadcast_to(jnp.exp(last), last_ref.shape[2:])
 
 
-def _chunk_apply(c, s: jax.Array, h: int, dv: int, chunk: int, prep, o_ref, bf16: bool) -> jax.Array:
-    """Chunk ``c`` (traced) of value head ``h`` from the state ``s [dk, dv]`` float32 before it: writes the chunk's
-    outputs into ``o_ref`` and returns the state after it (module docstring)."""
+def _chunk_apply(c, states: tuple[jax.Array, ...], dv: int, chunk: int, prep, o_ref,
+                 bf16: bool) -> tuple[jax.Array, ...]:
+    """Chunk ``c`` (traced) of every value head from its state ``states[h] [dk, dv]`` float32 before it: writes the
+    chunk's outputs into ``o_ref`` and returns the states after it (module docstring). Emitted breadth first
+    across the heads, as :func:`_chunk_prepare`."""
     u_ref, w_ref, qd_ref, kd_ref, intra_ref, last_ref = prep
-    v_new = u_ref[c, h] - _dot(w_ref[c, h], s, _NN, bf16)
+    heads = range(len(states))
     tok = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-    o_ref[tok, h * dv : (h + 1) * dv] = _dot(qd_ref[c, h], s, _NN, bf16) + _dot(intra_ref[c, h], v_new, _NN, bf16)
-    return s * last_ref[c, h][0:1, 0:1] + _dot(kd_ref[c, h], v_new, _TN, bf16)
+    w_s = [_dot(w_ref[c, h], states[h], _NN, bf16) for h in heads]
+    q_s = [_dot(qd_ref[c, h], states[h], _NN, bf16) for h in heads]
+    v_new = [u_ref[c, h] - w_s[h] for h in heads]
+    for h in heads:
+        o_ref[tok, h * dv : (h + 1) * dv] = q_s[h] + _dot(intra_ref[c, h], v_new[h], _NN, bf16)
+    return tuple(states[h] * last_ref[c, h][0:1, 0:1] + _dot(kd_ref[c, h], v_new[h], _TN, bf16) for h in heads)
 
 
 def chunk_heads(hk: int, r: int, chunks: int, chains: int) -> int:
@@ -422,7 +452,7 @@ def fused_gdn(
     norm_weight: jax.Array | None = None,
     norm_eps: float = 1e-6,
     block_t: int = 256,
-    decode_state_bytes: int = DECODE_STATE_BYTES,
+    decode_state_bytes: int | None = None,
     chunk_chains: int = CHUNK_CHAINS,
     recurrent_max_t: int = RECURRENT_MAX_T,
     commit: bool = True,
@@ -449,7 +479,8 @@ def fused_gdn(
         norm_weight: ``[dv]`` the norm's weight (required with ``gate``); norm_eps: its epsilon.
         block_t: tokens per grid step in the chunked form (rounded to a multiple of the 64-token chunk).
         decode_state_bytes: in the recurrent form, the most recurrent-state bytes one grid step holds: key heads
-            are grouped per step up to it (:func:`decode_heads`).
+            are grouped per step up to it (:func:`decode_heads`). None: ``DECODE_STATE_BYTES`` at T = 1,
+            ``SHORT_STATE_BYTES`` at T > 1.
         chunk_chains: in the chunked form, key heads are grouped per grid step (:func:`chunk_heads`) until the
             step holds this many (value head, chunk) pairs: independent chains of products the scheduler can
             overlap.
@@ -481,7 +512,8 @@ def fused_gdn(
     recurrent = t <= recurrent_max_t
     if recurrent:  # one token block of all T tokens (a block dim equal to the array's: any T tiles)
         bt, tp = t, t
-        heads = decode_heads(hk, r, dk, dv, rec_pool.dtype.itemsize, decode_state_bytes)
+        budget = decode_state_bytes or (DECODE_STATE_BYTES if t == 1 else SHORT_STATE_BYTES)
+        heads = decode_heads(hk, r, dk, dv, rec_pool.dtype.itemsize, budget)
     else:
         bt = min(-(-block_t // CHUNK_SIZE), -(-t // CHUNK_SIZE)) * CHUNK_SIZE
         tp = -(-t // bt) * bt

@@ -147,16 +147,18 @@ CHIPS = {
                               "kernel that only copies 64 rows' float32 GDN states in place, 1 MiB blocks, runs at "
                               "74-77% of 819 GB/s; dev sweeps of 0.25-16 MiB blocks and 2-8 copies in flight gave "
                               "the same, reads alone 76-81%, writes alone 62-72%",
-        gdn_recurrent_flops_per_s=2.0e12,
-        gdn_recurrent_source="the kernel's deviceless v5e schedule (dev: LLO bundles of one grid step, one bundle a "
-                             "cycle at 1.503 GHz, the clock of 197 TFLOP/s over 4 MXUs of 128 x 128): a verify's 4 "
-                             "tokens over 1 MiB of float32 state (16 value heads, 6.29 MFLOP declared) schedule in "
-                             "4,718 bundles, 3.14 us, at the 35B layout (3,730 at the 397B's); about 1,000 bundles "
-                             "a token plus 750. Not yet set beside a chip measurement",
-        gdn_chunked_flops_per_s=3.68e12,
-        gdn_chunked_source="measured on the chip, 2026-12-06 (bench/prefill_step.py --profile, 64 x 512 on the "
-                           "35B-shaped checkpoint, bf16): the chunked form ran 57 calls a prefill (19 steps of 2,048 "
-                           "tokens x 3 GDN layers, 6.44 GFLOP declared each) in 99.8 ms; 1.8% of the bf16 peak",
+        gdn_recurrent_flops_per_s=1.45e12,
+        gdn_recurrent_source="measured on the chip, 2026-12-07 (bench/kernels.py --sections gdn-verify, 35B layout): "
+                             "a verify's 4 tokens over 64 rows' float32 state (805 MFLOP declared) in 557 us with "
+                             "the short steps' 2 MiB grid steps (611 us with 1 MiB: 1.32 TFLOP/s), its state read "
+                             "at 241 GB/s: the VPU work bounds it. The deviceless v5e schedule had said 2.0 "
+                             "(4,718 bundles a 1 MiB grid step at 1.503 GHz)",
+        gdn_chunked_flops_per_s=8.1e12,
+        gdn_chunked_source="measured on the chip, 2026-12-07 (bench/kernels.py --sections gdn-prefill, 35B layout, "
+                           "bf16): a 2,048-token step's chunked form (6.44 GFLOP declared) in 0.793 ms at 32 x 64 "
+                           "(the 64 x 512 prefill's steps), 0.834 at 8 x 256, 0.837 at 1 x 2,048; 4.1% of the "
+                           "bf16 peak. It was 3.68 (1.75 ms a call) before the chunks' products were emitted "
+                           "breadth first",
         ragged_dot_mxu_points=((128, 0.26), (256, 0.32), (2048, 0.64)),
         ragged_dot_source="measured on the chip, 2026-12-06, bf16 at the 35B-A3B's expert shapes (128 experts, "
                           "hidden 2048, intermediate 512), gate/up then down: 128 rows a group from the 64 x 512 "
