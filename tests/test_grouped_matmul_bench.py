@@ -86,4 +86,5 @@ def test_small_run_on_cpu(capsys):
     prefill_tilings = 1 + len(gm.PREFILL_TILINGS) + len(gm.STEP_TILINGS)
     assert f"megablox ({prefill_tilings} tilings)" in out and "skipped: not a TPU" in out
     assert out.count(f"{gm.FP8_IMPL:<36}skipped: not a TPU") == 2  # the decode cases
+    assert out.count(f"{'grouped_ffn tm 128 (project)':<36}skipped: not a TPU") == 3  # every case
     assert "compiles inside timed windows: 0;" in out

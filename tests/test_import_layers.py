@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("args",),  # ServerArgs (names of the chat parsers come from parsers/; page-size rules from kernels/)
     ("kernels",),  # the backend per layer kind and platform (dispatch): its kernel and its pool layout
     ("quant",),  # FP8 block-quantised weight types
-    ("kernels.fp8_matmul", "kernels.gdn", "kernels.ragged_paged_attention"),  # Pallas kernels + jnp references
+    # Pallas kernels + jnp references
+    ("kernels.fp8_matmul", "kernels.gdn", "kernels.grouped_ffn", "kernels.ragged_paged_attention"),
     ("parsers",),  # reasoning and tool-call parsers
     ("tokenizer",),
     ("utils",),  # exception types, shape helpers, process settings: any folder may use them

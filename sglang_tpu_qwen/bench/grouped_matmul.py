@@ -13,6 +13,9 @@ Implementations (each case prints every one, or why it did not run):
 - ``megablox (tm,tk,tn)``: JAX's Pallas grouped matmul (``jax.experimental.pallas.ops.tpu.megablox.gmm``) on
   the same stacks, its ``tiling`` swept (the first entry is its default (128, 128, 128)); one tiling is used
   for both products, tk and tn clamped to each product's K and N.
+- ``grouped_ffn tm N``: the project's expert-by-expert kernel (kernels/grouped_ffn: one grid step an expert,
+  its three weight blocks pipelined, the rows in tiles of N through gate/up, SwiGLU and down on chip), on the
+  split stacks; the prefill candidate.
 - ``fp8 kernel``: the project's block-FP8 grouped kernels (kernels/fp8_matmul: gate and up with SwiGLU in one
   pass, then down), on the split stacks quantised per 128 x 128 block; 35B-shaped decode cases only, its
   bytes counted at one byte a weight plus the scales, its output checked with ``FP8_TOLERANCE``.
@@ -63,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_qwen.bench.kernels import PEAKS
+from sglang_tpu_qwen.kernels.grouped_ffn.kernel import grouped_ffn
 from sglang_tpu_qwen.quant.fp8 import quantize
 
 REFERENCE = "ragged_dot/model"
@@ -294,6 +298,7 @@ PREFILL_TILINGS = [(512, 1024, 1024), (256, 2048, 1024), (512, 512, 2048), (1024
 # padding, a tile that straddles two groups runs twice; smaller row tiles waste less of either.
 STEP_TILINGS = [(64, 2048, 512), (128, 2048, 512)]
 STEP_TOKENS = 2048  # cases of at most this many tokens also sweep STEP_TILINGS
+GROUPED_FFN_TILES = (128, 256)  # row tiles of the project's expert-by-expert kernel (kernels/grouped_ffn)
 TOKAMAX_TILING = {"decode": (128, 2048, 1024), "prefill": (512, 1024, 1024)}
 
 
@@ -308,6 +313,10 @@ def impls(case: Case, on_tpu: bool) -> list[Impl]:
     for t in tilings if on_tpu else []:
         name = f"megablox {t}" + (" default" if t == MEGABLOX_DEFAULT else "")
         out.append(Impl(name, "fused", ffn_fused(megablox_matmul(t)), t[0]))
+    for tm in GROUPED_FFN_TILES:
+        name = f"grouped_ffn tm {tm} (project)"
+        out.append(Impl(name, "split", functools.partial(grouped_ffn, tm=tm)) if on_tpu
+                   else Impl(name, "split", None, skip=not_tpu))
     if case.kind == "decode" and case.shape in FP8_SHAPES:
         out.append(Impl(FP8_IMPL, "fp8", ffn_fp8()) if on_tpu else Impl(FP8_IMPL, "fp8", None, skip=not_tpu))
     why = tokamax_available()

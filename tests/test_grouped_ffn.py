@@ -1,0 +1,51 @@
+"""The expert-by-expert SwiGLU FFN kernel (kernels/grouped_ffn) in Pallas interpret mode against its reference, the
+model's form (three ``jax.lax.ragged_dot`` products): float32 within 1e-5 of the
+largest output (both at ``HIGHEST``, summation orders differ), bfloat16 within 2^-6 of it (one bf16 rounding of
+the products and activation where the orders differ); every row a group covers, the rest undefined."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sglang_tpu_qwen.kernels.grouped_ffn.kernel import grouped_ffn
+from sglang_tpu_qwen.kernels.grouped_ffn.reference import grouped_ffn_reference
+
+H, I = 256, 128  # noqa: E741 - the FFN's intermediate size, as the model names it
+
+# name -> group sizes: untouched experts between touched ones; an expert whose rows end in the array's clamped
+# last tile after another's (its tile starts before its rows); one expert over several tiles; fewer rows than a
+# tile; rows past the groups.
+CASES = {
+    "gaps": ([0, 40, 0, 0, 77, 3, 0, 24], 144),
+    "clamped_tail": ([50, 0, 20, 0, 0, 0, 3, 7], 80),
+    "one_expert": ([0, 0, 0, 300, 0, 0, 0, 0], 300),
+    "short": ([0, 5, 0, 0, 0, 2, 0, 0], 7),
+    "padding_rows": ([16, 0, 16, 0, 0, 0, 0, 16], 64),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_ffn_matches_ragged_dot(case: str, dtype) -> None:
+    sizes, rows = CASES[case]
+    rng = np.random.default_rng(len(case))
+    e = len(sizes)
+    x = jnp.asarray(rng.standard_normal((rows, H)), dtype)
+    wg, wu = (jnp.asarray(rng.standard_normal((e, H, I)) / np.sqrt(H), dtype) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((e, I, H)) / np.sqrt(I), dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    covered = sum(sizes)
+    got = np.asarray(grouped_ffn(x, wg, wu, wd, gs, tm=32, interpret=True).astype(jnp.float32))[:covered]
+    want = np.asarray(grouped_ffn_reference(x, wg, wu, wd, gs).astype(jnp.float32))[:covered]
+    assert got.shape == want.shape
+    tol = 1e-5 if dtype == jnp.float32 else 2.0**-6
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+
+
+def test_grouped_ffn_rejects_mismatched_stacks() -> None:
+    x = jnp.zeros((32, H), jnp.float32)
+    w = jnp.zeros((4, H, I), jnp.float32)
+    with pytest.raises(ValueError, match="grouped_ffn"):
+        grouped_ffn(x, w, w, w, jnp.zeros((4,), jnp.int32), interpret=True)
