@@ -19,6 +19,7 @@
 #   moeprefill   bench.grouped_matmul at a 2,048-token prefill step: ragged_dot (packed) against megablox and
 #                the project's expert-by-expert kernel (kernels/grouped_ffn)
 #   prefill8k    prefill 64 x 512 and 8 x 4,096 with --chunked-prefill-size 8192
+#   moe35b       bench.grouped_matmul at every 35B-A3B case (decode 8 / 64 / 256 rows, prefill 2,048 to 32,768)
 #   mxuchain     bench.mxu_chain: a dependent product's time by size and independent chains (the GDN chunk form)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +53,7 @@ step_cmd() {
     prefill) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan ;;
     prefillprof) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --shapes 64x512 --profile /tmp/prof_prefill ;;
     moeprefill) echo python -m sglang_tpu_qwen.bench.grouped_matmul --only 2048 ;;
+    moe35b) echo python -m sglang_tpu_qwen.bench.grouped_matmul --only 35B-A3B ;;
     prefill8k) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --chunked-prefill-size 8192 ;;
     mxuchain) echo python -m sglang_tpu_qwen.bench.mxu_chain ;;
     spec) echo python -m sglang_tpu_qwen.bench.spec_decode --output-json "$OUT/spec.json" ;;
