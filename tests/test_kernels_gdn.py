@@ -151,6 +151,22 @@ def test_steps_chain_through_the_pools() -> None:
         assert np.abs(np.asarray(a)[:, first:] - np.asarray(b)[:, first:]).max() <= TOL
 
 
+def test_chunk_chains_per_step_change_nothing() -> None:
+    """Grouping more (chunk, value head) pairs a grid step only reorders independent work: one key head a step
+    (4 pairs: two 64-token chunks of its 2 value heads) and both (8 pairs; asked with 16 chains, which also raises
+    the scoped VMEM limit) give the same outputs and pools bit for bit."""
+    rng = np.random.default_rng(17)
+    conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
+    conv, rec = _pools(rng)
+    mixed, g, beta, lens = _step(rng, [128, 90, 0], 128)
+    slots, fresh = jnp.asarray([3, 6, 0], jnp.int32), jnp.asarray([False, True, False])
+    runs = [fused_gdn(mixed, conv_w, g, beta, jnp.array(conv, copy=True), jnp.array(rec, copy=True), 1, slots, lens,
+                      fresh, block_t=128, chunk_chains=chains, interpret=True, **DIMS) for chains in (1, 16)]
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("state_dtype", [jnp.bfloat16])
 def test_bf16_state_error_against_fp32(state_dtype) -> None:
     """bf16 recurrent/conv state: error of the outputs against the fp32-state kernel over prefill + decodes."""

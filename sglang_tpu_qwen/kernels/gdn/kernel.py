@@ -614,7 +614,11 @@ def fused_gdn(
                    jax.ShapeDtypeStruct((bsz, km1, hv * dv), conv_pool.dtype), *state_out[1]],
         # Operand indices count the 4 scalar-prefetch operands: rec_pool is operand 15.
         input_output_aliases={15: 4} if commit else {},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        # More chunk chains a step than the default spill past the 16 MiB of scoped VMEM Mosaic allows by default
+        # (16 pairs at 32 x 64: 16.04 MiB, deviceless v5e): they get 48 MiB (the v5e has 128, Ironwood 64).
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=48 << 20 if not recurrent and chunk_chains > CHUNK_CHAINS else None),
         interpret=pltpu.InterpretParams() if interpret else False,
         # XLA cannot see in: the traffic is the rows' inputs and outputs and each row's recurrent state
         # read once and (with commit) written once (not the whole pool operand).
