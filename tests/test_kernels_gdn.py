@@ -151,6 +151,15 @@ def test_steps_chain_through_the_pools() -> None:
         assert np.abs(np.asarray(a)[:, first:] - np.asarray(b)[:, first:]).max() <= TOL
 
 
+def test_chunks_of_128_tokens_match_reference() -> None:
+    """The ``chunk_size=128`` variant over two token blocks of 256 (the second partial), a row ending inside a
+    chunk, a fresh row and a padding row: within the float32 tolerance of the reference (which chunks by 64)."""
+    rng = np.random.default_rng(19)
+    ref, ker, valid, before = _run_both(rng, [300, 129, 0], 300, [4, 2, 0], [False, True, False], block_t=256,
+                                        chunk_size=128)
+    _assert_close(ref, ker, valid, before)
+
+
 def test_chunk_chains_per_step_change_nothing() -> None:
     """Grouping more (chunk, value head) pairs a grid step only reorders independent work: one key head a step
     (4 pairs: two 64-token chunks of its 2 value heads) and both (8 pairs; asked with 16 chains, which also raises
@@ -226,6 +235,9 @@ def test_rejects_bad_dims() -> None:
     with pytest.raises(ValueError, match="bad GDN dims"):
         fused_gdn(mixed, jnp.zeros((CONV_DIM, K)), g, beta, conv, rec, 0, jnp.zeros(1, jnp.int32), lens,
                   jnp.zeros(1, bool), num_k_heads=HK, head_k_dim=DK + 1, head_v_dim=DV, interpret=True)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_gdn(mixed, jnp.zeros((CONV_DIM, K)), g, beta, conv, rec, 0, jnp.zeros(1, jnp.int32), lens,
+                  jnp.zeros(1, bool), chunk_size=96, interpret=True, **DIMS)
 
 
 @pytest.mark.parametrize(("gate_dtype", "weight_dtype"), [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
@@ -382,13 +394,15 @@ def test_copy_slots_copies_only_snapshot_rows() -> None:
     np.testing.assert_array_equal(np.asarray(conv_c), want_conv)
 
 
+@pytest.mark.parametrize("chunk", [64, 128])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_repeated_token_prefill(dtype) -> None:
+def test_repeated_token_prefill(dtype, chunk: int) -> None:
     """A prompt of one repeated token with write strength 0.99 and no decay (and a second row of near-repeats
     continuing a state): keys alike make every chunk's ``L`` entries near 1, whose powers reach ~1e17 at 64 tokens.
     The kernel's nilpotent-product inverse gave outputs of 1e20 here against the reference's 0.16; the recursive
     block inverse (kernels/gdn/unit_lower_inverse.py) stays within the float32 tolerance, and a bfloat16 model's
-    single-pass products at bf16 rounding level (relative rms under 1e-2)."""
+    single-pass products at bf16 rounding level (relative rms under 1e-2); so do chunks of 128 tokens (the
+    ``chunk_size`` variant: one chunk a row here, its inverse a level deeper)."""
     rng = np.random.default_rng(3)
     t, lens = 128, jnp.asarray([128, 100], jnp.int32)
     mixed = np.broadcast_to(rng.standard_normal(CONV_DIM), (2, t, CONV_DIM)).copy()
@@ -402,13 +416,14 @@ def test_repeated_token_prefill(dtype) -> None:
     slots, fresh = jnp.asarray([3, 6], jnp.int32), jnp.asarray([True, False])
     o_r, _, rec_r = fused_gdn_reference(mixed, conv_w, g, beta, conv, rec, 1, slots, lens, fresh, **DIMS)
     o_k, _, rec_k = fused_gdn(mixed.astype(dtype), conv_w, g, beta, jnp.array(conv, copy=True),
-                              jnp.array(rec, copy=True), 1, slots, lens, fresh, block_t=64, interpret=True, **DIMS)
+                              jnp.array(rec, copy=True), 1, slots, lens, fresh, block_t=64, chunk_size=chunk,
+                              interpret=True, **DIMS)
     o_k, o_r = np.asarray(o_k)[valid], np.asarray(o_r)[valid]
     s_k, s_r = np.asarray(rec_k)[1, [3, 6]], np.asarray(rec_r)[1, [3, 6]]
     if dtype == jnp.float32:
         assert np.abs(o_k - o_r).max() <= TOL and np.abs(s_k - s_r).max() <= TOL
     else:
         rms = max(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)) for a, b in ((o_k, o_r), (s_k, s_r)))
-        record("Fused GDN kernel: bf16 model's prefill of a repeated token vs float32 reference",
+        record(f"Fused GDN kernel: bf16 model's prefill of a repeated token vs float32 reference, chunk {chunk}",
                f"relative rms error {rms:.1e}")
         assert rms < 1e-2

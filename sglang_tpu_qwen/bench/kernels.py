@@ -20,8 +20,8 @@ chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the kerne
 a speculative verify's 4-token steps (without commit: the state read once; on a TPU also with a decode step's
 grid steps of 1 MiB of state, ``pallas@1024``) and their commit get rows of their own; a last section times the
 XLA form against the kernel at the 35B-shaped serving prefill steps, the kernel also with one key head a grid
-step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``) and with 16 chunk chains a step
-(``pallas-16``, twice the default). Each GDN decode layout also gets a
+step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``), with 16 chunk chains a step
+(``pallas-16``, twice the default) and with chunks of 128 tokens (``pallas-c128``). Each GDN decode layout also gets a
 ``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
 rate such a stream reaches on the chip.
 """
@@ -159,17 +159,21 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
     return args, dims, flops, nbytes
 
 
+# The chunked form's variants timed beside the default: one key head a grid step, 16 chunk chains a step, chunks
+# of 128 tokens.
+GDN_VARIANTS = {"pallas-1kh": {"chunk_chains": 1}, "pallas-16": {"chunk_chains": 16},
+                "pallas-c128": {"chunk_size": 128}}
+
+
 def _gdn_fn(impl: str, dims: dict) -> Callable:
-    """The fused GDN kernel (``pallas``; ``pallas-1kh``: its chunked form one key head a grid step, not
-    grouped by ``chunk_heads``; ``pallas-16``: key heads grouped up to 16 chunk chains a step, not
-    ``CHUNK_CHAINS``; ``pallas@N``: its recurrent form with grid steps of up to N KiB of state, not
-    ``DECODE_STATE_BYTES`` / ``SHORT_STATE_BYTES``), its jitted jnp reference (``reference``) or the XLA
-    parallel-chunk form (``xla``, kernels/gdn/parallel_chunks.py), pools donated, with the head ``dims`` bound."""
+    """The fused GDN kernel (``pallas``; its chunked form's :data:`GDN_VARIANTS`; ``pallas@N``: its recurrent
+    form with grid steps of up to N KiB of state, not ``DECODE_STATE_BYTES`` / ``SHORT_STATE_BYTES``), its jitted
+    jnp reference (``reference``) or the XLA parallel-chunk form (``xla``, kernels/gdn/parallel_chunks.py), pools
+    donated, with the head ``dims`` bound."""
     if impl.startswith("pallas@"):
         return functools.partial(fused_gdn, **dims, decode_state_bytes=int(impl[len("pallas@"):]) * 1024)
     if impl.startswith("pallas"):
-        chains = {"pallas-1kh": 1, "pallas-16": 16}.get(impl)
-        return functools.partial(fused_gdn, **dims, **({"chunk_chains": chains} if chains else {}))
+        return functools.partial(fused_gdn, **dims, **GDN_VARIANTS.get(impl, {}))
     fn = fused_gdn_parallel if impl == "xla" else fused_gdn_reference
     return functools.partial(jax.jit(fn, static_argnames=(*dims, "commit"), donate_argnums=(4, 5)), **dims)
 
@@ -274,7 +278,7 @@ def _gdn_prefill_section(small: bool, dtype, peaks, on_tpu: bool, iters: int) ->
     for rows, new in ((4, 16), (1, 64)) if small else ((32, 64), (8, 256), (1, 2048)):
         mix = Mix("prefill", (0,) * rows, (new,) * rows)
         gdn_args, dims, gdn_flops, gdn_bytes = _gdn_case(mix, small, dtype, GDN_LAYOUTS["35B"])
-        for impl in ("xla", "pallas", "pallas-1kh", "pallas-16") if on_tpu else ("xla",):
+        for impl in ("xla", "pallas", *GDN_VARIANTS) if on_tpu else ("xla",):
             secs = _time(_gdn_fn(impl, dims), gdn_args, (4, 5), iters)
             print(_row("fused_gdn", f"{rows}x{new}", impl, secs, gdn_flops, gdn_bytes, peaks))
 

@@ -431,7 +431,8 @@ def _v_group_specs(bt: int, single_block: bool, km1: int, hk: int, dk: int, r: i
 
 @functools.partial(
     jax.jit, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "norm_eps", "block_t",
-                              "decode_state_bytes", "chunk_chains", "recurrent_max_t", "commit", "interpret"),
+                              "decode_state_bytes", "chunk_chains", "chunk_size", "recurrent_max_t", "commit",
+                              "interpret"),
     donate_argnums=(4, 5))
 def fused_gdn(
     mixed: jax.Array,
@@ -454,6 +455,7 @@ def fused_gdn(
     block_t: int = 256,
     decode_state_bytes: int | None = None,
     chunk_chains: int = CHUNK_CHAINS,
+    chunk_size: int = CHUNK_SIZE,
     recurrent_max_t: int = RECURRENT_MAX_T,
     commit: bool = True,
     interpret: bool = False,
@@ -477,13 +479,17 @@ def fused_gdn(
             reaches HBM (at prefill XLA relaid it out and converted it around a separate norm, ~1 GiB per
             layer at 4096 tokens). A decode step (T == 1) applies the same norm in XLA after the kernel.
         norm_weight: ``[dv]`` the norm's weight (required with ``gate``); norm_eps: its epsilon.
-        block_t: tokens per grid step in the chunked form (rounded to a multiple of the 64-token chunk).
+        block_t: tokens per grid step in the chunked form (rounded to a multiple of the chunk).
         decode_state_bytes: in the recurrent form, the most recurrent-state bytes one grid step holds: key heads
             are grouped per step up to it (:func:`decode_heads`). None: ``DECODE_STATE_BYTES`` at T = 1,
             ``SHORT_STATE_BYTES`` at T > 1.
         chunk_chains: in the chunked form, key heads are grouped per grid step (:func:`chunk_heads`) until the
             step holds this many (value head, chunk) pairs: independent chains of products the scheduler can
             overlap.
+        chunk_size: tokens a chunk of the chunked form (a power of two; ``CHUNK_SIZE`` = 64, FLA's for these
+            models). A dependent 128 x 128 product takes the v5e about as long as a 64 x 64 one
+            (bench/mxu_chain.py), so 128 halves the chunks a row's state passes through; a benchmark variant
+            until the chip has timed it, and its bf16 error is larger (tests/test_kernels_gdn.py).
         recurrent_max_t: ``T <= recurrent_max_t`` runs the recurrent form (token by token, each token a decode
             step's arithmetic; one grid step per row and key-head group), a longer T the chunked form.
         commit: False: the pools are read, not written (a speculative verify step): the kernel has no state
@@ -496,8 +502,8 @@ def fused_gdn(
         (in the kernel's epilogue in the chunked form, by XLA after the kernel in the recurrent form).
 
     Raises:
-        ValueError: when Hv is not a multiple of Hk, ``conv_dim`` does not match the head layout, or ``gate``
-            comes without ``norm_weight``.
+        ValueError: when Hv is not a multiple of Hk, ``conv_dim`` does not match the head layout, ``gate``
+            comes without ``norm_weight``, or ``chunk_size`` is not a power of two of at least 8.
     """
     bsz, t, conv_dim = mixed.shape
     hv = g.shape[-1]
@@ -507,6 +513,8 @@ def fused_gdn(
     r = hv // hk
     if gate is not None and norm_weight is None:
         raise ValueError("a fused output norm needs norm_weight")
+    if chunk_size < 8 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two of at least 8, got {chunk_size}")
     km1 = conv_weight.shape[1] - 1
     heads = 1
     recurrent = t <= recurrent_max_t
@@ -515,9 +523,9 @@ def fused_gdn(
         budget = decode_state_bytes or (DECODE_STATE_BYTES if t == 1 else SHORT_STATE_BYTES)
         heads = decode_heads(hk, r, dk, dv, rec_pool.dtype.itemsize, budget)
     else:
-        bt = min(-(-block_t // CHUNK_SIZE), -(-t // CHUNK_SIZE)) * CHUNK_SIZE
+        bt = min(-(-block_t // chunk_size), -(-t // chunk_size)) * chunk_size
         tp = -(-t // bt) * bt
-        heads = chunk_heads(hk, r, bt // CHUNK_SIZE, chunk_chains)
+        heads = chunk_heads(hk, r, bt // chunk_size, chunk_chains)
     if tp != t:
         mixed = jnp.pad(mixed, ((0, 0), (0, tp - t), (0, 0)))
         g = jnp.pad(g, ((0, 0), (0, tp - t), (0, 0)))
@@ -558,7 +566,7 @@ def fused_gdn(
         norm_in_specs = [pl.BlockSpec((None, bt, r * dv), lambda b, h, t, *_: (b, t, h)),
                          pl.BlockSpec((1, dv), lambda b, h, t, *_: (0, 0))]
         norm_args = [gate, norm_weight.reshape(1, dv)]
-    kernel = functools.partial(_kernel, dk=dk // heads, dv=dv, r=r // heads, heads=heads, chunk=CHUNK_SIZE,
+    kernel = functools.partial(_kernel, dk=dk // heads, dv=dv, r=r // heads, heads=heads, chunk=chunk_size,
                                norm=norm, recurrent=recurrent, commit=commit,
                                bf16=jnp.dtype(mixed.dtype).itemsize < 4)
     state_spec = pl.BlockSpec((None, None, r, head_k_dim, dv),
@@ -576,7 +584,7 @@ def fused_gdn(
     state_scratch = [] if commit else [pltpu.VMEM((r, head_k_dim, dv), rec_pool.dtype)]
     # The chunked form's state-independent results per (chunk, value head): U, W, Q and K decayed, the intra-chunk
     # scores and the chunk's decay (one (8, 128) tile); ~160 KiB per pair at dims 128.
-    nc, c = bt // CHUNK_SIZE, CHUNK_SIZE
+    nc, c = bt // chunk_size, chunk_size
     chunk_scratch = [] if recurrent else [pltpu.VMEM((nc, r, c, d), jnp.float32)
                                          for d in (dv, head_k_dim, head_k_dim, head_k_dim, c)] + [
                                              pltpu.VMEM((nc, r, 8, 128), jnp.float32)]
