@@ -62,3 +62,7 @@ def test_interleaved_systems_are_each_systems_inverse_bit_for_bit(bf16: bool) ->
 def test_rejects_sizes_not_powers_of_two() -> None:
     with pytest.raises(ValueError, match="power-of-two"):
         unit_lower_inverse(jnp.zeros((48, 48)), jnp.matmul)
+    with pytest.raises(ValueError, match="one shape"):
+        unit_lower_inverses([jnp.zeros((8, 8)), jnp.zeros((16, 16))], jnp.matmul)
+    with pytest.raises(ValueError, match="one shape"):
+        unit_lower_inverses([], jnp.matmul)

@@ -1,13 +1,17 @@
 """The expert-by-expert SwiGLU FFN kernel (kernels/grouped_ffn) in Pallas interpret mode against its reference, the
 model's form (three ``jax.lax.ragged_dot`` products): float32 within 1e-5 of the
 largest output (both at ``HIGHEST``, summation orders differ), bfloat16 within 2^-6 of it (one bf16 rounding of
-the products and activation where the orders differ); every row a group covers, the rest undefined."""
+the products and activation where the orders differ); every row a group covers, the rest undefined. Interpreted
+with DMAs run only when waited on, VMEM uninitialised as NaN and the race detector on: a tile read before its
+copy was waited on, or a write that lands after a later one, shows as wrong rows or a race."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter  # the race detector's state
+from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.grouped_ffn.kernel import grouped_ffn
 from sglang_tpu_qwen.kernels.grouped_ffn.reference import grouped_ffn_reference
@@ -23,7 +27,9 @@ CASES = {
     "one_expert": ([0, 0, 0, 300, 0, 0, 0, 0], 300),
     "short": ([0, 5, 0, 0, 0, 2, 0, 0], 7),
     "padding_rows": ([16, 0, 16, 0, 0, 0, 0, 16], 64),
+    "no_rows": ([0] * 8, 40),
 }
+STRICT = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True, uninitialized_memory="nan")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -37,15 +43,21 @@ def test_grouped_ffn_matches_ragged_dot(case: str, dtype) -> None:
     wd = jnp.asarray(rng.standard_normal((e, I, H)) / np.sqrt(I), dtype)
     gs = jnp.asarray(sizes, jnp.int32)
     covered = sum(sizes)
-    got = np.asarray(grouped_ffn(x, wg, wu, wd, gs, tm=32, interpret=True).astype(jnp.float32))[:covered]
+    got = np.asarray(grouped_ffn(x, wg, wu, wd, gs, tm=32, interpret=STRICT).astype(jnp.float32))[:covered]
+    assert interpreter.races is not None and not interpreter.races.races_found
     want = np.asarray(grouped_ffn_reference(x, wg, wu, wd, gs).astype(jnp.float32))[:covered]
     assert got.shape == want.shape
     tol = 1e-5 if dtype == jnp.float32 else 2.0**-6
-    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    if covered:
+        assert np.isfinite(got).all() and np.abs(got - want).max() <= tol * np.abs(want).max()
 
 
 def test_grouped_ffn_rejects_mismatched_stacks() -> None:
     x = jnp.zeros((32, H), jnp.float32)
     w = jnp.zeros((4, H, I), jnp.float32)
-    with pytest.raises(ValueError, match="grouped_ffn"):
-        grouped_ffn(x, w, w, w, jnp.zeros((4,), jnp.int32), interpret=True)
+    down = jnp.zeros((4, I, H), jnp.float32)
+    gs = jnp.zeros((4,), jnp.int32)
+    for bad in ((x, w, w, w), (x, w, w.astype(jnp.bfloat16), down), (x[:, :200], w[:, :200], w[:, :200],
+                                                                      down[..., :200])):
+        with pytest.raises(ValueError, match="grouped_ffn"):
+            grouped_ffn(*bad, gs, interpret=True)

@@ -153,6 +153,7 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
             jnp.asarray(np.asarray(mix.prefix) == 0))
     dims = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
     tokens = float(lens.sum())
+    # One yardstick for every chunked variant: the chunk-local products counted at the default 64-token chunk.
     flops = tokens * hv * (6 * dk * dv + (2 * CHUNK_SIZE * (dk + dv) if t > RECURRENT_MAX_T else 0))
     state_bytes = jnp.dtype(state_dtype).itemsize
     nbytes = 2 * b * hv * dk * dv * state_bytes + tokens * (conv_dim * jnp.dtype(dtype).itemsize + hv * dv * 4)

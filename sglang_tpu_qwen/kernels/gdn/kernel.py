@@ -9,13 +9,14 @@ channels, q/k L2-normalised (q scaled by dk^-0.5), then per value head, state ``
     S_t = S' + k_t (beta_t (v_t - S'^T k_t))^T
     o_t = S_t^T q_t
 
-Prefill (T > 1) runs chunks of C = 64 tokens: with ``cum`` the in-chunk cumulative log-decay,
-``D[i, j] = exp(cum_i - cum_j)`` (i >= j) and ``L = tril(diag(beta) K K^T * D, -1)``, the chunk's writes are
-``U = (I + L)^-1 diag(beta) V`` and ``W = (I + L)^-1 diag(beta) K exp(cum)``; the inverse of the unit lower
-triangular matrix comes from recursive block inversion (``kernels/gdn/unit_lower_inverse.py``): ten 64 x 64
-products on the MXU instead of a 64-step sequential substitution, every intermediate a block of the inverse (the
-nilpotent product ``(I - L)(I + L^2)...`` it replaced overflowed on a repeated token). Then ``V' = U - W S``,
-``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and ``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
+Prefill (T > 1) runs chunks of C tokens (``chunk_size``, default 64): with ``cum`` the in-chunk cumulative
+log-decay, ``D[i, j] = exp(cum_i - cum_j)`` (i >= j) and ``L = tril(diag(beta) K K^T * D, -1)``, the chunk's
+writes are ``U = (I + L)^-1 diag(beta) V`` and ``W = (I + L)^-1 diag(beta) K exp(cum)``; the inverse of the unit
+lower triangular matrix comes from recursive block inversion (``kernels/gdn/unit_lower_inverse.py``): ten C x C
+products at C = 64 (twelve at 128) on the MXU instead of a C-step sequential substitution, every intermediate a
+block of the inverse (the nilpotent product ``(I - L)(I + L^2)...`` it replaced overflowed on a repeated token).
+Then ``V' = U - W S``, ``O = (Q exp(cum)) S + (tril(Q K^T * D)) V'`` and
+``S <- exp(cum_C) S + (K exp(cum_C - cum))^T V'``.
 
 Precision of the chunked form follows the model's compute dtype (``mixed.dtype``). A float32 model runs the
 chunk's products at ``HIGHEST`` (six bfloat16 MXU passes). A bfloat16 model runs them in one pass over
@@ -520,7 +521,9 @@ def fused_gdn(
     recurrent = t <= recurrent_max_t
     if recurrent:  # one token block of all T tokens (a block dim equal to the array's: any T tiles)
         bt, tp = t, t
-        budget = decode_state_bytes or (DECODE_STATE_BYTES if t == 1 else SHORT_STATE_BYTES)
+        budget = decode_state_bytes
+        if budget is None:
+            budget = DECODE_STATE_BYTES if t == 1 else SHORT_STATE_BYTES
         heads = decode_heads(hk, r, dk, dv, rec_pool.dtype.itemsize, budget)
     else:
         bt = min(-(-block_t // chunk_size), -(-t // chunk_size)) * chunk_size
@@ -622,11 +625,13 @@ def fused_gdn(
                    jax.ShapeDtypeStruct((bsz, km1, hv * dv), conv_pool.dtype), *state_out[1]],
         # Operand indices count the 4 scalar-prefetch operands: rec_pool is operand 15.
         input_output_aliases={15: 4} if commit else {},
-        # More chunk chains a step than the default spill past the 16 MiB of scoped VMEM Mosaic allows by default
-        # (16 pairs at 32 x 64: 16.04 MiB, deviceless v5e): they get 48 MiB (the v5e has 128, Ironwood 64).
+        # More chunk chains a step, or larger chunks, than the defaults spill past the 16 MiB of scoped VMEM Mosaic
+        # allows by default (16 pairs at 32 x 64: 16.04 MiB, deviceless v5e): they get 48 MiB (the v5e has 128,
+        # Ironwood 64).
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=48 << 20 if not recurrent and chunk_chains > CHUNK_CHAINS else None),
+            vmem_limit_bytes=48 << 20 if not recurrent and (chunk_chains > CHUNK_CHAINS or chunk_size > CHUNK_SIZE)
+            else None),
         interpret=pltpu.InterpretParams() if interpret else False,
         # XLA cannot see in: the traffic is the rows' inputs and outputs and each row's recurrent state
         # read once and (with commit) written once (not the whole pool operand).

@@ -63,8 +63,10 @@ def unit_lower_inverses(lowers: Sequence[jax.Array],
         The inverses, in the order of ``lowers``.
 
     Raises:
-        ValueError: C is not a power of two.
+        ValueError: no systems, systems of different shapes, or C not a power of two.
     """
+    if not lowers or any(lower.shape != lowers[0].shape for lower in lowers):
+        raise ValueError(f"unit_lower_inverses needs systems of one shape, got {[x.shape for x in lowers]}")
     c = lowers[0].shape[-1]
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse needs a power-of-two size, got {c}")
