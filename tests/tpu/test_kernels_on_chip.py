@@ -1,6 +1,6 @@
 """The Pallas kernels compiled by Mosaic on the chip against their jnp references on the host's CPU backend.
 
-Both kernels run as the model calls them (``interpret=False``, default block sizes on this chip, float32
+The kernels run as the model calls them (``interpret=False``, default block sizes on this chip, float32
 inputs and caches / states); each reference runs on ``jax.devices("cpu")[0]`` under
 ``jax.default_matmul_precision("highest")``, so the reference is float32 arithmetic, not XLA:TPU's one-pass
 bfloat16 default. Head layouts: every distinct one of the released models (model/catalog.py) plus the embedded
@@ -393,3 +393,30 @@ def test_conv_window_dma_equals_xla(layout: tuple[int, ...], dtype: Any) -> None
     np.testing.assert_array_equal(got[1 - LAYER], pool0[1 - LAYER])
     trash = got[LAYER, :taps].reshape(taps, conv_dim)
     assert any(np.array_equal(trash, w) for w in windows[slots == 0].astype(dtype))
+
+
+# ---- the expert-by-expert SwiGLU FFN (kernels/grouped_ffn, a prefill candidate) ------------------------------------
+
+
+@pytest.mark.parametrize("tm", [128, 256])
+def test_grouped_ffn_matches_reference(tm: int) -> None:
+    """kernels/grouped_ffn compiled by Mosaic against its ragged_dot reference on the CPU (float32, highest), at
+    the 35B-A3B's expert width on 16 experts (off the chip: 256 wide, interpreted): untouched experts, experts
+    whose first row is off a sublane tile (their kept rows come from the last tile in VMEM), one over several
+    tiles, and the array's last tile clamped back over two experts (its kept rows read back from HBM). Every row
+    is covered. SiLU's sigmoid takes the fused-norm test's 4x tolerance (the TPU's approximation)."""
+    from sglang_tpu_qwen.kernels.grouped_ffn.kernel import grouped_ffn
+    from sglang_tpu_qwen.kernels.grouped_ffn.reference import grouped_ffn_reference
+
+    h, i = (256, 128) if interpret() else (2048, 512)
+    sizes = np.asarray([40, 0, 77, 3, 0, 24, 100, 0, 0, 60, 33, 0, 90, 5, 0, 80], np.int32)  # 512 rows
+    rng = np.random.default_rng(91 + tm)
+    x = rng.standard_normal((int(sizes.sum()), h)).astype(np.float32)
+    w_gate, w_up = (rng.standard_normal((len(sizes), h, i)).astype(np.float32) / np.sqrt(h) for _ in range(2))
+    w_down = rng.standard_normal((len(sizes), i, h)).astype(np.float32) / np.sqrt(i)
+    chip, cpu = _devices()
+    args = (x, w_gate, w_up, w_down, sizes)
+    got = grouped_ffn(*(jax.device_put(a, chip) for a in args), tm=tm, interpret=interpret())
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(grouped_ffn_reference)(*(jax.device_put(a, cpu) for a in args))
+    _assert_close(f"grouped_ffn tm {tm}: output", got, want, scale=NORM_TOL_SCALE)
