@@ -162,8 +162,8 @@ def test_chunks_of_128_tokens_match_reference() -> None:
 
 def test_chunk_chains_per_step_change_nothing() -> None:
     """Grouping more (chunk, value head) pairs a grid step only reorders independent work: one key head a step
-    (4 pairs: two 64-token chunks of its 2 value heads) and both (8 pairs; asked with 16 chains, which also raises
-    the scoped VMEM limit) give the same outputs and pools bit for bit."""
+    (4 pairs: two 64-token chunks of its 2 value heads) and both (8 pairs; the default's 16 chains) give the same
+    outputs and pools bit for bit."""
     rng = np.random.default_rng(17)
     conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
     conv, rec = _pools(rng)

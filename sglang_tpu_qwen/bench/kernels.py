@@ -20,8 +20,8 @@ chunked form as batched XLA products (kernels/gdn/parallel_chunks.py), the kerne
 a speculative verify's 4-token steps (without commit: the state read once; on a TPU also with a decode step's
 grid steps of 1 MiB of state, ``pallas@1024``) and their commit get rows of their own; a last section times the
 XLA form against the kernel at the 35B-shaped serving prefill steps, the kernel also with one key head a grid
-step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``), with 16 chunk chains a step
-(``pallas-16``, twice the default) and with chunks of 128 tokens (``pallas-c128``). Each GDN decode layout also gets a
+step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``), with 8 and 32 chunk chains a step
+(``pallas-8``, ``pallas-32``; the default is 16) and with chunks of 128 tokens (``pallas-c128``). Each GDN decode layout also gets a
 ``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
 rate such a stream reaches on the chip.
 """
@@ -160,9 +160,9 @@ def _gdn_case(mix: Mix, small: bool, dtype, heads: tuple[int, int, int, int] = G
     return args, dims, flops, nbytes
 
 
-# The chunked form's variants timed beside the default: one key head a grid step, 16 chunk chains a step, chunks
-# of 128 tokens.
-GDN_VARIANTS = {"pallas-1kh": {"chunk_chains": 1}, "pallas-16": {"chunk_chains": 16},
+# The chunked form's variants timed beside the default (16 chunk chains a step): one key head a grid step, 8 and
+# 32 chains a step, chunks of 128 tokens.
+GDN_VARIANTS = {"pallas-1kh": {"chunk_chains": 1}, "pallas-8": {"chunk_chains": 8}, "pallas-32": {"chunk_chains": 32},
                 "pallas-c128": {"chunk_size": 128}}
 
 

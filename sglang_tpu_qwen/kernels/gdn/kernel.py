@@ -31,8 +31,8 @@ The chunked form runs in two phases per grid step. First, for every (value head,
 does not depend on the state (the decays, ``L`` and its inverse, ``U``, ``W``, the decayed q and k, the intra-chunk
 scores; ``Q K^T`` once per key head, shared by its value heads) as straight-line code into VMEM scratch: the
 pairs are independent chains the scheduler may overlap. Then the chunks in order, every value head's three state
-products per chunk side by side. Key heads are grouped per grid step up to ``CHUNK_CHAINS`` = 8 pairs
-(:func:`chunk_heads`: 4 key heads a step for the 35B layout's 64-token blocks, 1 for 256-token blocks).
+products per chunk side by side. Key heads are grouped per grid step up to ``CHUNK_CHAINS`` = 16 pairs
+(:func:`chunk_heads`: 8 key heads a step for the 35B layout's 64-token blocks, 2 for 256-token blocks).
 
 Decode and short steps (``T <= RECURRENT_MAX_T`` = 8: a decode step, a speculative verify step's k + 1 tokens
 and its commit) run the recurrence directly, token by token on the VPU (``_decode_head``: multiplies and
@@ -116,8 +116,10 @@ DECODE_STATE_BYTES = 1 << 20
 # not hide.
 SHORT_STATE_BYTES = 2 << 20
 # Chunked form: (value head, chunk) pairs per grid step (key heads are grouped up to it): their state-independent
-# products are independent chains, one at a time left the MXU waiting on each product's result.
-CHUNK_CHAINS = 8
+# products are independent chains, one at a time left the MXU waiting on each product's result. On the v5e (35B
+# layout, 2026-12-07) 16 pairs took 693 / 670 / 635 us at 32 x 64 / 8 x 256 / 1 x 2,048 tokens against 8 pairs'
+# 801 / 837 / 840 us.
+CHUNK_CHAINS = 16
 # Steps of at most this many tokens per row run the recurrent form (a speculative verify's k + 1 tokens): the
 # chunked form would pad them to a 64-token chunk and solve 64 x 64 systems for 4 tokens.
 RECURRENT_MAX_T = 8
@@ -625,13 +627,11 @@ def fused_gdn(
                    jax.ShapeDtypeStruct((bsz, km1, hv * dv), conv_pool.dtype), *state_out[1]],
         # Operand indices count the 4 scalar-prefetch operands: rec_pool is operand 15.
         input_output_aliases={15: 4} if commit else {},
-        # More chunk chains a step, or larger chunks, than the defaults spill past the 16 MiB of scoped VMEM Mosaic
-        # allows by default (16 pairs at 32 x 64: 16.04 MiB, deviceless v5e): they get 48 MiB (the v5e has 128,
-        # Ironwood 64).
+        # The chunked form's 16 chunk chains a step spill past the 16 MiB of scoped VMEM Mosaic allows by default
+        # (16 pairs at 32 x 64: 16.04 MiB, deviceless v5e): it gets 48 MiB (the v5e has 128, Ironwood 64).
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=48 << 20 if not recurrent and (chunk_chains > CHUNK_CHAINS or chunk_size > CHUNK_SIZE)
-            else None),
+            vmem_limit_bytes=None if recurrent else 48 << 20),
         interpret=pltpu.InterpretParams() if interpret else False,
         # XLA cannot see in: the traffic is the rows' inputs and outputs and each row's recurrent state
         # read once and (with commit) written once (not the whole pool operand).
