@@ -34,6 +34,7 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (
     linear_tiles,
 )
 from sglang_tpu_qwen.kernels.fp8_matmul.reference import dequantize_blocks
+from sglang_tpu_qwen.kernels.grouped_ffn.kernel import grouped_ffn
 from sglang_tpu_qwen.quant.fp8 import Fp8Weight, LayerSlice
 
 # Backend names: "pallas" runs FP8 weights in kernels/fp8_matmul; "reference" dequantises them in XLA.
@@ -101,6 +102,30 @@ class MoeBackend:
         if not isinstance(w, Fp8Weight):
             return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype).astype(out_dtype)
         return self._fp8_grouped(x, w, group_sizes, out_dtype, expected_rows, zero_tail)
+
+    def ffn(self, x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, group_sizes: jax.Array, *,
+            expected_rows: int | None = None) -> jax.Array:
+        """The routed experts' SwiGLU FFN of rows sorted by group: :meth:`grouped` of :meth:`grouped_swiglu`.
+
+        Under ``pallas`` dense stacks of x's dtype (H a multiple of 128) run kernels/grouped_ffn at every step
+        size: one touched expert a grid step, its weights streamed under the previous expert's products, no
+        ``[M, I]`` activation in HBM. One kernel for every step keeps a row's result independent of the batch it
+        is in (a cache hit, a chunk, a verify step compute what the plain step does). Otherwise the two products.
+
+        Args:
+            x: ``[M, H]`` rows sorted by group; w_gate, w_up: ``[G, H, I]``; w_down: ``[G, I, H]``, dense or FP8;
+                group_sizes: ``[G]`` int32.
+            expected_rows: as :meth:`grouped`.
+
+        Returns:
+            ``[M, H]`` in x's dtype; rows past the groups undefined under the kernel, 0 otherwise.
+        """
+        weights = (w_gate, w_up, w_down)
+        if (self.uses_pallas and x.shape[1] % 128 == 0
+                and all(not isinstance(w, Fp8Weight) and w.dtype == x.dtype for w in weights)):
+            return grouped_ffn(x, *weights, group_sizes, interpret=self.interpret)
+        act = self.grouped_swiglu(x, w_gate, w_up, group_sizes, expected_rows=expected_rows)
+        return self.grouped(act, w_down, group_sizes, expected_rows=expected_rows)
 
     def grouped_swiglu(
         self,
