@@ -21,9 +21,9 @@ a speculative verify's 4-token steps (without commit: the state read once; on a 
 grid steps of 1 MiB of state, ``pallas@1024``) and their commit get rows of their own; a last section times the
 XLA form against the kernel at the 35B-shaped serving prefill steps, the kernel also with one key head a grid
 step (``pallas-1kh``: its key heads not grouped, ``kernel.chunk_heads``), with 8 and 32 chunk chains a step
-(``pallas-8``, ``pallas-32``; the default is 16) and with chunks of 128 tokens (``pallas-c128``). Each GDN decode layout also gets a
-``state copy`` row: the same state blocks copied in place by a kernel that computes nothing, the
-rate such a stream reaches on the chip.
+(``pallas-8``, ``pallas-32``; the default is 16) and with chunks of 128 tokens (``pallas-c128``). Each GDN
+decode layout also gets a ``state copy`` row: the same state blocks copied in place by a kernel that computes
+nothing, the rate such a stream reaches on the chip.
 """
 
 from __future__ import annotations

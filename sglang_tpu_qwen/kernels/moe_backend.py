@@ -34,10 +34,21 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (
     linear_tiles,
 )
 from sglang_tpu_qwen.kernels.fp8_matmul.reference import dequantize_blocks
+from sglang_tpu_qwen.kernels.grouped_ffn import kernel as grouped_ffn_kernel
 from sglang_tpu_qwen.quant.fp8 import Fp8Weight, LayerSlice
 
 # Backend names: "pallas" runs FP8 weights in kernels/fp8_matmul; "reference" dequantises them in XLA.
 NAMES = ("pallas", "reference")
+# Steps of at least this many routed rows (2,048 tokens at top-8) run dense experts through kernels/grouped_ffn.
+# On the v5e (35B-A3B's experts, 2026-12-07, bench.grouped_matmul) it took 1,654 / 3,230 / 11,004 us at 2,048 /
+# 4,096 / 32,768 tokens against ragged_dot's 2,035 / 3,271 / 12,998 us, but 1,332 against 1,135 us at 64
+# decode tokens: one grid step an expert costs more than ragged_dot when each expert has a few rows.
+FFN_KERNEL_MIN_ROWS = 16384
+# grouped_ffn's row tile at those steps (128 rows: 1,910 us at 2,048 tokens).
+FFN_KERNEL_TILE_ROWS = 256
+# Its VMEM blocks must leave Ironwood's 64 MiB a margin: the 397B's experts (24 MiB of weights an expert,
+# double-buffered) do not fit and keep the two products.
+FFN_KERNEL_MAX_VMEM = 24 << 20
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class MoeBackend:
     Attributes:
         name: one of :data:`NAMES`.
         interpret: run the Pallas kernels in Pallas TPU interpret mode (a non-TPU platform).
+        ffn_kernel_min_rows: the fewest routed rows a step sends through kernels/grouped_ffn (:meth:`ffn`).
 
     Raises:
         ValueError: an unknown ``name``.
@@ -54,6 +66,7 @@ class MoeBackend:
 
     name: str = "reference"
     interpret: bool = False
+    ffn_kernel_min_rows: int = FFN_KERNEL_MIN_ROWS
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:
@@ -101,6 +114,35 @@ class MoeBackend:
         if not isinstance(w, Fp8Weight):
             return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype).astype(out_dtype)
         return self._fp8_grouped(x, w, group_sizes, out_dtype, expected_rows, zero_tail)
+
+    def ffn(self, x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, group_sizes: jax.Array, *,
+            expected_rows: int | None = None) -> jax.Array:
+        """The routed experts' SwiGLU FFN of rows sorted by group: :meth:`grouped` of :meth:`grouped_swiglu`.
+
+        Under ``pallas``, steps of at least ``ffn_kernel_min_rows`` rows of dense stacks in x's dtype (H a
+        multiple of 128, the blocks within :data:`FFN_KERNEL_MAX_VMEM`) run kernels/grouped_ffn: one touched
+        expert a grid step, its weights streamed under the previous expert's products, no ``[M, I]`` activation
+        in HBM. Smaller steps (decode, verify, short chunks) and other weights run the two products. The two agree
+        within float32 rounding (a row's sums in another order), as the GDN's chunked and recurrent forms do.
+
+        Args:
+            x: ``[M, H]`` rows sorted by group; w_gate, w_up: ``[G, H, I]``; w_down: ``[G, I, H]``, dense or FP8;
+                group_sizes: ``[G]`` int32.
+            expected_rows: as :meth:`grouped`.
+
+        Returns:
+            ``[M, H]`` in x's dtype; rows past the groups undefined under the kernel, 0 otherwise.
+        """
+        weights = (w_gate, w_up, w_down)
+        m, h = x.shape
+        if (self.uses_pallas and m >= self.ffn_kernel_min_rows and h % 128 == 0
+                and all(not isinstance(w, Fp8Weight) and w.dtype == x.dtype for w in weights)
+                and grouped_ffn_kernel.vmem_bytes(h, w_gate.shape[2], x.dtype, FFN_KERNEL_TILE_ROWS)
+                <= FFN_KERNEL_MAX_VMEM):
+            return grouped_ffn_kernel.grouped_ffn(x, *weights, group_sizes, tm=FFN_KERNEL_TILE_ROWS,
+                                                  interpret=self.interpret)
+        act = self.grouped_swiglu(x, w_gate, w_up, group_sizes, expected_rows=expected_rows)
+        return self.grouped(act, w_down, group_sizes, expected_rows=expected_rows)
 
     def grouped_swiglu(
         self,

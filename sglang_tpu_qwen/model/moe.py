@@ -76,8 +76,7 @@ def routed_experts(
     tokens = order // k
     xs = x[tokens]  # [N*k, H], grouped by expert
     group_sizes = group_counts(flat, num_experts)
-    act = backend.grouped_swiglu(xs, w_gate, w_up, group_sizes, expected_rows=n * k)
-    ys = backend.grouped(act, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
+    ys = backend.ffn(xs, w_gate, w_up, w_down, group_sizes, expected_rows=n * k)  # [N*k, H]
     ys = ys * weights.reshape(-1)[order][:, None]
     # Undo the sort (a permutation) by a row gather, then sum each token's k contributions. A scatter of the
     # rows (``.at[order].set``) wrote each [H] row as one sublane of every tile it crossed: 0.1 ms a layer at

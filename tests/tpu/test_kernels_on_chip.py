@@ -395,7 +395,7 @@ def test_conv_window_dma_equals_xla(layout: tuple[int, ...], dtype: Any) -> None
     assert any(np.array_equal(trash, w) for w in windows[slots == 0].astype(dtype))
 
 
-# ---- the expert-by-expert SwiGLU FFN (kernels/grouped_ffn, a prefill candidate) ------------------------------------
+# ---- the expert-by-expert SwiGLU FFN (kernels/grouped_ffn, served at prefill) ------------------------------
 
 
 @pytest.mark.parametrize("tm", [128, 256])

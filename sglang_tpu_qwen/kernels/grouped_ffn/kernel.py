@@ -1,4 +1,4 @@
-"""The routed experts' SwiGLU FFN in one Pallas TPU kernel, one expert a grid step (a prefill candidate).
+"""The routed experts' SwiGLU FFN in one Pallas TPU kernel, one expert a grid step (what prefill steps run).
 
 Math: for the token rows sorted by expert (``group_sizes``), row r of expert e gives
 ``down_e(silu(x_r gate_e) * (x_r up_e))``, rounded about as the model rounds it (model/moe.py through
@@ -132,6 +132,14 @@ def _kernel(order_ref, starts_ref, sizes_ref, count_ref, x_hbm, wg_ref, wu_ref, 
         y_copy(0).wait()
 
 
+def vmem_bytes(h: int, i: int, dtype: jnp.dtype, tm: int = TILE_ROWS) -> int:
+    """The kernel's VMEM blocks in bytes: an expert's three ``[H, I]`` weight blocks double-buffered, four row
+    tiles of ``[tm, H]`` and the float32 products of a tile (``[tm, 2I + H]``, twice). It asks Mosaic for twice
+    this (at least 32 MiB, at most 100 MiB)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * 3 * h * i * itemsize + 4 * tm * h * itemsize + tm * (2 * i + h) * 4 * 2
+
+
 @functools.partial(jax.jit, static_argnames=("tm", "interpret"))
 def grouped_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array, *,
                 tm: int = TILE_ROWS, interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
@@ -173,7 +181,7 @@ def grouped_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     order = jnp.where(jnp.arange(e) < count, order, order[jnp.maximum(count - 1, 0)])
     itemsize = x.dtype.itemsize
     weight_bytes = 3 * h * i * itemsize
-    vmem = 2 * weight_bytes + 4 * tm * h * itemsize + tm * (2 * i + h) * 4 * 2
+    vmem = vmem_bytes(h, i, x.dtype, tm)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
     def block(shape):
