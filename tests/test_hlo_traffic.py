@@ -336,6 +336,44 @@ def test_planner_charges_ragged_dot_at_the_chips_measured_mxu_share() -> None:
     assert not tpu7x.ragged_dot_mxu_points and tpu7x.ragged_dot_mxu_fraction(256) == 1.0
 
 
+# kernels/grouped_ffn as the TPU compiles it: 16,384 rows over 128 experts of hidden 2048 and intermediate 512,
+# its declared flops (6 M H I) and bytes (every expert's three blocks and the rows in and out).
+GROUPED_FFN = """HloModule g
+
+ENTRY %main (o: s32[128], s: s32[128], z: s32[128], c: s32[1], x: bf16[16384,2048], wg: bf16[128,2048,512], wu: bf16[128,2048,512], wd: bf16[128,512,2048]) -> bf16[16384,2048] {
+  %o = s32[128]{0} parameter(0)
+  %s = s32[128]{0} parameter(1)
+  %z = s32[128]{0} parameter(2)
+  %c = s32[1]{0} parameter(3)
+  %x = bf16[16384,2048]{1,0} parameter(4)
+  %wg = bf16[128,2048,512]{2,1,0} parameter(5)
+  %wu = bf16[128,2048,512]{2,1,0} parameter(6)
+  %wd = bf16[128,512,2048]{2,1,0} parameter(7)
+  ROOT %y = bf16[16384,2048]{1,0} custom-call(%o, %s, %z, %c, %x, %wg, %wu, %wd), custom_call_target="tpu_custom_call", operand_layout_constraints={s32[128]{0}, s32[128]{0}, s32[128]{0}, s32[1]{0}, bf16[16384,2048]{1,0}, bf16[128,2048,512]{2,1,0}, bf16[128,2048,512]{2,1,0}, bf16[128,512,2048]{2,1,0}}, backend_config={"cost_estimate":{"flops":"103079215104","bytes_accessed":"939524096"}}, metadata={op_name="jit(step)/moe/grouped_ffn/pallas_call"}
+}
+"""
+
+
+def test_planner_charges_grouped_ffn_at_the_chips_measured_mxu_share() -> None:
+    """kernels/grouped_ffn's declared flops are charged at the chip's measured share of the MXU peak for its rows
+    per expert (chips.ChipPeaks.grouped_ffn_mxu_fraction); without the curve at the peak."""
+    from sglang_tpu_qwen.tools.plan.chips import CHIPS
+    from sglang_tpu_qwen.tools.plan.programs import traffic
+
+    (op,) = [o for o in program_traffic(GROUPED_FFN) if o.opcode == "custom-call"]
+    assert op.rows_per_group == 16384 / 128 and op.flops == 6 * 16384 * 2048 * 512 and op.dot_flops == 0
+    bw, peak = 1e15, 1e12  # bytes free: the flops bound
+    assert traffic(GROUPED_FFN, bw, peak)["serial_s"] == pytest.approx(op.flops / peak)
+    charged = traffic(GROUPED_FFN, bw, peak, ragged_dot_mxu_fraction=lambda rows: 1.0,
+                      grouped_ffn_mxu_fraction=lambda rows: 0.25 if rows == 128 else 1.0)
+    assert charged["serial_s"] == pytest.approx(op.flops / (0.25 * peak))
+    assert charged["declared_flops"] == op.flops
+    v5e = CHIPS["v5e"]
+    assert "measured" in v5e.grouped_ffn_source and v5e.grouped_ffn_mxu_fraction(128) == 0.316
+    assert v5e.grouped_ffn_mxu_fraction(1e6) == v5e.grouped_ffn_mxu_points[-1][1]
+    assert CHIPS["tpu7x"].grouped_ffn_mxu_fraction(128) == 1.0
+
+
 def test_instruction_table_names_every_branch():
     """The traffic counts a conditional's cheapest branch, but a profile may run the other (the MTP commit's
     greedy sampling): the table that names a profile's ops holds every branch's instructions."""

@@ -27,6 +27,8 @@ import math
 import re
 from collections import defaultdict
 
+from sglang_tpu_qwen.kernels.grouped_ffn import kernel as grouped_ffn_kernel
+
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2,
     "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "s4": 0.5, "u4": 0.5,
@@ -74,7 +76,7 @@ class OpTraffic:
     count: int
     flops: float = 0.0  # declared by a custom call (``pl.CostEstimate``); 0 for XLA's own instructions
     # A ``jax.lax.ragged_dot`` (which declares no flops): its ``2 M K N`` of lhs [M, K] x groups [G, K, N], and
-    # its rows per group ``M / G``.
+    # its rows per group ``M / G``; kernels/grouped_ffn's call: its rows per expert (it declares its flops).
     dot_flops: float = 0.0
     rows_per_group: float = 0.0
 
@@ -349,6 +351,7 @@ def _walk(comps: dict[str, list[_Instr]], entry: str, all_branches: bool = False
 
 
 RAGGED_DOT = "ragged_dot_general"  # op_name of jax.lax.ragged_dot's custom call
+GROUPED_FFN = grouped_ffn_kernel.SCOPE  # op_name scope of kernels/grouped_ffn's pallas_call
 
 
 def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None,
@@ -380,6 +383,8 @@ def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None
                     weights = max((shape_bytes(op.split("%")[0]) for op in ins.operands), default=0.0)
                     b -= (1.0 - ragged_dot_fraction) * weights
                 dot_flops, rows_per_group = _ragged_dot_shape(ins)
+            elif ins.opcode == "custom-call" and GROUPED_FFN in op_name:
+                rows_per_group = _grouped_ffn_rows(ins)
             out.append(OpTraffic(ins.name, ins.opcode, op_name, b, counts[c], _declared_flops(ins), dot_flops,
                                  rows_per_group))
     return out
@@ -410,6 +415,15 @@ def _ragged_dot_shape(ins: _Instr) -> tuple[float, float]:
     m, n = (int(x) for x in result[0][1].split(","))
     g, k, n_w = (int(x) for x in stacks[0].split(","))
     return (2.0 * m * k * n, m / g) if n_w == n and g else (0.0, 0.0)
+
+
+def _grouped_ffn_rows(ins: _Instr) -> float:
+    """``M / E`` of kernels/grouped_ffn's custom call: its only 2-D operand the rows ``[M, H]``, its first 3-D
+    operand the gate stack ``[E, H, I]``; 0 where the shapes are not that."""
+    dims = [d for op in ins.operands for _, d, _ in _SHAPE.findall(op.split("%")[0])]
+    rows = [int(d.split(",")[0]) for d in dims if d.count(",") == 1]
+    stacks = [int(d.split(",")[0]) for d in dims if d.count(",") == 2]
+    return rows[0] / stacks[0] if len(rows) == 1 and stacks and stacks[0] else 0.0
 
 
 def _declared_flops(ins: _Instr) -> float:

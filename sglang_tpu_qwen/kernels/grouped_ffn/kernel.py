@@ -40,6 +40,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 TILE_ROWS = 128
+# Name scope of the pallas_call: the planner charges its declared flops at the chip's measured rate for its rows
+# per expert (tools/plan/chips.py).
+SCOPE = "grouped_ffn"
 
 
 def _kernel(order_ref, starts_ref, sizes_ref, count_ref, x_hbm, wg_ref, wu_ref, wd_ref, y_hbm, xbuf, ybuf, yold,
@@ -187,23 +190,25 @@ def grouped_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     def block(shape):
         return pl.BlockSpec((None, *shape), lambda s, order, *_: (order[s], 0, 0))
 
-    y = pl.pallas_call(
-        functools.partial(_kernel, tm=tm, rows=rows, align=align, precision=precision),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(e,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY), block((h, i)), block((h, i)), block((i, h))],
-            out_specs=pl.BlockSpec(memory_space=pl.ANY),
-            scratch_shapes=[pltpu.VMEM((2, tm, h), x.dtype), pltpu.VMEM((tm, h), x.dtype),
-                            pltpu.VMEM((tm, h), x.dtype), pltpu.SemaphoreType.DMA((4,)), pltpu.SMEM((1,), jnp.int32)],
-        ),
-        out_shape=jax.ShapeDtypeStruct((rows, h), x.dtype),
-        # One walk in expert order: a tile's write may cover the next experts' rows, which they rewrite later.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             vmem_limit_bytes=int(min(max(2 * vmem, 32 << 20), 100 << 20))),
-        interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
-            pltpu.InterpretParams() if interpret else False),
-        cost_estimate=pl.CostEstimate(flops=int(6 * m * h * i), transcendentals=int(m * i),
-                                      bytes_accessed=int(e * weight_bytes + 2 * m * h * itemsize)),
-    )(order, starts, sizes, jnp.reshape(count, (1,)), x, w_gate, w_up, w_down)
+    with jax.named_scope(SCOPE):
+        y = pl.pallas_call(
+            functools.partial(_kernel, tm=tm, rows=rows, align=align, precision=precision),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=4,
+                grid=(e,),
+                in_specs=[pl.BlockSpec(memory_space=pl.ANY), block((h, i)), block((h, i)), block((i, h))],
+                out_specs=pl.BlockSpec(memory_space=pl.ANY),
+                scratch_shapes=[pltpu.VMEM((2, tm, h), x.dtype), pltpu.VMEM((tm, h), x.dtype),
+                                pltpu.VMEM((tm, h), x.dtype), pltpu.SemaphoreType.DMA((4,)),
+                                pltpu.SMEM((1,), jnp.int32)],
+            ),
+            out_shape=jax.ShapeDtypeStruct((rows, h), x.dtype),
+            # One walk in expert order: a tile's write may cover the next experts' rows, which they rewrite later.
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                                 vmem_limit_bytes=int(min(max(2 * vmem, 32 << 20), 100 << 20))),
+            interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
+                pltpu.InterpretParams() if interpret else False),
+            cost_estimate=pl.CostEstimate(flops=int(6 * m * h * i), transcendentals=int(m * i),
+                                          bytes_accessed=int(e * weight_bytes + 2 * m * h * itemsize)),
+        )(order, starts, sizes, jnp.reshape(count, (1,)), x, w_gate, w_up, w_down)
     return y[:m]

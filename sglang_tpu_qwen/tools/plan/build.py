@@ -240,7 +240,8 @@ def plan(
                    if name == "verify" else None)
         rates = {"gdn_recurrent_flops_per_s": chip.gdn_recurrent_flops_per_s,
                  "gdn_chunked_flops_per_s": chip.gdn_chunked_flops_per_s,
-                 "ragged_dot_mxu_fraction": chip.ragged_dot_mxu_fraction if chip.ragged_dot_mxu_points else None}
+                 "ragged_dot_mxu_fraction": chip.ragged_dot_mxu_fraction if chip.ragged_dot_mxu_points else None,
+                 "grouped_ffn_mxu_fraction": chip.grouped_ffn_mxu_fraction if chip.grouped_ffn_mxu_points else None}
         tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
                                 **rates)
         tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,

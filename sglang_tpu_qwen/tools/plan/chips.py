@@ -87,20 +87,34 @@ class ChipPeaks:
     ragged_dot_mxu_points: tuple[tuple[float, float], ...] = ()
     ragged_dot_source: str = "not measured on this chip: the MXU peak"
 
+    # The same for kernels/grouped_ffn (prefill steps' dense experts: gate, up and down in one kernel) against
+    # its rows per expert; its declared flops (``6 M H I``) are charged at that share.
+    grouped_ffn_mxu_points: tuple[tuple[float, float], ...] = ()
+    grouped_ffn_source: str = "not measured on this chip: the MXU peak"
+
     def ragged_dot_mxu_fraction(self, rows_per_group: float) -> float:
         """The share of the bf16 peak a ragged dot of ``rows_per_group`` rows per group reaches: linear in
         ``log(rows)`` between the measured points, the nearest point's outside them (not extrapolated); 1.0 where
         nothing was measured."""
-        pts = self.ragged_dot_mxu_points
-        if not pts:
-            return 1.0
-        if rows_per_group <= pts[0][0]:
-            return pts[0][1]
-        for (r0, f0), (r1, f1) in zip(pts, pts[1:], strict=False):
-            if rows_per_group <= r1:
-                w = math.log(rows_per_group / r0) / math.log(r1 / r0)
-                return f0 + w * (f1 - f0)
-        return pts[-1][1]
+        return _log_linear(self.ragged_dot_mxu_points, rows_per_group)
+
+    def grouped_ffn_mxu_fraction(self, rows_per_expert: float) -> float:
+        """The share of the bf16 peak kernels/grouped_ffn reaches at ``rows_per_expert``, as
+        :meth:`ragged_dot_mxu_fraction` reads its points."""
+        return _log_linear(self.grouped_ffn_mxu_points, rows_per_expert)
+
+
+def _log_linear(pts: tuple[tuple[float, float], ...], x: float) -> float:
+    """``pts`` ``((x, y), ...)`` ascending in x, read at ``x``: linear in ``log(x)`` between points, the nearest
+    point's y outside them; 1.0 without points."""
+    if not pts:
+        return 1.0
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return pts[-1][1]
 
 
 TPU7X_ICI = IciModel(
@@ -153,18 +167,23 @@ CHIPS = {
                              "the short steps' 2 MiB grid steps (611 us with 1 MiB: 1.32 TFLOP/s), its state read "
                              "at 241 GB/s: the VPU work bounds it. The deviceless v5e schedule had said 2.0 "
                              "(4,718 bundles a 1 MiB grid step at 1.503 GHz)",
-        gdn_chunked_flops_per_s=8.1e12,
+        gdn_chunked_flops_per_s=9.3e12,
         gdn_chunked_source="measured on the chip, 2026-12-07 (bench/kernels.py --sections gdn-prefill, 35B layout, "
-                           "bf16): a 2,048-token step's chunked form (6.44 GFLOP declared) in 0.793 ms at 32 x 64 "
-                           "(the 64 x 512 prefill's steps), 0.834 at 8 x 256, 0.837 at 1 x 2,048; 4.1% of the "
-                           "bf16 peak. It was 3.68 (1.75 ms a call) before the chunks' products were emitted "
-                           "breadth first",
+                           "bf16, 16 chunk chains a grid step): a 2,048-token step's chunked form (6.44 GFLOP "
+                           "declared) in 0.693 ms at 32 x 64 (the 64 x 512 prefill's steps), 0.670 at 8 x 256, "
+                           "0.635 at 1 x 2,048; 4.7% of the bf16 peak. It was 8.1 with 8 chains a step and 3.68 "
+                           "before the chunks' products were emitted breadth first",
         ragged_dot_mxu_points=((128, 0.26), (256, 0.32), (2048, 0.64)),
         ragged_dot_source="measured on the chip, 2026-12-06, bf16 at the 35B-A3B's expert shapes (128 experts, "
                           "hidden 2048, intermediate 512), gate/up then down: 128 rows a group from the 64 x 512 "
                           "prefill profile (150.4 ms of ragged_dot over 19 steps of 2,048 tokens x 4 layers, 7.84 "
                           "TFLOP), 256 and 2,048 from bench/grouped_matmul.py (4,096 and 32,768 tokens a call). "
                           "Decode rows (a few a group) read their bytes at 78-88% of HBM peak: bytes bound them",
+        grouped_ffn_mxu_points=((128, 0.316), (256, 0.324), (1024, 0.672), (2048, 0.761)),
+        grouped_ffn_source="measured on the chip, 2026-12-07 (bench/grouped_matmul.py, bf16, row tiles of 256): "
+                           "the 35B-A3B's experts (hidden 2048, intermediate 512) at 2,048 / 4,096 / 32,768 tokens "
+                           "x top-8 over 128 experts in 1,654 / 3,230 / 11,004 us, and over 256 experts at 32,768 "
+                           "tokens (1,024 rows an expert) in 12,466 us",
     ),
 }  # fmt: skip
 # JAX's ``device_kind`` of each chip's devices -> its key in CHIPS (benchmarks take the peaks of the chip they run

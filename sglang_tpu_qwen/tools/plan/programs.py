@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.gdn.kernel import CHUNKED_SCOPE, RECURRENT_SCOPE
+from sglang_tpu_qwen.kernels.grouped_ffn.kernel import SCOPE as GROUPED_FFN
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.tools import hlo_traffic
 
@@ -61,7 +62,8 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
             ragged_dot_fraction: float = 1.0, inplace_stream_fraction: float = 1.0,
             custom_call_bytes: dict[str, float] | None = None,
             gdn_recurrent_flops_per_s: float | None = None, gdn_chunked_flops_per_s: float | None = None,
-            ragged_dot_mxu_fraction: Callable[[float], float] | None = None) -> dict[str, Any]:
+            ragged_dot_mxu_fraction: Callable[[float], float] | None = None,
+            grouped_ffn_mxu_fraction: Callable[[float], float] | None = None) -> dict[str, Any]:
     """Per-instruction traffic of a compiled program (tools/hlo_traffic.py: loop bodies times their trip
     counts, Pallas kernels at their declared traffic). XLA's own total counts a custom call inside a loop
     once, so the planner sums per instruction.
@@ -82,7 +84,9 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
     64 x 64 products (chips.ChipPeaks.gdn_chunked_flops_per_s). ``ragged_dot_mxu_fraction``: the share of
     ``flops_per_s`` a ``jax.lax.ragged_dot`` reaches at its rows per group (chips.ChipPeaks.ragged_dot_mxu_fraction):
     its ``2 M K N`` flops, which it does not declare, are then charged at that rate and counted as declared;
-    None: they are left to the caller's undeclared flops at the peak."""
+    None: they are left to the caller's undeclared flops at the peak. ``grouped_ffn_mxu_fraction``: the same
+    share for kernels/grouped_ffn at its rows per expert (chips.ChipPeaks.grouped_ffn_mxu_fraction), its declared
+    flops charged at that rate; None: the peak."""
     ops = hlo_traffic.program_traffic(hlo_text, custom_call_bytes, ragged_dot_fraction=ragged_dot_fraction)
     rest = sorted((o for o in ops if o.opcode != "custom-call"), key=lambda o: -o.total)
     declared = serial = 0.0
@@ -92,6 +96,8 @@ def traffic(hlo_text: str, bytes_per_s: float, flops_per_s: float, n: int = 3,
         rate = next((r for scope, r in gdn_rates if r and scope in o.op_name), flops_per_s)
         if ragged_dot_mxu_fraction and o.dot_flops:
             f, rate = o.dot_flops, flops_per_s * ragged_dot_mxu_fraction(o.rows_per_group)
+        elif grouped_ffn_mxu_fraction and GROUPED_FFN in o.op_name and o.rows_per_group:
+            rate = flops_per_s * grouped_ffn_mxu_fraction(o.rows_per_group)
         declared += f * o.count
         bw = bytes_per_s * (inplace_stream_fraction if any(k in o.op_name for k in _INPLACE_KERNELS) else 1.0)
         serial += o.count * max(o.bytes / bw, f / rate)
