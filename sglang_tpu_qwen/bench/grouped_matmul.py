@@ -15,8 +15,9 @@ Implementations (each case prints every one, or why it did not run):
   the same stacks, its ``tiling`` swept (the first entry is its default (128, 128, 128)); one tiling is used
   for both products, tk and tn clamped to each product's K and N.
 - ``grouped_ffn tm N``: the project's expert-by-expert kernel (kernels/grouped_ffn: one grid step an expert,
-  its three weight blocks pipelined, the rows in tiles of N through gate/up, SwiGLU and down on chip), on the
-  split stacks; what serves dense experts at steps of at least ``FFN_KERNEL_MIN_ROWS`` rows (tm 256).
+  its three weight blocks pipelined, the rows in tiles of N through gate/up, SwiGLU and down on chip; decode
+  cases also with tiles of 16 and 32 rows), on the split stacks; what serves dense experts at steps of at least
+  ``FFN_KERNEL_MIN_ROWS`` rows (tm 256).
 - ``fp8 kernel``: the project's block-FP8 grouped kernels (kernels/fp8_matmul: gate and up with SwiGLU in one
   pass, then down), on the split stacks quantised per 128 x 128 block; 35B-shaped decode cases only, its
   bytes counted at one byte a weight plus the scales, its output checked with ``FP8_TOLERANCE``.
@@ -300,6 +301,9 @@ PREFILL_TILINGS = [(512, 1024, 1024), (256, 2048, 1024), (512, 512, 2048), (1024
 STEP_TILINGS = [(64, 2048, 512), (128, 2048, 512)]
 STEP_TOKENS = 2048  # cases of at most this many tokens also sweep STEP_TILINGS
 GROUPED_FFN_TILES = (128, 256)  # row tiles of the project's expert-by-expert kernel (kernels/grouped_ffn)
+# Decode cases also try small tiles: a decode step's few rows an expert moved whole 128-row tiles in and out per
+# expert (three tiles' bytes, a quarter of the expert's weights at the 35B layout), which a 16-row tile does not.
+GROUPED_FFN_DECODE_TILES = (16, 32)
 TOKAMAX_TILING = {"decode": (128, 2048, 1024), "prefill": (512, 1024, 1024)}
 
 
@@ -314,7 +318,7 @@ def impls(case: Case, on_tpu: bool) -> list[Impl]:
     for t in tilings if on_tpu else []:
         name = f"megablox {t}" + (" default" if t == MEGABLOX_DEFAULT else "")
         out.append(Impl(name, "fused", ffn_fused(megablox_matmul(t)), t[0]))
-    for tm in GROUPED_FFN_TILES:
+    for tm in (GROUPED_FFN_DECODE_TILES if case.kind == "decode" else ()) + GROUPED_FFN_TILES:
         name = f"grouped_ffn tm {tm} (project)"
         out.append(Impl(name, "split", functools.partial(grouped_ffn, tm=tm)) if on_tpu
                    else Impl(name, "split", None, skip=not_tpu))

@@ -119,7 +119,8 @@ def _kernel(order_ref, starts_ref, sizes_ref, count_ref, x_hbm, wg_ref, wu_ref, 
             pl.when((before > 0) & ~in_last)(functools.partial(read_back, row0))
             keep = jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0) < before
             ybuf[0:align] = jnp.where(keep[0:align], jnp.where(in_last, window, yold[0:align]), y[0:align])
-            ybuf[align:] = jnp.where(keep[align:], yold[align:], y[align:])
+            if tm > align:  # static: a one-sublane-tile tile has no rows past the window
+                ybuf[align:] = jnp.where(keep[align:], yold[align:], y[align:])
             y_copy(row0).start()
             last_row[0] = row0
             return carry
