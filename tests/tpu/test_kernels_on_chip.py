@@ -398,10 +398,11 @@ def test_conv_window_dma_equals_xla(layout: tuple[int, ...], dtype: Any) -> None
 # ---- the expert-by-expert SwiGLU FFN (kernels/grouped_ffn, served at prefill) ------------------------------
 
 
-@pytest.mark.parametrize("tm", [128, 256])
+@pytest.mark.parametrize("tm", [8, 128, 256])
 def test_grouped_ffn_matches_reference(tm: int) -> None:
     """kernels/grouped_ffn compiled by Mosaic against its ragged_dot reference on the CPU (float32, highest), at
-    the 35B-A3B's expert width on 16 experts (off the chip: 256 wide, interpreted): untouched experts, experts
+    the 35B-A3B's expert width on 16 experts (off the chip: 256 wide, interpreted), with tiles of one float32
+    sublane tile (8 rows, the decode candidate's form) and the prefill's: untouched experts, experts
     whose first row is off a sublane tile (their kept rows come from the last tile in VMEM), one over several
     tiles, and the array's last tile clamped back over two experts (its kept rows read back from HBM). Every row
     is covered. SiLU's sigmoid takes the fused-norm test's 4x tolerance (the TPU's approximation)."""
