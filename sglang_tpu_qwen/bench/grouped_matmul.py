@@ -301,8 +301,8 @@ PREFILL_TILINGS = [(512, 1024, 1024), (256, 2048, 1024), (512, 512, 2048), (1024
 STEP_TILINGS = [(64, 2048, 512), (128, 2048, 512)]
 STEP_TOKENS = 2048  # cases of at most this many tokens also sweep STEP_TILINGS
 GROUPED_FFN_TILES = (128, 256)  # row tiles of the project's expert-by-expert kernel (kernels/grouped_ffn)
-# Decode cases also try small tiles: a decode step's few rows an expert moved whole 128-row tiles in and out per
-# expert (three tiles' bytes, a quarter of the expert's weights at the 35B layout), which a 16-row tile does not.
+# Decode cases also try small tiles: a decode step's few rows an expert moved a whole 128-row tile in and out per
+# expert (a sixth of the expert's 6 MB of weights at the 35B layout), which a 16-row tile does not.
 GROUPED_FFN_DECODE_TILES = (16, 32)
 TOKAMAX_TILING = {"decode": (128, 2048, 1024), "prefill": (512, 1024, 1024)}
 
