@@ -17,7 +17,7 @@ import pytest
 from conftest import record
 
 from sglang_tpu_qwen.kernels.gdn import conv_pool
-from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn
+from sglang_tpu_qwen.kernels.gdn.kernel import CHUNK_CHAINS, chunk_heads, fused_gdn
 from sglang_tpu_qwen.kernels.gdn.reference import fused_gdn_reference
 
 HK, HV, DK, DV, K = 2, 4, 32, 32, 4
@@ -162,15 +162,16 @@ def test_chunks_of_128_tokens_match_reference() -> None:
 
 def test_chunk_chains_per_step_change_nothing() -> None:
     """Grouping more (chunk, value head) pairs a grid step only reorders independent work: one key head a step
-    (4 pairs: two 64-token chunks of its 2 value heads) and both (8 pairs; the default's 16 chains) give the same
-    outputs and pools bit for bit."""
+    (8 pairs: four 64-token chunks of its 2 value heads) and both (16 pairs, the default ``CHUNK_CHAINS``) give
+    the same outputs and pools bit for bit."""
     rng = np.random.default_rng(17)
     conv_w = jnp.asarray(rng.standard_normal((CONV_DIM, K)) * 0.5, jnp.float32)
     conv, rec = _pools(rng)
-    mixed, g, beta, lens = _step(rng, [128, 90, 0], 128)
+    mixed, g, beta, lens = _step(rng, [256, 90, 0], 256)
     slots, fresh = jnp.asarray([3, 6, 0], jnp.int32), jnp.asarray([False, True, False])
+    assert [chunk_heads(HK, HV // HK, 4, c) for c in (1, CHUNK_CHAINS)] == [1, 2]
     runs = [fused_gdn(mixed, conv_w, g, beta, jnp.array(conv, copy=True), jnp.array(rec, copy=True), 1, slots, lens,
-                      fresh, block_t=128, chunk_chains=chains, interpret=True, **DIMS) for chains in (1, 16)]
+                      fresh, block_t=256, chunk_chains=chains, interpret=True, **DIMS) for chains in (1, CHUNK_CHAINS)]
     for run in runs[1:]:
         for a, b in zip(run, runs[0], strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

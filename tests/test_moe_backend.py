@@ -182,11 +182,13 @@ def test_group_counts_and_inverse_sort_equal_the_scatters() -> None:
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_pallas_routes_dense_experts_through_the_fused_ffn(dtype) -> None:
-    """Under ``pallas`` a dense MoE step of at least ``ffn_kernel_min_rows`` rows (H a multiple of 128) runs
-    kernels/grouped_ffn: ``routed_experts`` then equals the reference backend's two ``ragged_dot`` products within
-    the float32 tolerance (bf16: one rounding of the activation, 2^-6 of the largest output). A smaller step runs
-    the two products: bit for bit the reference's."""
+def test_pallas_routes_dense_experts_through_the_fused_ffn(dtype, monkeypatch) -> None:
+    """Under ``pallas`` a dense MoE step of at least ``ffn_kernel_min_rows_per_expert`` rows an expert (H a
+    multiple of 128, the blocks within ``FFN_KERNEL_MAX_VMEM``) runs kernels/grouped_ffn: ``routed_experts`` then
+    equals the reference backend's two ``ragged_dot`` products within the float32 tolerance (bf16: one rounding
+    of the activation, 2^-6 of the largest output). A step with fewer rows an expert, or blocks past the VMEM
+    budget, runs the two products: bit for bit the reference's."""
+    from sglang_tpu_qwen.kernels import moe_backend
     from sglang_tpu_qwen.model.moe import routed_experts
 
     rng = np.random.default_rng(9)
@@ -195,12 +197,15 @@ def test_pallas_routes_dense_experts_through_the_fused_ffn(dtype) -> None:
     w = [jnp.asarray(rng.standard_normal(s) * 0.1, dtype) for s in ((e, h, i), (e, h, i), (e, i, h))]
     expert_ids = jnp.asarray(np.argsort(rng.random((n, e)), axis=1)[:, :k], jnp.int32)
     weights = jnp.asarray(rng.random((n, k)), jnp.float32)
-    fused = MoeBackend("pallas", interpret=True, ffn_kernel_min_rows=n * k)
+    fused = MoeBackend("pallas", interpret=True, ffn_kernel_min_rows_per_expert=n * k // e)
     with jax.default_matmul_precision("highest"):
         got = routed_experts(x, weights, expert_ids, *w, backend=fused)
         small = routed_experts(x, weights, expert_ids, *w, backend=PALLAS)
         want = routed_experts(x, weights, expert_ids, *w, backend=REFERENCE)
+        monkeypatch.setattr(moe_backend, "FFN_KERNEL_MAX_VMEM", 0)
+        too_big = routed_experts(x, weights, expert_ids, *w, backend=fused)
     assert got.dtype == dtype
     assert _rel(got.astype(jnp.float32), want.astype(jnp.float32)) < (TOL if dtype == jnp.float32 else 2.0**-6)
     assert not np.array_equal(np.asarray(got), np.asarray(want))  # the kernel ran: its sums round differently
     np.testing.assert_array_equal(np.asarray(small), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(too_big), np.asarray(want))

@@ -11,7 +11,8 @@ or a block-FP8 :class:`~sglang_tpu_qwen.quant.fp8.Fp8Weight` (quant/fp8.py):
 - ``"reference"``: an FP8 weight is dequantised in XLA, then ``jax.lax.ragged_dot`` (the formula of
   kernels/fp8_matmul/reference.py), with the same float32 epilogue.
 
-Dense (bf16 / float32) weights go to ``ragged_dot`` under either. A block-FP8 linear layer (the attention, GDN,
+Dense (bf16 / float32) weights go to ``ragged_dot`` under either, but for the routed experts' FFN at prefill
+steps under ``pallas`` (:meth:`MoeBackend.ffn`: kernels/grouped_ffn). A block-FP8 linear layer (the attention, GDN,
 dense MLP, shared expert and MTP projections) is one group of the same kernel, so :meth:`MoeBackend.linear`
 follows the same backend. The layout the backend owns is the row layout of the token rows its kernels gather
 from and add into (:meth:`MoeBackend.kernel_rows`). On a non-TPU platform ``pallas`` runs the kernels in Pallas
@@ -39,14 +40,16 @@ from sglang_tpu_qwen.quant.fp8 import Fp8Weight, LayerSlice
 
 # Backend names: "pallas" runs FP8 weights in kernels/fp8_matmul; "reference" dequantises them in XLA.
 NAMES = ("pallas", "reference")
-# Steps of at least this many routed rows (2,048 tokens at top-8) run dense experts through kernels/grouped_ffn.
-# On the v5e (35B-A3B's experts, 2026-12-07, bench.grouped_matmul) it took 1,654 / 3,230 / 11,004 us at 2,048 /
-# 4,096 / 32,768 tokens against ragged_dot's 2,035 / 3,271 / 12,998 us, but 1,332 against 1,135 us at 64
-# decode tokens: one grid step an expert costs more than ragged_dot when each expert has a few rows.
-FFN_KERNEL_MIN_ROWS = 16384
+# Steps of at least this many routed rows an expert on average (2,048 tokens at top-8 over 128 experts) run dense
+# experts through kernels/grouped_ffn. On the v5e (35B-A3B's experts over 128, 2026-12-07, bench.grouped_matmul)
+# it took 1,654 / 3,230 / 11,004 us at 128 / 256 / 2,048 rows an expert against ragged_dot's 2,035 / 3,271 /
+# 12,998 us, but 1,332 against 1,135 us at 4 (64 decode tokens): one grid step an expert costs more than
+# ragged_dot when each expert has a few rows. Fewer than 128 an expert is not measured.
+FFN_KERNEL_MIN_ROWS_PER_EXPERT = 128
 # grouped_ffn's row tile at those steps (128 rows: 1,910 us at 2,048 tokens).
 FFN_KERNEL_TILE_ROWS = 256
-# Its VMEM blocks must leave Ironwood's 64 MiB a margin: the 397B's experts (24 MiB of weights an expert,
+# Its VMEM blocks must leave a single-device Ironwood's 64 MiB a margin (a mesh's expert-parallel MoE,
+# parallel/expert_parallel.py, does not come here): the 397B's experts (24 MiB of weights an expert,
 # double-buffered) do not fit and keep the two products.
 FFN_KERNEL_MAX_VMEM = 24 << 20
 
@@ -58,7 +61,8 @@ class MoeBackend:
     Attributes:
         name: one of :data:`NAMES`.
         interpret: run the Pallas kernels in Pallas TPU interpret mode (a non-TPU platform).
-        ffn_kernel_min_rows: the fewest routed rows a step sends through kernels/grouped_ffn (:meth:`ffn`).
+        ffn_kernel_min_rows_per_expert: the fewest routed rows an expert on average (the step's rows over the
+            stack's experts) that send a step through kernels/grouped_ffn (:meth:`ffn`).
 
     Raises:
         ValueError: an unknown ``name``.
@@ -66,7 +70,7 @@ class MoeBackend:
 
     name: str = "reference"
     interpret: bool = False
-    ffn_kernel_min_rows: int = FFN_KERNEL_MIN_ROWS
+    ffn_kernel_min_rows_per_expert: int = FFN_KERNEL_MIN_ROWS_PER_EXPERT
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:
@@ -119,11 +123,14 @@ class MoeBackend:
             expected_rows: int | None = None) -> jax.Array:
         """The routed experts' SwiGLU FFN of rows sorted by group: :meth:`grouped` of :meth:`grouped_swiglu`.
 
-        Under ``pallas``, steps of at least ``ffn_kernel_min_rows`` rows of dense stacks in x's dtype (H a
-        multiple of 128, the blocks within :data:`FFN_KERNEL_MAX_VMEM`) run kernels/grouped_ffn: one touched
-        expert a grid step, its weights streamed under the previous expert's products, no ``[M, I]`` activation
-        in HBM. Smaller steps (decode, verify, short chunks) and other weights run the two products. The two agree
-        within float32 rounding (a row's sums in another order), as the GDN's chunked and recurrent forms do.
+        Under ``pallas``, steps of at least ``ffn_kernel_min_rows_per_expert`` rows an expert of dense stacks in
+        x's dtype (H a multiple of 128, the blocks within :data:`FFN_KERNEL_MAX_VMEM`) run kernels/grouped_ffn:
+        one touched expert a grid step, its weights streamed under the previous expert's products, no ``[M, I]``
+        activation in HBM. Smaller steps (decode, verify, short chunks) and other weights run the two products.
+        The two agree within float32 rounding at float32 (a row's sums in another order; the kernel at
+        ``HIGHEST``) and within bf16 rounding at bf16 (the kernel rounds SiLU's product once, the two products
+        round the sigmoid too), so a row's MoE output depends on its step's size at the last bits, as the GDN's
+        chunked and recurrent forms do.
 
         Args:
             x: ``[M, H]`` rows sorted by group; w_gate, w_up: ``[G, H, I]``; w_down: ``[G, I, H]``, dense or FP8;
@@ -135,7 +142,7 @@ class MoeBackend:
         """
         weights = (w_gate, w_up, w_down)
         m, h = x.shape
-        if (self.uses_pallas and m >= self.ffn_kernel_min_rows and h % 128 == 0
+        if (self.uses_pallas and m >= self.ffn_kernel_min_rows_per_expert * group_sizes.shape[0] and h % 128 == 0
                 and all(not isinstance(w, Fp8Weight) and w.dtype == x.dtype for w in weights)
                 and grouped_ffn_kernel.vmem_bytes(h, w_gate.shape[2], x.dtype, FFN_KERNEL_TILE_ROWS)
                 <= FFN_KERNEL_MAX_VMEM):

@@ -1,9 +1,9 @@
 """Sparse MoE block: softmax top-k router, routed SwiGLU experts, sigmoid-gated shared expert.
 
 Math follows HF ``Qwen3_5MoeSparseMoeBlock``. Routed experts run as a grouped matmul: the (token, slot)
-pairs are sorted by expert id and fed to the MoE backend's grouped matmuls (kernels/moe_backend.py:
-``jax.lax.ragged_dot``, or the Pallas block-FP8 kernel) with per-expert group sizes; programs for XLA:CPU
-compute dense experts densely instead (:func:`all_experts`).
+pairs are sorted by expert id and fed to the MoE backend's FFN (kernels/moe_backend.py ``MoeBackend.ffn``:
+``jax.lax.ragged_dot``, kernels/grouped_ffn at prefill steps, or the Pallas block-FP8 kernel) with per-expert
+group sizes; programs for XLA:CPU compute dense experts densely instead (:func:`all_experts`).
 """
 
 from __future__ import annotations

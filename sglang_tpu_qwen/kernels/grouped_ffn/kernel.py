@@ -11,8 +11,8 @@ takes 2.04 ms for an FFN whose expert weights (805 MB) need 1.15 ms at the v5e's
 and the weight fetches do not hide behind the products. Here the grid walks the experts the rows touch, in
 order; each step's weight blocks (gate, up and down of one expert) are the BlockSpec pipeline's, so the next
 expert's ~6 MB stream in while this one's rows are multiplied, and the rows stay on chip between the three
-products (no ``[M, I]`` activation in HBM). Measure it against ``ragged_dot`` with ``bench.grouped_matmul``
-before serving it.
+products (no ``[M, I]`` activation in HBM). On the chip it beats ``ragged_dot`` at prefill steps and loses at
+decode (``bench.grouped_matmul``), so kernels/moe_backend.py serves it at prefill steps.
 
 Rows: ``x`` and ``y`` stay in HBM; an expert's rows are read in tiles of ``tm``, double buffered (the next tile
 is fetched while this one is multiplied; the next expert's first tile while the pipeline waits for its weights),
@@ -39,10 +39,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sglang_tpu_qwen.kernels.grouped_ffn import SCOPE
+
 TILE_ROWS = 128
-# Name scope of the pallas_call: the planner charges its declared flops at the chip's measured rate for its rows
-# per expert (tools/plan/chips.py).
-SCOPE = "grouped_ffn"
 
 
 def _kernel(order_ref, starts_ref, sizes_ref, count_ref, x_hbm, wg_ref, wu_ref, wd_ref, y_hbm, xbuf, ybuf, yold,

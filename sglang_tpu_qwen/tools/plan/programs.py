@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_qwen.kernels.gdn.kernel import CHUNKED_SCOPE, RECURRENT_SCOPE
-from sglang_tpu_qwen.kernels.grouped_ffn.kernel import SCOPE as GROUPED_FFN
+from sglang_tpu_qwen.kernels.grouped_ffn import SCOPE as GROUPED_FFN
 from sglang_tpu_qwen.parallel import sharding
 from sglang_tpu_qwen.tools import hlo_traffic
 
