@@ -27,7 +27,7 @@ import math
 import re
 from collections import defaultdict
 
-from sglang_tpu_qwen.kernels.grouped_ffn import SCOPE as GROUPED_FFN_SCOPE
+from sglang_tpu_qwen.kernels.grouped_ffn import SCOPE as GROUPED_FFN  # op_name scope of its pallas_call
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -351,7 +351,6 @@ def _walk(comps: dict[str, list[_Instr]], entry: str, all_branches: bool = False
 
 
 RAGGED_DOT = "ragged_dot_general"  # op_name of jax.lax.ragged_dot's custom call
-GROUPED_FFN = GROUPED_FFN_SCOPE  # op_name scope of kernels/grouped_ffn's pallas_call
 
 
 def program_traffic(text: str, custom_call_bytes: dict[str, float] | None = None,

@@ -241,7 +241,7 @@ def plan(
         rates = {"gdn_recurrent_flops_per_s": chip.gdn_recurrent_flops_per_s,
                  "gdn_chunked_flops_per_s": chip.gdn_chunked_flops_per_s,
                  "ragged_dot_mxu_fraction": chip.ragged_dot_mxu_fraction if chip.ragged_dot_mxu_points else None,
-                 "grouped_ffn_mxu_fraction": chip.grouped_ffn_mxu_fraction if chip.grouped_ffn_mxu_points else None}
+                 "grouped_ffn_mxu_fraction": chip.grouped_ffn_mxu_fraction}  # 1.0 (the peak) where unmeasured
         tr_f = programs.traffic(fwd_text, bw, peak, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
                                 **rates)
         tr_o = [programs.traffic(t, bw, peak, 1, ragged_dot_fraction=touched, inplace_stream_fraction=inplace,
