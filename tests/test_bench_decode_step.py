@@ -364,6 +364,19 @@ def spec_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 CPU_ROWS, CPU_CONTEXT = 2, 40
 
 
+def test_replayed_rows_own_their_gdn_slots(engine, spec_engine) -> None:
+    """Every replayed row, decode and verify, has its own running GDN slot (decode_timer.replay_rows_layout), as
+    serving's rows do: on one shared slot the GDN kernel's pipeline, which does not fetch again or write back a
+    state block whose index repeats between grid steps, read and wrote one state for a whole short step (v5e, the
+    64-row MTP cycle: the commit's GDN calls took 0.196 ms each where distinct slots take 0.598)."""
+    from sglang_tpu_qwen.bench.decode_timer import replay_batch, verify_replay_batch
+
+    for slots, sizing in ((replay_batch(engine.runner, rows=4, context=40)[0].slot_ids, engine.runner.sizing),
+                          (verify_replay_batch(spec_engine.runner, 2, 40)[0].slot_ids, spec_engine.runner.sizing)):
+        slots = np.asarray(slots).tolist()
+        assert len(set(slots)) == len(slots) and all(1 <= s < sizing.num_running_slots for s in slots), slots
+
+
 def test_cycle_replay_on_a_cpu_engine(spec_engine) -> None:
     """The benchmark's measurement (``measure``, as the command runs it) on a CPU engine with an MTP layer: the
     plain step and the cycle each compile nothing in their timed windows, take positive device and dispatch

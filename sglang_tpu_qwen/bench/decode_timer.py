@@ -6,9 +6,9 @@ the device time of one step replayed on an idle engine.
 `time_decode_step` replays the decode programs back to back without the scheduler; `time_verify_cycle` replays a
 speculative verify step's programs (verify, sampling, commit, draft, carry) the same way, and
 `time_cycle_programs` each of those programs alone. All go through one timing loop (`replay`);
-`recorded_programs` lists the compiled programs a block dispatches. `trash_rows` and
-`replay_ids` lay out replayed rows (trash page and slot, distinct ids) for these replays and the prefill
-benchmark's (bench/prefill_step.py), which times its steps with `replay` too.
+`recorded_programs` lists the compiled programs a block dispatches. `replay_rows_layout` and
+`replay_ids` lay out replayed rows (written positions on the trash page, a GDN slot a row, distinct ids) for
+these replays and the prefill benchmark's (bench/prefill_step.py), which times its steps with `replay` too.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ class DecodeTimer:
 def replay_batch(runner: ModelRunner, rows: int, context: int) -> tuple[ForwardBatch, SamplingBatch]:
     """The decode batch and greedy sampling that :func:`time_decode_step` replays: ``rows`` rows padded to their
     decode bucket, every row at ``context`` tokens over arbitrary pages, writing position ``context - 1`` into
-    the trash page and slot, each with its own fixed token id (seeded, distinct; ``[B, 1]`` int32,
-    ``token_src`` None). Distinct ids make the MoE layers route rows as a real batch does: rows with one
-    input (all on the trash slot's state) would all pick the same top-k experts, and the grouped matmuls
+    the trash page and its own GDN slot (:func:`replay_rows_layout`), each with its own fixed token id (seeded,
+    distinct; ``[B, 1]`` int32, ``token_src`` None). Distinct ids make the MoE layers route rows as a real batch
+    does: rows with one input would all pick the same top-k experts, and the grouped matmuls
     would read k experts' weights instead of the ~all a real batch touches (seen on the v5e: 0.155 ms per
     268 MB expert stack, faster than HBM allows). ``token_src`` is data in the step program, so this is the
     overlapped step's program (-1 rows read the host's ids)."""
@@ -87,10 +87,10 @@ def verify_replay_batch(runner: ModelRunner, rows: int,
     decode bucket (B rows), each feeding ``T`` distinct seeded token ids (``[B, T]`` int32: its last token and k
     drafts, so the MoE layers route the rows as a real batch, see :func:`replay_batch`) at positions
     ``context - 1 .. context + k - 1`` after ``context - 1`` cached tokens; the pages of every position the step
-    and its drafts write (up to ``context + 2k - 2``: the drafts' recursive MTP positions) are the trash page, the
-    GDN slot is the trash slot, ``token_src`` None (host ids). Sampling: ``B * T`` greedy rows. Snapshots:
-    ``[B, 2]`` int32 (slot 0: none written; position NO_SNAPSHOTS: never lags), as the scheduler passes for a
-    server without decode snapshots (engine/scheduler/speculative.py ``commit``).
+    and its drafts write (up to ``context + 2k - 2``: the drafts' recursive MTP positions) are the trash page,
+    each row has its own GDN slot (:func:`replay_rows_layout`), ``token_src`` None (host ids). Sampling:
+    ``B * T`` greedy rows. Snapshots: ``[B, 2]`` int32 (slot 0: none written; position NO_SNAPSHOTS: never lags),
+    as the scheduler passes for a server without decode snapshots (engine/scheduler/speculative.py ``commit``).
 
     Raises:
         ValueError: speculative decoding is off, or the positions do not fit the decode bucket's page table."""
@@ -109,7 +109,7 @@ def verify_replay_batch(runner: ModelRunner, rows: int,
 def _replay_rows(runner: ModelRunner, rows: int, context: int, *, tokens: int,
                  last_position: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """(B, ids [B, tokens] distinct seeded int32, page table [B, P] over arbitrary pages with the trash page at
-    the columns of positions ``context - 1 .. last_position``, slot ids [B] (each DP rank's trash slot)) of the
+    the columns of positions ``context - 1 .. last_position``, slot ids [B] (a running slot a row)) of the
     decode bucket of ``rows`` rows. ValueError when ``last_position`` is past the bucket's page table."""
     sizing = runner.sizing
     ps = sizing.page_size
@@ -118,18 +118,26 @@ def _replay_rows(runner: ModelRunner, rows: int, context: int, *, tokens: int,
     if last_position >= pages * ps:
         raise ValueError(f"position {last_position} (context {context}) is past the decode bucket's page table "
                          f"({pages} pages x {ps} = {pages * ps} tokens): raise --context-length")
-    page_table, slots = trash_rows(runner, b, pages, np.full(b, context - 1), np.full(b, last_position))
+    page_table, slots = replay_rows_layout(runner, b, pages, np.full(b, context - 1), np.full(b, last_position))
     return b, replay_ids(runner.config.vocab_size, (b, tokens)), page_table, slots
 
 
-def trash_rows(runner: ModelRunner, batch: int, pages: int, first: np.ndarray,
-               last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def replay_rows_layout(runner: ModelRunner, batch: int, pages: int, first: np.ndarray,
+                       last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The page table and GDN slots of ``batch`` replayed rows on an IDLE runner: ``[batch, pages]`` int32 global page
     ids, row b's columns of positions ``first[b] .. last[b]`` (the positions a replayed step writes) on its DP
     rank's trash page, every other column an arbitrary page of its rank (read only: attention reads whatever KV is
-    there); and ``[batch]`` int32 slot ids, each rank's trash slot. Rows are laid out by rank as the scheduler lays
-    them out (rank r: rows ``[r * batch / dp, (r + 1) * batch / dp)``). ``first`` / ``last``: ``[batch]`` int
-    token positions (``last < pages * page_size``)."""
+    there); and ``[batch]`` int32 slot ids, a running slot of its rank per row (distinct up to the rank's running
+    slots, then repeating). Rows are laid out by rank as the scheduler lays them out (rank r: rows
+    ``[r * batch / dp, (r + 1) * batch / dp)``). ``first`` / ``last``: ``[batch]`` int token positions
+    (``last < pages * page_size``).
+
+    A slot a row, as serving has: the GDN kernel's pipeline does not fetch again (or write back) a state block
+    whose index repeats between consecutive grid steps, so rows sharing one slot (the trash slot, before) made a
+    short step with one grid step a row read and write one state instead of B (v5e, 64-row MTP cycle: the commit's
+    GDN calls 0.196 ms each where bench.kernels' distinct slots take 0.598). An idle runner's running slots hold
+    no live state: a request's first step reads zeros (``fresh``) or a copied snapshot, never what a slot held
+    (``--debug-nan-fill-freed-slots`` proves it), and snapshots live in the slots past them."""
     sizing = runner.sizing
     dp, ps, num_pages = sizing.dp, sizing.page_size, sizing.num_pages
     usable = num_pages - 1
@@ -140,7 +148,8 @@ def trash_rows(runner: ModelRunner, batch: int, pages: int, first: np.ndarray,
     rank = np.arange(batch) // (batch // dp)
     if dp > 1:
         page_table += (rank * num_pages)[:, None].astype(np.int32)
-    slots = (rank * sizing.num_slots).astype(np.int32)
+    local = np.arange(batch) % (batch // dp)  # the row's index within its rank
+    slots = (rank * sizing.num_slots + 1 + local % sizing.max_running_per_rank).astype(np.int32)
     return page_table, slots
 
 
@@ -205,7 +214,7 @@ def time_verify_cycle(runner: ModelRunner, rows: int, context: int, iters: int =
     carry). Each cycle's programs follow the last one's on the device through the donated cache, as in serving;
     unlike serving, the host reads nothing between cycles (no round trip: the scheduler reads each step's
     accepted array while the next verify step runs) and every cycle feeds the same host ids (a carried row's ids
-    come from the carry: the same verify program, another input). The commit writes the trash slot, no decode
+    come from the carry: the same verify program, another input). The commit writes each row's slot, no decode
     snapshot. For IDLE engines only; observers do not see these steps, and the kept ids and carry are put back
     afterwards.
 
@@ -231,7 +240,7 @@ def time_cycle_programs(runner: ModelRunner, rows: int, context: int, iters: int
     """Seconds per call of each program of :func:`time_verify_cycle`'s cycle replayed ALONE (CYCLE_PROGRAMS:
     the verify program, then the commit program, each through its own runner call), with the same timing loop
     (medians of `windows` x `iters` calls dispatched back to back, after `warmup` untimed). The commit reads the
-    outputs of one untimed verify call (the same arrays every call: it re-commits the trash slot and re-drafts
+    outputs of one untimed verify call (the same arrays every call: it re-commits the rows' slots and re-drafts
     from the same accepted counts). A program alone pays its own launch and whatever the one before it left
     unfinished in a cycle, so the sum may differ from the cycle's time a little. For IDLE engines only; observers
     do not see these calls, and the kept ids and carry are put back afterwards.

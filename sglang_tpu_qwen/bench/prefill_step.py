@@ -22,10 +22,10 @@ What is replayed, for each shape ``R x L`` (R prompts of L tokens):
 - **the runner calls the scheduler makes per step** (scheduler.py ``launch``): the forward program of the step's
   bucket, then, where rows finish their prompt, greedy sampling of those rows (with its ``head_rows`` program when
   they are fewer than the bucket's) and, under overlap scheduling (the default), ``keep_sampled``;
-- **on the idle engine**: each row writes its new tokens' KV into the trash page and its GDN state into the trash
-  slot (bench/decode_timer.py ``trash_rows``, as the decode replay does); the prefix a later chunk attends over is
-  read from arbitrary pages; the prompt ids are distinct seeded ids (``replay_ids``), so the MoE layers route as
-  a real batch does;
+- **on the idle engine**: each row writes its new tokens' KV into the trash page and its GDN state into a
+  running slot of its own (bench/decode_timer.py ``replay_rows_layout``, as the decode replay does); the prefix a
+  later chunk attends over is read from arbitrary pages; the prompt ids are distinct seeded ids (``replay_ids``),
+  so the MoE layers route as a real batch does;
 - **timed** with the decode replay's loop (decode_timer.py ``replay``): all steps of the shape back to back, the
   median of ``--windows`` windows of ``--iters`` prefills, each window waited for once at its end; with
   ``--step-iters`` > 0 each step is also timed alone the same way.
@@ -97,12 +97,12 @@ class PrefillSteps:
 def scheduled_steps(engine: Any, rows: int, length: int) -> PrefillSteps:
     """The steps the engine's scheduler runs to prefill ``rows`` greedy prompts of ``length`` tokens that arrive
     together, nothing cached, each generating one token (the module docstring says what that covers), laid out
-    for a replay on the IDLE engine: every row's written positions on the trash page, its GDN slot the trash slot.
+    for a replay on the IDLE engine: every row's written positions on the trash page, a running GDN slot a row.
 
     Raises:
         ValueError: more rows than ``--max-running-requests``, ``length`` < 2 or past the page table, or dp > 1
             (one DP rank's layout only)."""
-    from sglang_tpu_qwen.bench.decode_timer import replay_ids, trash_rows
+    from sglang_tpu_qwen.bench.decode_timer import replay_ids, replay_rows_layout
     from sglang_tpu_qwen.engine.io.request import Request
     from sglang_tpu_qwen.engine.io.sampling_params import SamplingParams
     from sglang_tpu_qwen.engine.scheduler.schedule_batch import PickedBatch, ScheduleBatch
@@ -138,7 +138,7 @@ def scheduled_steps(engine: Any, rows: int, length: int) -> PrefillSteps:
             picked = PickedBatch(ForwardMode.DECODE, left, [1] * len(left))
         first = np.array([r.cached_len for r in picked.reqs])
         last = first + np.array(picked.extend_lens) - 1
-        table, slots = trash_rows(runner, len(picked.reqs), buckets.pages, first, last)
+        table, slots = replay_rows_layout(runner, len(picked.reqs), buckets.pages, first, last)
         for i, (r, n) in enumerate(zip(picked.reqs, picked.extend_lens, strict=True)):
             r.pages = table[i, : -(-(r.cached_len + n) // ps)].tolist()
             r.slot = int(slots[i])
