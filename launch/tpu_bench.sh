@@ -21,6 +21,7 @@
 #   prefill8k    prefill 64 x 512 and 8 x 4,096 with --chunked-prefill-size 8192
 #   moe35b       bench.grouped_matmul at every 35B-A3B case (decode 8 / 64 / 256 rows, prefill 2,048 to 32,768)
 #   mxuchain     bench.mxu_chain: a dependent product's time by size and independent chains (the GDN chunk form)
+#   lmhead       bench.lm_head: the greedy lm_head by weight layout ([V, H] served, [H, V]) and a Pallas kernel
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -56,6 +57,7 @@ step_cmd() {
     moe35b) echo python -m sglang_tpu_qwen.bench.grouped_matmul --only 35B-A3B ;;
     prefill8k) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --chunked-prefill-size 8192 ;;
     mxuchain) echo python -m sglang_tpu_qwen.bench.mxu_chain ;;
+    lmhead) echo python -m sglang_tpu_qwen.bench.lm_head ;;
     spec) echo python -m sglang_tpu_qwen.bench.spec_decode --output-json "$OUT/spec.json" ;;
     *) return 1 ;;
   esac
