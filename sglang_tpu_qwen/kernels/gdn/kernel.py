@@ -42,12 +42,15 @@ compute (a bf16 state rounded after each token as each decode step rounds it on 
 outputs are a plain decode's, token for token. The chunked form would pad such a step to a 64-token chunk
 and solve 64 x 64 systems for it. A short step is bound by its on-chip work, not bandwidth (4 tokens: ~4x a
 decode step's arithmetic for one read of the state), so its schedule is laid out for overlap: tokens outer and
-every key head of the step inner (one branch per token; the heads' chains interleave), and the lane-replicated
-k and q of every token come from one transpose of the step's normalised k|q rows and a lane broadcast each.
-Deviceless v5e schedule of one 1 MiB grid step (35B layout, float32 state): 4 tokens without commit 7,201 ->
-4,718 bundles, a decode step 1,935 -> 1,532 (dev/gdn_llo_short.py), with the conv taps below. What bounds the
-4 tokens now is the XLU: the lane broadcasts (32 per token and key head, one every ~8 cycles on each of 3
-units), with the VPU slots half full.
+every key head of the step inner (one branch per token; the heads' chains interleave). The lane-replicated k
+and q of every token come from the MXU, which the recurrence leaves idle (``_lane_replicated``: a bfloat16
+product of the step's k|q rows split into three exact bfloat16 parts with a 0/1 selector, bit for bit the
+float32 values); they were lane broadcasts on the XLU, 32 a token and key head, one every ~8 cycles on each of
+its 3 units, which bounded the step. Deviceless v5e schedule of one 2 MiB grid step (35B layout, float32 state,
+``dev/gdn_llo.py``): 4 tokens without commit 9,037 -> 7,710 bundles, with commit 8,977 -> 7,671, a decode step
+(1 MiB) 1,509 -> 1,262; what is left is the VPU arithmetic (~5,100 bundles of it) and spill traffic (the
+scheduler pops the products early). Earlier: 7,201 -> 4,718 bundles a 1 MiB grid step for the token-outer
+order, one transpose of k|q and the conv taps below.
 
 ``commit=False`` (a speculative verify step) reads the pools and writes nothing: the recurrent state enters
 through its input block and lives in a VMEM scratch (no state output, no aliasing), and the conv windows are
@@ -230,14 +233,13 @@ def _kernel(
         # Decode and short steps (a speculative verify's k + 1 tokens): token by token, each exactly a decode
         # step's arithmetic (_decode_head), the state carried in rec_ref in the pool's dtype between tokens (so
         # a bf16 state is rounded after each token, as T decode steps round it on store).
-        # k and q lane-replicated ([dk, dv], row i all k_i) for _decode_head: one transpose of all k|q rows,
-        # then a lane broadcast per use (the XLU's transpose of a sublane broadcast per token and key head
-        # took twice the pops and serialised each head's start).
-        kq_t = jnp.concatenate([kn[...], qn[...]], axis=0).T  # [heads * dk, 2T]: k then q, a token a lane
+        # k and q lane-replicated ([dk, dv], row i all k_i) for _decode_head, made by the otherwise idle MXU
+        # (_lane_replicated): the XLU's lane broadcasts bound the step before.
+        parts_t, select = _split_columns(jnp.concatenate([kn[...], qn[...]], axis=0), dv)
 
         def token(i: int, j: int) -> None:
             keys = slice(j * dk, (j + 1) * dk)
-            k_col, q_col = (jnp.broadcast_to(kq_t[keys, c : c + 1], (dk, dv)) for c in (i, block_t + i))
+            k_col, q_col = _lane_replicated(parts_t[keys, :], select, i, block_t + i, dv)
             for h in range(j * r, (j + 1) * r):
                 lanes = slice(h * dv, (h + 1) * dv)
                 s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32)) if i == 0 else \
@@ -292,6 +294,32 @@ def _kernel(
                                               o_out.dtype, norm[1])
     if not norm:
         o_out[...] = o_ref[...]
+
+
+def _split_columns(x: jax.Array, dv: int) -> tuple[jax.Array, jax.Array]:
+    """For :func:`_lane_replicated`: ``x [n, c]`` float32 as ``[c, 3n]`` bfloat16 (its rows' three bfloat16 parts,
+    high, middle, low, transposed: columns ``p * n + m`` hold part p of row m) and the ``[3n, 2 * dv]`` row index
+    modulo n of a selector (int32).
+
+    The three parts are exact: each holds the next 8 of a float32's 24 significant bits, so their float32 sum is
+    x again in any order (the residuals are exact float32 differences)."""
+    hi = x.astype(jnp.bfloat16).astype(jnp.float32)
+    mid = (x - hi).astype(jnp.bfloat16).astype(jnp.float32)
+    parts_t = jnp.concatenate([hi, mid, x - hi - mid], axis=0).T.astype(jnp.bfloat16)
+    n = x.shape[0]
+    return parts_t, jax.lax.broadcasted_iota(jnp.int32, (3 * n, 2 * dv), 0) % n
+
+
+def _lane_replicated(parts_t: jax.Array, select: jax.Array, a: int, b: int, dv: int) -> tuple[jax.Array, jax.Array]:
+    """Columns ``a`` and ``b`` of the split matrix (:func:`_split_columns`; ``parts_t [rows, 3n]``) each replicated
+    across ``dv`` lanes, ``([rows, dv], [rows, dv])`` float32, bit for bit the float32 values: one bfloat16 MXU
+    product with a 0/1 selector, whose float32 accumulation adds each value's three exact parts. The XLU's lane
+    broadcasts it replaces (32 a token and key head) bound a 4-token step: deviceless v5e, 35B layout, 64 rows,
+    a 2 MiB grid step 9,037 -> 7,710 bundles (a decode step's 1,509 -> 1,262)."""
+    col = jax.lax.broadcasted_iota(jnp.int32, select.shape, 1)
+    sel = jnp.where(select == jnp.where(col < dv, a, b), 1.0, 0.0).astype(jnp.bfloat16)
+    both = jax.lax.dot_general(parts_t, sel, _NN, preferred_element_type=jnp.float32)
+    return both[:, :dv], both[:, dv:]
 
 
 def _decode_head(s0: jax.Array, k: jax.Array, q: jax.Array, v: jax.Array, g: jax.Array,
