@@ -5,7 +5,9 @@
 #   bash launch/tpu_bench.sh STEP[:SECONDS] ...      e.g.  bash launch/tpu_bench.sh suite:500 decode:250 mtp:300
 # Each step writes $OUT/STEP.txt (its stdout and stderr) under a time limit (default 600 s); $OUT/times.txt lists
 # each step's exit status and wall time. Steps run one after another in fresh processes: one holds the chip at a
-# time. JAX's persistent compilation cache (/tmp/jaxcache) is shared between them.
+# time. JAX's persistent compilation cache (/tmp/jaxcache) is shared between them. The engine benchmarks run with
+# --disable-precompile: they compile the programs they replay before timing them (0 compilations in the timed
+# windows, printed), where precompiling every bucket took a cold MTP engine past 5 minutes.
 #   suite        the TPU suite (tests/tpu)            kernels      bench.kernels: attention and GDN per batch mix
 #                                                     kernelsgdn   bench.kernels: GDN decode, verify, prefill steps
 #   suitekernels the suite's kernel tests              suitemodel   its engine and speculative tests (the suite
@@ -31,6 +33,7 @@ if [ -d .whl-tpu ]; then
 fi
 export PYTHONPATH=${PYTHONPATH:-}:/tmp/site:$PWD
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
+REPLAY=(--no-plan --disable-precompile)  # the engine benchmarks' flags: the chip runs no planner
 SPEC=(--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1
       --speculative-num-draft-tokens 4)
 step_cmd() {
@@ -41,21 +44,22 @@ step_cmd() {
                   tests/tpu/test_speculative_on_chip.py ;;
     kernels) echo python -m sglang_tpu_qwen.bench.kernels --sections mixes ;;
     kernelsgdn) echo python -m sglang_tpu_qwen.bench.kernels --sections gdn-decode,gdn-verify,gdn-prefill ;;
-    decode) echo python -m sglang_tpu_qwen.bench.decode_step --rows 8,256 --no-plan ;;
-    decode64) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 --no-plan ;;
-    decodeprof) echo python -m sglang_tpu_qwen.bench.decode_step --rows 256 --no-plan --profile /tmp/prof_decode \
+    decode) echo python -m sglang_tpu_qwen.bench.decode_step --rows 8,256 "${REPLAY[@]}" ;;
+    decode64) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 "${REPLAY[@]}" ;;
+    decodeprof) echo python -m sglang_tpu_qwen.bench.decode_step --rows 256 "${REPLAY[@]}" --profile /tmp/prof_decode \
                   --profile-rows 256 ;;
-    mtp) echo python -m sglang_tpu_qwen.bench.decode_step --rows 1,8,64 --no-plan "${SPEC[@]}" ;;
+    mtp) echo python -m sglang_tpu_qwen.bench.decode_step --rows 1,8,64 "${REPLAY[@]}" "${SPEC[@]}" ;;
     mtpmap) python -c "import json; print(json.dumps(list(range(0, 248320, 8))))" >/tmp/token_map.json
-            echo python -m sglang_tpu_qwen.bench.decode_step --rows 1,8,64 --no-plan "${SPEC[@]}" \
+            echo python -m sglang_tpu_qwen.bench.decode_step --rows 1,8,64 "${REPLAY[@]}" "${SPEC[@]}" \
               --speculative-token-map /tmp/token_map.json ;;
-    mtpprof) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 --no-plan "${SPEC[@]}" \
+    mtpprof) echo python -m sglang_tpu_qwen.bench.decode_step --rows 64 "${REPLAY[@]}" "${SPEC[@]}" \
                --profile /tmp/prof_mtp --profile-rows 64 ;;
-    prefill) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan ;;
-    prefillprof) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --shapes 64x512 --profile /tmp/prof_prefill ;;
+    prefill) echo python -m sglang_tpu_qwen.bench.prefill_step "${REPLAY[@]}" ;;
+    prefillprof) echo python -m sglang_tpu_qwen.bench.prefill_step "${REPLAY[@]}" --shapes 64x512 \
+                   --profile /tmp/prof_prefill ;;
     moeprefill) echo python -m sglang_tpu_qwen.bench.grouped_matmul --only 2048 ;;
     moe35b) echo python -m sglang_tpu_qwen.bench.grouped_matmul --only 35B-A3B ;;
-    prefill8k) echo python -m sglang_tpu_qwen.bench.prefill_step --no-plan --chunked-prefill-size 8192 ;;
+    prefill8k) echo python -m sglang_tpu_qwen.bench.prefill_step "${REPLAY[@]}" --chunked-prefill-size 8192 ;;
     mxuchain) echo python -m sglang_tpu_qwen.bench.mxu_chain ;;
     lmhead) echo python -m sglang_tpu_qwen.bench.lm_head ;;
     spec) echo python -m sglang_tpu_qwen.bench.spec_decode --output-json "$OUT/spec.json" ;;
