@@ -366,15 +366,18 @@ CPU_ROWS, CPU_CONTEXT = 2, 40
 
 def test_replayed_rows_own_their_gdn_slots(engine, spec_engine) -> None:
     """Every replayed row, decode and verify, has its own running GDN slot (decode_timer.replay_rows_layout), as
-    serving's rows do: on one shared slot the GDN kernel's pipeline, which does not fetch again or write back a
-    state block whose index repeats between grid steps, read and wrote one state for a whole short step (v5e, the
-    64-row MTP cycle: the commit's GDN calls took 0.196 ms each where distinct slots take 0.598)."""
+    serving's rows do, and the bucket's padding rows the trash slot 0: on one shared slot the GDN kernel's
+    pipeline, which does not fetch again or write back a state block whose index repeats between grid steps, read
+    and wrote one state for a whole short step (v5e, the 64-row MTP cycle: the commit's GDN calls took 0.196 ms
+    each where distinct slots take 0.598)."""
     from sglang_tpu_qwen.bench.decode_timer import replay_batch, verify_replay_batch
 
-    for slots, sizing in ((replay_batch(engine.runner, rows=4, context=40)[0].slot_ids, engine.runner.sizing),
-                          (verify_replay_batch(spec_engine.runner, 2, 40)[0].slot_ids, spec_engine.runner.sizing)):
-        slots = np.asarray(slots).tolist()
-        assert len(set(slots)) == len(slots) and all(1 <= s < sizing.num_running_slots for s in slots), slots
+    for rows, batch, sizing in ((3, replay_batch(engine.runner, rows=3, context=40)[0], engine.runner.sizing),
+                                (2, verify_replay_batch(spec_engine.runner, 2, 40)[0], spec_engine.runner.sizing)):
+        slots = np.asarray(batch.slot_ids).tolist()
+        real, padding = slots[:rows], slots[rows:]
+        assert len(set(real)) == rows and all(1 <= s < sizing.num_running_slots for s in real), slots
+        assert all(s == 0 for s in padding), slots
 
 
 def test_cycle_replay_on_a_cpu_engine(spec_engine) -> None:

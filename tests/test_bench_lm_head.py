@@ -23,6 +23,14 @@ def test_kernel_ids_are_argmax_with_lowest_id_on_ties():
     assert int(ids[0]) == min(best, 7)
 
 
+def test_id_check_counts_wrong_and_out_of_range_ids():
+    logits = jnp.asarray([[0.0, 1.0, 0.5], [2.0, 2.0, -1.0]], jnp.float32)
+    ref = jnp.argmax(logits, axis=-1)
+    assert lm_head.check_ids(ref, logits, ref) == {"bad_rows": 0, "ids_differ": 0}
+    assert lm_head.check_ids(jnp.asarray([1, 1]), logits, ref) == {"bad_rows": 0, "ids_differ": 1}  # a tie
+    assert lm_head.check_ids(jnp.asarray([2, 3]), logits, ref) == {"bad_rows": 2, "ids_differ": 2}
+
+
 def test_kernel_rejects_shapes_it_cannot_tile():
     with pytest.raises(ValueError, match="multiple"):
         lm_head.greedy_lm_head(jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((300, 128), jnp.bfloat16), tv=128,

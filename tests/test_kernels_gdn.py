@@ -428,3 +428,36 @@ def test_repeated_token_prefill(dtype, chunk: int) -> None:
         record(f"Fused GDN kernel: bf16 model's prefill of a repeated token vs float32 reference, chunk {chunk}",
                f"relative rms error {rms:.1e}")
         assert rms < 1e-2
+
+
+def test_lane_replicated_columns_are_the_float32_values():
+    """The recurrent form's MXU broadcast (kernel._split_columns / _lane_replicated): each value's three bfloat16
+    parts, cut toward zero, sum back to it in every order (so no accumulation order of the MXU can round), and
+    the product with the selector gives every column's values on every lane, bit for bit (-0.0 as +0.0). The
+    values include 2 - 16449 * 2^-23, whose parts rounded to nearest sum to another float32 when the high and low
+    parts are added first."""
+    import itertools
+
+    from sglang_tpu_qwen.kernels.gdn.kernel import _bf16_toward_zero, _lane_replicated, _split_columns
+
+    rng = np.random.default_rng(0)
+    tricky = np.float32(2) - np.float32(16449) * np.float32(2.0**-23)
+    values = np.concatenate([rng.standard_normal(1000) * scale for scale in (1.0, 1e-3, 1e3, 1e-25, 1e25)]
+                            + [[tricky, -tricky, 1.0, -1.0, 2.0**-100, 3e38, -3e38]]).astype(np.float32)
+    x = jnp.asarray(values)
+    hi = _bf16_toward_zero(x)
+    mid = _bf16_toward_zero(x - hi)
+    parts = [np.asarray(p, np.float32) for p in (hi, mid, x - hi - mid)]
+    assert all(np.array_equal(np.asarray(jnp.asarray(p).astype(jnp.bfloat16), np.float32), p) for p in parts)
+    for a, b, c in itertools.permutations(parts):
+        np.testing.assert_array_equal((a + b) + c, values)
+
+    n, rows, dv = 8, 128, 128
+    block = rng.permutation(values)[: n * rows].reshape(n, rows)
+    block[0, :3] = [tricky, -0.0, 2.0**-100]
+    parts_t, select = _split_columns(jnp.asarray(block), dv)
+    for col in range(n):
+        got_a, got_b = _lane_replicated(parts_t, select, col, (col + 3) % n, dv)
+        for got, want in ((got_a, block[col]), (got_b, block[(col + 3) % n])):
+            got = np.asarray(got)
+            assert (got == want[:, None]).all() and (got.view(np.uint32) == (want + 0.0).view(np.uint32)[:, None]).all()

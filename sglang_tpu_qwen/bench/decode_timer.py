@@ -118,17 +118,21 @@ def _replay_rows(runner: ModelRunner, rows: int, context: int, *, tokens: int,
     if last_position >= pages * ps:
         raise ValueError(f"position {last_position} (context {context}) is past the decode bucket's page table "
                          f"({pages} pages x {ps} = {pages * ps} tokens): raise --context-length")
-    page_table, slots = replay_rows_layout(runner, b, pages, np.full(b, context - 1), np.full(b, last_position))
+    page_table, slots = replay_rows_layout(runner, b, pages, np.full(b, context - 1), np.full(b, last_position),
+                                           real_per_rank=-(-rows // sizing.dp))
     return b, replay_ids(runner.config.vocab_size, (b, tokens)), page_table, slots
 
 
-def replay_rows_layout(runner: ModelRunner, batch: int, pages: int, first: np.ndarray,
-                       last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def replay_rows_layout(runner: ModelRunner, batch: int, pages: int, first: np.ndarray, last: np.ndarray, *,
+                       real_per_rank: int | None = None,
+                       row_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The page table and GDN slots of ``batch`` replayed rows on an IDLE runner: ``[batch, pages]`` int32 global page
     ids, row b's columns of positions ``first[b] .. last[b]`` (the positions a replayed step writes) on its DP
     rank's trash page, every other column an arbitrary page of its rank (read only: attention reads whatever KV is
     there); and ``[batch]`` int32 slot ids, a running slot of its rank per row (distinct up to the rank's running
-    slots, then repeating). Rows are laid out by rank as the scheduler lays them out (rank r: rows
+    slots, then repeating), chosen by ``row_ids [batch]`` (default the row's index in its rank: pass a request's
+    own index to keep its slot across steps); rows past ``real_per_rank`` in their rank are padding rows on the
+    rank's trash slot, as serving's are. Rows are laid out by rank as the scheduler lays them out (rank r: rows
     ``[r * batch / dp, (r + 1) * batch / dp)``). ``first`` / ``last``: ``[batch]`` int token positions
     (``last < pages * page_size``).
 
@@ -136,8 +140,9 @@ def replay_rows_layout(runner: ModelRunner, batch: int, pages: int, first: np.nd
     whose index repeats between consecutive grid steps, so rows sharing one slot (the trash slot, before) made a
     short step with one grid step a row read and write one state instead of B (v5e, 64-row MTP cycle: the commit's
     GDN calls 0.196 ms each where bench.kernels' distinct slots take 0.598). An idle runner's running slots hold
-    no live state: a request's first step reads zeros (``fresh``) or a copied snapshot, never what a slot held
-    (``--debug-nan-fill-freed-slots`` proves it), and snapshots live in the slots past them."""
+    no live state, so writing them changes nothing served later: a request's first step reads zeros (``fresh``) or
+    a copied snapshot, never what a slot held (``--debug-nan-fill-freed-slots`` checks it), and snapshots live in
+    the slots past them. The replay reads whatever they hold (with that flag, NaN: do not time with it)."""
     sizing = runner.sizing
     dp, ps, num_pages = sizing.dp, sizing.page_size, sizing.num_pages
     usable = num_pages - 1
@@ -149,8 +154,11 @@ def replay_rows_layout(runner: ModelRunner, batch: int, pages: int, first: np.nd
     if dp > 1:
         page_table += (rank * num_pages)[:, None].astype(np.int32)
     local = np.arange(batch) % (batch // dp)  # the row's index within its rank
-    slots = (rank * sizing.num_slots + 1 + local % sizing.max_running_per_rank).astype(np.int32)
-    return page_table, slots
+    ids = local if row_ids is None else np.asarray(row_ids)
+    slots = rank * sizing.num_slots + 1 + ids % sizing.max_running_per_rank
+    if real_per_rank is not None:
+        slots = np.where(local < real_per_rank, slots, rank * sizing.num_slots)
+    return page_table, slots.astype(np.int32)
 
 
 def replay_ids(vocab_size: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -97,7 +97,7 @@ class PrefillSteps:
 def scheduled_steps(engine: Any, rows: int, length: int) -> PrefillSteps:
     """The steps the engine's scheduler runs to prefill ``rows`` greedy prompts of ``length`` tokens that arrive
     together, nothing cached, each generating one token (the module docstring says what that covers), laid out
-    for a replay on the IDLE engine: every row's written positions on the trash page, a running GDN slot a row.
+    for a replay on the IDLE engine: every row's written positions on the trash page, a running GDN slot a request.
 
     Raises:
         ValueError: more rows than ``--max-running-requests``, ``length`` < 2 or past the page table, or dp > 1
@@ -138,7 +138,8 @@ def scheduled_steps(engine: Any, rows: int, length: int) -> PrefillSteps:
             picked = PickedBatch(ForwardMode.DECODE, left, [1] * len(left))
         first = np.array([r.cached_len for r in picked.reqs])
         last = first + np.array(picked.extend_lens) - 1
-        table, slots = replay_rows_layout(runner, len(picked.reqs), buckets.pages, first, last)
+        table, slots = replay_rows_layout(runner, len(picked.reqs), buckets.pages, first, last,
+                                          row_ids=np.array([reqs.index(r) for r in picked.reqs]))
         for i, (r, n) in enumerate(zip(picked.reqs, picked.extend_lens, strict=True)):
             r.pages = table[i, : -(-(r.cached_len + n) // ps)].tolist()
             r.slot = int(slots[i])
