@@ -455,9 +455,9 @@ def test_lane_replicated_columns_are_the_float32_values():
     n, rows, dv = 8, 128, 128
     block = rng.permutation(values)[: n * rows].reshape(n, rows)
     block[0, :3] = [tricky, -0.0, 2.0**-100]
-    parts_t, select = _split_columns(jnp.asarray(block), dv)
+    parts_t = _split_columns(jnp.asarray(block))
     for col in range(n):
-        got_a, got_b = _lane_replicated(parts_t, select, col, (col + 3) % n, dv)
+        got_a, got_b = _lane_replicated(parts_t, col, (col + 3) % n, dv)
         for got, want in ((got_a, block[col]), (got_b, block[(col + 3) % n])):
             got = np.asarray(got)
             assert (got == want[:, None]).all() and (got.view(np.uint32) == (want + 0.0).view(np.uint32)[:, None]).all()

@@ -44,13 +44,13 @@ and solve 64 x 64 systems for it. A short step is bound by its on-chip work, not
 decode step's arithmetic for one read of the state), so its schedule is laid out for overlap: tokens outer and
 every key head of the step inner (one branch per token; the heads' chains interleave). The lane-replicated k
 and q of every token come from the MXU, which the recurrence leaves idle (``_lane_replicated``: a bfloat16
-product of the step's k|q rows split into three bfloat16 parts cut toward zero with a 0/1 selector, the float32
-values bit for bit, -0.0 as +0.0); they were lane broadcasts on the XLU, 32 a token and key head, one every ~8 cycles on each of
-its 3 units, which bounded the step. Deviceless v5e schedule of one 2 MiB grid step (35B layout, float32 state,
-``dev/gdn_llo.py``): 4 tokens without commit 9,037 -> 7,706 bundles, with commit 8,977 -> 7,679, a decode step
-(1 MiB) 1,509 -> 1,256; what is left is the VPU arithmetic (~5,100 bundles of it) and spill traffic (the
-scheduler pops the products early). Earlier: 7,201 -> 4,718 bundles a 1 MiB grid step for the token-outer
-order, one transpose of k|q and the conv taps below.
+product of the step's k|q rows split into three bfloat16 parts cut toward zero with a 0/1 selector, the
+float32 values bit for bit, -0.0 as +0.0); they were lane broadcasts on the XLU, 32 a token and key head, one
+every ~8 cycles on each of its 3 units, which bounded the step. Deviceless v5e schedule of one 2 MiB grid step
+(35B layout, float32 state, ``dev/gdn_llo.py``): 4 tokens without commit 9,037 -> 7,706 bundles, with commit
+8,977 -> 7,679, a decode step (1 MiB) 1,509 -> 1,256; what is left is the VPU arithmetic (~5,100 bundles of it)
+and spill traffic (the scheduler pops the products early). Earlier: 7,201 -> 4,718 bundles a 1 MiB grid step
+for the token-outer order, one transpose of k|q and the conv taps below.
 
 ``commit=False`` (a speculative verify step) reads the pools and writes nothing: the recurrent state enters
 through its input block and lives in a VMEM scratch (no state output, no aliasing), and the conv windows are
@@ -237,11 +237,11 @@ def _kernel(
         # (_lane_replicated): the XLU's lane broadcasts bound the step before.
         # q of tokens past the row's length zeroed like their k: a non-finite value would spread to its channel's
         # other columns through the product's zeros (such tokens are skipped, their outputs zeros).
-        parts_t, select = _split_columns(jnp.concatenate([kn[...], jnp.where(valid, qn[...], 0.0)], axis=0), dv)
+        parts_t = _split_columns(jnp.concatenate([kn[...], jnp.where(valid, qn[...], 0.0)], axis=0))
 
         def token(i: int, j: int) -> None:
             keys = slice(j * dk, (j + 1) * dk)
-            k_col, q_col = _lane_replicated(parts_t[keys, :], select, i, block_t + i, dv)
+            k_col, q_col = _lane_replicated(parts_t[keys, :], i, block_t + i, dv)
             for h in range(j * r, (j + 1) * r):
                 lanes = slice(h * dv, (h + 1) * dv)
                 s0 = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32)) if i == 0 else \
@@ -305,10 +305,9 @@ def _bf16_toward_zero(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _split_columns(x: jax.Array, dv: int) -> tuple[jax.Array, jax.Array]:
-    """For :func:`_lane_replicated`: ``x [n, c]`` float32 as ``[c, 3n]`` bfloat16 (its rows' three bfloat16 parts,
-    high, middle, low, transposed: columns ``p * n + m`` hold part p of row m) and the ``[3n, 2 * dv]`` row index
-    modulo n of a selector (int32).
+def _split_columns(x: jax.Array) -> jax.Array:
+    """For :func:`_lane_replicated`: ``x [n, c]`` float32 as ``[c, 3n]`` bfloat16, its rows' three bfloat16 parts
+    (high, middle, low) transposed: column ``p * n + m`` holds part p of row m.
 
     The parts are cut toward zero (:func:`_bf16_toward_zero`), so they share x's sign and hold disjoint runs of its
     24 significant bits (8, then up to 8 of the remainder, then the rest): every partial sum of them is a truncation
@@ -318,20 +317,19 @@ def _split_columns(x: jax.Array, dv: int) -> tuple[jax.Array, jax.Array]:
     +0.0."""
     hi = _bf16_toward_zero(x)
     mid = _bf16_toward_zero(x - hi)
-    parts_t = jnp.concatenate([hi, mid, x - hi - mid], axis=0).T.astype(jnp.bfloat16)
-    n = x.shape[0]
-    return parts_t, jax.lax.broadcasted_iota(jnp.int32, (3 * n, 2 * dv), 0) % n
+    return jnp.concatenate([hi, mid, x - hi - mid], axis=0).T.astype(jnp.bfloat16)
 
 
-def _lane_replicated(parts_t: jax.Array, select: jax.Array, a: int, b: int, dv: int) -> tuple[jax.Array, jax.Array]:
+def _lane_replicated(parts_t: jax.Array, a: int, b: int, dv: int) -> tuple[jax.Array, jax.Array]:
     """Columns ``a`` and ``b`` of the split matrix (:func:`_split_columns`; ``parts_t [rows, 3n]``) each replicated
     across ``dv`` lanes, ``([rows, dv], [rows, dv])`` float32, the float32 values (within :func:`_split_columns`'
-    range): one bfloat16 MXU product with a 0/1 selector, whose float32 accumulation adds each value's three
-    exact parts and zeros (a non-finite value in a row makes the row's other columns NaN too). The XLU's lane
-    broadcasts it replaces (32 a token and key head) bound a 4-token step: deviceless v5e, 35B layout, 64 rows,
-    a 2 MiB grid step 9,037 -> 7,706 bundles (a decode step's 1,509 -> 1,256)."""
-    col = jax.lax.broadcasted_iota(jnp.int32, select.shape, 1)
-    sel = jnp.where(select == jnp.where(col < dv, a, b), 1.0, 0.0).astype(jnp.bfloat16)
+    range): one bfloat16 MXU product with a ``[3n, 2 dv]`` 0/1 selector, whose float32 accumulation adds each
+    value's three exact parts and zeros (a non-finite value in a row makes the row's other columns NaN too). It
+    replaces the XLU's lane broadcasts (module docstring)."""
+    n = parts_t.shape[1] // 3
+    part_row = jax.lax.broadcasted_iota(jnp.int32, (3 * n, 2 * dv), 0) % n
+    col = jax.lax.broadcasted_iota(jnp.int32, (3 * n, 2 * dv), 1)
+    sel = jnp.where(part_row == jnp.where(col < dv, a, b), 1.0, 0.0).astype(jnp.bfloat16)
     both = jax.lax.dot_general(parts_t, sel, _NN, preferred_element_type=jnp.float32)
     return both[:, :dv], both[:, dv:]
 
