@@ -481,17 +481,24 @@ def time_call(fn: Callable[..., jax.Array], args: tuple, iters: int, sync_each: 
     return (time.perf_counter() - t0) / iters, first, counter.count - before
 
 
-def _why(e: BaseException) -> str:
+def why_failed(e: BaseException) -> str:
+    """An exception as one short line (its first two lines, at most 220 characters), for a skipped row."""
     text = f"{type(e).__name__}: {e}"
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " / ".join(lines[:2])[:220]
 
 
-def fmt_row(head: str, secs: float, c: Cost, peaks: tuple[float, float] | None, err: str) -> str:
-    line = f"{head}{secs * 1e6:>10.1f} us{c.nbytes / secs / 1e9:>8.1f} GB/s{c.flops / secs / 1e12:>8.2f} TFLOP/s"
+def rate_columns(secs: float, nbytes: float, flops: float, peaks: tuple[float, float] | None) -> str:
+    """A timed call's columns: us, GB/s, TFLOP/s and, with the chip's ``(flops/s, bytes/s)`` peaks, their
+    fractions."""
+    line = f"{secs * 1e6:>10.1f} us{nbytes / secs / 1e9:>8.1f} GB/s{flops / secs / 1e12:>8.2f} TFLOP/s"
     if peaks:
-        line += f"{c.nbytes / secs / peaks[1]:>7.1%} HBM{c.flops / secs / peaks[0]:>7.1%} MXU"
-    return line + f"  {err}"
+        line += f"{nbytes / secs / peaks[1]:>7.1%} HBM{flops / secs / peaks[0]:>7.1%} MXU"
+    return line
+
+
+def fmt_row(head: str, secs: float, c: Cost, peaks: tuple[float, float] | None, err: str) -> str:
+    return f"{head}{rate_columns(secs, c.nbytes, c.flops, peaks)}  {err}"
 
 
 def summary_line(case: Case, c: Cost, results: list[tuple[str, float]], peaks: tuple[float, float] | None,
@@ -598,7 +605,7 @@ def run(args: argparse.Namespace, on_tpu: bool, small: bool, peaks: tuple[float,
                         continue
                     exe = executables[(i, imp.name)]
                     if isinstance(exe, BaseException):
-                        print(f"{head}failed to compile: {_why(exe)}", flush=True)
+                        print(f"{head}failed to compile: {why_failed(exe)}", flush=True)
                         continue
                     rows = padded_rows(case, imp.pad)
                     if rows not in xs_by_rows:
@@ -608,7 +615,7 @@ def run(args: argparse.Namespace, on_tpu: bool, small: bool, peaks: tuple[float,
                         secs, out, compiles = time_call(exe, call_args, args.iters,
                                                         rows * shape.hidden * 2 > _SYNC_EACH_BYTES, counter)
                     except Exception as e:  # noqa: BLE001 - e.g. out of device memory: reported, not hidden
-                        print(f"{head}failed to run: {_why(e)}", flush=True)
+                        print(f"{head}failed to run: {why_failed(e)}", flush=True)
                         continue
                     timed_compiles += compiles
                     tol = FP8_TOLERANCE if form == "fp8" else TOLERANCE

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sglang_tpu_qwen.bench.grouped_matmul import CompileCounter, _why, compile_all, time_call
+from sglang_tpu_qwen.bench.grouped_matmul import CompileCounter, compile_all, rate_columns, time_call, why_failed
 from sglang_tpu_qwen.bench.kernels import PEAKS
 from sglang_tpu_qwen.engine.runner.sampler import greedy_ids
 from sglang_tpu_qwen.model.forward import compute_logits
@@ -121,23 +121,24 @@ def greedy_lm_head(hidden: jax.Array, weight: jax.Array, *, tv: int, interpret: 
     return ids[:, 0]
 
 
+def logits_vh(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+    """The served product: ``model.forward.compute_logits`` with ``weight [V, H]`` as the (untied) lm_head."""
+    return compute_logits({"lm_head": weight}, hidden, config=SimpleNamespace(tie_word_embeddings=False))
+
+
 def served(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     """What the sampling program runs: ``compute_logits`` (``[V, H]`` lm_head) then ``greedy_ids``."""
-    config = SimpleNamespace(tie_word_embeddings=False)
-    return greedy_ids(compute_logits({"lm_head": weight}, hidden, config=config))
+    return greedy_ids(logits_vh(hidden, weight))
+
+
+def logits_hv(hidden: jax.Array, weight_t: jax.Array) -> jax.Array:
+    """The same product from the transposed ``[H, V]`` weight: ``[N, V]`` float32."""
+    return jnp.einsum("nh,hv->nv", hidden, weight_t, preferred_element_type=jnp.float32)
 
 
 def transposed(hidden: jax.Array, weight_t: jax.Array) -> jax.Array:
     """Greedy ids from the ``[H, V]`` weight."""
-    return greedy_ids(jnp.einsum("nh,hv->nv", hidden, weight_t, preferred_element_type=jnp.float32))
-
-
-def logits_vh(hidden: jax.Array, weight: jax.Array) -> jax.Array:
-    return jnp.einsum("nh,vh->nv", hidden, weight, preferred_element_type=jnp.float32)
-
-
-def logits_hv(hidden: jax.Array, weight_t: jax.Array) -> jax.Array:
-    return jnp.einsum("nh,hv->nv", hidden, weight_t, preferred_element_type=jnp.float32)
+    return greedy_ids(logits_hv(hidden, weight_t))
 
 
 @dataclass(frozen=True)
@@ -174,13 +175,6 @@ def check_ids(ids: jax.Array, ref_logits: jax.Array, ref_ids: jax.Array) -> dict
     tol = TOLERANCE * jnp.max(jnp.abs(ref_logits), axis=1)
     right = inside & (reached >= jnp.max(ref_logits, axis=1) - tol)
     return {"bad_rows": int(jnp.sum(~right)), "ids_differ": int(jnp.sum(ids != ref_ids))}
-
-
-def fmt_line(head: str, secs: float, nbytes: float, flops: float, peaks: tuple[float, float] | None) -> str:
-    text = f"{head}{secs * 1e6:>10.1f} us{nbytes / secs / 1e9:>8.1f} GB/s{flops / secs / 1e12:>8.2f} TFLOP/s"
-    if peaks:
-        text += f"{nbytes / secs / peaks[1]:>7.1%} HBM{flops / secs / peaks[0]:>7.1%} MXU"
-    return text
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -230,15 +224,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 head = f"{rows:<6}{imp.name:<22}"
                 exe = executables[(rows, imp.name)]
                 if isinstance(exe, BaseException):
-                    print(f"{head}skipped: {_why(exe)}", flush=True)
-                    results.append({"rows": rows, "impl": imp.name, "skipped": _why(exe)})
+                    print(f"{head}skipped: {why_failed(exe)}", flush=True)
+                    results.append({"rows": rows, "impl": imp.name, "skipped": why_failed(exe)})
                     continue
                 secs, out, compiles = time_call(exe, (hidden[: padded(rows, imp.pad)], weights[imp.layout]),
                                                 args.iters, False, counter)
                 moved = nbytes + (0 if imp.ids else rows * v * 4)  # the logits-only forms write them
                 line = {"rows": rows, "impl": imp.name, "us": secs * 1e6, "compiles": compiles,
                         "hbm": moved / secs / peaks[1] if peaks else None}
-                text = fmt_line(head, secs, moved, flops, peaks)
+                text = head + rate_columns(secs, moved, flops, peaks)
                 if imp.ids:
                     line |= check_ids(out[:rows], ref_logits, ref_ids)
                     text += (f"  ids: {line['ids_differ']} differ from served, {line['bad_rows']} below the max"
