@@ -43,6 +43,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sglang_tpu_qwen.utils.mxu_precision import operand_precision
+
 
 def _visits(group_sizes: jax.Array, tm: int, tiles_m: int, num_visits: int) -> tuple[jax.Array, ...]:
     """Per grid visit: (group id, row tile), plus group starts / ends and the number of real visits."""
@@ -112,7 +114,8 @@ def _kernel(
             for (q_ref, s_ref), acc_ref in zip(weights, accs, strict=True):
                 # Padding past K may hold any bits (NaN included): zero it, not just the matching x columns.
                 ws = jnp.where(krow < k_dim, q_ref[i * b0 : (i + 1) * b0, :].astype(x_ref.dtype), 0)
-                part = jnp.dot(xs, ws, preferred_element_type=jnp.float32)  # [tm, tn]
+                part = jnp.dot(xs, ws, precision=operand_precision(xs.dtype),
+                               preferred_element_type=jnp.float32)  # [tm, tn]
                 srow = s_ref[0, 0, pl.ds(k * (tk // b0) + i, 1), :]  # [1, tn // b1] float32
                 s = jnp.concatenate([jnp.broadcast_to(srow[:, j : j + 1], (1, b1)) for j in range(tn // b1)],
                                     axis=1)

@@ -108,6 +108,7 @@ from jax.experimental.pallas import tpu as pltpu
 from sglang_tpu_qwen.kernels.gdn.delta_rule import gated_rms_norm
 from sglang_tpu_qwen.kernels.gdn.unit_lower_inverse import unit_lower_inverses
 from sglang_tpu_qwen.kernels.gdn.window_copy import gather_windows_dma, scatter_windows_dma
+from sglang_tpu_qwen.utils.mxu_precision import HIGHEST, ONE_PASS
 
 CHUNK_SIZE = 64
 # Decode: recurrent-state bytes per grid step (key heads are grouped up to it). A step of one key head
@@ -130,7 +131,7 @@ RECURRENT_MAX_T = 8
 # measured rate for it (tools/plan/chips.py; the recurrent form runs on the VPU).
 RECURRENT_SCOPE = "gdn_recurrent"
 CHUNKED_SCOPE = "gdn_chunked"
-_HI = jax.lax.Precision.HIGHEST
+_HI = HIGHEST
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
 _TN = (((0,), (0,)), ((), ()))
@@ -140,7 +141,7 @@ def _dot(a: jax.Array, b: jax.Array, dims=_NN, bf16: bool = False) -> jax.Array:
     """float32 product of two float32 tiles: one MXU pass over bfloat16-rounded operands with ``bf16``, else
     ``HIGHEST`` (six passes)."""
     if bf16:
-        return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims,
+        return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims, precision=ONE_PASS,
                                    preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=jnp.float32)
 
@@ -156,7 +157,7 @@ def _cumsum_rows(causal: jax.Array, g: jax.Array, bf16: bool) -> jax.Array:
     for _ in range(3):
         part = g.astype(jnp.bfloat16)
         g = g - part.astype(jnp.float32)
-        term = jax.lax.dot_general(mask, part, _NN, preferred_element_type=jnp.float32)
+        term = jax.lax.dot_general(mask, part, _NN, precision=ONE_PASS, preferred_element_type=jnp.float32)
         total = term if total is None else total + term
     return total
 
@@ -330,7 +331,7 @@ def _lane_replicated(parts_t: jax.Array, a: int, b: int, dv: int) -> tuple[jax.A
     part_row = jax.lax.broadcasted_iota(jnp.int32, (3 * n, 2 * dv), 0) % n
     col = jax.lax.broadcasted_iota(jnp.int32, (3 * n, 2 * dv), 1)
     sel = jnp.where(part_row == jnp.where(col < dv, a, b), 1.0, 0.0).astype(jnp.bfloat16)
-    both = jax.lax.dot_general(parts_t, sel, _NN, preferred_element_type=jnp.float32)
+    both = jax.lax.dot_general(parts_t, sel, _NN, precision=ONE_PASS, preferred_element_type=jnp.float32)
     return both[:, :dv], both[:, dv:]
 
 

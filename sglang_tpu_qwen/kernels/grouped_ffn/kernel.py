@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.grouped_ffn import SCOPE
+from sglang_tpu_qwen.utils.mxu_precision import operand_precision
 
 TILE_ROWS = 128
 
@@ -185,7 +186,7 @@ def grouped_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     itemsize = x.dtype.itemsize
     weight_bytes = 3 * h * i * itemsize
     vmem = vmem_bytes(h, i, x.dtype, tm)
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    precision = operand_precision(x.dtype)
 
     def block(shape):
         return pl.BlockSpec((None, *shape), lambda s, order, *_: (order[s], 0, 0))

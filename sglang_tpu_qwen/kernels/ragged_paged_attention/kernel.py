@@ -54,21 +54,18 @@ from jax.experimental.pallas import tpu as pltpu
 
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import INTERPRET, BlockSizes, block_sizes_for
 from sglang_tpu_qwen.kernels.ragged_paged_attention.kv_quant import is_fp8, quantize_kv, scale_or_one
+from sglang_tpu_qwen.utils.mxu_precision import operand_precision
 
 # Integer division in the kernel uses lax.div / lax.rem (operands are >= 0): jnp's floor division lowers
 # through `sign`, whose Mosaic rule asks the *local* device for its TPU generation, which breaks deviceless AOT.
-# Float32 inputs (--dtype float32) multiply in float32: Mosaic's default for a float32 matmul is one bfloat16 pass
-# (~1e-2 off the reference on the chip). Mosaic refuses the fp32 contract precision for bfloat16 operands, whose
-# default pass is exact anyway (_precision).
-_HI = jax.lax.Precision.HIGHEST
 _MASK = -1e30  # finite: a fully masked row must not turn into NaN via (-inf) - (-inf)
 # Rows of a (sublane, 128) VMEM tile by element bytes: a page's [page_size, hd] block must fill whole tiles.
 _SUBLANE_TILE = {4: 8, 2: 16, 1: 32}
 
 
-def _precision(dtype) -> jax.lax.Precision | None:
-    """HIGHEST for float32 operands, Mosaic's default otherwise (module constant _HI)."""
-    return _HI if jnp.dtype(dtype) == jnp.float32 else None
+def _precision(dtype) -> jax.lax.Precision:
+    """HIGHEST for float32 operands, one named pass otherwise (utils/mxu_precision.py)."""
+    return operand_precision(dtype)
 
 
 def _kernel(
