@@ -25,6 +25,7 @@ from pd_harness import ServerProc, assert_idle_and_free, compile_cache_env
 
 from sglang_tpu_qwen.engine.runner import greedy_screen, sampler
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
+from sglang_tpu_qwen.kernels.sampling_backend import SamplingBackend
 
 CHUNK = 32
 # 2 running requests, 32-token chunks, 128-token context: 7 forward buckets, 6 sampling programs.
@@ -272,7 +273,8 @@ def test_sample_program_in_row_blocks_gives_the_same_rows_with_less_memory(monke
 
     def run(block: int) -> tuple[tuple[np.ndarray, ...], int]:
         monkeypatch.setattr(programs, "SAMPLE_BLOCK_ROWS", block)
-        fn = jax.jit(lambda p, x, r, ff: programs._sample_program(p, x, r, ff, config=config, kind="sample"))
+        fn = jax.jit(lambda p, x, r, ff: programs._sample_program(p, x, r, ff, config=config, kind="sample",
+                                                                 sampling=SamplingBackend()))
         compiled = fn.lower(params, last, rp, f).compile()
         out = tuple(np.asarray(a) for a in compiled(params, last, rp, f))
         return out, compiled.memory_analysis().temp_size_in_bytes

@@ -1,5 +1,5 @@
-"""The engine with both Pallas kernels forced on CPU (interpret mode), and with the GDN backend xla-chunked, gives
-the reference backend's greedy tokens.
+"""The engine with both Pallas kernels forced on CPU (interpret mode), with the GDN backend xla-chunked, and with
+the greedy sampling kernel, gives the reference backend's greedy tokens.
 
 A short multi-request run of the embedded model: a batched prefill of prompts of different lengths (the
 attention kernel's prefill path and the chunked GDN form), then batched decodes (the decode path and the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from sglang_tpu_qwen.engine.engine import Engine
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends, resolve_backends
+from sglang_tpu_qwen.model.forward import lm_head_weight
 
 PROMPTS = ["The quick brown fox", "a much longer prompt than the other one, to make the batch ragged", "x"]
 PARAMS = {"temperature": 0.0, "max_new_tokens": 4}
@@ -46,6 +47,24 @@ def test_pallas_backends_match_reference_greedy_tokens() -> None:
     pallas = _generate(attention_backend="pallas", gdn_backend="pallas")
     assert all(len(ids) == PARAMS["max_new_tokens"] for ids in reference)
     assert pallas == reference
+
+
+def test_pallas_sampling_matches_reference_greedy_tokens() -> None:
+    """--sampling-backend pallas on a bfloat16 model: the greedy sampling program takes its tokens from
+    kernels/greedy_head (interpreted here), and they are the reference backend's (XLA's product and argmax)."""
+    outputs = {}
+    for name in ("reference", "pallas"):
+        eng = Engine(**KWARGS, dtype="bfloat16", sampling_backend=name)
+        try:
+            assert eng.runner.backends.sampling.name == name
+            assert eng.runner.backends.sampling.interpret == (name == "pallas")
+            head = lm_head_weight(eng.runner.params, eng.runner.config)
+            assert eng.runner.backends.sampling.uses_kernel(head, head) == (name == "pallas")  # bfloat16 rows
+            outputs[name] = [r["output_ids"] for r in eng.generate(PROMPTS, PARAMS)]
+        finally:
+            eng.shutdown()
+    assert all(len(ids) == PARAMS["max_new_tokens"] for ids in outputs["reference"])
+    assert outputs["pallas"] == outputs["reference"]
 
 
 def test_xla_chunked_gdn_matches_reference_greedy_tokens() -> None:

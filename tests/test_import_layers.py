@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kernels",),  # the backend per layer kind and platform (dispatch): its kernel and its pool layout
     ("quant",),  # FP8 block-quantised weight types
     # Pallas kernels + jnp references
-    ("kernels.fp8_matmul", "kernels.gdn", "kernels.grouped_ffn", "kernels.ragged_paged_attention"),
+    ("kernels.fp8_matmul", "kernels.gdn", "kernels.greedy_head", "kernels.grouped_ffn",
+     "kernels.ragged_paged_attention"),
     ("parsers",),  # reasoning and tool-call parsers
     ("tokenizer",),
     ("utils",),  # exception types, shape helpers, process settings: any folder may use them

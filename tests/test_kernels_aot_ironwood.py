@@ -29,6 +29,7 @@ from sglang_tpu_qwen.kernels.fp8_matmul.kernel import (  # noqa: E402
 )
 from sglang_tpu_qwen.kernels.gdn import conv_pool  # noqa: E402
 from sglang_tpu_qwen.kernels.gdn.kernel import fused_gdn  # noqa: E402
+from sglang_tpu_qwen.kernels.greedy_head.kernel import greedy_lm_head  # noqa: E402
 from sglang_tpu_qwen.kernels.moe_backend import MoeBackend  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.block_sizes import block_sizes_for  # noqa: E402
 from sglang_tpu_qwen.kernels.ragged_paged_attention.head_major import HEAD_MAJOR  # noqa: E402
@@ -258,3 +259,37 @@ def test_gdn_layer_compiles_for_ironwood(device, layout) -> None:
     pools = n_gdn * slots * (km1 * config.gdn_conv_dim + hv * dk * dv) * 4
     assert mem.alias_size_in_bytes >= pools
     assert mem.temp_size_in_bytes < 1024 * 128 * 2**10
+
+
+@pytest.mark.parametrize("rows", [64, 1024], ids=["decode", "verify"])
+def test_greedy_lm_head_compiles_for_ironwood(device, rows: int) -> None:
+    """kernels/greedy_head at the 397B's lm_head (bfloat16 [248,320, 4,096]): 64 decode rows, and a verify step's
+    4 tokens of 256 requests (its blocks shrink to keep the logits small)."""
+    v, h = 248320, 4096
+    compiled = jax.jit(greedy_lm_head).lower(_spec((rows, h), jnp.bfloat16, device),
+                                             _spec((v, h), jnp.bfloat16, device)).compile()
+    _report(f"greedy_lm_head[{rows} rows]", compiled, in_place=False)
+
+
+def test_kernels_compile_under_highest_default_precision(device) -> None:
+    """The TPU suite compiles its engines under ``jax_default_matmul_precision`` ``highest``: a bfloat16 product
+    inside a kernel that leaves its precision to that default asks Mosaic for fp32 contract precision on bf16
+    operands, which it refuses ("Bad lhs type"). The GDN kernel's MXU broadcasts and the greedy lm_head name
+    theirs."""
+    conv_dim, batch = 2 * HK * DK + HV * DV, 16
+
+    def fn(*args):
+        *args, gate, weight = args
+        return fused_gdn(*args, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV, gate=gate, norm_weight=weight)
+
+    with jax.default_matmul_precision("highest"):
+        jax.jit(fn, donate_argnums=(4, 5)).lower(
+            _spec((batch, 1, conv_dim), jnp.bfloat16, device), _spec((conv_dim, KCONV), jnp.bfloat16, device),
+            _spec((batch, 1, HV), jnp.float32, device), _spec((batch, 1, HV), jnp.float32, device),
+            _spec(conv_pool.pool_shape(2, 17, conv_dim, KCONV - 1), jnp.float32, device),
+            _spec((2, 17, HV, DK, DV), jnp.float32, device), _spec((), jnp.int32, device),
+            _spec((batch,), jnp.int32, device), _spec((batch,), jnp.int32, device),
+            _spec((batch,), jnp.bool_, device), _spec((batch, 1, HV * DV), jnp.bfloat16, device),
+            _spec((DV,), jnp.bfloat16, device)).compile()
+        jax.jit(greedy_lm_head).lower(_spec((8, 512), jnp.bfloat16, device),
+                                      _spec((2560, 512), jnp.bfloat16, device)).compile()

@@ -255,6 +255,7 @@ def test_draft_argmax_over_the_map_is_the_masked_argmax() -> None:
     from types import SimpleNamespace
 
     from sglang_tpu_qwen.engine.runner.spec_programs import _draft_argmax
+    from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 
     rng = np.random.default_rng(3)
     config = SimpleNamespace(tie_word_embeddings=False)
@@ -263,8 +264,16 @@ def test_draft_argmax_over_the_map_is_the_masked_argmax() -> None:
     hot = np.sort(rng.choice(300, 40, replace=False)).astype(np.int32)
     logits = np.asarray(last) @ np.asarray(params["lm_head"]).T
     masked = np.where(np.isin(np.arange(300), hot), logits, -np.inf)
-    np.testing.assert_array_equal(np.asarray(_draft_argmax(params, last, config, hot)), masked.argmax(axis=1))
-    np.testing.assert_array_equal(np.asarray(_draft_argmax(params, last, config, None)), logits.argmax(axis=1))
+    cpu = KernelBackends(platform="cpu")
+    np.testing.assert_array_equal(np.asarray(_draft_argmax(params, last, config, hot, cpu)), masked.argmax(axis=1))
+    np.testing.assert_array_equal(np.asarray(_draft_argmax(params, last, config, None, cpu)), logits.argmax(axis=1))
+    # --sampling-backend pallas: a bfloat16 lm_head's drafts come from kernels/greedy_head (interpreted).
+    kernel = KernelBackends.of(platform="cpu", sampling="pallas", interpret=True)
+    bf16 = {"lm_head": params["lm_head"].astype(jax.numpy.bfloat16)}
+    last16 = last.astype(jax.numpy.bfloat16)
+    expected = np.asarray(last16, np.float32) @ np.asarray(bf16["lm_head"], np.float32).T
+    np.testing.assert_array_equal(np.asarray(_draft_argmax(bf16, last16, config, None, kernel)),
+                                  expected.argmax(axis=1))
 
 
 def test_token_map_files(tmp_path: Any) -> None:

@@ -185,6 +185,11 @@ class ServerArgs:
                 "block-FP8 grouped matmul, kernels/fp8_matmul) or reference (FP8 weights dequantised in XLA, then "
                 "ragged_dot). Runs the routed experts and every block-FP8 linear layer; dense weights use "
                 "ragged_dot / XLA's matmul under both."})
+    sampling_backend: str = field(default="auto", metadata={
+        "help": "SGLang's flag with our kernels: auto (pallas on a TPU, else reference), pallas (greedy rows' "
+                "tokens from a Pallas kernel that reads the bfloat16 lm_head once and writes no logits, "
+                "kernels/greedy_head) or reference (XLA's product and argmax). Sampling with temperature, "
+                "penalties, grammars or logprobs runs in XLA under both."})
     # Constrained decoding (sglang_tpu_qwen/grammar).
     grammar_backend: str = field(
         default="xgrammar", metadata={"help": "xgrammar, llguidance or none (constrained requests get a 400)."}
@@ -269,7 +274,8 @@ class ServerArgs:
                              f"at least {MIN_PREFILL_CHUNK * self.dp_size}")
         choices = {"schedule_policy": ("lpm", "fcfs"), "attention_backend": ("auto", "pallas", "reference"),
                    "gdn_backend": ("auto", "pallas", "reference", "xla-chunked"),
-                   "moe_runner_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
+                   "moe_runner_backend": ("auto", "pallas", "reference"),
+                   "sampling_backend": ("auto", "pallas", "reference"), "moe_combine": ("flat", "hierarchical"),
                    "grammar_backend": ("xgrammar", "llguidance", "none"),
                    "kv_cache_dtype": KV_CACHE_DTYPES, "speculative_draft_policy": ("adaptive", "always")}
         for name, allowed in choices.items():

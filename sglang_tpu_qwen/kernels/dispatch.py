@@ -1,6 +1,7 @@
 """Which backend runs each layer kind: the Pallas TPU kernel or the model's pure-jnp reference, with its layout.
 
-``--attention-backend`` / ``--gdn-backend`` / ``--moe-runner-backend`` take ``auto | pallas | reference``;
+``--attention-backend`` / ``--gdn-backend`` / ``--moe-runner-backend`` / ``--sampling-backend`` take
+``auto | pallas | reference``;
 ``--gdn-backend xla-chunked`` runs the fused kernel for decode and short steps and the chunked form (prefill) as
 batched XLA products (kernels/gdn/parallel_chunks.py; 11-14% slower than the kernel's on v5e prefills).
 ``auto`` is ``pallas`` on a TPU backend and ``reference`` elsewhere. ``pallas`` on a non-TPU backend runs the
@@ -27,6 +28,7 @@ from sglang_tpu_qwen.kernels.gdn_backend import PALLAS as GDN_PALLAS
 from sglang_tpu_qwen.kernels.gdn_backend import GdnBackend
 from sglang_tpu_qwen.kernels.moe_backend import MoeBackend
 from sglang_tpu_qwen.kernels.ragged_paged_attention.layout import KVPoolLayout
+from sglang_tpu_qwen.kernels.sampling_backend import SamplingBackend
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class KernelBackends:
         gdn: the GDN kernel and the state pools' layout (kernels/gdn_backend.py).
         moe: the kernel of the routed experts' grouped matmuls and of every block-FP8 linear layer, and the
             token rows its expert-parallel kernels read (kernels/moe_backend.py).
+        sampling: how greedy rows' tokens come out of the lm_head (kernels/sampling_backend.py).
         platform: the JAX platform the program is compiled for ("cpu", "tpu", "gpu"). On "cpu" the
             reference path takes the forms XLA:CPU runs fastest: the recurrent GDN form at prefill too
             (``model.gated_deltanet.gdn_mix``) and dense experts (``model.moe.all_experts``).
@@ -53,16 +56,19 @@ class KernelBackends:
     gdn: GdnBackend = field(default_factory=GdnBackend)
     moe: MoeBackend = field(default_factory=MoeBackend)
     platform: str = "tpu"
+    sampling: SamplingBackend = field(default_factory=SamplingBackend)
 
     @classmethod
     def of(cls, attention: str = "reference", gdn: str = "reference", interpret: bool = False,
-           platform: str = "tpu", moe: str | None = None) -> KernelBackends:
+           platform: str = "tpu", moe: str | None = None, sampling: str | None = None) -> KernelBackends:
         """Backends by name, with their default layouts and one ``interpret`` flag for all (as
-        :func:`resolve_backends` builds them). ``moe`` None: the MoE backend ``auto`` picks on ``platform``
+        :func:`resolve_backends` builds them). ``moe`` / ``sampling`` None: what ``auto`` picks on ``platform``
         (``pallas`` on "tpu", else ``reference``). Raises ValueError for an unknown name."""
         moe = moe or ("pallas" if platform == "tpu" else "reference")
+        sampling = sampling or ("pallas" if platform == "tpu" else "reference")
         return cls(attention=AttentionBackend(attention, interpret=interpret), gdn=GdnBackend(gdn, interpret=interpret),
-                   moe=MoeBackend(moe, interpret=interpret), platform=platform)
+                   moe=MoeBackend(moe, interpret=interpret), platform=platform,
+                   sampling=SamplingBackend(sampling, interpret=interpret))
 
     @property
     def xla_cpu(self) -> bool:
@@ -72,7 +78,7 @@ class KernelBackends:
     @property
     def interpret(self) -> bool:
         """Some Pallas kernel runs in interpret mode (the JAX backend is not a TPU)."""
-        return self.attention.interpret or self.gdn.interpret or self.moe.interpret
+        return self.attention.interpret or self.gdn.interpret or self.moe.interpret or self.sampling.interpret
 
     @property
     def kv_layout(self) -> KVPoolLayout:
@@ -98,12 +104,13 @@ def gdn_pallas_unsupported(config: Any, interpret: bool = False) -> str | None:
 
 
 def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str | None = None,
-                     config: Any = None, moe: str = "auto") -> KernelBackends:
-    """Resolve the three flags for a JAX platform and, when given, a model config.
+                     config: Any = None, moe: str = "auto", sampling: str = "auto") -> KernelBackends:
+    """Resolve the four flags for a JAX platform and, when given, a model config.
 
     Args:
-        attention, gdn, moe: ``--attention-backend``, ``--gdn-backend``, ``--moe-runner-backend``: ``auto``,
-            ``pallas`` or ``reference`` (``--gdn-backend`` also ``xla-chunked``).
+        attention, gdn, moe, sampling: ``--attention-backend``, ``--gdn-backend``, ``--moe-runner-backend``,
+            ``--sampling-backend``: ``auto``, ``pallas`` or ``reference`` (``--gdn-backend`` also
+            ``xla-chunked``).
         platform: ``jax.default_backend()`` when None.
         config: the model's Qwen35MoeConfig; checked against what the Pallas kernels support on ``platform``
             (:func:`gdn_pallas_unsupported`). ``auto`` falls back to the reference with a warning; an explicit
@@ -129,7 +136,7 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         return value
 
     attn_name, gdn_name = one("--attention-backend", attention), one("--gdn-backend", gdn, GDN_CHOICES)
-    moe_name = one("--moe-runner-backend", moe)
+    moe_name, sampling_name = one("--moe-runner-backend", moe), one("--sampling-backend", sampling)
     checked = config is not None and gdn_name in GDN_PALLAS
     why = gdn_pallas_unsupported(config, interpret=not on_tpu) if checked else None
     if why is not None:
@@ -139,8 +146,8 @@ def resolve_backends(attention: str = "auto", gdn: str = "auto", platform: str |
         logger.warning("fused GDN kernel cannot run this model (%s); using the reference GDN", why)
         gdn_name = "reference"
     # Interpret mode off a TPU, for every Pallas kernel alike (the flag was one for the whole step).
-    interpret = ("pallas" in (attn_name, moe_name) or gdn_name in GDN_PALLAS) and not on_tpu
-    return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name)
+    interpret = ("pallas" in (attn_name, moe_name, sampling_name) or gdn_name in GDN_PALLAS) and not on_tpu
+    return KernelBackends.of(attn_name, gdn_name, interpret, platform, moe=moe_name, sampling=sampling_name)
 
 
 def page_multiple(attention: str, kv_dtype: Any) -> int:

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import record
@@ -421,3 +422,38 @@ def test_grouped_ffn_matches_reference(tm: int) -> None:
     with jax.default_matmul_precision("highest"):
         want = jax.jit(grouped_ffn_reference)(*(jax.device_put(a, cpu) for a in args))
     _assert_close(f"grouped_ffn tm {tm}: output", got, want, scale=NORM_TOL_SCALE)
+
+
+# ---- the greedy lm_head (kernels/greedy_head, --sampling-backend pallas) ---------------------------------------
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(64, 248320), (13, 151936), (256, 248320)],
+                         ids=["decode", "ragged", "verify"])
+def test_greedy_lm_head_matches_reference(rows: int, vocab: int) -> None:
+    """kernels/greedy_head compiled by Mosaic against the argmax of the float32 logits on the CPU (highest) of
+    the same bfloat16 operands, at the 35B-A3B's hidden size (off the chip: 256 wide, a 2,560 / 1,000-row
+    vocabulary, interpreted): Qwen3.5's vocabulary, Qwen3's (no multiple of the kernel's 1,280-row block: its
+    last block runs past the weight), and a verify step's 256 rows. Each id must reach its row's maximum within
+    2^-10 of the row's largest |logit| (the two sum the exact products in different orders), and rows whose top
+    two logits are further apart than that must give the reference's id. The kernel is compiled under
+    ``highest`` as the suite's engines are: its bfloat16 product names its one pass (utils/mxu_precision.py)."""
+    from sglang_tpu_qwen.kernels.greedy_head.kernel import greedy_lm_head
+
+    h, v = (256, 2560 if vocab % 1280 == 0 else 1000) if interpret() else (2048, vocab)
+    rng = np.random.default_rng(rows + vocab)
+    hidden = rng.standard_normal((rows, h)).astype(jnp.bfloat16)
+    weight = (rng.standard_normal((v, h)) / np.sqrt(h)).astype(jnp.bfloat16)
+    chip, cpu = _devices()
+    with jax.default_matmul_precision("highest"):
+        ids = np.asarray(greedy_lm_head(jax.device_put(hidden, chip), jax.device_put(weight, chip),
+                                        interpret=interpret()))
+        logits = np.asarray(jnp.einsum("nh,vh->nv", jax.device_put(hidden.astype(np.float32), cpu),
+                                       jax.device_put(weight.astype(np.float32), cpu)))
+    assert ids.shape == (rows,) and ids.min() >= 0 and ids.max() < v
+    tol = 2.0**-10 * np.abs(logits).max(axis=1)
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    reached = logits[np.arange(rows), ids]
+    assert np.all(reached >= top2[:, 1] - tol), np.nonzero(reached < top2[:, 1] - tol)
+    clear = top2[:, 1] - top2[:, 0] > tol
+    np.testing.assert_array_equal(ids[clear], logits.argmax(axis=1)[clear])
+    assert clear.mean() > 0.9  # the comparison is not vacuous

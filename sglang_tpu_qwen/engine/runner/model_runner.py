@@ -107,7 +107,8 @@ class ModelRunner:
         vision_bytes = vision_encoder.memory_bytes() if vision_encoder is not None else 0
         # The backends first: their pool layouts size a KV page and a GDN slot.
         self.backends = resolve_backends(args.attention_backend, args.gdn_backend, platform=placement.platform,
-                                         config=config, moe=args.moe_runner_backend)
+                                         config=config, moe=args.moe_runner_backend,
+                                         sampling=args.sampling_backend)
         sizing = RunnerSizing.build(config, args, self.kv_dtype, weight_bytes, device_limit=device_memory_bytes,
                                     vision_bytes=vision_bytes, backends=self.backends)
         self.spec_steps = args.speculative_steps  # speculative decoding: draft tokens per row (MTP layer)

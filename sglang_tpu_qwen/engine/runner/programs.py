@@ -27,6 +27,7 @@ from sglang_tpu_qwen.engine.runner.buckets import BucketSet, StepBucket
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
 from sglang_tpu_qwen.engine.runner.spec_programs import SPEC_KINDS, SpecPrograms
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
+from sglang_tpu_qwen.kernels.sampling_backend import SamplingBackend
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import compute_logits, forward_step, lm_head_weight
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch
@@ -101,13 +102,13 @@ class ProgramTable:
         per_rank = self._per_rank
 
         def sample_program(head_leaves, last, rp, flags, *, kind):
-            run = per_rank(partial(_sample_program, config=config, kind=kind))
+            run = per_rank(partial(_sample_program, config=config, kind=kind, sampling=backends.sampling))
             return run(jax.tree.unflatten(head_def, head_leaves), last, rp, sampler.Features(*flags))
 
         self._sample_jits = {kind: jax.jit(partial(sample_program, kind=kind)) for kind in SAMPLE_KINDS}
 
         def greedy_tokens(head_leaves, last):  # the greedy program's tokens, inside another program
-            run = per_rank(partial(_greedy_tokens, config=config), with_row_params=False)
+            run = per_rank(partial(_greedy_tokens, config=config, sampling=backends.sampling), with_row_params=False)
             return run(jax.tree.unflatten(head_def, head_leaves), last)
 
         # Not donated: the first call reads the resident zero table of the "unused" inputs.
@@ -344,11 +345,12 @@ def _pad_rows(tokens: jax.Array, *, rows: int) -> jax.Array:
     return jnp.zeros(rows, jnp.int32).at[: tokens.shape[0]].set(tokens.astype(jnp.int32))
 
 
-def _sample_program(params, last, rp, f, *, config, kind):
+def _sample_program(params, last, rp, f, *, config, kind, sampling: SamplingBackend):
     """One sampling program (params: head_params()): logits of `last` [B, H] -> (tokens [B]
     int32, logprob [B], top_logprobs [B, K], top_ids [B, K]). "greedy" takes the argmax (all rows greedy, no
     penalty, grammar, logit bias, banned ids or logprobs; screened in bfloat16 when the lm_head is float32,
-    params["lm_head_screen"]) and returns K = 0. "sample" applies everything and samples each row with its
+    params["lm_head_screen"], else `sampling.greedy_ids`: kernels/greedy_head under --sampling-backend pallas)
+    and returns K = 0. "sample" applies everything and samples each row with its
     temperature (0: argmax), top-k, top-p and min-p; K = TOP_LOGPROBS_MAX, and the logprobs (of the raw
     logits, as SGLang reports them) are computed only when f.logprobs (`lax.cond`; zeros otherwise): one
     program instead of a second one with logprobs per batch size, which cost startup compile time. The
@@ -360,7 +362,7 @@ def _sample_program(params, last, rp, f, *, config, kind):
         none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32))
         screen = params.get("lm_head_screen")
         if screen is None:
-            return (sampler.greedy_ids(compute_logits(params, last, config=config)), *none)
+            return (sampling.greedy_ids(last, lm_head_weight(params, config)), *none)
         return (greedy_screen.screened_greedy(last, lm_head_weight(params, config), screen), *none)
     if b > SAMPLE_BLOCK_ROWS and b % SAMPLE_BLOCK_ROWS == 0:
         n = b // SAMPLE_BLOCK_ROWS
@@ -398,10 +400,10 @@ def _sample_rows(params, last, rp, f, *, config):
     return tokens, jnp.where(f.logprobs, lp, 0.0), top_lp, top_ids
 
 
-def _greedy_tokens(params, last, *, config):
+def _greedy_tokens(params, last, *, config, sampling: SamplingBackend):
     """The "greedy" sampling program's tokens [B] int32 of `last` [B, H] (speculative decoding's commit program
     samples an all-greedy verify step with it)."""
-    return _sample_program(params, last, None, None, config=config, kind="greedy")[0]
+    return _sample_program(params, last, None, None, config=config, kind="greedy", sampling=sampling)[0]
 
 
 def _prompt_logprobs(params, hidden, targets, *, config):

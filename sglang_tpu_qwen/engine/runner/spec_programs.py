@@ -32,7 +32,7 @@ from sglang_tpu_qwen.engine.runner.buckets import BucketSet
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
-from sglang_tpu_qwen.model.forward import commit_gdn_states, compute_logits, forward_step, lm_head_weight
+from sglang_tpu_qwen.model.forward import commit_gdn_states, forward_step, lm_head_weight
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_qwen.model.mtp import mtp_forward
 from sglang_tpu_qwen.parallel.sharded_forward import grouped_rows_pspec, make_sharded_forward, make_sharded_rows
@@ -256,7 +256,7 @@ def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: Fo
     n = batch.extend_lens
     last = z[rows, jnp.maximum(n - 1, 0)]
     capacity = jnp.sum(batch.page_table > 0, axis=1, dtype=jnp.int32) * page_size
-    tok = _draft_argmax(params, last, config, draft_vocab)
+    tok = _draft_argmax(params, last, config, draft_vocab, backends)
     drafts = [tok]
     for i in range(1, steps):
         pos = batch.prefix_lens + n - 1 + i
@@ -265,18 +265,19 @@ def _draft_tokens(params: dict[str, Any], cache: dict[str, jax.Array], batch: Fo
                             jnp.where(ok[:, None], batch.page_table, 0), jnp.where(ok, batch.slot_ids, 0))
         z, cache = mtp_forward(params, cache, step, last[:, None], config=config, backends=backends, moe_fn=moe_fn)
         last = z[:, 0]
-        tok = _draft_argmax(params, last, config, draft_vocab)
+        tok = _draft_argmax(params, last, config, draft_vocab, backends)
         drafts.append(tok)
     return jnp.stack(drafts, axis=1), cache
 
 
 def _draft_argmax(params: dict[str, Any], last: jax.Array, config: Qwen35MoeConfig,
-                  draft_vocab: np.ndarray | None) -> jax.Array:
+                  draft_vocab: np.ndarray | None, backends: KernelBackends) -> jax.Array:
     """The draft token ``[B]`` int32 of the MTP layer's output ``last [B, H]``: the argmax of its logits over the
-    vocabulary, or over ``draft_vocab`` only (--speculative-token-map, SGLang's FR-Spec: the product reads those
-    rows of the lm_head, gathered in the program; the ids are a constant of it)."""
+    vocabulary (``backends.sampling.greedy_ids``: kernels/greedy_head under --sampling-backend pallas), or over
+    ``draft_vocab`` only (--speculative-token-map, SGLang's FR-Spec: the product reads those rows of the lm_head,
+    gathered in the program; the ids are a constant of it)."""
     if draft_vocab is None:
-        return jnp.argmax(compute_logits(params, last, config=config), axis=-1).astype(jnp.int32)
+        return backends.sampling.greedy_ids(last, lm_head_weight(params, config))
     ids = jnp.asarray(draft_vocab, jnp.int32)
     with jax.named_scope("lm_head"):
         rows = jnp.take(lm_head_weight(params, config), ids, axis=0)
