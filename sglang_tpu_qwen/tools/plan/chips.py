@@ -161,12 +161,12 @@ CHIPS = {
                               "kernel that only copies 64 rows' float32 GDN states in place, 1 MiB blocks, runs at "
                               "74-77% of 819 GB/s; dev sweeps of 0.25-16 MiB blocks and 2-8 copies in flight gave "
                               "the same, reads alone 76-81%, writes alone 62-72%",
-        gdn_recurrent_flops_per_s=1.45e12,
+        gdn_recurrent_flops_per_s=1.80e12,
         gdn_recurrent_source="measured on the chip, 2026-12-07 (bench/kernels.py --sections gdn-verify, 35B layout): "
-                             "a verify's 4 tokens over 64 rows' float32 state (805 MFLOP declared) in 557 us with "
-                             "the short steps' 2 MiB grid steps (611 us with 1 MiB: 1.32 TFLOP/s), its state read "
-                             "at 241 GB/s: the VPU work bounds it. The deviceless v5e schedule had said 2.0 "
-                             "(4,718 bundles a 1 MiB grid step at 1.503 GHz)",
+                             "a verify's 4 tokens over 64 rows' float32 state (805 MFLOP declared) in 446.7 us with "
+                             "the k and q lane broadcasts on the MXU (557 us on the XLU, 611 us with 1 MiB grid "
+                             "steps), its state read at 301 GB/s: the VPU work bounds it. The deviceless v5e "
+                             "schedule of its 2 MiB grid step: 7,706 bundles (9,037 before the MXU broadcasts)",
         gdn_chunked_flops_per_s=9.3e12,
         gdn_chunked_source="measured on the chip, 2026-12-07 (bench/kernels.py --sections gdn-prefill, 35B layout, "
                            "bf16, 16 chunk chains a grid step): a 2,048-token step's chunked form (6.44 GFLOP "
