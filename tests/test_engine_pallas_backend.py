@@ -9,8 +9,10 @@ recurrent form), with pages and state slots shared across requests.
 from __future__ import annotations
 
 from sglang_tpu_qwen.engine.engine import Engine
+from sglang_tpu_qwen.kernels import sampling_backend
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends, resolve_backends
-from sglang_tpu_qwen.model.forward import lm_head_weight
+from sglang_tpu_qwen.kernels.greedy_head.kernel import greedy_lm_head
+from sglang_tpu_qwen.kernels.sampling_backend import SamplingBackend
 
 PROMPTS = ["The quick brown fox", "a much longer prompt than the other one, to make the batch ragged", "x"]
 PARAMS = {"temperature": 0.0, "max_new_tokens": 4}
@@ -49,20 +51,28 @@ def test_pallas_backends_match_reference_greedy_tokens() -> None:
     assert pallas == reference
 
 
-def test_pallas_sampling_matches_reference_greedy_tokens() -> None:
+def test_pallas_sampling_matches_reference_greedy_tokens(monkeypatch) -> None:
     """--sampling-backend pallas on a bfloat16 model: the greedy sampling program takes its tokens from
-    kernels/greedy_head (interpreted here), and they are the reference backend's (XLA's product and argmax)."""
-    outputs = {}
+    kernels/greedy_head (interpreted here; a counter on the kernel's entry proves the programs were traced
+    through it), and they are the reference backend's (XLA's product and argmax)."""
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(args[0].shape)
+        return greedy_lm_head(*args, **kwargs)
+
+    monkeypatch.setattr(sampling_backend, "greedy_lm_head", counted)
+    outputs, kernel_traces = {}, {}
     for name in ("reference", "pallas"):
+        before = len(traced)  # the programs are traced (and compiled) before the engine is ready
         eng = Engine(**KWARGS, dtype="bfloat16", sampling_backend=name)
         try:
-            assert eng.runner.backends.sampling.name == name
-            assert eng.runner.backends.sampling.interpret == (name == "pallas")
-            head = lm_head_weight(eng.runner.params, eng.runner.config)
-            assert eng.runner.backends.sampling.uses_kernel(head, head) == (name == "pallas")  # bfloat16 rows
+            assert eng.runner.backends.sampling == SamplingBackend(name, interpret=name == "pallas")
             outputs[name] = [r["output_ids"] for r in eng.generate(PROMPTS, PARAMS)]
+            kernel_traces[name] = len(traced) - before
         finally:
             eng.shutdown()
+    assert kernel_traces["reference"] == 0 and kernel_traces["pallas"] > 0
     assert all(len(ids) == PARAMS["max_new_tokens"] for ids in outputs["reference"])
     assert outputs["pallas"] == outputs["reference"]
 

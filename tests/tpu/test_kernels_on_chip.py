@@ -431,17 +431,19 @@ def test_grouped_ffn_matches_reference(tm: int) -> None:
                          ids=["decode", "ragged", "verify"])
 def test_greedy_lm_head_matches_reference(rows: int, vocab: int) -> None:
     """kernels/greedy_head compiled by Mosaic against the argmax of the float32 logits on the CPU (highest) of
-    the same bfloat16 operands, at the 35B-A3B's hidden size (off the chip: 256 wide, a 2,560 / 1,000-row
+    the same bfloat16 operands, at the 35B-A3B's hidden size (off the chip: 256 wide, a 2,560 / 3,000-row
     vocabulary, interpreted): Qwen3.5's vocabulary, Qwen3's (no multiple of the kernel's 1,280-row block: its
     last block runs past the weight), and a verify step's 256 rows. Each id must reach its row's maximum within
     2^-10 of the row's largest |logit| (the two sum the exact products in different orders), and rows whose top
-    two logits are further apart than that must give the reference's id. The kernel is compiled under
-    ``highest`` as the suite's engines are: its bfloat16 product names its one pass (utils/mxu_precision.py)."""
+    two logits are further apart than that must give the reference's id. Row 1's hidden state holds a NaN: its id is 0,
+    the first NaN (jnp.argmax's rule). The kernel is compiled under ``highest`` as the suite's engines are: its
+    bfloat16 product names its one pass (utils/mxu_precision.py)."""
     from sglang_tpu_qwen.kernels.greedy_head.kernel import greedy_lm_head
 
-    h, v = (256, 2560 if vocab % 1280 == 0 else 1000) if interpret() else (2048, vocab)
+    h, v = (256, 2560 if vocab % 1280 == 0 else 3000) if interpret() else (2048, vocab)
     rng = np.random.default_rng(rows + vocab)
     hidden = rng.standard_normal((rows, h)).astype(jnp.bfloat16)
+    hidden[1, 5] = np.nan
     weight = (rng.standard_normal((v, h)) / np.sqrt(h)).astype(jnp.bfloat16)
     chip, cpu = _devices()
     with jax.default_matmul_precision("highest"):
@@ -450,9 +452,11 @@ def test_greedy_lm_head_matches_reference(rows: int, vocab: int) -> None:
         logits = np.asarray(jnp.einsum("nh,vh->nv", jax.device_put(hidden.astype(np.float32), cpu),
                                        jax.device_put(weight.astype(np.float32), cpu)))
     assert ids.shape == (rows,) and ids.min() >= 0 and ids.max() < v
+    assert ids[1] == 0
+    ids, logits = np.delete(ids, 1), np.delete(logits, 1, axis=0)
     tol = 2.0**-10 * np.abs(logits).max(axis=1)
     top2 = np.sort(logits, axis=1)[:, -2:]
-    reached = logits[np.arange(rows), ids]
+    reached = logits[np.arange(rows - 1), ids]
     assert np.all(reached >= top2[:, 1] - tol), np.nonzero(reached < top2[:, 1] - tol)
     clear = top2[:, 1] - top2[:, 0] > tol
     np.testing.assert_array_equal(ids[clear], logits.argmax(axis=1)[clear])

@@ -1,9 +1,9 @@
 """Greedy ids of ``hidden @ lm_head^T`` in one pass over the lm_head, the logits never written to HBM.
 
 Every greedy decode step, MTP draft and speculative verify step reads the whole ``[V, H]`` lm_head once (1.02 GB
-on the 35B-A3B); XLA's fused product and argmax read it at 81-87% of the v5e's HBM peak at 8-64 rows and slower at
-256, where this kernel reads it at 90% at 1-64 rows and 86% at 256 (bench/lm_head.py, 2026-12-07: 1,377 against
-1,488 us at 64 rows, 1,449 against 1,646 at 256). Each grid step multiplies the rows by a ``[tv, H]`` block of the
+on the 35B-A3B); XLA's fused product and argmax read it at 84-89% of the v5e's HBM peak at 1-64 rows and 76% at
+256, where this kernel reads it at 90% at 1-64 rows and 84% at 256 (bench/lm_head.py, 2026-12-07: 1,377 against
+1,488 us at 64 rows, 1,478 against 1,646 at 256). Each grid step multiplies the rows by a ``[tv, H]`` block of the
 weight on the MXU (float32 accumulation) and folds the block's maximum and its lowest column into a running
 maximum and id per row kept in the resident output blocks: ``jnp.argmax``'s answer (the first maximum; the first
 NaN when a row has one), up to the float32 summation order of the products.
