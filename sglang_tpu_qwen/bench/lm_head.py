@@ -63,11 +63,6 @@ def logits_vh(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     return compute_logits({"lm_head": weight}, hidden, config=SimpleNamespace(tie_word_embeddings=False))
 
 
-def xla_greedy(hidden: jax.Array, weight: jax.Array) -> jax.Array:
-    """``--sampling-backend reference``: XLA's product on the ``[V, H]`` lm_head, then its argmax."""
-    return greedy_lm_head_reference(hidden, weight)
-
-
 def logits_hv(hidden: jax.Array, weight_t: jax.Array) -> jax.Array:
     """The same product from the transposed ``[H, V]`` weight: ``[N, V]`` float32."""
     return jnp.einsum("nh,hv->nv", hidden, weight_t, preferred_element_type=jnp.float32)
@@ -90,7 +85,7 @@ class Impl:
 
 
 def impls(blocks: tuple[int, ...], interpret: bool) -> list[Impl]:
-    out = [Impl(REFERENCE, xla_greedy, "vh"), Impl("[H, V]", transposed, "hv"),
+    out = [Impl(REFERENCE, greedy_lm_head_reference, "vh"), Impl("[H, V]", transposed, "hv"),
            Impl("[V, H] logits", logits_vh, "vh", ids=False), Impl("[H, V] logits", logits_hv, "hv", ids=False)]
     for tv in blocks:
         out.append(Impl(f"pallas tv {tv}", functools.partial(greedy_lm_head, tv=tv, interpret=interpret), "vh"))
@@ -148,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for rows in rows_list:
             hidden = jax.random.normal(jax.random.fold_in(key, rows), (rows, h), jnp.bfloat16)
             ref_logits = logits_vh(hidden, weights["vh"])
-            ref_ids = xla_greedy(hidden, weights["vh"])
+            ref_ids = greedy_lm_head_reference(hidden, weights["vh"])
             nbytes, flops = weight_bytes + rows * h * 2, 2 * rows * h * v
             print(f"-- {rows} rows: {nbytes / 1e9:.3f} GB, {flops / 1e9:.1f} GFLOP", flush=True)
             for imp in (imp for r, imp in todo if r == rows):

@@ -64,8 +64,8 @@ class KernelBackends:
         """Backends by name, with their default layouts and one ``interpret`` flag for all (as
         :func:`resolve_backends` builds them). ``moe`` / ``sampling`` None: what ``auto`` picks on ``platform``
         (``pallas`` on "tpu", else ``reference``). Raises ValueError for an unknown name."""
-        moe = moe or ("pallas" if platform == "tpu" else "reference")
-        sampling = sampling or ("pallas" if platform == "tpu" else "reference")
+        auto = "pallas" if platform == "tpu" else "reference"
+        moe, sampling = moe or auto, sampling or auto
         return cls(attention=AttentionBackend(attention, interpret=interpret), gdn=GdnBackend(gdn, interpret=interpret),
                    moe=MoeBackend(moe, interpret=interpret), platform=platform,
                    sampling=SamplingBackend(sampling, interpret=interpret))

@@ -31,6 +31,7 @@ import numpy as np
 from sglang_tpu_qwen.engine.runner.buckets import BucketSet
 from sglang_tpu_qwen.engine.runner.device_state import DeviceState, abstract
 from sglang_tpu_qwen.kernels.dispatch import KernelBackends
+from sglang_tpu_qwen.kernels.greedy_head.reference import greedy_lm_head_reference
 from sglang_tpu_qwen.model.config import Qwen35MoeConfig
 from sglang_tpu_qwen.model.forward import commit_gdn_states, forward_step, lm_head_weight
 from sglang_tpu_qwen.model.forward_batch import ForwardBatch, ForwardMode
@@ -281,5 +282,4 @@ def _draft_argmax(params: dict[str, Any], last: jax.Array, config: Qwen35MoeConf
     ids = jnp.asarray(draft_vocab, jnp.int32)
     with jax.named_scope("lm_head"):
         rows = jnp.take(lm_head_weight(params, config), ids, axis=0)
-        logits = jnp.einsum("nh,vh->nv", last, rows, preferred_element_type=jnp.float32)
-    return ids[jnp.argmax(logits, axis=-1)]
+        return ids[greedy_lm_head_reference(last, rows)]

@@ -131,7 +131,6 @@ RECURRENT_MAX_T = 8
 # measured rate for it (tools/plan/chips.py; the recurrent form runs on the VPU).
 RECURRENT_SCOPE = "gdn_recurrent"
 CHUNKED_SCOPE = "gdn_chunked"
-_HI = HIGHEST
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
 _TN = (((0,), (0,)), ((), ()))
@@ -143,7 +142,7 @@ def _dot(a: jax.Array, b: jax.Array, dims=_NN, bf16: bool = False) -> jax.Array:
     if bf16:
         return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims, precision=ONE_PASS,
                                    preferred_element_type=jnp.float32)
-    return jax.lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _cumsum_rows(causal: jax.Array, g: jax.Array, bf16: bool) -> jax.Array:

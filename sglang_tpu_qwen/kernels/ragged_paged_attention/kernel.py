@@ -63,11 +63,6 @@ _MASK = -1e30  # finite: a fully masked row must not turn into NaN via (-inf) - 
 _SUBLANE_TILE = {4: 8, 2: 16, 1: 32}
 
 
-def _precision(dtype) -> jax.lax.Precision:
-    """HIGHEST for float32 operands, one named pass otherwise (utils/mxu_precision.py)."""
-    return operand_precision(dtype)
-
-
 def _kernel(
     layer_ref, qlen_ref, kvlen_ref, pt_ref, scale_ref,  # scalar prefetch (SMEM)
     q_ref, _kc_in, _vc_in,  # inputs (the caches stay in HBM)
@@ -168,7 +163,7 @@ def _kernel(
                 # Values past the visible keys are zeroed: unfetched, stale or trash-page contents must not
                 # reach a row as NaN * 0 (masked keys need nothing: their scores are replaced).
                 v = jnp.where(key_ok, vbuf[slot, :, h].reshape(keys, -1).astype(q.dtype), 0)
-                sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
+                sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=operand_precision(q.dtype),
                                          preferred_element_type=jnp.float32)
                 sc = jnp.where(mask, sc * score_scale, _MASK)
                 m_prev = m_ref[h]  # [rows, 128], lanes equal
@@ -176,7 +171,7 @@ def _kernel(
                 pr = jnp.exp(sc - m_new[:, :1])
                 alpha = jnp.exp(m_prev - m_new)
                 l_ref[h] = alpha * l_ref[h] + jnp.sum(pr, axis=1, keepdims=True)
-                pv = jnp.dot(pr.astype(v.dtype), v, precision=_precision(v.dtype),
+                pv = jnp.dot(pr.astype(v.dtype), v, precision=operand_precision(v.dtype),
                              preferred_element_type=jnp.float32)
                 acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
                 m_ref[h] = m_new
