@@ -55,9 +55,11 @@ def test_nan_row_takes_its_first_nan_like_argmax() -> None:
 
 
 def test_block_vocab_and_bad_blocks() -> None:
-    assert block_vocab(64, 248320) == 1280 and block_vocab(256, 248320) == 1280
-    assert block_vocab(1024, 248320) == 256 and block_vocab(512, 248320) == 640
-    assert block_vocab(8, 1000) == 1000  # a vocabulary under one block is one block of any size
+    row_35b, row_397b = 2048 * 2, 4096 * 2  # bytes a vocabulary row of the bf16 lm_heads
+    assert block_vocab(64, 248320, row_35b) == 1280 and block_vocab(128, 248320, row_35b) == 1280
+    assert block_vocab(256, 248320, row_35b) == 2560 and block_vocab(256, 248320, row_397b) == 1280
+    assert block_vocab(1024, 248320, row_35b) == 256 and block_vocab(512, 248320, row_35b) == 640
+    assert block_vocab(8, 1000, row_35b) == 1000  # a vocabulary under one block is one block of any size
     x, weight = _operands(8, 300)
     with pytest.raises(ValueError, match="multiple of 128"):
         greedy_lm_head(x, weight, tv=100, interpret=True)

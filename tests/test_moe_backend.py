@@ -209,3 +209,43 @@ def test_pallas_routes_dense_experts_through_the_fused_ffn(dtype, monkeypatch) -
     assert not np.array_equal(np.asarray(got), np.asarray(want))  # the kernel ran: its sums round differently
     np.testing.assert_array_equal(np.asarray(small), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(too_big), np.asarray(want))
+
+
+def test_ffn_tile_rows_follow_the_rows_an_expert() -> None:
+    """The large tile from ``min_rows_per_expert`` rows an expert, the small tile for 16 to 32 (a 64-request
+    verify's 2,048 routed rows over 128 experts), ``ragged_dot`` (None) between and below."""
+    from sglang_tpu_qwen.kernels.moe_backend import FFN_KERNEL_SMALL_TILE_ROWS, FFN_KERNEL_TILE_ROWS, ffn_tile_rows
+
+    assert ffn_tile_rows(512, 128) is None  # 64 decode tokens x top-8: 4 rows an expert
+    assert ffn_tile_rows(2048, 128) == ffn_tile_rows(4096, 128) == FFN_KERNEL_SMALL_TILE_ROWS
+    assert ffn_tile_rows(2047, 128) is None and ffn_tile_rows(4097, 128) is None
+    assert ffn_tile_rows(16384, 128) == FFN_KERNEL_TILE_ROWS
+    assert ffn_tile_rows(512, 128, min_rows_per_expert=4) == FFN_KERNEL_TILE_ROWS
+
+
+def test_pallas_runs_verify_sized_steps_with_the_small_tile(monkeypatch) -> None:
+    """A step of 16 rows an expert under ``pallas`` runs grouped_ffn with the 32-row tile (seen by a wrapper on
+    the kernel's entry): the reference's two products within the float32 tolerance."""
+    from sglang_tpu_qwen.kernels.grouped_ffn import kernel as grouped_ffn_kernel
+    from sglang_tpu_qwen.model.moe import routed_experts
+
+    tiles = []
+    run = grouped_ffn_kernel.grouped_ffn
+
+    def counted(*args, tm, **kw):
+        tiles.append(tm)
+        return run(*args, tm=tm, **kw)
+
+    monkeypatch.setattr(grouped_ffn_kernel, "grouped_ffn", counted)
+
+    rng = np.random.default_rng(10)
+    n, h, i, e, k = 48, 128, 64, 6, 2  # 96 routed rows over 6 experts: 16 an expert
+    x = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((e, h, i), (e, h, i), (e, i, h))]
+    expert_ids = jnp.asarray(np.argsort(rng.random((n, e)), axis=1)[:, :k], jnp.int32)
+    weights = jnp.asarray(rng.random((n, k)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        got = routed_experts(x, weights, expert_ids, *w, backend=PALLAS)
+        want = routed_experts(x, weights, expert_ids, *w, backend=REFERENCE)
+    assert tiles == [32]
+    assert _rel(got, want) < TOL

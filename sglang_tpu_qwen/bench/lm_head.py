@@ -10,10 +10,11 @@ Implementations (one line each per row count, or why it did not run):
   ``--sampling-backend reference``. The reference of the id checks.
 - ``[H, V]``: the same product and argmax on the transposed weight (the vocabulary on lanes).
 - ``[V, H] logits`` / ``[H, V] logits``: the products alone, float32 logits written out.
-- ``pallas tv N``: kernels/greedy_head (``--sampling-backend pallas``, what a TPU serves: tv 1,280 up to 256
-  rows) streaming the ``[V, H]`` weight in blocks of N vocabulary rows (double-buffered: this JAX's TPU pipeline
-  takes no deeper buffering) through the MXU, keeping each row's running maximum and its id on chip: the weight
-  is the only large read and nothing is written back but the ids.
+- ``pallas tv N``: kernels/greedy_head (``--sampling-backend pallas``, what a TPU serves: tv 1,280 up to 128
+  rows, 2,560 from 129 to 256 where that block is at most 10 MiB, ``block_vocab``) streaming the ``[V, H]``
+  weight in blocks of N vocabulary rows (double-buffered: this JAX's TPU pipeline takes no deeper buffering)
+  through the MXU, keeping each row's running maximum and its id on chip: the weight is the only large read and
+  nothing is written back but the ids.
 
 Hidden states are random normal, weights random normal scaled by ``H^-0.5``. Cost per call: the weight read once
 plus the hidden rows (and the ``[N, V]`` float32 logits written, for the logits-only lines); flops ``2 N H V``;

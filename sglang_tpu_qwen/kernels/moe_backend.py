@@ -48,10 +48,31 @@ NAMES = ("pallas", "reference")
 FFN_KERNEL_MIN_ROWS_PER_EXPERT = 128
 # grouped_ffn's row tile at those steps (128 rows: 1,910 us at 2,048 tokens).
 FFN_KERNEL_TILE_ROWS = 256
+# Steps of SMALL_MIN to SMALL_MAX rows an expert (a speculative verify of 64 requests x 4 tokens, a decode step of
+# 256 requests: 2,048 rows over 128 experts, 16 an expert) run grouped_ffn with a row tile of SMALL_TILE. On the
+# v5e (35B-A3B's experts, 2026-12-07, bench.grouped_matmul) at 16 rows an expert: tile 32 1,207 us, tile 16 1,391,
+# ragged_dot 1,247; at 4 (64 decode tokens) tile 32 1,136 against ragged_dot's 1,131, so fewer rows keep
+# ragged_dot, as do 32 to 128 an expert (not measured).
+FFN_KERNEL_SMALL_MIN_ROWS_PER_EXPERT = 16
+FFN_KERNEL_SMALL_MAX_ROWS_PER_EXPERT = 32
+FFN_KERNEL_SMALL_TILE_ROWS = 32
 # Its VMEM blocks must leave a single-device Ironwood's 64 MiB a margin (a mesh's expert-parallel MoE,
 # parallel/expert_parallel.py, does not come here): the 397B's experts (24 MiB of weights an expert,
 # double-buffered) do not fit and keep the two products.
 FFN_KERNEL_MAX_VMEM = 24 << 20
+
+
+def ffn_tile_rows(rows: int, experts: int, min_rows_per_expert: int = FFN_KERNEL_MIN_ROWS_PER_EXPERT) -> int | None:
+    """grouped_ffn's row tile for ``rows`` routed rows over ``experts`` by their mean rows an expert:
+    :data:`FFN_KERNEL_TILE_ROWS` from ``min_rows_per_expert``, :data:`FFN_KERNEL_SMALL_TILE_ROWS` from
+    :data:`FFN_KERNEL_SMALL_MIN_ROWS_PER_EXPERT` to :data:`FFN_KERNEL_SMALL_MAX_ROWS_PER_EXPERT`, else None (the
+    two ``ragged_dot`` products)."""
+    mean = rows / max(experts, 1)
+    if mean >= min_rows_per_expert:
+        return FFN_KERNEL_TILE_ROWS
+    if FFN_KERNEL_SMALL_MIN_ROWS_PER_EXPERT <= mean <= FFN_KERNEL_SMALL_MAX_ROWS_PER_EXPERT:
+        return FFN_KERNEL_SMALL_TILE_ROWS
+    return None
 
 
 @dataclass(frozen=True)
@@ -126,7 +147,9 @@ class MoeBackend:
         Under ``pallas``, steps of at least ``ffn_kernel_min_rows_per_expert`` rows an expert of dense stacks in
         x's dtype (H a multiple of 128, the blocks within :data:`FFN_KERNEL_MAX_VMEM`) run kernels/grouped_ffn:
         one touched expert a grid step, its weights streamed under the previous expert's products, no ``[M, I]``
-        activation in HBM. Smaller steps (decode, verify, short chunks) and other weights run the two products.
+        activation in HBM; so do steps of 16 to 32 rows an expert, with a 32-row tile (:func:`ffn_tile_rows`: a
+        64-request verify, a 256-request decode step). Other steps (smaller decode steps, short chunks) and
+        other weights run the two products.
         The two agree within float32 rounding at float32 (a row's sums in another order; the kernel at
         ``HIGHEST``) and within bf16 rounding at bf16 (the kernel rounds SiLU's product once, the two products
         round the sigmoid too), so a row's MoE output depends on its step's size at the last bits, as the GDN's
@@ -142,12 +165,11 @@ class MoeBackend:
         """
         weights = (w_gate, w_up, w_down)
         m, h = x.shape
-        if (self.uses_pallas and m >= self.ffn_kernel_min_rows_per_expert * group_sizes.shape[0] and h % 128 == 0
+        tm = ffn_tile_rows(m, group_sizes.shape[0], self.ffn_kernel_min_rows_per_expert)
+        if (self.uses_pallas and tm and h % 128 == 0
                 and all(not isinstance(w, Fp8Weight) and w.dtype == x.dtype for w in weights)
-                and grouped_ffn_kernel.vmem_bytes(h, w_gate.shape[2], x.dtype, FFN_KERNEL_TILE_ROWS)
-                <= FFN_KERNEL_MAX_VMEM):
-            return grouped_ffn_kernel.grouped_ffn(x, *weights, group_sizes, tm=FFN_KERNEL_TILE_ROWS,
-                                                  interpret=self.interpret)
+                and grouped_ffn_kernel.vmem_bytes(h, w_gate.shape[2], x.dtype, tm) <= FFN_KERNEL_MAX_VMEM):
+            return grouped_ffn_kernel.grouped_ffn(x, *weights, group_sizes, tm=tm, interpret=self.interpret)
         act = self.grouped_swiglu(x, w_gate, w_up, group_sizes, expected_rows=expected_rows)
         return self.grouped(act, w_down, group_sizes, expected_rows=expected_rows)
 

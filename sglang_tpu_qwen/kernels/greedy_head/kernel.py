@@ -2,8 +2,8 @@
 
 Every greedy decode step, MTP draft and speculative verify step reads the whole ``[V, H]`` lm_head once (1.02 GB
 on the 35B-A3B); XLA's fused product and argmax read it at 84-89% of the v5e's HBM peak at 1-64 rows and 76% at
-256, where this kernel reads it at 90% at 1-64 rows and 84% at 256 (bench/lm_head.py, 2026-12-07: 1,377 against
-1,488 us at 64 rows, 1,478 against 1,646 at 256). Each grid step multiplies the rows by a ``[tv, H]`` block of the
+256, where this kernel reads it at 90% at 1-64 rows and 86% at 256 (bench/lm_head.py, 2026-12-07: 1,377 against
+1,488 us at 64 rows, 1,449 against 1,646 at 256). Each grid step multiplies the rows by a ``[tv, H]`` block of the
 weight on the MXU (float32 accumulation) and folds the block's maximum and its lowest column into a running
 maximum and id per row kept in the resident output blocks: ``jnp.argmax``'s answer (the first maximum; the first
 NaN when a row has one), up to the float32 summation order of the products.
@@ -29,13 +29,23 @@ BLOCK_VOCAB = 1280
 # near 1.25 MiB of VMEM.
 BLOCK_ROWS = 256
 MIN_BLOCK_VOCAB = 256
+# Over BLOCK_ROWS / 2 rows (a 64-request verify step's 256 positions) a block of twice BLOCK_VOCAB ran faster on the
+# v5e: 1,449 against 1,478 us at 256 rows (bench/lm_head.py, 2026-12-07), where 1 to 64 rows ran alike. Taken
+# where that weight block stays within WIDE_BLOCK_BYTES (the 35B's 10 MiB; the 397B's 20 MiB block is not).
+WIDE_BLOCK_BYTES = 10 << 20
 
 
-def block_vocab(rows: int, vocab: int) -> int:
-    """Vocabulary rows a grid step for ``rows`` padded hidden rows: :data:`BLOCK_VOCAB`, shrunk past
-    :data:`BLOCK_ROWS` rows to a multiple of 128 no smaller than :data:`MIN_BLOCK_VOCAB`; the whole vocabulary
-    when it is smaller (a block may then take any size)."""
-    tv = BLOCK_VOCAB if rows <= BLOCK_ROWS else max(MIN_BLOCK_VOCAB, BLOCK_VOCAB * BLOCK_ROWS // rows // LANES * LANES)
+def block_vocab(rows: int, vocab: int, row_bytes: int) -> int:
+    """Vocabulary rows a grid step for ``rows`` padded hidden rows and a weight of ``row_bytes`` bytes a
+    vocabulary row: :data:`BLOCK_VOCAB`, doubled over ``BLOCK_ROWS / 2`` rows where the block stays within
+    :data:`WIDE_BLOCK_BYTES`, shrunk past :data:`BLOCK_ROWS` rows to a multiple of 128 no smaller than
+    :data:`MIN_BLOCK_VOCAB`; the whole vocabulary when it is smaller (a block may then take any size)."""
+    if rows > BLOCK_ROWS:
+        tv = max(MIN_BLOCK_VOCAB, BLOCK_VOCAB * BLOCK_ROWS // rows // LANES * LANES)
+    elif rows > BLOCK_ROWS // 2 and 2 * BLOCK_VOCAB * row_bytes <= WIDE_BLOCK_BYTES:
+        tv = 2 * BLOCK_VOCAB
+    else:
+        tv = BLOCK_VOCAB
     return vocab if vocab <= tv else tv
 
 
@@ -90,7 +100,7 @@ def greedy_lm_head(hidden: jax.Array, weight: jax.Array, *, tv: int | None = Non
     if weight.shape[1] != h or weight.dtype != hidden.dtype:
         raise ValueError(f"hidden {hidden.shape} {hidden.dtype} and weight {weight.shape} {weight.dtype} differ")
     rows = -(-n // ROW_TILE) * ROW_TILE
-    tv = tv or block_vocab(rows, vocab)
+    tv = tv or block_vocab(rows, vocab, h * weight.dtype.itemsize)
     if tv != vocab and tv % LANES:
         raise ValueError(f"tv {tv} must be the vocabulary size {vocab} or a multiple of {LANES}")
     x = jnp.pad(hidden, ((0, rows - n), (0, 0)))

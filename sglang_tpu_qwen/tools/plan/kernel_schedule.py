@@ -43,8 +43,9 @@ def read_schedules(dump_dir: Path) -> dict[str, dict]:
     return out
 
 
-def compile_gdn(rows: int, tokens: int, topology: str, layout: tuple[int, ...]) -> None:
-    """Compile the serving ``fused_gdn`` for ``rows x tokens`` (bf16 inputs, float32 state) deviceless."""
+def compile_gdn(rows: int, tokens: int, topology: str, layout: tuple[int, ...], commit: bool = True) -> None:
+    """Compile the serving ``fused_gdn`` for ``rows x tokens`` (bf16 inputs, float32 state) deviceless;
+    ``commit=False``: a speculative verify step's call (the state read, not written)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -62,7 +63,8 @@ def compile_gdn(rows: int, tokens: int, topology: str, layout: tuple[int, ...]) 
 
     def fn(*args):
         *args, gate, weight = args
-        return fused_gdn(*args, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, gate=gate, norm_weight=weight)
+        return fused_gdn(*args, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, gate=gate, norm_weight=weight,
+                         commit=commit)
 
     conv_dim, slots = 2 * hk * dk + hv * dv, rows + 1
     with persistent_cache_off():
@@ -86,12 +88,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--tokens", type=int, default=64, help="Tokens a row (over 8: the chunked form).")
     p.add_argument("--topology", default="v5e:1x1")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="35b")
+    p.add_argument("--no-commit", action="store_true", help="A speculative verify step's call (commit=False).")
     ns = p.parse_args(argv)
     dump = Path(tempfile.mkdtemp(prefix="llo-"))
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
                                       + f" --xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
-    compile_gdn(ns.rows, ns.tokens, ns.topology, LAYOUTS[ns.layout])
+    compile_gdn(ns.rows, ns.tokens, ns.topology, LAYOUTS[ns.layout], commit=not ns.no_commit)
     schedules = {n: s for n, s in read_schedules(dump).items() if n.startswith("gdn_")}
     for name, s in sorted(schedules.items()):
         busy = ", ".join(f"{u} {ops / slots / s['bundles']:.0%}" for u, (ops, slots) in s["units"].items())
