@@ -186,7 +186,8 @@ def _kernel(
 ):
     # One step holds ``heads`` key heads and their ``heads * r`` value heads (decode_heads, chunk_heads).
     # Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the recurrent
-    # pool; without ``commit`` there is no state output and rec_ref is the last scratch buffer), scratch (acc:
+    # pool; without ``commit`` there is no state output and rec_ref is the chunked form's last scratch buffer, None
+    # in the recurrent form), scratch (acc:
     # the block's float32 output before the norm; the chunked form's per-chunk results).
     n_in = 14 if norm else 12
     xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, g_ref, beta_ref, cq_in, ck_in, cv_in, rec_in = refs[:12]
@@ -194,6 +195,8 @@ def _kernel(
     o_out, cq, ck, cv = refs[n_in : n_in + 4]
     if commit:
         rec_ref, scratch = refs[n_in + 4], refs[n_in + 5 :]
+    elif recurrent:  # a verify step's recurrent form keeps its states in registers (_verify_heads)
+        rec_ref, scratch = None, refs[n_in + 4 :]
     else:
         rec_ref, scratch = refs[-1], refs[n_in + 4 : -1]
     sq, sk, sv, qn, kn, vn, o_ref = scratch[:7]
@@ -261,7 +264,7 @@ def _kernel(
             o_ref[i : i + 1, :] = jnp.zeros((1, heads * r * dv), jnp.float32)
 
         if not commit:
-            _verify_heads(parts_t, rec_in, vn, g_ref, beta_ref, o_ref, fresh, n, heads, r, dk, dv, rec_ref.dtype)
+            _verify_heads(parts_t, rec_in, vn, g_ref, beta_ref, o_ref, fresh, n, heads, r, dk, dv, rec_in.dtype)
             o_out[...] = o_ref[...]
             return
         all_heads(0)  # always: it moves the state from rec_in into rec_ref (a padded token changes nothing)
@@ -565,8 +568,8 @@ def fused_gdn(
         recurrent_max_t: ``T <= recurrent_max_t`` runs the recurrent form (token by token, each token a decode
             step's arithmetic; one grid step per row and key-head group), a longer T the chunked form.
         commit: False: the pools are read, not written (a speculative verify step): the kernel has no state
-            output (the recurrent state lives in a VMEM scratch), the conv windows are not scattered back, and
-            both pools come back as they came in.
+            output (the state lives in a VMEM scratch, or in registers in the recurrent form), the conv windows
+            are not scattered back, and both pools come back as they came in.
         interpret: run in Pallas TPU interpret mode (``pltpu.InterpretParams()``), for CPU.
 
     Returns:
@@ -652,10 +655,10 @@ def fused_gdn(
     win_out_specs = [pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, dk), lambda b, h, t, *_: (b, 0, h)),
                      pl.BlockSpec((None, km1, r * dv), lambda b, h, t, *_: (b, 0, h))]
-    # Without commit the state is read through its input block only; the kernel carries it in a scratch buffer
-    # of the pool's dtype (the same roundings as the in-place output block).
+    # Without commit the state is read through its input block only; the chunked form carries it in a scratch
+    # buffer of the pool's dtype (the same roundings as the in-place output block), the recurrent form in registers.
     state_out = ([state_spec], [jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)]) if commit else ([], [])
-    state_scratch = [] if commit else [pltpu.VMEM((r, head_k_dim, dv), rec_pool.dtype)]
+    state_scratch = [] if commit or recurrent else [pltpu.VMEM((r, head_k_dim, dv), rec_pool.dtype)]
     # The chunked form's state-independent results per (chunk, value head): U, W, Q and K decayed, the intra-chunk
     # scores and the chunk's decay (one (8, 128) tile); ~160 KiB per pair at dims 128.
     nc, c = bt // chunk_size, chunk_size

@@ -161,12 +161,13 @@ CHIPS = {
                               "kernel that only copies 64 rows' float32 GDN states in place, 1 MiB blocks, runs at "
                               "74-77% of 819 GB/s; dev sweeps of 0.25-16 MiB blocks and 2-8 copies in flight gave "
                               "the same, reads alone 76-81%, writes alone 62-72%",
-        gdn_recurrent_flops_per_s=1.80e12,
-        gdn_recurrent_source="measured on the chip, 2026-12-07 (bench/kernels.py --sections gdn-verify, 35B layout): "
-                             "a verify's 4 tokens over 64 rows' float32 state (805 MFLOP declared) in 446.7 us with "
-                             "the k and q lane broadcasts on the MXU (557 us on the XLU, 611 us with 1 MiB grid "
-                             "steps), its state read at 301 GB/s: the VPU work bounds it. The deviceless v5e "
-                             "schedule of its 2 MiB grid step: 7,706 bundles (9,037 before the MXU broadcasts)",
+        gdn_recurrent_flops_per_s=1.89e12,
+        gdn_recurrent_source="measured on the chip, 2026-12-08 (bench/kernels.py --sections gdn-verify, 35B layout): "
+                             "a verify's 4 tokens over 64 rows' float32 state (805 MFLOP declared) in 426.2 us with "
+                             "each head's state in registers between tokens (446.7 us stored to VMEM every token, "
+                             "557 us with the k and q lane broadcasts on the XLU), its state read at 315 GB/s: the "
+                             "VPU work bounds it. The deviceless v5e schedule of its 2 MiB grid step: 7,084 bundles "
+                             "(7,706 with the per-token stores, 9,037 before the MXU broadcasts)",
         gdn_chunked_flops_per_s=9.3e12,
         gdn_chunked_source="measured on the chip, 2026-12-07 (bench/kernels.py --sections gdn-prefill, 35B layout, "
                            "bf16, 16 chunk chains a grid step): a 2,048-token step's chunked form (6.44 GFLOP "
