@@ -396,10 +396,10 @@ def test_conv_window_dma_equals_xla(layout: tuple[int, ...], dtype: Any) -> None
     assert any(np.array_equal(trash, w) for w in windows[slots == 0].astype(dtype))
 
 
-# ---- the expert-by-expert SwiGLU FFN (kernels/grouped_ffn, served at prefill) ------------------------------
+# ---- the expert-by-expert SwiGLU FFN (kernels/grouped_ffn: prefill, and verify-sized steps' 32-row tiles) ----
 
 
-@pytest.mark.parametrize("tm", [8, 128, 256])
+@pytest.mark.parametrize("tm", [8, 32, 128, 256])
 def test_grouped_ffn_matches_reference(tm: int) -> None:
     """kernels/grouped_ffn compiled by Mosaic against its ragged_dot reference on the CPU (float32, highest), at
     the 35B-A3B's expert width on 16 experts (off the chip: 256 wide, interpreted), with tiles of one float32
