@@ -8,8 +8,8 @@ random routing (top_k distinct experts per token, uniform), so many experts are 
 Implementations (each case prints every one, or why it did not run):
 
 - ``ragged_dot/model``: ``jax.lax.ragged_dot`` in the model's two-product form (``quant/fp8.grouped_swiglu``'s
-  dense path: gate and up as two products of separate ``[E, H, I]`` stacks, then down), what serves steps
-  below ``moe_backend.FFN_KERNEL_MIN_ROWS_PER_EXPERT`` routed rows an expert. The reference.
+  dense path: gate and up as two products of separate ``[E, H, I]`` stacks, then down), what serves the steps
+  ``moe_backend.ffn_tile_rows`` leaves to it (under 16 and from 33 to 127 routed rows an expert). The reference.
 - ``ragged_dot``: ``jax.lax.ragged_dot`` on one ``[E, H, 2I]`` gate/up stack, then down.
 - ``megablox (tm,tk,tn)``: JAX's Pallas grouped matmul (``jax.experimental.pallas.ops.tpu.megablox.gmm``) on
   the same stacks, its ``tiling`` swept (the first entry is its default (128, 128, 128)); one tiling is used
@@ -17,7 +17,7 @@ Implementations (each case prints every one, or why it did not run):
 - ``grouped_ffn tm N``: the project's expert-by-expert kernel (kernels/grouped_ffn: one grid step an expert,
   its three weight blocks pipelined, the rows in tiles of N through gate/up, SwiGLU and down on chip; decode
   cases also with tiles of 16 and 32 rows), on the split stacks; what serves dense experts at steps of at least
-  ``FFN_KERNEL_MIN_ROWS_PER_EXPERT`` rows an expert (tm 256).
+  ``FFN_KERNEL_MIN_ROWS_PER_EXPERT`` rows an expert (tm 256) and of 16 to 32 (tm 32).
 - ``fp8 kernel``: the project's block-FP8 grouped kernels (kernels/fp8_matmul: gate and up with SwiGLU in one
   pass, then down), on the split stacks quantised per 128 x 128 block; 35B-shaped decode cases only, its
   bytes counted at one byte a weight plus the scales, its output checked with ``FP8_TOLERANCE``.

@@ -12,11 +12,11 @@ or a block-FP8 :class:`~sglang_tpu_qwen.quant.fp8.Fp8Weight` (quant/fp8.py):
   kernels/fp8_matmul/reference.py), with the same float32 epilogue.
 
 Dense (bf16 / float32) weights go to ``ragged_dot`` under either, but for the routed experts' FFN at prefill
-steps under ``pallas`` (:meth:`MoeBackend.ffn`: kernels/grouped_ffn). A block-FP8 linear layer (the attention, GDN,
-dense MLP, shared expert and MTP projections) is one group of the same kernel, so :meth:`MoeBackend.linear`
-follows the same backend. The layout the backend owns is the row layout of the token rows its kernels gather
-from and add into (:meth:`MoeBackend.kernel_rows`). On a non-TPU platform ``pallas`` runs the kernels in Pallas
-TPU interpret mode (``interpret``; tests on CPU).
+steps and verify-sized steps under ``pallas`` (:meth:`MoeBackend.ffn`, :func:`ffn_tile_rows`: kernels/grouped_ffn).
+A block-FP8 linear layer (the attention, GDN, dense MLP, shared expert and MTP projections) is one group of the
+same kernel, so :meth:`MoeBackend.linear` follows the same backend. The layout the backend owns is the row layout
+of the token rows its kernels gather from and add into (:meth:`MoeBackend.kernel_rows`). On a non-TPU platform
+``pallas`` runs the kernels in Pallas TPU interpret mode (``interpret``; tests on CPU).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ NAMES = ("pallas", "reference")
 # experts through kernels/grouped_ffn. On the v5e (35B-A3B's experts over 128, 2026-12-07, bench.grouped_matmul)
 # it took 1,654 / 3,230 / 11,004 us at 128 / 256 / 2,048 rows an expert against ragged_dot's 2,035 / 3,271 /
 # 12,998 us, but 1,332 against 1,135 us at 4 (64 decode tokens): one grid step an expert costs more than
-# ragged_dot when each expert has a few rows. Fewer than 128 an expert is not measured.
+# ragged_dot when each expert has a few rows (16 to 32 an expert: the small tile below).
 FFN_KERNEL_MIN_ROWS_PER_EXPERT = 128
 # grouped_ffn's row tile at those steps (128 rows: 1,910 us at 2,048 tokens).
 FFN_KERNEL_TILE_ROWS = 256
@@ -83,7 +83,8 @@ class MoeBackend:
         name: one of :data:`NAMES`.
         interpret: run the Pallas kernels in Pallas TPU interpret mode (a non-TPU platform).
         ffn_kernel_min_rows_per_expert: the fewest routed rows an expert on average (the step's rows over the
-            stack's experts) that send a step through kernels/grouped_ffn (:meth:`ffn`).
+            stack's experts) that send a step through kernels/grouped_ffn with the large tile (:meth:`ffn`;
+            16 to 32 an expert take the small tile regardless, :func:`ffn_tile_rows`).
 
     Raises:
         ValueError: an unknown ``name``.
@@ -153,7 +154,9 @@ class MoeBackend:
         The two agree within float32 rounding at float32 (a row's sums in another order; the kernel at
         ``HIGHEST``) and within bf16 rounding at bf16 (the kernel rounds SiLU's product once, the two products
         round the sigmoid too), so a row's MoE output depends on its step's size at the last bits, as the GDN's
-        chunked and recurrent forms do.
+        chunked and recurrent forms do: a speculative verify step (k + 1 tokens a request) may cross the small
+        tile's bound where a decode step of the same requests does not, so at bf16 their greedy tokens can
+        differ at a near-tie (docs/performance.md, "MoE grouped matmul on TPU v5e").
 
         Args:
             x: ``[M, H]`` rows sorted by group; w_gate, w_up: ``[G, H, I]``; w_down: ``[G, I, H]``, dense or FP8;

@@ -2,8 +2,8 @@
 
 Math follows HF ``Qwen3_5MoeSparseMoeBlock``. Routed experts run as a grouped matmul: the (token, slot)
 pairs are sorted by expert id and fed to the MoE backend's FFN (kernels/moe_backend.py ``MoeBackend.ffn``:
-``jax.lax.ragged_dot``, kernels/grouped_ffn at prefill steps, or the Pallas block-FP8 kernel) with per-expert
-group sizes; programs for XLA:CPU compute dense experts densely instead (:func:`all_experts`).
+``jax.lax.ragged_dot``, kernels/grouped_ffn at prefill and verify-sized steps, or the Pallas block-FP8 kernel)
+with per-expert group sizes; programs for XLA:CPU compute dense experts densely instead (:func:`all_experts`).
 """
 
 from __future__ import annotations

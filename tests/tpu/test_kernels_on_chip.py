@@ -345,11 +345,11 @@ def test_fused_gdn_short_step_is_decode_steps(layout: tuple[int, ...]) -> None:
     np.testing.assert_array_equal(np.asarray(rec_v), rec0)
     o_4, *pools_4 = fused_gdn(mixed, conv_w, g, beta, put(conv0), put(rec0), LAYER, slots, lens, fresh, gate=gate,
                               **kw)
-    np.testing.assert_array_equal(np.asarray(o_v), np.asarray(o_4))
-    pools_1 = [put(conv0), put(rec0)]
-    one = put(np.ones(b, np.int32))
     check = np.testing.assert_array_equal if not interpret() else functools.partial(
         np.testing.assert_allclose, rtol=0, atol=ATOL)
+    check(np.asarray(o_v), np.asarray(o_4))
+    pools_1 = [put(conv0), put(rec0)]
+    one = put(np.ones(b, np.int32))
     for i in range(t):
         o_1, *pools_1 = fused_gdn(mixed[:, i : i + 1], conv_w, g[:, i : i + 1], beta[:, i : i + 1], *pools_1, LAYER,
                                   slots, one, fresh, gate=gate[:, i : i + 1], **kw)
@@ -365,6 +365,38 @@ def test_fused_gdn_short_step_is_decode_steps(layout: tuple[int, ...]) -> None:
         want_conv[:, dst * (k - 1) : (dst + 1) * (k - 1)] = want_conv[:, src * (k - 1) : (src + 1) * (k - 1)]
     np.testing.assert_array_equal(np.asarray(rec_s), want_rec)
     np.testing.assert_array_equal(np.asarray(conv_s), want_conv)
+
+
+@pytest.mark.parametrize("state_dtype", [np.float32, jax.numpy.bfloat16], ids=["f32-state", "bf16-state"])
+def test_fused_gdn_verify_is_the_committing_call(state_dtype: Any) -> None:
+    """A verify call (``commit=False``: each value head's tokens with its state in registers) gives the committing
+    call's outputs bit for bit on the chip, for rows of 4, 2, 1 and 0 (padding, trash slot) tokens, one fresh,
+    with the pool's state in float32 or bfloat16 (rounded between tokens either way); within ATOL off the chip,
+    where XLA:CPU fuses the two interpreted programs differently. 35B layout."""
+    hk, hv, dk, dv, k = 16, 32, 128, 128, 4
+    rng = np.random.default_rng(4343)
+    chip, _ = _devices()
+    conv_dim = 2 * hk * dk + hv * dv
+    b, t = 4, 4
+    put = functools.partial(jax.device_put, device=chip)
+    lens_np = np.asarray([4, 2, 1, 0], np.int32)
+    live = (np.arange(t)[None, :] < lens_np[:, None])[..., None]
+    conv_w = put((rng.standard_normal((conv_dim, k)) * 0.5).astype(np.float32))
+    conv0 = rng.standard_normal(conv_pool.pool_shape(LAYERS, SLOTS, conv_dim, k - 1)).astype(np.float32)
+    rec0 = (rng.standard_normal((LAYERS, SLOTS, hv, dk, dv)) * 0.1).astype(state_dtype)
+    mixed = put(np.where(live, rng.standard_normal((b, t, conv_dim)), 0).astype(np.float32))
+    g = put(np.where(live, -rng.uniform(0.0, 0.5, (b, t, hv)), 0).astype(np.float32))
+    beta = put(np.where(live, rng.uniform(0.0, 1.0, (b, t, hv)), 0).astype(np.float32))
+    slots, fresh = put(np.asarray([5, 2, 7, 0], np.int32)), put(np.asarray([False, True, False, False]))
+    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, interpret=interpret())
+    args = (mixed, conv_w, g, beta)
+    o_v, _, rec_v = fused_gdn(*args, put(conv0), put(rec0), LAYER, slots, put(lens_np), fresh, commit=False, **kw)
+    o_c, *_ = fused_gdn(*args, put(conv0), put(rec0), LAYER, slots, put(lens_np), fresh, **kw)
+    np.testing.assert_array_equal(np.asarray(rec_v), rec0)
+    if interpret():
+        np.testing.assert_allclose(np.asarray(o_v), np.asarray(o_c), rtol=0, atol=ATOL)
+    else:
+        np.testing.assert_array_equal(np.asarray(o_v), np.asarray(o_c))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16], ids=["f32", "bf16"])
@@ -403,7 +435,7 @@ def test_conv_window_dma_equals_xla(layout: tuple[int, ...], dtype: Any) -> None
 def test_grouped_ffn_matches_reference(tm: int) -> None:
     """kernels/grouped_ffn compiled by Mosaic against its ragged_dot reference on the CPU (float32, highest), at
     the 35B-A3B's expert width on 16 experts (off the chip: 256 wide, interpreted), with tiles of one float32
-    sublane tile (8 rows, the decode candidate's form) and the prefill's: untouched experts, experts
+    sublane tile (8 rows), the verify-sized steps' 32 and the prefill's: untouched experts, experts
     whose first row is off a sublane tile (their kept rows come from the last tile in VMEM), one over several
     tiles, and the array's last tile clamped back over two experts (its kept rows read back from HBM). Every row
     is covered. SiLU's sigmoid takes the fused-norm test's 4x tolerance (the TPU's approximation)."""

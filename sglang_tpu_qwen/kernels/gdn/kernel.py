@@ -37,12 +37,13 @@ products per chunk side by side. Key heads are grouped per grid step up to ``CHU
 Decode and short steps (``T <= RECURRENT_MAX_T`` = 8: a decode step, a speculative verify step's k + 1 tokens
 and its commit) run the recurrence directly, token by token on the VPU (``_decode_head``: multiplies and
 sublane sums in float32, no MXU pass). Each token's arithmetic is a decode step's, and the state is carried
-between tokens in the state block in the pool's dtype, so T tokens in one call compute what T decode calls
-compute (a bf16 state rounded after each token as each decode step rounds it on store): a verify step's
-outputs are a plain decode's, token for token. The chunked form would pad such a step to a 64-token chunk
-and solve 64 x 64 systems for it. A short step is bound by its on-chip work, not bandwidth (4 tokens: ~4x a
-decode step's arithmetic for one read of the state), so its schedule is laid out for overlap: tokens outer and
-every key head of the step inner (one branch per token; the heads' chains interleave). The lane-replicated k
+between tokens in the pool's dtype (the state block with commit, registers without), so T tokens in one call
+compute what T decode calls compute (a bf16 state rounded after each token as each decode step rounds it on
+store): a verify step's outputs are a plain decode's, token for token. The chunked form would pad such a step
+to a 64-token chunk and solve 64 x 64 systems for it. A short step is bound by its on-chip work, not bandwidth
+(4 tokens: ~4x a decode step's arithmetic for one read of the state); with commit its schedule is laid out for
+overlap: tokens outer and every key head of the step inner (one branch per token, so that a commit skips its
+rejected tokens; the heads' chains interleave). The lane-replicated k
 and q of every token come from the MXU, which the recurrence leaves idle (``_lane_replicated``: a bfloat16
 product of the step's k|q rows split into three bfloat16 parts cut toward zero with a 0/1 selector, the
 float32 values bit for bit, -0.0 as +0.0); they were lane broadcasts on the XLU, 32 a token and key head, one
@@ -186,9 +187,9 @@ def _kernel(
 ):
     # One step holds ``heads`` key heads and their ``heads * r`` value heads (decode_heads, chunk_heads).
     # Inputs (+ gate and norm weight when the output norm is fused), outputs (rec_ref aliased to the recurrent
-    # pool; without ``commit`` there is no state output and rec_ref is the chunked form's last scratch buffer, None
-    # in the recurrent form), scratch (acc:
-    # the block's float32 output before the norm; the chunked form's per-chunk results).
+    # pool; without ``commit`` there is no state output and rec_ref is the chunked form's last scratch buffer,
+    # None in the recurrent form), scratch (acc: the block's float32 output before the norm; the chunked form's
+    # per-chunk results).
     n_in = 14 if norm else 12
     xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, g_ref, beta_ref, cq_in, ck_in, cv_in, rec_in = refs[:12]
     gate_ref, nw_ref = refs[12:n_in] if norm else (None, None)
@@ -237,12 +238,13 @@ def _kernel(
 
     if recurrent:
         # Decode and short steps (a speculative verify's k + 1 tokens): token by token, each exactly a decode
-        # step's arithmetic (_decode_head), the state carried in rec_ref in the pool's dtype between tokens (so
-        # a bf16 state is rounded after each token, as T decode steps round it on store).
+        # step's arithmetic (_decode_head), the state carried between tokens in the pool's dtype (so a bf16 state
+        # is rounded after each token, as T decode steps round it on store): in rec_ref with commit, in registers
+        # without (_verify_heads).
         # k and q lane-replicated ([dk, dv], row i all k_i) for _decode_head, made by the otherwise idle MXU
         # (_lane_replicated): the XLU's lane broadcasts bound the step before.
         # q of tokens past the row's length zeroed like their k: a non-finite value would spread to its channel's
-        # other columns through the product's zeros (such tokens are skipped, their outputs zeros).
+        # other columns through the product's zeros (such tokens' outputs are zeros).
         parts_t = _split_columns(jnp.concatenate([kn[...], jnp.where(valid, qn[...], 0.0)], axis=0))
 
         def token(i: int, j: int) -> None:
@@ -264,7 +266,11 @@ def _kernel(
             o_ref[i : i + 1, :] = jnp.zeros((1, heads * r * dv), jnp.float32)
 
         if not commit:
-            _verify_heads(parts_t, rec_in, vn, g_ref, beta_ref, o_ref, fresh, n, heads, r, dk, dv, rec_in.dtype)
+            verify = functools.partial(_verify_heads, parts_t, rec_in, vn, g_ref, beta_ref, o_ref, fresh, n, heads,
+                                       r, dk, dv, rec_in.dtype)
+            pl.when(n > 0)(functools.partial(verify, block_t))
+            # A padding row computes its token 0 only, as the committing form does (a bucket's padding rows).
+            pl.when(n == 0)(functools.partial(verify, 1))
             o_out[...] = o_ref[...]
             return
         all_heads(0)  # always: it moves the state from rec_in into rec_ref (a padded token changes nothing)
@@ -359,22 +365,30 @@ def _decode_head(s0: jax.Array, k: jax.Array, q: jax.Array, v: jax.Array, g: jax
     return s, jnp.sum(s * q, axis=0, keepdims=True)
 
 
-def _verify_heads(parts_t, rec_in, vn, g_ref, beta_ref, o_ref, fresh, n, heads: int, r: int, dk: int, dv: int,
-                  state_dtype) -> None:
-    """A speculative verify step's recurrent form (no state written): each value head's T tokens in turn, its
-    state carried in registers between them, where the committing form stores it to VMEM and loads it back
-    each token (whose stores bounded the grid step). Each token is :func:`_decode_head` on the state rounded to
-    ``state_dtype`` as a decode step's store rounds it, so the outputs are the committing form's bit for bit:
-    token 0 always, a token past the row's ``n`` valid ones zeros (what it computes from its zero k, g and beta
-    reaches no valid output: those come before it)."""
+def _verify_heads(parts_t: jax.Array, rec_in, vn, g_ref, beta_ref, o_ref, fresh: jax.Array, n: jax.Array,
+                  heads: int, r: int, dk: int, dv: int, state_dtype: jnp.dtype, tokens: int) -> None:
+    """A speculative verify step's recurrent form (no state written) over a grid step's ``heads`` key heads:
+    each value head's first ``tokens`` tokens in turn, its state carried in registers between them, where the
+    committing form stores it to VMEM and loads it back each token (the VPU's stores were 76% busy). Each token
+    is :func:`_decode_head` on the state rounded to ``state_dtype`` as a decode step's store rounds it, so the
+    outputs are the committing form's bit for bit: token 0 always, a token at or past the row's ``n`` valid ones
+    zeros (what it computes from its zero k, g and beta reaches no valid output: those come before it), and so
+    is every token past ``tokens``.
+
+    Refs and values: ``parts_t [heads * dk, 6T]`` bfloat16 (:func:`_split_columns` of the step's k and q rows);
+    ``rec_in [heads * r, dk, dv]`` the states in the pool's dtype ``state_dtype``; ``vn`` and ``o_ref
+    [T, heads * r * dv]`` float32 (the convolved v; the outputs); ``g_ref``, ``beta_ref [T, heads * r]`` float32;
+    ``fresh`` a bool scalar (the states read as zeros), ``n`` an int32 scalar."""
     t = vn.shape[0]
+    if tokens < t:
+        o_ref[tokens:, :] = jnp.zeros((t - tokens, o_ref.shape[1]), jnp.float32)
     for j in range(heads):
         keys = slice(j * dk, (j + 1) * dk)
-        cols = [_lane_replicated(parts_t[keys, :], i, t + i, dv) for i in range(t)]
+        cols = [_lane_replicated(parts_t[keys, :], i, t + i, dv) for i in range(tokens)]
         for h in range(j * r, (j + 1) * r):
             lanes = slice(h * dv, (h + 1) * dv)
             s = jnp.where(fresh, 0.0, rec_in[h].astype(jnp.float32))
-            for i in range(t):
+            for i in range(tokens):
                 s, o = _decode_head(s, *cols[i], vn[i : i + 1, lanes], g_ref[i : i + 1, h : h + 1],
                                     beta_ref[i : i + 1, h : h + 1])
                 o_ref[i : i + 1, lanes] = o if i == 0 else jnp.where(i < n, o, 0.0)

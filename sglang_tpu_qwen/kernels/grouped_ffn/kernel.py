@@ -1,4 +1,4 @@
-"""The routed experts' SwiGLU FFN in one Pallas TPU kernel, one expert a grid step (what prefill steps run).
+"""The routed experts' SwiGLU FFN in one Pallas TPU kernel, one expert a grid step (prefill and verify-sized steps).
 
 Math: for the token rows sorted by expert (``group_sizes``), row r of expert e gives
 ``down_e(silu(x_r gate_e) * (x_r up_e))``, rounded about as the model rounds it (model/moe.py through
@@ -11,8 +11,9 @@ takes 2.04 ms for an FFN whose expert weights (805 MB) need 1.15 ms at the v5e's
 and the weight fetches do not hide behind the products. Here the grid walks the experts the rows touch, in
 order; each step's weight blocks (gate, up and down of one expert) are the BlockSpec pipeline's, so the next
 expert's ~6 MB stream in while this one's rows are multiplied, and the rows stay on chip between the three
-products (no ``[M, I]`` activation in HBM). On the chip it beats ``ragged_dot`` at prefill steps and loses at
-decode (``bench.grouped_matmul``), so kernels/moe_backend.py serves it at prefill steps.
+products (no ``[M, I]`` activation in HBM). On the chip it beats ``ragged_dot`` at prefill steps and at 16 rows an
+expert with 32-row tiles, and loses at smaller decode steps (``bench.grouped_matmul``), so kernels/moe_backend.py
+serves it at those steps (``ffn_tile_rows``).
 
 Rows: ``x`` and ``y`` stay in HBM; an expert's rows are read in tiles of ``tm``, double buffered (the next tile
 is fetched while this one is multiplied; the next expert's first tile while the pipeline waits for its weights),

@@ -87,7 +87,8 @@ class ChipPeaks:
     ragged_dot_mxu_points: tuple[tuple[float, float], ...] = ()
     ragged_dot_source: str = "not measured on this chip: the MXU peak"
 
-    # The same for kernels/grouped_ffn (prefill steps' dense experts: gate, up and down in one kernel) against
+    # The same for kernels/grouped_ffn (prefill and verify-sized steps' dense experts: gate, up and down in one
+    # kernel; measured with 256-row tiles, so points under 128 rows an expert read the first) against
     # its rows per expert; its declared flops (``6 M H I``) are charged at that share.
     grouped_ffn_mxu_points: tuple[tuple[float, float], ...] = ()
     grouped_ffn_source: str = "not measured on this chip: the MXU peak"

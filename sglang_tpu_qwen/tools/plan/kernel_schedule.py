@@ -1,6 +1,7 @@
 """The static schedule of the fused GDN kernel, compiled deviceless for a TPU: bundles and unit utilisation.
 
-``python -m sglang_tpu_qwen.tools.plan.kernel_schedule [--rows 32] [--tokens 64] [--topology v5e:1x1] [--layout 35b]``
+``python -m sglang_tpu_qwen.tools.plan.kernel_schedule [--rows 32] [--tokens 64] [--topology v5e:1x1] [--layout 35b]
+[--no-commit]``
 
 Compiles ``fused_gdn`` (the serving form: output norm fused in the chunked form) for one device of a deviceless
 topology with libtpu's LLO dump on, then reads the dump of each Pallas call: its final bundle count (the
