@@ -58,9 +58,10 @@ through its input block (no state output, no aliasing), and the conv windows are
 run value head by value head (:func:`_verify_heads`), each head's state carried in registers between tokens
 where the committing form stores it to VMEM and loads it back every token: the same arithmetic token for token,
 7,706 -> 7,084 bundles a 2 MiB grid step at 64 x 4 (deviceless v5e, ``tools/plan/kernel_schedule --no-commit``;
-the VPU's stores were 76% busy). The commit program then calls the kernel again over the same inputs with
-``new_lens`` the accepted counts (tokens past them are padding), and ``kernels/gdn/slot_copy.py`` copies the
-rows that take a decode snapshot slot to slot by DMA.
+the VPU's stores were 76% busy; 7,020 since a padding row takes a branch of its own that runs its token 0).
+The commit program then calls the kernel again over the same inputs with ``new_lens`` the accepted counts (tokens
+past them are padding), and ``kernels/gdn/slot_copy.py`` copies the rows that take a decode snapshot slot to
+slot by DMA.
 
 Layout and grid. One grid step is (sequence b, group of key heads, block of ``block_t`` tokens); the
 ``r = Hv / Hk`` value heads that share a key head are handled together, so q/k are convolved and
