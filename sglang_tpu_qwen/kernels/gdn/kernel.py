@@ -247,6 +247,14 @@ def _kernel(
         # q of tokens past the row's length zeroed like their k: a non-finite value would spread to its channel's
         # other columns through the product's zeros (such tokens' outputs are zeros).
         parts_t = _split_columns(jnp.concatenate([kn[...], jnp.where(valid, qn[...], 0.0)], axis=0))
+        if not commit:
+            verify = functools.partial(_verify_heads, parts_t, rec_in, vn, g_ref, beta_ref, o_ref, fresh, n, heads,
+                                       r, dk, dv, rec_in.dtype)
+            pl.when(n > 0)(functools.partial(verify, block_t))
+            # A padding row computes its token 0 only, as the committing form does (a bucket's padding rows).
+            pl.when(n == 0)(functools.partial(verify, 1))
+            o_out[...] = o_ref[...]
+            return
 
         def token(i: int, j: int) -> None:
             keys = slice(j * dk, (j + 1) * dk)
@@ -266,14 +274,6 @@ def _kernel(
         def skip(i: int) -> None:
             o_ref[i : i + 1, :] = jnp.zeros((1, heads * r * dv), jnp.float32)
 
-        if not commit:
-            verify = functools.partial(_verify_heads, parts_t, rec_in, vn, g_ref, beta_ref, o_ref, fresh, n, heads,
-                                       r, dk, dv, rec_in.dtype)
-            pl.when(n > 0)(functools.partial(verify, block_t))
-            # A padding row computes its token 0 only, as the committing form does (a bucket's padding rows).
-            pl.when(n == 0)(functools.partial(verify, 1))
-            o_out[...] = o_ref[...]
-            return
         all_heads(0)  # always: it moves the state from rec_in into rec_ref (a padded token changes nothing)
         for i in range(1, block_t):
             # Tokens past new_lens (a commit's rejected drafts, a short row) are skipped, not computed: their

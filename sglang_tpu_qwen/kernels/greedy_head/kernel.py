@@ -31,8 +31,8 @@ BLOCK_ROWS = 256
 MIN_BLOCK_VOCAB = 256
 # Over BLOCK_ROWS / 2 rows (a 64-request verify step's 256 positions) a block of twice BLOCK_VOCAB ran faster on the
 # v5e: 1,449 against 1,478 us at 256 rows (bench/lm_head.py, 2026-12-07; 129 to 255 not measured), where 1 to 64
-# rows ran alike. Taken
-# where that weight block stays within WIDE_BLOCK_BYTES (the 35B's 10 MiB; the 397B's 20 MiB block is not).
+# rows ran alike. Taken where that weight block stays within WIDE_BLOCK_BYTES (the 35B's 10 MiB; the 397B's 20 MiB
+# block is not).
 WIDE_BLOCK_BYTES = 10 << 20
 
 
